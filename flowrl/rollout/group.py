@@ -1,0 +1,126 @@
+"""Flat group rollouts (Flow-GRPO / DanceGRPO / MixGRPO, SPEC section 3)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..seeding import derive_seeds, seeded_randn
+from ..sde import DEFAULT_NOISE_LEVEL, get_step, ode_step
+from ..types import FlowPolicy, RewardFn, index_cond
+from .base import Rollout, Transitions, score_images
+from .common import EvalCounter, step_sigmas, velocity_batched
+
+
+@dataclass
+class GroupSampler:
+    """``group_size`` trajectories per prompt, every row of a step in one ``velocity`` call.
+
+    Args:
+        group_size: samples per prompt (>= 2: a group of one has no advantage signal).
+        num_steps: denoising steps T.
+        step: stochastic step type, one of ``flowrl.sde.STEPS`` (``"sde"``, ``"dance"``, ``"cps"``).
+        noise_level: the step's noise parameter (``a`` / ``eta``); None takes the step's default.
+        sde_window: if set, noise only in ``sde_window`` consecutive steps (Flow-GRPO-Fast /
+            MixGRPO), ODE elsewhere; only window transitions are stored.
+        window_start: first step of the window; with ``window_shift_every = k`` the window
+            slides one step every k iterations (MixGRPO), wrapping around.
+        timestep_fraction: fraction of the stochastic steps stored for training, from the
+            first (Flow-GRPO ``timestep_fraction``; 0.99 with T = 10 skips the last step).
+        max_batch: chunk velocity calls to at most this many rows (memory), None = all.
+    """
+
+    group_size: int = 4
+    num_steps: int = 10
+    step: str = "sde"
+    noise_level: Optional[float] = None
+    sde_window: Optional[int] = None
+    window_start: int = 0
+    window_shift_every: Optional[int] = None
+    timestep_fraction: float = 1.0
+    max_batch: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        get_step(self.step)
+        if self.step == "ode":
+            raise ValueError("GroupSampler needs a stochastic step ('sde', 'dance' or 'cps'); "
+                             "'ode' has no log-probabilities to train on")
+        if not isinstance(self.group_size, int) or self.group_size < 2:
+            raise ValueError(f"group_size must be an integer >= 2 (a group of one has no advantage signal), "
+                             f"got {self.group_size!r}")
+        if not isinstance(self.num_steps, int) or self.num_steps < 1:
+            raise ValueError(f"num_steps must be a positive integer, got {self.num_steps!r}")
+        if self.noise_level is None:
+            self.noise_level = DEFAULT_NOISE_LEVEL[self.step]
+        if self.noise_level < 0:
+            raise ValueError(f"noise_level must be >= 0, got {self.noise_level}")
+        if self.sde_window is not None and not 1 <= self.sde_window <= self.num_steps:
+            raise ValueError(f"sde_window must be in [1, num_steps={self.num_steps}], got {self.sde_window}")
+        if not 0 < self.timestep_fraction <= 1:
+            raise ValueError(f"timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1 or None, got {self.max_batch}")
+
+    def sde_steps(self, iteration: int = 0) -> list[int]:
+        """Steps that inject noise at this training iteration."""
+        if self.sde_window is None:
+            return list(range(self.num_steps))
+        span = self.num_steps - self.sde_window + 1
+        start = self.window_start
+        if self.window_shift_every:
+            start += iteration // self.window_shift_every
+        start %= span
+        return list(range(start, start + self.sde_window))
+
+    def trained_steps(self, iteration: int = 0) -> list[int]:
+        steps = self.sde_steps(iteration)
+        return steps[: max(1, int(len(steps) * self.timestep_fraction + 1e-9))]
+
+    @torch.no_grad()
+    def __call__(self, policy: FlowPolicy, prompts: list[str], reward: Optional[RewardFn] = None,
+                 seed: int = 0, *, iteration: int = 0, seeds: Optional[list[int]] = None) -> Rollout:
+        """Sample ``len(prompts) * group_size`` images; ``seeds`` overrides the derived ones."""
+        if not prompts:
+            raise ValueError("prompts is empty: pass at least one prompt")
+        t0 = time.perf_counter()
+        p, g = len(prompts), self.group_size
+        n = p * g
+        prompt_index = torch.arange(p).repeat_interleave(g)  # [N]
+        seeds = list(seeds) if seeds is not None else derive_seeds(seed, n)
+        if len(seeds) != n:
+            raise ValueError(f"got {len(seeds)} seeds for {n} samples")
+        cond = index_cond(policy.encode_prompts(prompts), prompt_index)
+        x = policy.initial_noise(seeds).float()  # [N, C, H, W]
+        sigmas = policy.sigmas(self.num_steps).float()  # [T + 1]
+        stoch, trained = set(self.sde_steps(iteration)), set(self.trained_steps(iteration))
+        step_fn = get_step(self.step)
+        counter = EvalCounter()
+        parts = []
+        for i in range(self.num_steps):
+            s, s_next = step_sigmas(sigmas, i, n)
+            v = velocity_batched(policy, x, s, cond, self.max_batch, counter)  # [N, C, H, W]
+            if i in stoch:
+                noise = seeded_randn(seeds, tuple(x.shape[1:]), stream=1 + i, device=x.device)
+                out = step_fn(v, x, s, s_next, noise_level=self.noise_level, noise=noise)
+            else:
+                out = ode_step(v, x, s, s_next)
+            if i in trained:
+                parts.append(Transitions(
+                    latents=x.cpu(), next_latents=out.sample.cpu(), sigma=s.cpu(), sigma_next=s_next.cpu(),
+                    prompt_index=prompt_index.clone(), sample_index=torch.arange(n),
+                    step=torch.full((n,), i, dtype=torch.long), old_log_prob=out.log_prob.cpu(),
+                    weight=torch.ones(n)))
+            x = out.sample
+        t_roll = time.perf_counter() - t0
+        images = policy.decode(x).float().cpu()  # [N, 3, H, W]
+        rewards, comps = score_images(reward, images, [prompts[i] for i in prompt_index.tolist()])
+        return Rollout(
+            prompts=list(prompts), prompt_index=prompt_index, seeds=torch.tensor(seeds, dtype=torch.long),
+            group_index=prompt_index.clone(), x0=x.cpu(), images=images, rewards=rewards,
+            transitions=Transitions.concat(parts) if parts else Transitions.empty(tuple(x.shape[1:])),
+            sigmas=sigmas.cpu(), step_type=self.step, noise_level=float(self.noise_level),
+            structure="group", reward_components=comps,
+            stats={"model_evals": counter.rows, "rollout_seconds": t_roll,
+                   "reward_seconds": time.perf_counter() - t0 - t_roll})

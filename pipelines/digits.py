@@ -1,0 +1,271 @@
+"""The embedded default: a tiny rectified-flow transformer on scikit-learn's digits.
+
+Pixel space, 1 x 16 x 16 in [-1, 1] (the bundled 8 x 8 digits upsampled bilinearly), a real
+diffusers ``SD3Transformer2DModel`` at toy size, and a small text encoder of its own
+(no tokenizer download): prompts like ``"a handwritten digit 7"``. ``flowrl pretrain-digits``
+trains it on CPU in a few minutes and caches it; at guidance 1.0 its samples are readable
+but imperfect, so RL has room to improve (like CFG-free SD3).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from diffusers import SD3Transformer2DModel
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models.modeling_utils import ModelMixin
+from torch import nn
+
+from flowrl.schedules import flow_sigmas
+from flowrl.seeding import seeded_randn
+
+from .common import cfg_combine
+
+IMAGE_SIZE = 16
+DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+PAD, OTHER = 0, 11  # token ids; digits are 1..10
+
+
+def digit_prompt(d: int) -> str:
+    return f"a handwritten digit {d}"
+
+
+def parse_digit(prompt: str) -> Optional[int]:
+    """The digit a prompt names (numeral or word), or None."""
+    for tok in re.findall(r"[a-z0-9]+", prompt.lower()):
+        if tok.isdigit() and len(tok) == 1:
+            return int(tok)
+        if tok in DIGIT_WORDS:
+            return DIGIT_WORDS.index(tok)
+    return None
+
+
+def tokenize(prompts: list[str], max_len: int) -> torch.Tensor:
+    """Word-level ids ``[B, max_len]``: digits (numeral or word) -> 1..10, other words -> 11, pad 0."""
+    out = torch.zeros(len(prompts), max_len, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        if not isinstance(p, str):
+            raise TypeError(f"prompt {b} is {type(p).__name__}, expected str")
+        ids = []
+        for tok in re.findall(r"[a-z0-9]+", p.lower()):
+            d = int(tok) if tok.isdigit() and len(tok) == 1 else (DIGIT_WORDS.index(tok) if tok in DIGIT_WORDS else None)
+            ids.append(OTHER if d is None else d + 1)
+        ids = ids[:max_len]
+        out[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return out
+
+
+class DigitTextEncoder(ModelMixin, ConfigMixin):
+    """Token + position embeddings and a small MLP -> SD3-style conditioning.
+
+    Returns ``encoder_hidden_states`` [B, L, joint_dim] and ``pooled_projections`` [B, pooled_dim]
+    (mean over non-pad tokens; the empty prompt, used for guidance, maps to learned null vectors).
+    """
+
+    @register_to_config
+    def __init__(self, vocab_size: int = 12, max_len: int = 8, joint_dim: int = 32, pooled_dim: int = 32):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, joint_dim)
+        self.pos = nn.Parameter(torch.zeros(max_len, joint_dim))
+        self.mlp = nn.Sequential(nn.Linear(joint_dim, joint_dim), nn.GELU(), nn.Linear(joint_dim, joint_dim))
+        self.pool = nn.Linear(joint_dim, pooled_dim)
+        self.null_pooled = nn.Parameter(torch.zeros(pooled_dim))
+
+    def forward(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        ids = tokenize(prompts, self.config.max_len).to(self.pos.device)  # [B, L]
+        mask = (ids != PAD).float().unsqueeze(-1)  # [B, L, 1]
+        h = self.tok(ids) + self.pos  # [B, L, D]
+        h = h + self.mlp(h)
+        n = mask.sum(1)  # [B, 1]
+        pooled = self.pool((h * mask).sum(1) / n.clamp(min=1))  # [B, P]
+        pooled = torch.where(n > 0, pooled, self.null_pooled.expand_as(pooled))
+        return {"encoder_hidden_states": h * mask, "pooled_projections": pooled}
+
+
+def tiny_transformer_config() -> dict:
+    return dict(sample_size=IMAGE_SIZE, patch_size=2, in_channels=1, out_channels=1, num_layers=4,
+                attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
+                caption_projection_dim=64, pooled_projection_dim=32, pos_embed_max_size=IMAGE_SIZE // 2)
+
+
+class DigitsPolicy:
+    """``FlowPolicy`` over the digits model. ``guidance_scale`` 1.0 = no CFG (one pass)."""
+
+    def __init__(self, transformer: SD3Transformer2DModel, text_encoder: DigitTextEncoder,
+                 guidance_scale: float = 1.0, shift: float = 1.0, schedule: str = "diffusers",
+                 device: str | torch.device = "cpu"):
+        if guidance_scale < 1.0:
+            raise ValueError(f"guidance_scale must be >= 1.0 (1.0 = no guidance), got {guidance_scale}")
+        self.transformer = transformer.to(device)
+        self.text_encoder = text_encoder.to(device).requires_grad_(False).eval()
+        self.guidance_scale = float(guidance_scale)
+        self.shift, self.schedule = float(shift), schedule
+        self.device = torch.device(device)
+        self.latent_shape = (1, IMAGE_SIZE, IMAGE_SIZE)
+
+    # --- loading -------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> "DigitsPolicy":
+        path = Path(path)
+        if not (path / "transformer").is_dir():
+            raise FileNotFoundError(f"{path} is not a digits base model (no transformer/ inside). "
+                                    f"Create one with `flowrl pretrain-digits --out {path}`.")
+        tr = SD3Transformer2DModel.from_pretrained(path / "transformer")
+        te = DigitTextEncoder.from_pretrained(path / "text_encoder")
+        return cls(tr, te, **kwargs)
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        self.transformer.save_pretrained(path / "transformer")
+        self.text_encoder.save_pretrained(path / "text_encoder")
+
+    # --- FlowPolicy ----------------------------------------------------------------------
+    def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            cond = self.text_encoder(list(prompts))
+            if self.guidance_scale > 1.0:
+                neg = self.text_encoder([""] * len(prompts))
+                cond.update({f"neg_{k}": v for k, v in neg.items()})
+        return cond
+
+    def _forward(self, x, sigma, ehs, pooled):
+        return self.transformer(hidden_states=x, encoder_hidden_states=ehs, pooled_projections=pooled,
+                                timestep=sigma * 1000.0, return_dict=False)[0]
+
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
+        """``v_theta(x_t, sigma)`` [B, 1, 16, 16]; with guidance, one doubled batch (uncond, cond)."""
+        x = latents.to(self.device, self.transformer.dtype)
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).expand(x.shape[0])
+        if self.guidance_scale == 1.0:
+            return self._forward(x, sigma, cond["encoder_hidden_states"], cond["pooled_projections"]).float()
+        out = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]),
+                            torch.cat([cond["neg_encoder_hidden_states"], cond["encoder_hidden_states"]]),
+                            torch.cat([cond["neg_pooled_projections"], cond["pooled_projections"]]))
+        u, c = out.chunk(2)
+        return cfg_combine(u, c, self.guidance_scale)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        img = ((latents.float() + 1) / 2).clamp(0, 1)  # [B, 1, 16, 16]
+        return img.expand(-1, 3, -1, -1).contiguous()  # [B, 3, 16, 16]
+
+    def initial_noise(self, seeds: list[int]) -> torch.Tensor:
+        return seeded_randn(list(seeds), self.latent_shape, stream=0, device=self.device)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        return flow_sigmas(num_steps, self.shift, self.schedule)
+
+
+# --- data and pretraining ----------------------------------------------------------------
+def digits_dataset(split: str = "all") -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's bundled digits as ``([N, 1, 16, 16] in [-1, 1], labels [N])``.
+
+    ``split``: ``"train"`` (first 80% in a fixed shuffle), ``"test"`` (the rest) or ``"all"``.
+    """
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0  # [N, 1, 8, 8] in [0, 1]
+    x = F.interpolate(x, size=(IMAGE_SIZE, IMAGE_SIZE), mode="bilinear", align_corners=False)
+    y = torch.tensor(d.target, dtype=torch.long)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    cut = int(0.8 * len(y))
+    idx = {"train": perm[:cut], "test": perm[cut:], "all": torch.arange(len(y))}[split]
+    return x[idx] * 2 - 1, y[idx]
+
+
+@dataclass
+class PretrainConfig:
+    steps: int = 3000
+    batch_size: int = 128
+    lr: float = 1e-3
+    cond_dropout: float = 0.1
+    seed: int = 0
+    max_seconds: Optional[float] = None  # stop early after this wall time (a budget, not a target)
+
+    def __post_init__(self):
+        if self.steps < 1 or self.batch_size < 1 or not self.lr > 0:
+            raise ValueError(f"steps, batch_size and lr must be positive, got {self}")
+        if not 0 <= self.cond_dropout < 1:
+            raise ValueError(f"cond_dropout must be in [0, 1), got {self.cond_dropout}")
+
+
+def pretrain_digits(out_dir: str | os.PathLike, config: PretrainConfig = PretrainConfig(),
+                    progress: bool = True) -> dict:
+    """Rectified-flow pretraining (``v = eps - x0``, logit-normal t, MSE) of the digits base.
+
+    Writes ``out_dir/{transformer,text_encoder}`` and ``pretrain.json`` atomically (into a
+    temporary sibling, then renamed), and returns the summary dict.
+    """
+    from tqdm.auto import tqdm
+
+    torch.manual_seed(config.seed)
+    x, y = digits_dataset("all")
+    tr = SD3Transformer2DModel(**tiny_transformer_config())
+    te = DigitTextEncoder()
+    params = list(tr.parameters()) + list(te.parameters())
+    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(s, config.steps) / config.steps)))
+    g = torch.Generator().manual_seed(config.seed)
+    t0, losses = time.perf_counter(), []
+    bar = tqdm(range(config.steps), desc="pretrain digits", disable=not progress)
+    step = 0
+    for step in bar:
+        idx = torch.randint(0, len(y), (config.batch_size,), generator=g)
+        x0, labels = x[idx], y[idx]  # [B, 1, 16, 16], [B]
+        drop = torch.rand(config.batch_size, generator=g) < config.cond_dropout
+        prompts = ["" if dr else digit_prompt(int(l)) for l, dr in zip(labels, drop)]
+        eps = torch.randn(x0.shape, generator=g)
+        t = torch.sigmoid(torch.randn(config.batch_size, generator=g))  # logit-normal(0, 1), SD3
+        xt = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
+        c = te(prompts)
+        v = tr(hidden_states=xt, encoder_hidden_states=c["encoder_hidden_states"],
+               pooled_projections=c["pooled_projections"], timestep=t * 1000.0, return_dict=False)[0]
+        loss = F.mse_loss(v, eps - x0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if step % 50 == 0:
+            bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.4f}")
+        if config.max_seconds and time.perf_counter() - t0 > config.max_seconds:
+            break
+    summary = {"config": asdict(config), "steps_done": step + 1, "seconds": time.perf_counter() - t0,
+               "final_loss": sum(losses[-100:]) / len(losses[-100:])}
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    policy = DigitsPolicy(tr.eval(), te.eval())
+    policy.save_pretrained(tmp)
+    (tmp / "pretrain.json").write_text(json.dumps(summary, indent=2))
+    if out.exists():
+        import shutil
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return summary
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("FLOWRL_HOME", Path.home() / ".cache" / "flowrl"))
+
+
+def default_base_path() -> Path:
+    return default_cache_dir() / "digits-base-v1"
+
+
+def load_digits_policy(path: Optional[str] = None, pretrain_if_missing: bool = True, **kwargs) -> DigitsPolicy:
+    """Load the digits base from ``path`` (default: the cache), pretraining it on first use."""
+    p = Path(path) if path else default_base_path()
+    if not (p / "transformer").is_dir() and pretrain_if_missing and path in (None, "", "digits"):
+        print(f"[flowrl] no digits base model at {p}: pretraining one now (cached for later runs)")
+        pretrain_digits(p)
+    return DigitsPolicy.from_pretrained(p, **kwargs)
