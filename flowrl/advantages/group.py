@@ -1,8 +1,4 @@
-"""Advantages: rewards + rollout structure -> one advantage per transition. Pure functions.
-
-``ADVANTAGES[rollout.structure](rollout, **options) -> (advantages [M], info)`` is the only
-thing a new sampler has to add for the trainer to train on it (DESIGN.md).
-"""
+"""Group advantages (Flow-GRPO / DanceGRPO / MixGRPO, SPEC section 3). Pure functions."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -60,7 +56,7 @@ def combine_component_advantages(components: dict[str, torch.Tensor], weights: d
     return total, zero
 
 
-def _group_structure(rollout, *, global_std: bool = False, per_reward_weights: Optional[dict] = None,
+def group_structure(rollout, *, global_std: bool = False, per_reward_weights: Optional[dict] = None,
                      **_: object) -> tuple[torch.Tensor, dict]:
     if per_reward_weights:
         a, zero = combine_component_advantages(rollout.reward_components, per_reward_weights,
@@ -69,17 +65,3 @@ def _group_structure(rollout, *, global_std: bool = False, per_reward_weights: O
         a, zero = group_advantages(rollout.rewards, rollout.group_index, global_std=global_std)
     idx = rollout.transitions.sample_index
     return a[idx], {"zero_var": zero[idx], "zero_var_fraction": zero.float().mean().item()}
-
-
-AdvantageFn = Callable[..., tuple[torch.Tensor, dict]]
-ADVANTAGES: dict[str, AdvantageFn] = {"group": _group_structure}
-
-
-def transition_advantages(rollout, **options) -> tuple[torch.Tensor, dict]:
-    """One advantage per transition of ``rollout`` [M], and info (``zero_var`` mask [M], ...)."""
-    try:
-        fn = ADVANTAGES[rollout.structure]
-    except KeyError:
-        raise ValueError(f"no advantage function for rollout structure {rollout.structure!r}; "
-                         f"registered: {sorted(ADVANTAGES)}") from None
-    return fn(rollout, **options)
