@@ -105,11 +105,14 @@ class DigitsPolicy:
         if guidance_scale < 1.0:
             raise ValueError(f"guidance_scale must be >= 1.0 (1.0 = no guidance), got {guidance_scale}")
         self.transformer = transformer.to(device)
+        self.dtype = transformer.dtype
         self.text_encoder = text_encoder.to(device).requires_grad_(False).eval()
         self.guidance_scale = float(guidance_scale)
         self.shift, self.schedule = float(shift), schedule
         self.device = torch.device(device)
         self.latent_shape = (1, IMAGE_SIZE, IMAGE_SIZE)
+        self.lora_target_modules = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
+                                    "to_add_out"]
 
     # --- loading -------------------------------------------------------------------------
     @classmethod
@@ -142,7 +145,7 @@ class DigitsPolicy:
 
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
         """``v_theta(x_t, sigma)`` [B, 1, 16, 16]; with guidance, one doubled batch (uncond, cond)."""
-        x = latents.to(self.device, self.transformer.dtype)
+        x = latents.to(self.device, self.dtype)
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).expand(x.shape[0])
         if self.guidance_scale == 1.0:
             return self._forward(x, sigma, cond["encoder_hidden_states"], cond["pooled_projections"]).float()
@@ -161,6 +164,18 @@ class DigitsPolicy:
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         return flow_sigmas(num_steps, self.shift, self.schedule)
+
+    def reference_images(self, prompts: list[str], per_prompt: int) -> Optional[torch.Tensor]:
+        """Real digits (held-out split) for each prompt's digit, ``[len * per_prompt, 3, 16, 16]``:
+        the real-data values beside which the trainer logs diversity and artifact energy."""
+        x, y = digits_dataset("test")
+        out = []
+        for p in prompts:
+            d = parse_digit(p)
+            if d is None:
+                return None
+            out.append(x[y == d][:per_prompt])
+        return self.decode(torch.cat(out))
 
 
 # --- data and pretraining ----------------------------------------------------------------
@@ -269,3 +284,31 @@ def load_digits_policy(path: Optional[str] = None, pretrain_if_missing: bool = T
         print(f"[flowrl] no digits base model at {p}: pretraining one now (cached for later runs)")
         pretrain_digits(p)
     return DigitsPolicy.from_pretrained(p, **kwargs)
+
+
+@torch.no_grad()
+def sample_grid_report(path: str | os.PathLike, grid_png: str | os.PathLike, per_digit: int = 16,
+                       num_steps: int = 20, guidances: tuple[float, ...] = (1.0, 3.0)) -> dict:
+    """Sample every digit at each guidance scale (ODE, fixed seeds), save one grid PNG (a block
+    per guidance, a row per digit) and return the digit classifier's accuracy and mean reward."""
+    from flowrl.rewards.digits import DigitsReward
+    from flowrl.rollout.ode import ode_sample
+    from flowrl.seeding import derive_seeds
+    from flowrl.trainers.reporting import image_grid, save_png
+    import numpy as np
+
+    reward = DigitsReward()
+    prompts = [digit_prompt(d) for d in range(10) for _ in range(per_digit)]
+    labels = torch.tensor([d for d in range(10) for _ in range(per_digit)])
+    seeds = derive_seeds(777, len(prompts))
+    report, blocks = {}, []
+    for g in guidances:
+        pol = DigitsPolicy.from_pretrained(path, guidance_scale=g)
+        _, images = ode_sample(pol, prompts, seeds, num_steps)
+        acc = (reward.probs(images).argmax(1) == labels).float().mean().item()
+        report[f"guidance_{g:g}"] = {"accuracy": acc, "reward": reward(images, prompts).mean().item()}
+        blocks.append(image_grid(images, nrow=per_digit, scale=3))
+        blocks.append(np.full((blocks[-1].shape[0], 12, 3), 255, np.uint8))
+    save_png(np.concatenate(blocks[:-1], axis=1), Path(grid_png))
+    report["grid"] = str(grid_png)
+    return report

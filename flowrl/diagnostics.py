@@ -1,0 +1,34 @@
+"""Reward-hacking watch: measures a trained reward cannot see. Pure functions on images in [0, 1]."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def within_group_diversity(images: torch.Tensor, groups: torch.Tensor) -> float:
+    """Mean pairwise RMS distance between images of the same group (prompt), averaged over groups.
+
+    ``images`` [N, C, H, W] in [0, 1], ``groups`` [N]. Units: RMS pixel difference (0..1).
+    Mode collapse shows as a falling value.
+    """
+    flat = images.float().flatten(1)  # [N, D]
+    vals = []
+    for g in torch.unique(groups):
+        x = flat[groups == g]
+        if x.shape[0] < 2:
+            continue
+        d = torch.cdist(x, x) / x.shape[1] ** 0.5  # [n, n] RMS distance
+        n = x.shape[0]
+        vals.append(d.sum() / (n * (n - 1)))
+    return float(torch.stack(vals).mean()) if vals else float("nan")
+
+
+def high_frequency_energy(images: torch.Tensor, factor: int = 2) -> float:
+    """Mean squared residual after ``factor`` x ``factor`` average pooling and nearest upsampling.
+
+    The energy a reward that looks at a ``factor``-times downsampled view cannot see (2-pixel
+    checkerboards, grid artifacts). ``images`` [N, C, H, W] in [0, 1]; units: pixel value^2.
+    """
+    x = images.float()
+    low = F.interpolate(F.avg_pool2d(x, factor), scale_factor=factor, mode="nearest")  # [N, C, H, W]
+    return float(((x - low) ** 2).mean())

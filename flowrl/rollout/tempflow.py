@@ -1,0 +1,248 @@
+"""TempFlow-GRPO rollouts: process rewards by branching off an ODE trajectory (SPEC section 5).
+
+TempFlow-GRPO (He et al. 2025, arXiv 2508.04324): for every (prompt, seed) a **main
+trajectory** runs pure ODE (Euler) from the seed's initial noise. At each branch step ``k``
+it spawns ``branches`` children with one Flow-GRPO SDE step from the main latent ``x_k``
+(same mean, independent noise), and each child is **completed by ODE** to ``x0``, decoded
+and scored. The completion's reward is the process reward ``R[b, k]`` of the single
+stochastic transition ``x_k -> child b``, the only transition stored for it.
+
+Batching: at step ``i`` the main latents and every live completion (children of all branch
+steps ``k < i``, all seeds, all prompts) go through the model as one batch (chunked by
+``max_batch``). All completions reach ``x0`` at the last step together and are decoded and
+scored in one call.
+
+Model evaluations (latent rows through ``policy.velocity``), per (prompt, seed)::
+
+    T_main + branches * sum_{k in B} (T - 1 - k)
+
+with ``T_main = T`` if ``finish_main`` else ``max(B) + 1`` (the main trajectory stops after
+the last branch step; its ``x0`` is not a sample). The child's SDE step from ``x_k``
+**reuses** the main trajectory's velocity at ``x_k`` (same latent, sigma and prompt, so the
+same value), so a child only costs its ODE completion steps ``k + 1 .. T - 1``. For SPEC's
+T = 10, B = 0..8, E = 6 with ``finish_main``: 10 + 6 * 45 = 280 (SPEC: "10 main + 6 *
+sum(9 - k)"); without: 9 + 270 = 279.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from ..advantages.tempflow import GROUP_BY, noise_aware_weights
+from ..sde import ode_step, sde_step
+from ..seeding import derive_seeds, seeded_randn
+from ..types import FlowPolicy, RewardFn, index_cond
+from .base import Rollout, Transitions, score_images
+from .common import EvalCounter, step_sigmas, velocity_batched
+
+MAX_BRANCHES = 1000  # noise streams are 1 + 1000 k + b (unique per (k, b), see branch_noise_stream)
+
+
+def branch_noise_stream(step: int, branch: int) -> int:
+    """``flowrl.seeding`` stream of child ``branch`` at branch step ``step``: ``1 + 1000 k + b``.
+
+    Depends on (k, b) only (not on T, the branch list or the branch count), so with the
+    seed, a child's noise is the same whatever the configuration around it. Distinct
+    (seed, stream) pairs give distinct generators while streams stay below 1,000,003
+    (``seeded_randn``'s seed multiplier), i.e. for k, b < 1000.
+    """
+    return 1 + MAX_BRANCHES * int(step) + int(branch)
+
+
+@dataclass
+class TempFlowSampler:
+    """TempFlow-GRPO sampler: ``seeds_per_prompt`` ODE trajectories per prompt, ``branches``
+    SDE children at every branch step, each completed by ODE and scored.
+
+    Args:
+        num_steps: denoising steps T.
+        branch_steps: steps ``k`` that branch (and are trained); None = every step but the
+            last, ``range(T - 1)`` (the TempFlow-GRPO code branches at every trained step).
+            Given in any order; stored sorted as a tuple.
+        branches: SDE children per branch step and seed (E, paper/code default 6).
+        seeds_per_prompt: initial noises per prompt (paper/code default 4).
+        noise_level: Flow-GRPO's ``a`` of the branching SDE step (SD3: 0.7, FLUX: 0.9).
+        noise_aware: put the noise-aware weight ``w_k`` (flowrl.advantages.tempflow.
+            noise_aware_weights over ``branch_steps``) in ``transitions.weight``; else 1.
+        group_by: advantage groups: ``"seed"`` = (prompt, seed, step), E per group;
+            ``"prompt"`` = (prompt, step), ``seeds_per_prompt * E`` per group.
+        finish_main: run the main trajectory to x0 too (T evaluations instead of
+            ``max(B) + 1``) and report its ODE reward in ``extras["main_rewards"]`` [P * S].
+        max_batch: chunk velocity calls to at most this many rows (memory), None = all.
+    """
+
+    num_steps: int = 10
+    branch_steps: Optional[Sequence[int]] = None
+    branches: int = 6
+    seeds_per_prompt: int = 4
+    noise_level: float = 0.7
+    noise_aware: bool = True
+    group_by: str = "seed"
+    finish_main: bool = False
+    max_batch: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_steps, int) or self.num_steps < 1:
+            raise ValueError(f"num_steps must be a positive integer, got {self.num_steps!r}")
+        if self.branch_steps is None:
+            if self.num_steps < 2:
+                raise ValueError("num_steps=1 leaves no step to branch by default (the last step is "
+                                 "excluded); pass branch_steps=[0] explicitly or use num_steps >= 2")
+            self.branch_steps = tuple(range(self.num_steps - 1))
+        steps = list(self.branch_steps)
+        if not steps:
+            raise ValueError("branch_steps is empty: pass at least one step index (or None for range(T - 1))")
+        if not all(isinstance(k, int) and not isinstance(k, bool) for k in steps):
+            raise ValueError(f"branch_steps must be integers, got {steps!r}")
+        if len(set(steps)) != len(steps):
+            raise ValueError(f"branch_steps has duplicates: {steps}")
+        bad = [k for k in steps if not 0 <= k < self.num_steps]
+        if bad:
+            raise ValueError(f"branch_steps {bad} are outside [0, num_steps={self.num_steps})")
+        if self.num_steps > MAX_BRANCHES:
+            raise ValueError(f"num_steps must be <= {MAX_BRANCHES} (per-branch noise streams), got {self.num_steps}")
+        self.branch_steps = tuple(sorted(steps))
+        if not isinstance(self.branches, int) or not 1 <= self.branches <= MAX_BRANCHES:
+            raise ValueError(f"branches must be an integer in [1, {MAX_BRANCHES}], got {self.branches!r}")
+        if not isinstance(self.seeds_per_prompt, int) or self.seeds_per_prompt < 1:
+            raise ValueError(f"seeds_per_prompt must be a positive integer, got {self.seeds_per_prompt!r}")
+        if self.group_by not in GROUP_BY:
+            raise ValueError(f"group_by must be one of {GROUP_BY}, got {self.group_by!r}")
+        group = self.branches * (self.seeds_per_prompt if self.group_by == "prompt" else 1)
+        if group < 2:
+            raise ValueError(f"an advantage group of group_by={self.group_by!r} holds {group} transition(s); "
+                             f"it needs >= 2 (raise branches"
+                             f"{' or seeds_per_prompt' if self.group_by == 'prompt' else ''})")
+        if not self.noise_level > 0:
+            raise ValueError(f"noise_level must be > 0 (the branching SDE step must inject noise), got {self.noise_level}")
+        if self.max_batch is not None and (not isinstance(self.max_batch, int) or self.max_batch < 1):
+            raise ValueError(f"max_batch must be a positive integer or None, got {self.max_batch!r}")
+
+    # --- closed forms ----------------------------------------------------------------------
+    def main_evals(self) -> int:
+        """Velocity rows of one main trajectory: T if ``finish_main`` else ``max(B) + 1``."""
+        return self.num_steps if self.finish_main else max(self.branch_steps) + 1
+
+    def model_evals(self, num_prompts: int) -> int:
+        """Velocity rows of a whole rollout: ``P S (T_main + E sum_{k in B} (T - 1 - k))``
+        (the child's SDE step reuses the main velocity at ``x_k``, see the module docstring)."""
+        per_seed = self.main_evals() + self.branches * sum(self.num_steps - 1 - k for k in self.branch_steps)
+        return num_prompts * self.seeds_per_prompt * per_seed
+
+    def num_completions(self, num_prompts: int) -> int:
+        """Samples (= stored transitions) of a rollout: ``P S E |B|``."""
+        return num_prompts * self.seeds_per_prompt * self.branches * len(self.branch_steps)
+
+    # --- sampling --------------------------------------------------------------------------
+    @torch.no_grad()
+    def __call__(self, policy: FlowPolicy, prompts: list[str], reward: Optional[RewardFn] = None,
+                 seed: int = 0, *, iteration: int = 0, seeds: Optional[list[int]] = None) -> Rollout:
+        """Sample a TempFlow rollout for ``prompts``.
+
+        ``seeds`` (``len(prompts) * seeds_per_prompt``, prompt-major) overrides the seeds
+        derived from ``seed``. ``iteration`` is accepted for the sampler interface (unused).
+
+        Samples (``x0``, ``images``, ``rewards`` [N], N = P S E |B|) are the completions, in
+        (prompt, seed, step, branch) order; transition ``m`` is the branching step of
+        completion ``m`` (``sample_index = arange(N)``). ``extras`` holds per transition
+        ``trajectory`` (main row p * S + s), ``seed_slot`` (s), ``step`` (k), ``branch`` (b),
+        all ``[M]`` long, plus ``group_by``, ``branch_steps``, ``step_weights`` [T] and
+        ``main_rewards`` [P * S] (NaN unless ``finish_main``).
+        """
+        if not prompts:
+            raise ValueError("prompts is empty: pass at least one prompt")
+        t0 = time.perf_counter()
+        p, s_per, e, t = len(prompts), self.seeds_per_prompt, self.branches, self.num_steps
+        branch_steps = list(self.branch_steps)
+        nb = len(branch_steps)
+        j = p * s_per  # main trajectories
+        main_prompt = torch.arange(p).repeat_interleave(s_per)  # [J]
+        seeds = list(seeds) if seeds is not None else derive_seeds(seed, j)
+        if len(seeds) != j:
+            raise ValueError(f"got {len(seeds)} seeds for {p} prompts x {s_per} seeds_per_prompt = {j} trajectories")
+        cond_p = policy.encode_prompts(list(prompts))  # P rows
+        sigmas = policy.sigmas(t).float()  # [T + 1]
+        if sigmas.shape != (t + 1,):
+            raise ValueError(f"policy.sigmas({t}) returned shape {tuple(sigmas.shape)}, expected ({t + 1},)")
+        if self.noise_aware:
+            step_w = noise_aware_weights(sigmas.cpu(), self.noise_level, branch_steps)  # [T]
+        else:
+            step_w = torch.zeros(t).index_fill_(0, torch.tensor(branch_steps), 1.0)  # [T]
+
+        main = policy.initial_noise(seeds).float()  # [J, C, H, W]
+        shape = tuple(main.shape[1:])
+        live = main.new_zeros((0, *shape))  # [L, C, H, W] completions, blocks of J * E per branch step
+        live_prompt = torch.zeros(0, dtype=torch.long)  # [L]
+        rep = torch.arange(j).repeat_interleave(e)  # [J * E] main row of each child, (row, branch) order
+        branch_of = torch.arange(e).repeat(j)  # [J * E]
+        counter = EvalCounter()
+        main_steps = self.main_evals()
+        parts: list[Transitions] = []
+        for i in range(t):
+            run_main = i < main_steps
+            x = torch.cat([main, live]) if run_main else live  # [J + L or L, C, H, W]
+            rows = torch.cat([main_prompt, live_prompt]) if run_main else live_prompt  # [B]
+            if x.shape[0] == 0:
+                continue
+            s, s_next = step_sigmas(sigmas, i, x.shape[0])  # [B], [B]
+            v = velocity_batched(policy, x, s.to(x.device), index_cond(cond_p, rows), self.max_batch, counter)
+            v = v.float()  # [B, C, H, W]
+            nm = j if run_main else 0
+            v_main, v_live = v[:nm], v[nm:]  # [J, ...], [L, ...]
+            live = ode_step(v_live, live, s[nm:], s_next[nm:]).sample  # [L, C, H, W]
+            if i in self.branch_steps:
+                # E children of each main latent from one SDE step; the main velocity is reused.
+                noise = torch.stack([seeded_randn(seeds, shape, stream=branch_noise_stream(i, b), device=x.device)
+                                     for b in range(e)], dim=1).reshape(j * e, *shape)  # [J * E, C, H, W]
+                x_k = main[rep]  # [J * E, C, H, W]
+                out = sde_step(v_main[rep], x_k, s[:1].expand(j * e), s_next[:1].expand(j * e),
+                               noise_level=self.noise_level, noise=noise)
+                parts.append(Transitions(
+                    latents=x_k.cpu(), next_latents=out.sample.cpu(),
+                    sigma=s[:1].expand(j * e).cpu().clone(), sigma_next=s_next[:1].expand(j * e).cpu().clone(),
+                    prompt_index=main_prompt[rep], sample_index=torch.zeros(j * e, dtype=torch.long),
+                    step=torch.full((j * e,), i, dtype=torch.long), old_log_prob=out.log_prob.cpu(),
+                    weight=torch.full((j * e,), float(step_w[i]))))
+                live = torch.cat([live, out.sample])  # children join at sigma_{i+1}
+                live_prompt = torch.cat([live_prompt, main_prompt[rep]])
+            if run_main:
+                main = ode_step(v_main, main, s[:nm], s_next[:nm]).sample  # [J, C, H, W]
+        t_roll = time.perf_counter() - t0
+
+        # live is in (step, row, branch) order; samples are (row, step, branch) = (prompt, seed, step, branch).
+        n = j * nb * e
+        perm = torch.arange(n).view(nb, j, e).permute(1, 0, 2).reshape(-1)  # [N]
+        x0 = live[perm.to(live.device)].cpu()  # [N, C, H, W]
+        trans = Transitions.concat(parts).select(perm)
+        trans.sample_index = torch.arange(n)
+        trajectory = rep.repeat(nb)[perm]  # [N] main row of each completion
+        step_of = torch.tensor(branch_steps).repeat_interleave(j * e)[perm]  # [N]
+        branch = branch_of.repeat(nb)[perm]  # [N]
+        prompt_index = main_prompt[trajectory]  # [N]
+        seed_t = torch.tensor(seeds, dtype=torch.long)  # [J]
+
+        images = policy.decode(x0).float().cpu()  # [N, 3, H, W]
+        rewards, comps = score_images(reward, images, [prompts[q] for q in prompt_index.tolist()])
+        main_rewards = torch.full((j,), float("nan"))  # [J]
+        if self.finish_main and reward is not None:
+            main_rewards, _ = score_images(reward, policy.decode(main).float().cpu(),
+                                           [prompts[q] for q in main_prompt.tolist()])
+        t_score = time.perf_counter() - t0 - t_roll
+        if self.group_by == "seed":
+            group_index = trajectory * t + step_of  # [N] (prompt, seed, step)
+        else:
+            group_index = prompt_index * t + step_of  # [N] (prompt, step)
+        _, group_index = torch.unique(group_index, return_inverse=True)  # [N] dense ids
+        return Rollout(
+            prompts=list(prompts), prompt_index=prompt_index, seeds=seed_t[trajectory], group_index=group_index,
+            x0=x0, images=images, rewards=rewards, transitions=trans, sigmas=sigmas.cpu(),
+            step_type="sde", noise_level=float(self.noise_level), structure="tempflow",
+            reward_components=comps,
+            extras={"group_by": self.group_by, "branch_steps": branch_steps, "trajectory": trajectory,
+                    "seed_slot": trajectory % s_per, "step": step_of, "branch": branch,
+                    "step_weights": step_w, "main_rewards": main_rewards},
+            stats={"model_evals": counter.rows, "velocity_calls": counter.calls,
+                   "num_completions": float(n), "rollout_seconds": t_roll, "reward_seconds": t_score})

@@ -1,0 +1,89 @@
+"""Atomic checkpoints: written under a temporary name, fsynced, then renamed into place.
+
+A directory named ``iter_NNNNNN`` is therefore always complete; a crash mid-write leaves only a
+``.tmp-*`` directory, which loading ignores and the next save removes. Everything is read back
+with safetensors or ``torch.load(weights_only=True)`` (no pickled code).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+PATTERN = re.compile(r"^iter_(\d{6,})$")
+STATE_FILE = "trainer_state.json"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in path.iterdir():
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    _fsync_dir(path)
+
+
+def save_checkpoint(root: Path, iteration: int, *, trainable: dict[str, torch.Tensor],
+                    optimizer: dict, scheduler: dict, state: dict,
+                    ema: Optional[dict[str, torch.Tensor]] = None, keep: int = 2) -> Path:
+    """Write ``root/iter_{iteration:06d}`` atomically and prune to the newest ``keep``."""
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    final = root / f"iter_{iteration:06d}"
+    tmp = root / f".tmp-iter_{iteration:06d}-{os.getpid()}"
+    tmp.mkdir()
+    save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
+    if ema is not None:
+        save_file({k: v.detach().cpu().contiguous() for k, v in ema.items()}, str(tmp / "ema.safetensors"))
+    torch.save(optimizer, tmp / "optimizer.pt")
+    torch.save({"scheduler": scheduler, "torch_rng": torch.get_rng_state()}, tmp / "scheduler.pt")
+    (tmp / STATE_FILE).write_text(json.dumps({**state, "iteration": iteration}, indent=2))
+    _fsync_tree(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := PATTERN.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def load_checkpoint(path: Path) -> dict:
+    """Read a checkpoint directory -> dict(trainable, ema, optimizer, scheduler, torch_rng, state)."""
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+        out = {"state": state, "trainable": load_file(str(path / "trainable.safetensors"))}
+        out["ema"] = load_file(str(path / "ema.safetensors")) if (path / "ema.safetensors").exists() else None
+        out["optimizer"] = torch.load(path / "optimizer.pt", weights_only=True)
+        sch = torch.load(path / "scheduler.pt", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable part means the checkpoint is unusable
+        raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}). Delete it to resume "
+                              f"from the previous one, or start a new run in another --output-dir.") from e
+    out["scheduler"], out["torch_rng"] = sch["scheduler"], sch["torch_rng"]
+    return out

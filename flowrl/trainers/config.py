@@ -1,0 +1,340 @@
+"""Run configuration: nested dataclasses validated on construction, YAML + dotted overrides.
+
+``load_config("recipes/digits.yaml", ["train.lr=3e-4", "sampler.group_size=8"])`` -> :class:`Config`.
+Every error names the offending key and says how to fix it, before any model is loaded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+from ..registry import SAMPLERS
+
+
+class ConfigError(ValueError):
+    """A recipe or override is invalid; the message says which key and how to fix it."""
+
+
+def _h(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING):
+    kw = {"metadata": {"help": text}}
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, **kw)
+    return field(default=default, **kw)
+
+
+@dataclass
+class ModelConfig:
+    pipeline: str = _h("flowrl.pipelines name: digits, sd3, flux", "digits")
+    path: Optional[str] = _h("directory or hub id; digits: empty = the cached base, pretrained on first use", None)
+    guidance_scale: float = _h("classifier-free guidance inside the policy (1.0 = none)", 1.0)
+    device: str = _h("'auto' = the accelerator's device, or cpu / cuda:N", "auto")
+    options: dict = _h("extra keyword arguments for the pipeline's from_pretrained", factory=dict)
+
+    def __post_init__(self):
+        from flowrl.pipelines import REGISTRY
+
+        if self.pipeline not in REGISTRY:
+            raise ConfigError(f"model.pipeline: unknown pipeline {self.pipeline!r}; valid: {', '.join(sorted(REGISTRY))}")
+        if not self.guidance_scale >= 1.0:
+            raise ConfigError(f"model.guidance_scale must be >= 1.0 (1.0 = no guidance), got {self.guidance_scale}")
+
+
+@dataclass
+class SamplerConfig:
+    """``name`` plus the sampler's own keyword arguments (flat in YAML)."""
+
+    name: str = _h("flowrl sampler: group, branch, tempflow, sol", "group")
+    options: dict = _h("keyword arguments of the sampler class", factory=dict)
+
+    def __post_init__(self):
+        try:
+            SAMPLERS.check(self.name)
+        except ValueError as e:
+            raise ConfigError(f"sampler.name: {e}") from None
+        self.build()  # validates the options now, before any model loads
+
+    def build(self):
+        cls = SAMPLERS.get(self.name)
+        valid = {f.name for f in fields(cls)} if dataclasses.is_dataclass(cls) else None
+        if valid is not None:
+            bad = set(self.options) - valid
+            if bad:
+                k = sorted(bad)[0]
+                close = difflib.get_close_matches(k, valid, n=1)
+                hint = f" Did you mean sampler.{close[0]}?" if close else ""
+                raise ConfigError(f"sampler.{k}: not an option of the {self.name!r} sampler.{hint} "
+                                  f"Valid: {', '.join(sorted(valid))}")
+        try:
+            return cls(**self.options)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"sampler ({self.name}): {e}") from None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplerConfig":
+        d = dict(d)
+        name = d.pop("name", "group")
+        opts = dict(d.pop("options", {}) or {})
+        opts.update(d)
+        return cls(name=name, options=opts)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, **self.options}
+
+
+@dataclass
+class RewardConfig:
+    weights: dict = _h("{reward name: weight} trained on (weighted sum)", factory=lambda: {"digits": 1.0})
+    options: dict = _h("{reward name: {kwargs}} for the rewards' constructors", factory=dict)
+    aggregate: str = _h("'sum': advantages of the weighted sum; 'per_reward': normalise each reward "
+                        "within its group, then weight (MixGRPO advantage_aggr)", "sum")
+    heldout: dict = _h("{reward name: {kwargs}} logged on the evaluation set, never trained on", factory=dict)
+
+    def __post_init__(self):
+        from flowrl.rewards import REGISTRY
+
+        if isinstance(self.weights, str):
+            self.weights = {self.weights: 1.0}
+        if not isinstance(self.weights, dict) or not self.weights:
+            raise ConfigError("reward.weights must be a non-empty mapping {reward name: weight}, e.g. {digits: 1.0}")
+        for where, names in (("reward.weights", self.weights), ("reward.heldout", self.heldout),
+                             ("reward.options", self.options)):
+            for n in names:
+                if n not in REGISTRY:
+                    close = difflib.get_close_matches(n, REGISTRY, n=1)
+                    hint = f" Did you mean {close[0]!r}?" if close else ""
+                    raise ConfigError(f"{where}: unknown reward {n!r}.{hint} Valid rewards: {', '.join(sorted(REGISTRY))}")
+        for n, w in self.weights.items():
+            if not isinstance(w, (int, float)) or isinstance(w, bool):
+                raise ConfigError(f"reward.weights.{n} must be a number, got {w!r}")
+        if self.aggregate not in ("sum", "per_reward"):
+            raise ConfigError(f"reward.aggregate must be 'sum' or 'per_reward', got {self.aggregate!r}")
+
+
+@dataclass
+class TrainConfig:
+    iterations: int = _h("rollout -> update iterations", 60)
+    batch_size: int = _h("samples generated per iteration per process; a multiple of the sampler's "
+                         "samples per prompt (group size)", 64)
+    seed: int = _h("seed of every random draw (prompts, noise, shuffles)", 0)
+    lr: float = _h("AdamW learning rate", 3e-4)
+    weight_decay: float = _h("AdamW weight decay", 1e-4)
+    warmup_iterations: int = _h("linear learning-rate warm-up, in iterations", 0)
+    clip_range: float = _h("PPO clip epsilon on the per-step ratio", 1e-3)
+    adv_clip_max: float = _h("advantages are clipped to +-this", 5.0)
+    beta_kl: float = _h("weight of the KL to the reference (adapter-disabled) policy", 0.0)
+    global_std: bool = _h("normalise advantages by the whole batch's std instead of the group's", False)
+    lora_rank: int = _h("LoRA rank; 0 = full fine-tune", 8)
+    lora_alpha: float = _h("LoRA alpha", 16.0)
+    lora_targets: Optional[list] = _h("module names LoRA adapts; empty = the pipeline's default", None)
+    minibatch_size: int = _h("transitions per forward/backward pass", 64)
+    grad_accum: int = _h("minibatches per optimizer step", 1)
+    inner_epochs: int = _h("passes over one iteration's transitions", 1)
+    max_grad_norm: float = _h("gradient clipping (total L2 norm)", 1.0)
+    mixed_precision: str = _h("'no', 'bf16' or 'fp16' (accelerate); CPU runs use 'no'", "no")
+    ema: bool = _h("keep an EMA of the trained weights, used for evaluation", False)
+    ema_decay: float = _h("EMA decay per update", 0.9)
+    ema_every: int = _h("EMA update interval in optimizer steps", 1)
+    advantage_options: dict = _h("extra options of the rollout structure's advantage function", factory=dict)
+    checkpoint_every: int = _h("write a checkpoint every N iterations (and at the end)", 20)
+    keep_checkpoints: int = _h("keep the newest N checkpoints", 2)
+    max_consecutive_skips: int = _h("stop after this many non-finite steps in a row", 5)
+
+    def __post_init__(self):
+        pos = ["iterations", "batch_size", "minibatch_size", "grad_accum", "inner_epochs", "checkpoint_every",
+               "keep_checkpoints", "max_consecutive_skips", "ema_every"]
+        for k in pos:
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"train.{k} must be a positive integer, got {v!r}")
+        for k in ["lr", "clip_range", "adv_clip_max", "max_grad_norm"]:
+            v = getattr(self, k)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ConfigError(f"train.{k} must be a positive number, got {v!r}")
+        for k in ["beta_kl", "weight_decay"]:
+            if not isinstance(getattr(self, k), (int, float)) or getattr(self, k) < 0:
+                raise ConfigError(f"train.{k} must be a number >= 0, got {getattr(self, k)!r}")
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ConfigError(f"train.lora_rank must be an integer >= 0 (0 = full fine-tune), got {self.lora_rank!r}")
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise ConfigError(f"train.mixed_precision must be 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}")
+        if not 0 <= self.ema_decay < 1:
+            raise ConfigError(f"train.ema_decay must be in [0, 1), got {self.ema_decay}")
+        if self.warmup_iterations < 0:
+            raise ConfigError(f"train.warmup_iterations must be >= 0, got {self.warmup_iterations}")
+
+
+@dataclass
+class DataConfig:
+    prompts: Union[str, list] = _h("training prompts: a list, a .txt/.jsonl file, or 'digits' (built in)", "digits")
+    eval_prompts: Union[str, list] = _h("held-out evaluation prompts (same forms); fixed with fixed seeds", "digits")
+    eval_seeds_per_prompt: int = _h("samples per evaluation prompt", 8)
+
+    def __post_init__(self):
+        if self.eval_seeds_per_prompt < 2:
+            raise ConfigError(f"data.eval_seeds_per_prompt must be >= 2 (diversity needs pairs), got {self.eval_seeds_per_prompt}")
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = _h("metrics every N iterations", 1)
+    eval_every: int = _h("evaluation set (rewards, diversity, artifacts) every N iterations", 10)
+    image_every: int = _h("sample grid PNG every N iterations", 10)
+    trackers: list = _h("accelerate trackers: tensorboard, wandb; [] = metrics.jsonl only", factory=lambda: ["tensorboard"])
+    project: str = _h("tracker project name", "flowrl")
+    progress: bool = _h("tqdm progress bar", True)
+
+    def __post_init__(self):
+        for k in ("log_every", "eval_every", "image_every"):
+            if not isinstance(getattr(self, k), int) or getattr(self, k) < 1:
+                raise ConfigError(f"logging.{k} must be a positive integer, got {getattr(self, k)!r}")
+        bad = set(self.trackers) - {"tensorboard", "wandb"}
+        if bad:
+            raise ConfigError(f"logging.trackers: unknown {sorted(bad)}; valid: tensorboard, wandb")
+
+
+SECTIONS = {"model": ModelConfig, "sampler": SamplerConfig, "reward": RewardConfig, "train": TrainConfig,
+            "data": DataConfig, "logging": LoggingConfig}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self):
+        spp = samples_per_prompt(self.sampler.build())
+        if self.train.batch_size % spp:
+            raise ConfigError(f"train.batch_size={self.train.batch_size} is not a multiple of the sampler's "
+                              f"{spp} samples per prompt (group size); use e.g. {max(1, self.train.batch_size // spp) * spp}")
+
+    @property
+    def prompts_per_iteration(self) -> int:
+        return self.train.batch_size // samples_per_prompt(self.sampler.build())
+
+    def to_dict(self) -> dict:
+        out = {}
+        for name in SECTIONS:
+            sec = getattr(self, name)
+            out[name] = sec.to_dict() if isinstance(sec, SamplerConfig) else dataclasses.asdict(sec)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        if not isinstance(d, dict):
+            raise ConfigError(f"a recipe must be a mapping of sections {sorted(SECTIONS)}, got {type(d).__name__}")
+        bad = set(d) - set(SECTIONS)
+        if bad:
+            k = sorted(bad)[0]
+            close = difflib.get_close_matches(k, SECTIONS, n=1)
+            raise ConfigError(f"unknown section {k!r}." + (f" Did you mean {close[0]!r}?" if close else "") +
+                              f" Sections: {', '.join(SECTIONS)}")
+        kw = {}
+        for name, sec_cls in SECTIONS.items():
+            raw = d.get(name) or {}
+            if not isinstance(raw, dict):
+                raise ConfigError(f"section {name!r} must be a mapping, got {raw!r}")
+            if sec_cls is SamplerConfig:
+                kw[name] = SamplerConfig.from_dict(raw)
+                continue
+            valid = {f.name for f in fields(sec_cls)}
+            for k in raw:
+                if k not in valid:
+                    close = difflib.get_close_matches(k, valid, n=1)
+                    raise ConfigError(f"unknown key {name}.{k}." + (f" Did you mean {name}.{close[0]}?" if close else "")
+                                      + f" Valid keys: {', '.join(sorted(valid))}")
+            _check_types(name, sec_cls, raw)
+            kw[name] = sec_cls(**raw)
+        return cls(**kw)
+
+
+def samples_per_prompt(sampler) -> int:
+    """Finished samples a sampler makes per prompt (its group size)."""
+    n = getattr(sampler, "samples_per_prompt", None)
+    return int(n() if callable(n) else n) if n is not None else int(sampler.group_size)
+
+
+_TYPES = {int: (int,), float: (int, float), bool: (bool,), str: (str,), dict: (dict,), list: (list,)}
+
+
+def _check_types(section: str, cls, raw: dict) -> None:
+    """Reject obviously wrong YAML types (a string where a number belongs, ...)."""
+    hints = {f.name: f.type for f in fields(cls)}
+    for k, v in raw.items():
+        t = hints[k]
+        t = {"int": int, "float": float, "bool": bool, "str": str, "dict": dict, "list": list}.get(t, None) if isinstance(t, str) else t
+        if t in _TYPES and v is not None:
+            ok = isinstance(v, _TYPES[t]) and not (t in (int, float) and isinstance(v, bool))
+            if not ok:
+                raise ConfigError(f"{section}.{k} must be {t.__name__}, got {v!r} ({type(v).__name__})")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"train.lr=3e-4"`` -> (["train", "lr"], 3e-4); values parse as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value, e.g. train.lr=3e-4")
+    key, val = text.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(f"override key {key!r} must be dotted, like train.lr or sampler.group_size")
+    return parts, (yaml.safe_load(val) if val.strip() else "")
+
+
+def apply_overrides(d: dict, overrides: list[str]) -> dict:
+    d = yaml.safe_load(yaml.safe_dump(d))  # deep copy
+    for o in overrides:
+        parts, v = parse_override(o)
+        cur = d
+        for p in parts[:-1]:
+            cur = cur.setdefault(p, {})
+            if not isinstance(cur, dict):
+                raise ConfigError(f"override {o!r}: {p} is not a section")
+        cur[parts[-1]] = v
+    return d
+
+
+def _fix_floats(d):
+    """PyYAML reads ``3e-4`` (no dot) as a string; turn such strings into floats."""
+    if isinstance(d, dict):
+        return {k: _fix_floats(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_fix_floats(v) for v in d]
+    if isinstance(d, str):
+        try:
+            return float(d) if any(c in d for c in "eE") and d.strip()[0] in "0123456789-+." else d
+        except ValueError:
+            return d
+    return d
+
+
+def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Recipe YAML (or defaults when ``path`` is None) + dotted overrides -> validated Config."""
+    d: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"recipe {str(path)!r} not found. Shipped recipes: "
+                              f"{', '.join(str(r) for r in shipped_recipes()) or '(none)'}")
+        try:
+            d = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"recipe {path} is not valid YAML: {e}") from None
+    d = _fix_floats(apply_overrides(d, overrides or []))
+    return Config.from_dict(d)
+
+
+def shipped_recipes() -> list[Path]:
+    root = Path(__file__).resolve().parents[2] / "recipes"
+    return sorted(root.glob("*.yaml")) if root.is_dir() else []
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,100 @@
+"""What is trained and how it is referenced: LoRA via peft, the adapter-disabled reference, EMA."""
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+
+
+def add_lora(transformer: nn.Module, rank: int, alpha: float, targets: Optional[list[str]] = None) -> None:
+    """Freeze ``transformer`` and add a LoRA adapter (peft, Gaussian init so B = 0: the policy
+    starts exactly at the base model)."""
+    from peft import LoraConfig
+
+    transformer.requires_grad_(False)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian",
+                     target_modules=list(targets or DEFAULT_LORA_TARGETS))
+    try:
+        transformer.add_adapter(cfg)
+    except ValueError as e:
+        raise ValueError(f"LoRA could not adapt modules {cfg.target_modules}: {e}. "
+                         f"Set train.lora_targets to module names of this model.") from None
+
+
+def has_lora(transformer: nn.Module) -> bool:
+    return any("lora_" in n for n, _ in transformer.named_parameters())
+
+
+def trainable_state(transformer: nn.Module) -> dict[str, torch.Tensor]:
+    """The trained tensors by name (LoRA weights, or every parameter in full fine-tuning)."""
+    return {n: p.detach().clone() for n, p in transformer.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state(transformer: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    params = dict(transformer.named_parameters())
+    missing = [n for n, p in params.items() if p.requires_grad and n not in state]
+    unexpected = [n for n in state if n not in params]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match this model/config: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]} (was it written with another lora_rank or pipeline?)")
+    with torch.no_grad():
+        for n, t in state.items():
+            if params[n].shape != t.shape:
+                raise ValueError(f"checkpoint tensor {n} has shape {tuple(t.shape)}, model has {tuple(params[n].shape)}")
+            params[n].copy_(t)
+
+
+class Reference:
+    """The KL reference: the same model with LoRA disabled (no second copy), or a frozen copy
+    when fine-tuning all weights."""
+
+    def __init__(self, transformer: nn.Module, need: bool):
+        self.transformer = transformer
+        self.copy = None
+        if need and not has_lora(transformer):
+            self.copy = copy.deepcopy(transformer).requires_grad_(False).eval()
+
+    @contextlib.contextmanager
+    def active(self, policy) -> Iterator[None]:
+        """Inside, ``policy.velocity`` evaluates the reference model."""
+        if self.copy is not None:
+            trained, policy.transformer = policy.transformer, self.copy
+            try:
+                yield
+            finally:
+                policy.transformer = trained
+        else:
+            self.transformer.disable_adapters()
+            try:
+                yield
+            finally:
+                self.transformer.enable_adapters()
+
+
+class EMA:
+    """Exponential moving average of the trained tensors (``ema <- d ema + (1 - d) theta``)."""
+
+    def __init__(self, transformer: nn.Module, decay: float):
+        self.decay = decay
+        self.shadow = trainable_state(transformer)
+
+    @torch.no_grad()
+    def update(self, transformer: nn.Module) -> None:
+        for n, p in transformer.named_parameters():
+            if n in self.shadow:
+                self.shadow[n].mul_(self.decay).add_(p.detach(), alpha=1 - self.decay)
+
+    @contextlib.contextmanager
+    def applied(self, transformer: nn.Module) -> Iterator[None]:
+        """Swap the EMA weights in for the duration (evaluation), then restore."""
+        backup = trainable_state(transformer)
+        load_trainable_state(transformer, self.shadow)
+        try:
+            yield
+        finally:
+            load_trainable_state(transformer, backup)
