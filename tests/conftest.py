@@ -41,3 +41,27 @@ class CountingPolicy:
 @pytest.fixture
 def counting():
     return CountingPolicy
+
+
+@pytest.fixture(scope="session")
+def tiny_digits_dir(tmp_path_factory):
+    """A random-init 1-layer digits model saved with save_pretrained (loaded by path in configs)."""
+    from diffusers import SD3Transformer2DModel
+
+    from flowrl.pipelines.digits import DigitsPolicy, DigitTextEncoder, tiny_transformer_config
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-digits")
+    DigitsPolicy(SD3Transformer2DModel(**{**tiny_transformer_config(), "num_layers": 1}),
+                 DigitTextEncoder()).save_pretrained(path)
+    return path
+
+
+def tiny_train_overrides(path, **extra) -> list[str]:
+    """Overrides that make the digits recipe run in seconds on a tiny model."""
+    base = {"model.path": str(path), "train.iterations": 3, "train.batch_size": 16, "sampler.group_size": 4,
+            "sampler.num_steps": 4, "train.minibatch_size": 16, "train.grad_accum": 2, "logging.eval_every": 2,
+            "logging.image_every": 2, "data.eval_seeds_per_prompt": 2, "logging.trackers": "[]",
+            "logging.progress": "false", "train.checkpoint_every": 1, "reward.heldout": "{}"}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]

@@ -1,5 +1,7 @@
 """Samplers: each returns a :class:`Rollout` of finished samples and trained transitions."""
 from .base import Rollout, Transitions, score_images
+from .branch import BranchSampler
 from .group import GroupSampler
+from .tempflow import TempFlowSampler
 
-__all__ = ["Rollout", "Transitions", "score_images", "GroupSampler"]
+__all__ = ["Rollout", "Transitions", "score_images", "GroupSampler", "TempFlowSampler", "BranchSampler"]

@@ -1,0 +1,249 @@
+"""Tree advantages (BranchGRPO, Li et al. 2025, arXiv 2509.06040; SPEC section 4). Pure functions.
+
+A tree is given by per-node tensors: ``parent`` [nodes] (-1 for a root), ``depth`` [nodes],
+``tree`` [nodes] (which prompt tree), ``edge_log_prob`` [nodes] (log-prob of the edge into
+the node, 0 for roots and deterministic edges) and ``leaf_node`` [L] (node of each leaf, leaf
+``l`` owns reward ``r_l``). :class:`flowrl.rollout.branch.BranchSampler` stores these in
+``Rollout.extras``; :func:`branch_structure` is the entry point of
+``flowrl.advantages.ADVANTAGES["branch"]``.
+
+Log-probs are the step functions' per-element means (``flowrl.sde``), so path sums are in
+nats per element, summed over edges.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .group import ADV_CLIP
+
+DEPTH_EPS = 1e-8      # A_d(n) = (rbar - mean_d) / (std_d + 1e-8)  (BranchGRPO public code)
+DEPTH_MIN_STD = 1e-6  # a depth whose std is below this carries no signal: A = 0
+FUSIONS = ("mean", "softmax")
+WIDTH_MODES = ("extremes", "parent_top1")
+
+
+def ancestor_pairs(parent: torch.Tensor, leaf_node: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every (node, leaf) pair with the node on the leaf's root path (the leaf itself included).
+
+    Returns ``(node [Q] long, leaf [Q] long)``, ``Q = sum over leaves of (depth + 1)``: the
+    leaf membership of every node, as a sparse list (memory O(L x depth), not O(nodes x L)).
+    """
+    nodes, leaves = [], []
+    cur, lid = leaf_node.long(), torch.arange(leaf_node.numel())
+    while cur.numel():
+        nodes.append(cur)
+        leaves.append(lid)
+        up = parent[cur]
+        keep = up >= 0
+        cur, lid = up[keep], lid[keep]
+    if not nodes:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    return torch.cat(nodes), torch.cat(leaves)
+
+
+def path_log_prob(parent: torch.Tensor, edge_log_prob: torch.Tensor) -> torch.Tensor:
+    """Summed edge log-probs from the root down to each node -> ``[nodes]`` float32."""
+    lp = edge_log_prob.float()
+    cum = lp.clone()
+    cur = parent.long().clone()
+    while (cur >= 0).any():
+        m = cur >= 0
+        cum[m] += lp[cur[m]]
+        cur[m] = parent[cur[m]]
+    return cum
+
+
+def fuse_rewards(leaf_rewards: torch.Tensor, parent: torch.Tensor, leaf_node: torch.Tensor,
+                 edge_log_prob: Optional[torch.Tensor] = None, beta_f: float = 0.0) -> torch.Tensor:
+    """Node rewards ``rbar(n) = sum_{l in leaves(n)} w_l r_l`` (BranchGRPO, arXiv 2509.06040).
+
+    ``w = softmax_l(beta_f * s_l)`` over the leaves below ``n``, ``s_l`` = summed edge
+    log-probs on the path from ``n`` down to ``l``. ``beta_f = 0``: the plain mean of the
+    leaf rewards; ``beta_f = 1``: path-probability weighting. ``s_l = P(l) - P(n)`` with ``P``
+    the root-to-node sum (:func:`path_log_prob`), and the softmax is shift-invariant, so one
+    root-to-leaf sum per leaf serves every ancestor.
+
+    Args:
+        leaf_rewards: ``[L]`` float32; non-finite rewards are left out of every average.
+        parent, leaf_node, edge_log_prob: the tree (module docstring); ``edge_log_prob`` may
+            be None when ``beta_f == 0``.
+    Returns:
+        ``[nodes]`` float32; NaN for a node without a finite leaf reward below it.
+    """
+    n = parent.numel()
+    r = leaf_rewards.float()
+    node, leaf = ancestor_pairs(parent, leaf_node)  # [Q], [Q]
+    ok = torch.isfinite(r[leaf])
+    node, leaf = node[ok], leaf[ok]
+    if beta_f != 0.0:
+        if edge_log_prob is None:
+            raise ValueError("softmax reward fusion (beta_f != 0) needs the edge log-probs")
+        cum = path_log_prob(parent, edge_log_prob)  # [nodes]
+        logit = beta_f * (cum[leaf_node[leaf]] - cum[node])  # [Q] beta_f * s_l, relative to n
+        top = torch.full((n,), -torch.inf).scatter_reduce(0, node, logit, reduce="amax", include_self=True)
+        w = torch.exp(logit - top[node])  # [Q], max weight 1 per node
+    else:
+        w = torch.ones(node.numel())  # [Q]
+    num = torch.zeros(n).index_add_(0, node, w * r[leaf])  # [nodes] sum_l w_l r_l
+    den = torch.zeros(n).index_add_(0, node, w)  # [nodes] sum_l w_l
+    return torch.where(den > 0, num / den.clamp(min=1e-30), torch.full_like(num, float("nan")))
+
+
+def depthwise_advantages(values: torch.Tensor, depth: torch.Tensor, tree: Optional[torch.Tensor] = None, *,
+                         eps: float = DEPTH_EPS, min_std: float = DEPTH_MIN_STD) -> tuple[torch.Tensor, torch.Tensor]:
+    """``A_d(n) = (rbar(n) - mean_d) / (std_d + eps)`` over the nodes of depth d of one tree.
+
+    (BranchGRPO, arXiv 2509.06040, depth-wise normalisation.) ``std_d`` is the unbiased std.
+    A depth with fewer than two finite values, or ``std_d < min_std``, gives A = 0 and is
+    marked degenerate (no signal); so does a node whose value is not finite.
+
+    Args:
+        values: ``[nodes]`` float32 node rewards (:func:`fuse_rewards`).
+        depth: ``[nodes]`` long; tree: ``[nodes]`` long tree id (None: one tree).
+    Returns:
+        ``(A [nodes] float32, degenerate [nodes] bool)``; A is not clipped here.
+    """
+    v = values.float()
+    tree = torch.zeros_like(depth) if tree is None else tree
+    key = tree.long() * (int(depth.max()) + 1 if depth.numel() else 1) + depth.long()
+    _, gid = torch.unique(key, return_inverse=True)  # [nodes] group of (tree, depth)
+    g = int(gid.max()) + 1 if gid.numel() else 0
+    ok = torch.isfinite(v)
+    vz = torch.where(ok, v, torch.zeros_like(v))
+    cnt = torch.zeros(g).index_add_(0, gid, ok.float())  # [G]
+    mean = torch.zeros(g).index_add_(0, gid, vz) / cnt.clamp(min=1)  # [G]
+    dev = torch.where(ok, v - mean[gid], torch.zeros_like(v))  # [nodes]
+    var = torch.zeros(g).index_add_(0, gid, dev * dev) / (cnt - 1).clamp(min=1)  # [G] unbiased
+    std = var.sqrt()  # [G]
+    good = (cnt >= 2) & (std >= min_std)  # [G]
+    degenerate = ~good[gid] | ~ok  # [nodes]
+    adv = torch.where(degenerate, torch.zeros_like(v), dev / (std[gid] + eps))  # [nodes]
+    return adv, degenerate
+
+
+def edge_advantages(node_adv: torch.Tensor, edge_node: torch.Tensor, clip: float = ADV_CLIP) -> torch.Tensor:
+    """Each edge takes its child node's advantage, clipped to ``+-clip`` -> ``[M]`` float32."""
+    return node_adv.float()[edge_node].clamp(-clip, clip)
+
+
+def ancestor_at_depth(parent: torch.Tensor, depth: torch.Tensor, nodes: torch.Tensor, d: int) -> torch.Tensor:
+    """The ancestor at depth ``d`` of each of ``nodes`` [M] (itself if at depth d; -1 if shallower)."""
+    cur = nodes.long().clone()
+    while True:
+        up = (cur >= 0) & (depth[cur.clamp(min=0)] > d)
+        if not up.any():
+            break
+        cur[up] = parent[cur[up]]
+    return torch.where((cur >= 0) & (depth[cur.clamp(min=0)] == d), cur, torch.full_like(cur, -1))
+
+
+def width_prune_mask(adv: torch.Tensor, step: torch.Tensor, group: torch.Tensor, last_split: int,
+                     keep_ratio: float, mode: str = "extremes") -> torch.Tensor:
+    """Width pruning (BranchGRPO, arXiv 2509.06040): which edges keep their gradient -> ``[M]`` bool.
+
+    Only edges whose step is after the last split (``step > last_split``) are pruned; the
+    rest are all kept. Among the region's edges of one ``(group, step)``, ``n`` of them,
+    ``k = max(1, round(n * keep_ratio))`` are kept:
+
+    * ``"extremes"`` (``group`` = tree): the ``ceil(k / 2)`` highest and ``floor(k / 2)``
+      lowest advantages (keep ratio 0.5: top and bottom quarter);
+    * ``"parent_top1"`` (``group`` = the node that branched at the last split): the ``k``
+      best children of each parent, i.e. the better child for K = 2 and ratio 0.5.
+
+    Ties are broken by edge order (deterministic). The default tree (T = 20, splits
+    (0, 3, 6, 9), K = 2) keeps ``218 - 80 = 138`` of its edges at ratio 0.5.
+    """
+    if mode not in WIDTH_MODES:
+        raise ValueError(f"unknown width_mode {mode!r}; choose one of {WIDTH_MODES}")
+    if not 0 < keep_ratio <= 1:
+        raise ValueError(f"width_keep_ratio must be in (0, 1], got {keep_ratio}")
+    keep = torch.ones(adv.shape[0], dtype=torch.bool)
+    region = torch.nonzero(step > last_split).flatten()  # [R]
+    if region.numel() == 0:
+        return keep
+    key = group[region].long() * (int(step.max()) + 1) + step[region].long()
+    _, gid = torch.unique(key, return_inverse=True)  # [R]
+    order = torch.argsort(-adv[region].float(), stable=True)  # best first
+    order = order[torch.argsort(gid[order], stable=True)]  # grouped, best first within a group
+    gs = gid[order]  # [R]
+    cnt = torch.bincount(gid)  # [G]
+    start = torch.cumsum(cnt, 0) - cnt  # [G]
+    rank = torch.arange(region.numel()) - start[gs]  # [R] 0 = best of its group
+    n = cnt[gs]
+    k = torch.clamp(torch.round(n.float() * keep_ratio).long(), min=1)
+    top = (k + 1) // 2 if mode == "extremes" else k
+    kept = (rank < top) | (rank >= n - (k - top))
+    keep[region[order]] = kept
+    return keep
+
+
+def depth_window_mask(edge_depth: torch.Tensor, num_depths: int, window: int, iteration: int = 0,
+                      slide_every: int = 30) -> tuple[torch.Tensor, int]:
+    """Depth pruning: train only edges whose child depth lies in a window of ``window`` depths.
+
+    Depths run ``1..num_depths`` (an edge of step i has child depth i + 1). The window starts
+    at depth 1 and slides by one every ``slide_every`` iterations, wrapping around after the
+    deepest position (SPEC section 4: 4 depths, one slide per 30 iterations).
+    Returns ``(mask [M] bool, first depth of the window)``.
+    """
+    if not isinstance(window, int) or not 1 <= window <= num_depths:
+        raise ValueError(f"depth_window must be an integer in [1, {num_depths}], got {window!r}")
+    if not isinstance(slide_every, int) or slide_every < 1:
+        raise ValueError(f"depth_slide_every must be a positive integer, got {slide_every!r}")
+    start = 1 + (int(iteration) // slide_every) % (num_depths - window + 1)
+    return (edge_depth >= start) & (edge_depth < start + window), start
+
+
+def branch_structure(rollout, *, iteration: int = 0, fusion: str = "mean", beta_f: Optional[float] = None,
+                     width_keep_ratio: Optional[float] = None, width_mode: str = "extremes",
+                     depth_window: Optional[int] = None, depth_slide_every: int = 30,
+                     **_: object) -> tuple[torch.Tensor, dict]:
+    """Advantages of a BranchSampler rollout: fuse, normalise per depth, map to edges, prune.
+
+    Args:
+        fusion: ``"mean"`` (``beta_f = 0``) or ``"softmax"`` (path-probability weights,
+            ``beta_f`` default 1.0, the paper's stable choice).
+        width_keep_ratio: None = no width pruning, else see :func:`width_prune_mask`.
+        depth_window: None = train all depths, else see :func:`depth_window_mask`.
+    Returns:
+        ``(A [M] float32, info)``; info: ``train_mask`` [M] bool (pruned edges False),
+        ``zero_var`` [M] bool (degenerate depth: A = 0) and floats ``zero_var_fraction``,
+        ``train_fraction``, ``trained_edges``, ``depth_window_start`` (0: no depth pruning).
+    """
+    if fusion not in FUSIONS:
+        raise ValueError(f"unknown fusion {fusion!r}; choose one of {FUSIONS}")
+    if fusion == "mean":
+        if beta_f not in (None, 0, 0.0):
+            raise ValueError(f"fusion='mean' ignores beta_f, got beta_f={beta_f}; use fusion='softmax'")
+        beta = 0.0
+    else:
+        beta = 1.0 if beta_f is None else float(beta_f)
+    ex = rollout.extras
+    missing = {"node_parent", "node_depth", "node_tree", "node_log_prob", "leaf_node", "edge_node"} - set(ex)
+    if missing:
+        raise ValueError(f"rollout.extras lacks {sorted(missing)}: structure 'branch' needs a BranchSampler rollout")
+    parent, depth, edge_node = ex["node_parent"], ex["node_depth"], ex["edge_node"]
+    rbar = fuse_rewards(rollout.rewards, parent, ex["leaf_node"], ex["node_log_prob"], beta)  # [nodes]
+    node_adv, degenerate = depthwise_advantages(rbar, depth, ex["node_tree"])  # [nodes]
+    adv = edge_advantages(node_adv, edge_node)  # [M]
+    zero_var = degenerate[edge_node]  # [M]
+    step = rollout.transitions.step  # [M]
+    mask = torch.ones(adv.shape[0], dtype=torch.bool)
+    if width_keep_ratio is not None:
+        last = max(ex["split_steps"])
+        group = ex["node_tree"][edge_node]
+        if width_mode == "parent_top1":
+            group = ancestor_at_depth(parent, depth, edge_node, last)
+        mask &= width_prune_mask(adv, step, group, last, float(width_keep_ratio), width_mode)
+    start = 0
+    if depth_window is not None:
+        dmask, start = depth_window_mask(depth[edge_node], int(ex["num_steps"]), depth_window, iteration,
+                                         depth_slide_every)
+        mask &= dmask
+    m = max(adv.shape[0], 1)
+    info = {"train_mask": mask, "zero_var": zero_var,
+            "zero_var_fraction": zero_var.float().sum().item() / m, "train_fraction": mask.float().sum().item() / m,
+            "trained_edges": float(mask.sum().item()), "depth_window_start": float(start)}
+    return adv, info

@@ -1,0 +1,37 @@
+import torch
+
+from flowrl.advantages import combine_component_advantages, group_advantages
+
+
+def test_group_advantages_hand_computed():
+    r = torch.tensor([1.0, 2.0, 3.0, 5.0, 5.0, 5.0])
+    g = torch.tensor([0, 0, 0, 1, 1, 1])
+    a, zero = group_advantages(r, g)
+    std = torch.tensor([1.0, 2.0, 3.0]).std(unbiased=False)
+    assert torch.allclose(a[:3], (torch.tensor([1.0, 2.0, 3.0]) - 2) / (std + 1e-4))
+    assert torch.all(a[3:] == 0) and zero.tolist() == [False] * 3 + [True] * 3
+
+
+def test_global_std_and_clip():
+    r = torch.tensor([0.0, 1.0, 0.0, 100.0])
+    g = torch.tensor([0, 0, 1, 1])
+    a, _ = group_advantages(r, g, global_std=True)
+    gstd = r.std(unbiased=False)
+    assert torch.allclose(a[:2], torch.tensor([-0.5, 0.5]) / (gstd + 1e-4))
+    a2, _ = group_advantages(r, g)
+    assert a2.abs().max() <= 5.0
+
+
+def test_nan_rewards_ignored():
+    r = torch.tensor([1.0, float("nan"), 3.0, float("nan"), float("nan")])
+    g = torch.tensor([0, 0, 0, 1, 1])
+    a, zero = group_advantages(r, g)
+    assert a[1] == 0 and torch.isfinite(a).all()
+    assert a[0] < 0 < a[2] and zero.tolist() == [False, False, False, True, True]
+
+
+def test_per_reward_normalisation():
+    comps = {"a": torch.tensor([0.0, 1.0]), "b": torch.tensor([0.0, 100.0])}
+    a, _ = combine_component_advantages(comps, {"a": 1.0, "b": 1.0}, torch.tensor([0, 0]))
+    # each reward contributes +-1 (before its +1e-4), whatever its scale
+    assert torch.allclose(a, torch.tensor([-2.0, 2.0]), atol=1e-3)

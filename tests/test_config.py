@@ -1,0 +1,72 @@
+from pathlib import Path
+
+import pytest
+
+from flowrl.trainers.config import Config, ConfigError, load_config, parse_override, shipped_recipes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_shipped_recipe_loads():
+    recipes = shipped_recipes()
+    assert ROOT / "recipes" / "digits.yaml" in recipes
+    for r in recipes:
+        cfg = load_config(r)
+        assert isinstance(cfg, Config)
+        assert cfg.train.batch_size % cfg.prompts_per_iteration == 0
+
+
+def test_overrides_apply_with_types():
+    cfg = load_config(ROOT / "recipes/digits.yaml", ["train.lr=3e-4", "sampler.group_size=4", "train.batch_size=40",
+                                                     "reward.weights={digits: 1.0, jpeg_compressibility: 0.1}"])
+    assert cfg.train.lr == pytest.approx(3e-4) and isinstance(cfg.train.lr, float)
+    assert cfg.sampler.options["group_size"] == 4
+    assert cfg.prompts_per_iteration == 10
+    assert cfg.reward.weights == {"digits": 1.0, "jpeg_compressibility": 0.1}
+
+
+def test_round_trip_to_dict():
+    cfg = load_config(ROOT / "recipes/digits.yaml")
+    again = Config.from_dict(cfg.to_dict())
+    assert again.to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["train.lrr=1e-3"], r"unknown key train\.lrr.*Did you mean train\.lr"),
+    (["trian.lr=1e-3"], r"unknown section 'trian'.*Did you mean 'train'"),
+    (["sampler.group_sise=4"], r"sampler\.group_sise.*Did you mean sampler\.group_size"),
+    (["sampler.name=grop"], r"unknown sampler 'grop'.*Did you mean 'group'"),
+    (["reward.weights={pickscor: 1.0}"], r"unknown reward 'pickscor'"),
+    (["model.pipeline=sdxl"], r"unknown pipeline 'sdxl'"),
+    (["sampler.group_size=1"], r"group_size must be an integer >= 2"),
+    (["train.batch_size=30"], r"not a multiple of the sampler's 8 samples per prompt"),
+    (["train.batch_size=0"], r"train\.batch_size must be a positive integer"),
+    (["train.lr=-1"], r"train\.lr must be a positive number"),
+    (["train.lr=fast"], r"train\.lr must be float"),
+    (["sampler.step=ddim"], r"unknown step type 'ddim'"),
+    (["train.mixed_precision=fp8"], r"mixed_precision"),
+    (["lr=1"], r"must be dotted"),
+    (["train.lr"], r"must look like section\.key=value"),
+    (["model.guidance_scale=0.5"], r"guidance_scale must be >= 1.0"),
+    (["logging.trackers=[mlflow]"], r"unknown \['mlflow'\]"),
+])
+def test_bad_config_errors_name_the_key(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(ROOT / "recipes/digits.yaml", overrides)
+
+
+def test_missing_recipe_lists_shipped(tmp_path):
+    with pytest.raises(ConfigError, match="digits.yaml"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_invalid_yaml(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(p)
+
+
+def test_parse_override_yaml_values():
+    assert parse_override("a.b=[1, 2]") == (["a", "b"], [1, 2])
+    assert parse_override("a.b=true") == (["a", "b"], True)
