@@ -46,7 +46,7 @@ def _eval(a) -> int:
 def _make_tiny(a) -> int:
     from flowrl.pipelines.tiny import make_tiny
 
-    print(make_tiny(a.kind, a.out))
+    print(make_tiny(a.kind, a.out, overwrite=a.overwrite))
     return 0
 
 
@@ -94,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=_eval)
 
     m = sub.add_parser("make-tiny", help="write a tiny random-weight SD3 or FLUX pipeline (offline smoke tests)")
-    m.add_argument("kind", choices=["sd3", "flux"])
+    m.add_argument("kind", choices=["sd3", "flux", "flux-schnell"])
     m.add_argument("out")
+    m.add_argument("--overwrite", action="store_true", help="replace an existing directory")
     m.set_defaults(fn=_make_tiny)
     return p
 

@@ -1,0 +1,103 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_train_overrides
+from flowrl.trainers.checkpoint import list_checkpoints
+from flowrl.trainers.config import ConfigError, load_config
+from flowrl.trainers.online import OnlineTrainer, TrainingStopped, train
+
+RECIPE = "recipes/digits.yaml"
+
+
+def _cfg(path, **extra):
+    return load_config(RECIPE, tiny_train_overrides(path, **extra))
+
+
+def _weights(run):
+    return load_file(str(list_checkpoints(run / "checkpoints")[-1] / "trainable.safetensors"))
+
+
+def test_few_steps_change_lora_and_log(tiny_digits_dir, tmp_path):
+    run = tmp_path / "run"
+    summary = train(_cfg(tiny_digits_dir, **{"train.lr": 1e-2}), run)
+    w = _weights(run)
+    assert w and all("lora" in k for k in w)
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in w.items())  # B starts at 0
+    recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    train_recs = [r for r in recs if "reward_mean" in r]
+    assert [r["iteration"] for r in train_recs] == [0, 1, 2]
+    for r in train_recs:
+        assert all(k in r for k in ("loss", "kl", "clip_fraction", "zero_var_fraction", "rollout_seconds",
+                                    "reward_seconds", "update_seconds", "reward_std"))
+        assert torch.isfinite(torch.tensor(r["loss"]))
+    assert abs(train_recs[0]["ratio_mean"] - 1) < 1e-4  # first update: new == old policy
+    assert summary["iterations_done"] == 3
+    for f in ("reward_curve.png", "before_after.png", "summary.json", "config.yaml"):
+        assert (run / f).exists(), f
+    assert any("real/hf_energy" in r for r in recs)
+
+
+def test_exact_resume(tiny_digits_dir, tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(_cfg(tiny_digits_dir, **{"train.iterations": 4, "train.lr": 1e-2}), full)
+    train(_cfg(tiny_digits_dir, **{"train.iterations": 2, "train.lr": 1e-2}), part)
+    train(_cfg(tiny_digits_dir, **{"train.iterations": 4, "train.lr": 1e-2}), part, resume=True)
+    a, b = _weights(full), _weights(part)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    its = [json.loads(l)["iteration"] for l in (part / "metrics.jsonl").read_text().splitlines()
+           if "reward_mean" in l]
+    assert its == [0, 1, 2, 3]  # no duplicated iterations after resume
+
+
+def test_output_dir_holding_another_run(tiny_digits_dir, tmp_path):
+    run = tmp_path / "run"
+    train(_cfg(tiny_digits_dir, **{"train.iterations": 1}), run)
+    with pytest.raises(ConfigError, match="already holds a run.*--resume"):
+        OnlineTrainer(_cfg(tiny_digits_dir), run)
+    with pytest.raises(ConfigError, match=r"train\.lr"):
+        OnlineTrainer(_cfg(tiny_digits_dir, **{"train.lr": 0.5}), run, resume=True)
+
+
+def test_nan_reward_does_not_touch_weights(tiny_digits_dir, tmp_path):
+    from flowrl import rewards
+
+    class NaNReward:
+        name = "nan_reward"
+
+        def __init__(self):
+            pass
+
+        def __call__(self, images, prompts, **meta):
+            return torch.full((images.shape[0],), float("nan"))
+
+    rewards.register("nan_reward", NaNReward)
+    run = tmp_path / "run"
+    train(_cfg(tiny_digits_dir, **{"reward.weights": "{nan_reward: 1.0}", "train.iterations": 2}), run)
+    w = _weights(run)
+    assert all(torch.all(v == 0) for k, v in w.items() if "lora_B" in k)  # nothing trained
+    recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if "reward_mean" in l]
+    assert all(r["nonfinite_rewards"] == 16 and r["zero_var_fraction"] == 1.0 for r in recs)
+
+
+def test_nonfinite_loss_skips_then_stops(tiny_digits_dir, tmp_path, monkeypatch):
+    import flowrl.trainers.online as online
+
+    real = online.grpo_clipped_loss
+
+    def nan_loss(*a, **k):
+        loss, stats = real(*a, **k)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(online, "grpo_clipped_loss", nan_loss)
+    run = tmp_path / "run"
+    with pytest.raises(TrainingStopped, match="non-finite"):
+        train(_cfg(tiny_digits_dir, **{"train.max_consecutive_skips": 2, "train.iterations": 5}), run)
+    ck = list_checkpoints(run / "checkpoints")
+    assert ck  # checkpoints before the stop are intact
+    w = load_file(str(ck[-1] / "trainable.safetensors"))
+    assert all(torch.all(v == 0) for k, v in w.items() if "lora_B" in k)  # no NaN step was applied
