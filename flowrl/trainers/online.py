@@ -131,11 +131,6 @@ class OnlineTrainer:
                                project_config=ProjectConfiguration(project_dir=str(self.run_dir),
                                                                    logging_dir=str(self.run_dir / "logs")))
         device = self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.acc.is_main_process:
-            tmp = self.run_dir / "config.yaml.tmp"
-            tmp.write_text(dump_config(cfg))
-            os.replace(tmp, self.run_dir / "config.yaml")
         from flowrl.data import load_prompts
 
         self.prompts = load_prompts(cfg.data.prompts)
@@ -168,7 +163,11 @@ class OnlineTrainer:
         self.opt_steps = self.skipped = self.consecutive_skips = 0
         if self.resume:
             self._load_latest()
-        if self.acc.is_main_process:
+        if self.acc.is_main_process:  # the run dir is claimed only once everything loaded
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.run_dir / "config.yaml.tmp"
+            tmp.write_text(dump_config(cfg))
+            os.replace(tmp, self.run_dir / "config.yaml")
             self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", resume_from=self.start_iteration)
             if trackers:
                 self.acc.init_trackers(cfg.logging.project, config={k: str(v) for k, v in _flat(cfg.to_dict()).items()})

@@ -1,7 +1,5 @@
-"""Losses, one function each (SPEC sections 2-3). Shapes in docstrings; all float32."""
+"""GRPO-family losses (SPEC sections 2-3): the clipped surrogate and the KL to the reference."""
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 
@@ -38,5 +36,3 @@ def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tenso
     safe = torch.where(std > 0, std, torch.ones_like(std))
     return torch.where(std > 0, d2 / (2 * safe**2), torch.zeros_like(d2))
 
-
-LOSSES: dict[str, Callable] = {"grpo": grpo_clipped_loss}

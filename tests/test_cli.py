@@ -1,0 +1,35 @@
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "flowrl", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("override,match", [
+    ("train.lrr=1", "Did you mean train.lr"),
+    ("sampler.name=nope", "unknown sampler"),
+    ("reward.weights={nope: 1}", "unknown reward"),
+])
+def test_bad_input_fails_fast_with_clear_message(tmp_path, override, match):
+    # model.path points nowhere: the error must come from the config, before any model loads
+    r = run("train", "--config", "recipes/digits.yaml", "--output-dir", str(tmp_path / "run"),
+            f"model.path={tmp_path / 'missing'}", override)
+    assert r.returncode == 2, r.stderr
+    assert match in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_model_path(tmp_path):
+    r = run("train", "--config", "recipes/digits.yaml", "--output-dir", str(tmp_path / "run"),
+            f"model.path={tmp_path / 'missing'}", "logging.trackers=[]")
+    assert r.returncode == 2 and "flowrl pretrain-digits" in r.stderr
+    assert not (tmp_path / "run" / "config.yaml").exists()  # a failed start claims no run dir
+
+
+def test_help_lists_verbs():
+    r = run("--help")
+    for verb in ("train", "pretrain-digits", "sample", "eval", "make-tiny"):
+        assert verb in r.stdout
