@@ -101,3 +101,20 @@ def test_nonfinite_loss_skips_then_stops(tiny_digits_dir, tmp_path, monkeypatch)
     assert ck  # checkpoints before the stop are intact
     w = load_file(str(ck[-1] / "trainable.safetensors"))
     assert all(torch.all(v == 0) for k, v in w.items() if "lora_B" in k)  # no NaN step was applied
+
+
+@pytest.mark.parametrize("recipe,extra", [
+    ("recipes/digits_branch.yaml", {"sampler.num_steps": 4, "sampler.split_steps": "[0, 1]", "train.batch_size": 8,
+                                    "sampler.group_size": None}),
+    ("recipes/digits_tempflow.yaml", {"sampler.num_steps": 3, "sampler.branch_steps": "[0, 1]",
+                                      "sampler.branches": 2, "sampler.seeds_per_prompt": 2, "train.batch_size": 8,
+                                      "sampler.group_size": None}),
+])
+def test_tree_and_tempflow_samplers_train(tiny_digits_dir, tmp_path, recipe, extra):
+    ov = [o for o in tiny_train_overrides(tiny_digits_dir, **{"train.lr": 1e-2, "train.iterations": 2, **extra})
+          if not o.startswith("sampler.group_size")]
+    run = tmp_path / "run"
+    train(load_config(recipe, ov), run)
+    recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if "reward_mean" in l]
+    assert len(recs) == 2 and all(r["transitions_trained"] > 0 for r in recs)
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in _weights(run).items())

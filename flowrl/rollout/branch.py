@@ -149,6 +149,11 @@ class BranchSampler:
     def num_leaves(self) -> int:
         return self.branch_factor ** len(self.split_steps)
 
+    @property
+    def samples_per_prompt(self) -> int:
+        """Finished samples (leaves) per prompt: the trainer's batch unit."""
+        return self.num_leaves
+
     def sde_steps(self, iteration: int = 0) -> list[int]:
         """Stochastic (stored) steps at this iteration: all in mode "sde"; splits + window in "mix"."""
         if self.mode == "sde":

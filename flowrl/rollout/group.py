@@ -63,6 +63,11 @@ class GroupSampler:
         if self.max_batch is not None and self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 or None, got {self.max_batch}")
 
+    @property
+    def samples_per_prompt(self) -> int:
+        """Finished samples per prompt: the trainer's batch unit."""
+        return self.group_size
+
     def sde_steps(self, iteration: int = 0) -> list[int]:
         """Steps that inject noise at this training iteration."""
         if self.sde_window is None:

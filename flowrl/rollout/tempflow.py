@@ -136,6 +136,11 @@ class TempFlowSampler:
         """Samples (= stored transitions) of a rollout: ``P S E |B|``."""
         return num_prompts * self.seeds_per_prompt * self.branches * len(self.branch_steps)
 
+    @property
+    def samples_per_prompt(self) -> int:
+        """Finished samples (completions) per prompt: the trainer's batch unit."""
+        return self.num_completions(1)
+
     # --- sampling --------------------------------------------------------------------------
     @torch.no_grad()
     def __call__(self, policy: FlowPolicy, prompts: list[str], reward: Optional[RewardFn] = None,

@@ -258,8 +258,7 @@ class Config:
 
 def samples_per_prompt(sampler) -> int:
     """Finished samples a sampler makes per prompt (its group size)."""
-    n = getattr(sampler, "samples_per_prompt", None)
-    return int(n() if callable(n) else n) if n is not None else int(sampler.group_size)
+    return int(sampler.samples_per_prompt)
 
 
 _TYPES = {int: (int,), float: (int, float), bool: (bool,), str: (str,), dict: (dict,), list: (list,)}
