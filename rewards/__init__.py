@@ -16,6 +16,13 @@ REGISTRY: dict[str, str] = {
     "digits": "flowrl.rewards.digits:DigitsReward",
     "jpeg_compressibility": "flowrl.rewards.compress:JpegCompressibility",
     "jpeg_incompressibility": "flowrl.rewards.compress:JpegIncompressibility",
+    "pickscore": "flowrl.rewards.pickscore:PickScore",
+    "clipscore": "flowrl.rewards.clip:CLIPScore",
+    "aesthetic": "flowrl.rewards.aesthetic:LaionAesthetic",
+    "hps": "flowrl.rewards.hps:HPSv21",
+    "imagereward": "flowrl.rewards.imagereward:ImageReward",
+    "ocr": "flowrl.rewards.ocr:OCRReward",
+    "vlm_judge": "flowrl.rewards.vlm:VLMJudge",
 }
 
 

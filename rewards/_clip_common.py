@@ -1,0 +1,266 @@
+"""Shared plumbing for the model-based rewards (CLIP family, HPS, ImageReward, aesthetic).
+
+One job each: lazy imports with install hints, input checks, tensor preprocessing that
+mirrors the peers' image processors, weight-file loading, the LAION-style linear MLP head,
+and a transformers CLIP wrapper that returns unit-norm image/text embeddings.
+
+Preprocessing runs on tensors on the reward's device (no PIL round trip), so it is batched
+and differentiable; it matches the PIL-based processors up to resampling differences
+(antialiased bicubic in torch vs PIL), which the tests bound.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# OpenAI CLIP statistics (also used by BLIP / ImageReward and open_clip's ViT-H-14)
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+DTypeLike = Union[str, torch.dtype]
+
+
+def require(module: str, install: str):
+    """Import ``module`` or raise an ImportError saying ``pip install <install>``."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"this reward needs the Python package {module!r}: pip install {install}") from e
+
+
+def resolve_dtype(dtype: DTypeLike) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if dtype not in names:
+        raise ValueError(f"dtype must be one of {sorted(names)} or a torch.dtype, got {dtype!r}")
+    return names[dtype]
+
+
+def check_inputs(images: torch.Tensor, prompts: Sequence[str], name: str) -> None:
+    """``images`` must be ``[B, 3, H, W]`` with B prompts."""
+    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
+        shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+        raise ValueError(f"{name} reward expects images [B, 3, H, W] in [0, 1], got {shape}")
+    if len(prompts) != images.shape[0]:
+        raise ValueError(f"{name} reward got {images.shape[0]} images but {len(prompts)} prompts")
+
+
+def chunks(n: int, size: int) -> Iterator[slice]:
+    """Slices covering ``range(n)`` in pieces of at most ``size``."""
+    if size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {size}")
+    for start in range(0, n, size):
+        yield slice(start, min(start + size, n))
+
+
+# ---------------------------------------------------------------- preprocessing on tensors
+def resize_shortest_edge(images: torch.Tensor, size: int, mode: str = "bicubic") -> torch.Tensor:
+    """``[B, 3, H, W]`` -> shorter side ``size``, aspect kept (HF ``shortest_edge`` rounding)."""
+    h, w = images.shape[-2:]
+    short, long = (h, w) if h <= w else (w, h)
+    new_long = int(size * long / short)
+    nh, nw = (size, new_long) if h <= w else (new_long, size)
+    if (nh, nw) == (h, w):
+        return images
+    return F.interpolate(images, size=(nh, nw), mode=mode, antialias=True, align_corners=False).clamp(0, 1)
+
+
+def center_crop(images: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """torchvision ``CenterCrop`` offsets; the image must be at least the crop size."""
+    h, w = images.shape[-2:]
+    if h < height or w < width:
+        raise ValueError(f"cannot center-crop {h}x{w} images to {height}x{width}")
+    top, left = int(round((h - height) / 2.0)), int(round((w - width) / 2.0))
+    return images[..., top:top + height, left:left + width]
+
+
+def resize_longest_pad(images: torch.Tensor, size: int, mode: str = "bicubic", fill: float = 0.0) -> torch.Tensor:
+    """HPS-v2's ``ResizeMaxSize``: longer side -> ``size``, then pad (``fill``) to a centred square."""
+    h, w = images.shape[-2:]
+    scale = size / float(max(h, w))
+    nh, nw = round(h * scale), round(w * scale)
+    out = images
+    if (nh, nw) != (h, w):
+        out = F.interpolate(images, size=(nh, nw), mode=mode, antialias=True, align_corners=False).clamp(0, 1)
+    ph, pw = size - nh, size - nw
+    return F.pad(out, (pw // 2, pw - pw // 2, ph // 2, ph - ph // 2), value=fill)
+
+
+_PIL_RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL.Image.Resampling values -> torch modes
+
+
+@dataclass
+class ImageTransform:
+    """Resize + crop (or pad) + normalise, on ``[B, 3, H, W]`` tensors in [0, 1].
+
+    ``resize="shortest"``: shorter side -> ``size`` then centre crop ``crop`` (CLIP processors,
+    open_clip and BLIP val transforms). ``resize="longest_pad"``: HPS-v2's ResizeMaxSize.
+    """
+
+    size: int
+    crop: Optional[tuple[int, int]] = None
+    mean: Sequence[float] = CLIP_MEAN
+    std: Sequence[float] = CLIP_STD
+    mode: str = "bicubic"
+    resize: str = "shortest"
+
+    def __post_init__(self):
+        if self.resize not in ("shortest", "longest_pad"):
+            raise ValueError(f"resize must be 'shortest' or 'longest_pad', got {self.resize!r}")
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.float().clamp(0, 1)  # [B, 3, H, W]
+        if self.resize == "longest_pad":
+            x = resize_longest_pad(x, self.size, self.mode)  # [B, 3, S, S]
+        else:
+            x = resize_shortest_edge(x, self.size, self.mode)  # [B, 3, >=S, >=S]
+            if self.crop is not None:
+                x = center_crop(x, *self.crop)  # [B, 3, h, w]
+        mean = torch.tensor(self.mean, device=x.device).view(1, 3, 1, 1)
+        std = torch.tensor(self.std, device=x.device).view(1, 3, 1, 1)
+        return (x - mean) / std
+
+    @classmethod
+    def from_hf(cls, processor) -> "ImageTransform":
+        """From a transformers CLIP-style image processor (``size``, ``crop_size``, mean/std)."""
+        size = processor.size
+        if "shortest_edge" in size:
+            short = int(size["shortest_edge"])
+        elif "height" in size and size["height"] == size.get("width"):
+            short = int(size["height"])
+        else:
+            raise ValueError(f"unsupported image processor size {size!r}: expected shortest_edge or a square")
+        crop = None
+        if getattr(processor, "do_center_crop", False) and getattr(processor, "crop_size", None):
+            crop = (int(processor.crop_size["height"]), int(processor.crop_size["width"]))
+        resample = getattr(processor, "resample", 3)
+        mode = _PIL_RESAMPLE.get(int(resample), "bicubic") if resample is not None else "bicubic"
+        return cls(size=short, crop=crop, mean=tuple(processor.image_mean), std=tuple(processor.image_std), mode=mode)
+
+
+# ---------------------------------------------------------------- weights
+def load_weights(path: Union[str, Path], what: str, hint: str) -> dict[str, torch.Tensor]:
+    """A state dict from ``.safetensors`` or a torch pickle (``weights_only``), unwrapping
+    ``{"state_dict": ...}`` / ``{"model": ...}`` and a DDP ``module.`` prefix."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"{what}: no file at {str(p)!r}. {hint}")
+    if p.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        sd = load_file(str(p))
+    else:
+        try:
+            sd = torch.load(str(p), map_location="cpu", weights_only=True)
+        except Exception as e:  # pickle with arbitrary objects: refuse rather than execute it
+            raise ValueError(f"{what}: {str(p)!r} is not a plain tensor state dict ({e}); "
+                             "re-save it with torch.save(state_dict) or as .safetensors") from e
+    for key in ("state_dict", "model"):
+        if isinstance(sd, Mapping) and key in sd and isinstance(sd[key], Mapping):
+            sd = sd[key]
+    if not isinstance(sd, Mapping):
+        raise ValueError(f"{what}: {str(p)!r} holds a {type(sd).__name__}, expected a state dict")
+    return {(k[len("module."):] if k.startswith("module.") else k): v for k, v in sd.items()}
+
+
+def from_pretrained(load: Callable, path_or_id: str, what: str, **kwargs):
+    """``load(path_or_id)`` with an error that says what to pass when nothing is found."""
+    try:
+        return load(path_or_id, **kwargs)
+    except OSError as e:
+        raise OSError(
+            f"could not load the {what} from {path_or_id!r}: pass a local directory made with "
+            f"save_pretrained(), or a Hugging Face id already in the local cache (downloads are "
+            f"off when HF_HUB_OFFLINE=1). Cause: {e}"
+        ) from e
+
+
+# ---------------------------------------------------------------- heads
+class LinearMLPHead(nn.Module):
+    """The improved-aesthetic-predictor MLP (also ImageReward's): five Linear layers with
+    dropout and *no* activations, ``in_dim -> 1024 -> 128 -> 64 -> 16 -> 1``.
+
+    ``layers.{0,2,4,6,7}`` are the Linear indices of the published state dicts.
+    """
+
+    def __init__(self, in_dim: int):
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(in_dim, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
+            nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x).squeeze(-1)  # [B]
+
+    @classmethod
+    def from_state_dict(cls, sd: Mapping[str, torch.Tensor], what: str) -> "LinearMLPHead":
+        if "layers.0.weight" not in sd:
+            raise ValueError(f"{what}: expected MLP keys 'layers.0.weight' ... 'layers.7.bias', got {sorted(sd)[:6]}")
+        head = cls(int(sd["layers.0.weight"].shape[1]))
+        head.load_state_dict(dict(sd), strict=True)
+        return head
+
+
+# ---------------------------------------------------------------- transformers CLIP
+class HFClip:
+    """A transformers ``CLIPModel`` plus its processor's preprocessing, as unit-norm embeddings.
+
+    ``model`` and ``processor`` are ``from_pretrained`` paths or ids (PickScore keeps its
+    processor in a different repository than its weights). ``text=False`` skips the tokenizer.
+    """
+
+    def __init__(self, model: str, processor: Optional[str] = None, device: str = "cpu",
+                 dtype: DTypeLike = "float32", text: bool = True):
+        transformers = require("transformers", "transformers")
+        self.device, self.dtype = torch.device(device), resolve_dtype(dtype)
+        src = processor or model
+        self.model = from_pretrained(transformers.CLIPModel.from_pretrained, model, "CLIP model")
+        self.model = self.model.eval().requires_grad_(False).to(self.device, self.dtype)
+        image_processor = from_pretrained(transformers.CLIPImageProcessor.from_pretrained, src, "CLIP image processor")
+        self.transform = ImageTransform.from_hf(image_processor)
+        self.tokenizer = None
+        if text:
+            self.tokenizer = from_pretrained(transformers.AutoTokenizer.from_pretrained, src, "CLIP tokenizer")
+        self.max_length = min(int(self.tokenizer.model_max_length) if text else 77,
+                              int(self.model.config.text_config.max_position_embeddings))
+
+    @torch.no_grad()
+    def embed_images(self, images: torch.Tensor) -> torch.Tensor:
+        """``[B, 3, H, W]`` in [0, 1] -> unit image embeddings ``[B, D]`` (on the model device)."""
+        pixels = self.transform(images.to(self.device)).to(self.dtype)  # [B, 3, S, S]
+        pooled = self.model.vision_model(pixel_values=pixels).pooler_output  # [B, Dv]
+        emb = self.model.visual_projection(pooled).float()  # [B, D]
+        return F.normalize(emb, dim=-1)
+
+    @torch.no_grad()
+    def embed_texts(self, prompts: Sequence[str]) -> torch.Tensor:
+        """Prompts -> unit text embeddings ``[B, D]``; truncated to the model's 77 tokens."""
+        if self.tokenizer is None:
+            raise RuntimeError("this HFClip was built with text=False")
+        tok = self.tokenizer(list(prompts), padding=True, truncation=True, max_length=self.max_length,
+                             return_tensors="pt").to(self.device)
+        out = self.model.text_model(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"])
+        emb = self.model.text_projection(out.pooler_output).float()  # [B, D]
+        return F.normalize(emb, dim=-1)
+
+    @property
+    def logit_scale(self) -> torch.Tensor:
+        return self.model.logit_scale.detach().float().exp()
+
+
+def scaled_cosine(clip: HFClip, images: torch.Tensor, prompts: Sequence[str], batch_size: int) -> torch.Tensor:
+    """``logit_scale * cos(image_i, text_i)`` per pair, float32 [B] on CPU (CLIP's logits diagonal)."""
+    out = []
+    for s in chunks(images.shape[0], batch_size):
+        cos = (clip.embed_images(images[s]) * clip.embed_texts(prompts[s])).sum(-1)  # [b]
+        out.append((clip.logit_scale * cos).cpu())
+    return torch.cat(out).float()

@@ -1,0 +1,44 @@
+"""``aesthetic``: the LAION aesthetic predictor v2 (improved-aesthetic-predictor, Schuhmann 2022).
+
+reward = ``MLP(unit CLIP ViT-L/14 image embedding)``, unnormalised, on the LAION 1-10 rating
+scale (SD-class images score about 5-6.5), exactly as DDPO and Flow-GRPO's
+``aesthetic_scorer.py`` use it. The prompt is ignored.
+
+Weights: CLIP ``openai/clip-vit-large-patch14`` (transformers ``CLIPModel``, ``from_pretrained``
+path or cached id) and the head file ``sac+logos+ava1-l14-linearMSE.pth`` from
+christophschuhmann/improved-aesthetic-predictor, passed as ``head`` (no download happens here).
+"""
+from __future__ import annotations
+
+import torch
+
+from ._clip_common import DTypeLike, HFClip, LinearMLPHead, check_inputs, chunks, load_weights
+
+HEAD_HINT = ("Pass head='/path/to/sac+logos+ava1-l14-linearMSE.pth' (the LAION improved-aesthetic-predictor "
+             "MLP; .safetensors works too).")
+
+
+class LaionAesthetic:
+    """Aesthetic score of each image (1-10 scale); float32 [B] on CPU."""
+
+    name = "aesthetic"
+
+    def __init__(self, head: str, clip: str = "openai/clip-vit-large-patch14", device: str = "cpu",
+                 dtype: DTypeLike = "float32", batch_size: int = 32):
+        if not head:
+            raise ValueError(f"the aesthetic reward needs its MLP head file. {HEAD_HINT}")
+        sd = load_weights(head, "aesthetic head", HEAD_HINT)  # fail fast, before loading CLIP
+        self.head = LinearMLPHead.from_state_dict(sd, "aesthetic head")
+        self.clip = HFClip(clip, device=device, dtype=dtype, text=False)
+        dim = self.clip.model.config.projection_dim
+        if self.head.layers[0].in_features != dim:
+            raise ValueError(f"aesthetic head expects {self.head.layers[0].in_features}-d embeddings but the CLIP "
+                             f"model gives {dim}-d: the LAION head goes with CLIP ViT-L/14 (768-d)")
+        self.head = self.head.eval().requires_grad_(False).to(self.clip.device)
+        self.batch_size = int(batch_size)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: list[str], **meta) -> torch.Tensor:
+        check_inputs(images, prompts, self.name)
+        out = [self.head(self.clip.embed_images(images[s])).cpu() for s in chunks(images.shape[0], self.batch_size)]
+        return torch.cat(out).float()  # [B]

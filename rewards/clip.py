@@ -1,0 +1,35 @@
+"""``clipscore``: CLIP text-image similarity (CLIPScore, Hessel et al. 2021), Flow-GRPO's scaling.
+
+reward = ``logit_scale * cos(image, text) / divisor``: the diagonal of CLIP's
+``logits_per_image`` over ``divisor``. With OpenAI CLIP (``logit_scale`` = 100) and the
+default ``divisor=30`` this is Flow-GRPO's ``clip_scorer.py`` (``logits_per_image.diagonal()/30``),
+about 0.6-1.1 for matching pairs. Hessel's CLIPScore is ``2.5 * max(cos, 0)``; use
+``divisor=40`` for ``2.5 * cos`` (no clipping at 0).
+
+Default weights: ``openai/clip-vit-large-patch14`` (transformers ``CLIPModel``), loaded with
+``from_pretrained`` from a local directory or the Hugging Face cache.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._clip_common import DTypeLike, HFClip, check_inputs, scaled_cosine
+
+
+class CLIPScore:
+    """CLIP similarity of each image with its own prompt; float32 [B] on CPU."""
+
+    name = "clipscore"
+
+    def __init__(self, model: str = "openai/clip-vit-large-patch14", processor: Optional[str] = None,
+                 device: str = "cpu", dtype: DTypeLike = "float32", divisor: float = 30.0, batch_size: int = 32):
+        if divisor <= 0:
+            raise ValueError(f"divisor must be > 0, got {divisor}")
+        self.clip = HFClip(model, processor, device=device, dtype=dtype)
+        self.divisor, self.batch_size = float(divisor), int(batch_size)
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], **meta) -> torch.Tensor:
+        check_inputs(images, prompts, self.name)
+        return scaled_cosine(self.clip, images, list(prompts), self.batch_size) / self.divisor  # [B]

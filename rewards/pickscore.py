@@ -1,0 +1,38 @@
+"""``pickscore``: PickScore (Kirstain et al. 2023), a CLIP-H/14 fine-tuned on Pick-a-Pic preferences.
+
+reward = ``logit_scale * cos(image, text) / 26``: PickScore's logit divided by 26, the
+normalisation of Flow-GRPO's ``pickscore_scorer.py`` (raw PickScore is about 18-23 for
+SD-class images, so the reward sits near 0.7-0.9).
+
+Weights ``yuvalkirstain/PickScore_v1`` (transformers ``CLIPModel``); its processor lives in
+``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``. Both load with ``from_pretrained`` from a local
+directory or the Hugging Face cache.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._clip_common import DTypeLike, HFClip, check_inputs, scaled_cosine
+
+PICKSCORE_DIVISOR = 26.0
+
+
+class PickScore:
+    """PickScore / 26 per (image, prompt) pair; float32 [B] on CPU."""
+
+    name = "pickscore"
+
+    def __init__(self, model: str = "yuvalkirstain/PickScore_v1",
+                 processor: Optional[str] = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+                 device: str = "cpu", dtype: DTypeLike = "float32", divisor: float = PICKSCORE_DIVISOR,
+                 batch_size: int = 32):
+        if divisor <= 0:
+            raise ValueError(f"divisor must be > 0, got {divisor}")
+        self.clip = HFClip(model, processor, device=device, dtype=dtype)
+        self.divisor, self.batch_size = float(divisor), int(batch_size)
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], **meta) -> torch.Tensor:
+        check_inputs(images, prompts, self.name)
+        return scaled_cosine(self.clip, images, list(prompts), self.batch_size) / self.divisor  # [B]

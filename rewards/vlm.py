@@ -1,0 +1,218 @@
+"""``vlm_judge``: a vision-language model as judge, behind an OpenAI-compatible chat-completions API.
+
+Each image goes, as a base64 PNG data URL, with its prompt inserted into ``template``, in one
+``POST {url}/chat/completions`` request (``url`` is the API base such as
+``http://127.0.0.1:8000/v1``; a URL already ending in ``/chat/completions`` is used as is).
+Servers that speak this API: vLLM, SGLang, llama.cpp's server, OpenAI.
+
+reward = ``(s - lo) / (hi - lo)`` in [0, 1] for the score ``s`` parsed from the reply with
+``score_pattern`` (its last match), ``(lo, hi) = score_range``. With ``score_range=(0, 5)``
+and a 1-5 rubric this is Flow-GRPO's UnifiedReward ``score / 5``.
+
+Failure handling: each request has a ``timeout`` (seconds); timeouts, connection errors, HTTP
+429 and 5xx are retried ``retries`` times with exponential backoff, then raise
+:class:`VLMJudgeError`. A reply that is not chat-completions JSON, holds no score, or a score
+outside ``score_range`` raises :class:`VLMReplyError` quoting the reply (``on_invalid="nan"``
+scores it NaN instead). The API key is read from the environment variable named by
+``api_key_env`` and is never logged, printed or put in an error message.
+"""
+from __future__ import annotations
+
+import base64
+import http.client
+import io
+import json
+import logging
+import math
+import os
+import re
+import socket
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Mapping, Optional
+
+import torch
+from PIL import Image
+
+from ._clip_common import check_inputs
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TEMPLATE = (
+    "You are given a text caption and an image generated from it. Judge how well the image matches the "
+    "caption (objects, counts, attributes, relations, any quoted text) and its visual quality.\n"
+    "Caption: {prompt}\n"
+    "Answer with a short justification, then a last line 'Score: N' with N from 0 (worst) to 10 (best)."
+)
+DEFAULT_SCORE_PATTERN = r"score\s*[:=]?\s*\**\s*(-?\d+(?:\.\d+)?)"
+_RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+class VLMJudgeError(RuntimeError):
+    """The judge endpoint could not be used (timeouts, connection or HTTP errors after retries)."""
+
+
+class VLMReplyError(VLMJudgeError, ValueError):
+    """The endpoint answered, but not with a usable score."""
+
+
+def png_data_url(image: torch.Tensor, max_side: Optional[int] = None) -> str:
+    """``[3, H, W]`` in [0, 1] -> ``data:image/png;base64,...`` (longer side resized to ``max_side``)."""
+    arr = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    pil = Image.fromarray(arr)
+    if max_side and max(pil.size) != max_side:
+        scale = max_side / max(pil.size)
+        pil = pil.resize((max(1, round(pil.width * scale)), max(1, round(pil.height * scale))), Image.BICUBIC)
+    buf = io.BytesIO()
+    pil.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _snippet(text: Any, n: int = 200) -> str:
+    s = text if isinstance(text, str) else repr(text)
+    return s if len(s) <= n else s[:n] + "..."
+
+
+def reply_text(raw: bytes) -> str:
+    """The assistant message of a chat-completions response body; VLMReplyError if malformed."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise VLMReplyError(f"judge reply is not JSON: {_snippet(raw.decode('utf-8', 'replace'))!r}") from None
+    try:
+        content = data["choices"][0]["message"]["content"]
+    except (KeyError, IndexError, TypeError):
+        raise VLMReplyError(f"judge reply has no choices[0].message.content: {_snippet(json.dumps(data))}") from None
+    if isinstance(content, list):  # content parts
+        content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+    if not isinstance(content, str):
+        raise VLMReplyError(f"judge reply content is not text: {_snippet(content)}")
+    return content
+
+
+class VLMJudge:
+    """Scores each (image, prompt) pair with a remote VLM; float32 [B] in [0, 1] on CPU."""
+
+    name = "vlm_judge"
+
+    def __init__(self, url: str, model: str = "default", api_key_env: Optional[str] = None,
+                 template: str = DEFAULT_TEMPLATE, system: Optional[str] = None,
+                 score_pattern: str = DEFAULT_SCORE_PATTERN, score_range: tuple[float, float] = (0.0, 10.0),
+                 timeout: float = 60.0, retries: int = 2, backoff: float = 1.0, concurrency: int = 4,
+                 max_side: Optional[int] = None, temperature: float = 0.0, max_tokens: int = 256,
+                 extra_body: Optional[Mapping[str, Any]] = None, on_invalid: str = "raise"):
+        if not re.match(r"^https?://", url or ""):
+            raise ValueError(f"url must be an http(s) URL of an OpenAI-compatible API (e.g. http://127.0.0.1:8000/v1), "
+                             f"got {url!r}")
+        if "{prompt}" not in template:
+            raise ValueError("template must contain '{prompt}', where the image's prompt is inserted")
+        lo, hi = map(float, score_range)
+        if not hi > lo:
+            raise ValueError(f"score_range must be (low, high) with high > low, got {score_range!r}")
+        if timeout <= 0 or retries < 0 or concurrency < 1:
+            raise ValueError("need timeout > 0, retries >= 0 and concurrency >= 1")
+        if on_invalid not in ("raise", "nan"):
+            raise ValueError(f"on_invalid must be 'raise' or 'nan', got {on_invalid!r}")
+        self._api_key: Optional[str] = None
+        if api_key_env:
+            self._api_key = os.environ.get(api_key_env)
+            if not self._api_key:
+                raise ValueError(f"environment variable {api_key_env!r} (api_key_env) is not set or empty: export the "
+                                 "judge's API key there, or pass api_key_env=None for an endpoint without a key")
+        url = url.rstrip("/")
+        self.endpoint = url if url.endswith("/chat/completions") else url + "/chat/completions"
+        self.model, self.template, self.system = model, template, system
+        self.pattern = re.compile(score_pattern, re.IGNORECASE)
+        if self.pattern.groups < 1:
+            raise ValueError("score_pattern needs a capture group around the number")
+        self.score_range = (lo, hi)
+        self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
+        self.concurrency, self.max_side = int(concurrency), max_side
+        self.temperature, self.max_tokens = float(temperature), int(max_tokens)
+        self.extra_body, self.on_invalid = dict(extra_body or {}), on_invalid
+
+    def __repr__(self) -> str:  # no key in here
+        return f"VLMJudge(endpoint={self.endpoint!r}, model={self.model!r}, key={'set' if self._api_key else 'none'})"
+
+    # ------------------------------------------------------------ one request
+    def request_body(self, image: torch.Tensor, prompt: str) -> dict:
+        messages = [{"role": "system", "content": self.system}] if self.system else []
+        messages.append({"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": png_data_url(image, self.max_side)}},
+            {"type": "text", "text": self.template.replace("{prompt}", prompt)},
+        ]})
+        return {"model": self.model, "messages": messages, "temperature": self.temperature,
+                "max_tokens": self.max_tokens, **self.extra_body}
+
+    def _post(self, body: bytes) -> bytes:
+        headers = {"Content-Type": "application/json"}
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        req = urllib.request.Request(self.endpoint, data=body, headers=headers, method="POST")
+        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            return resp.read()
+
+    def _post_with_retries(self, body: bytes) -> bytes:
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                return self._post(body)
+            except urllib.error.HTTPError as e:
+                detail = _snippet(e.read().decode("utf-8", "replace"))
+                if e.code not in _RETRY_STATUS:
+                    raise VLMJudgeError(f"judge endpoint {self.endpoint} answered HTTP {e.code}: {detail}") from None
+                last = f"HTTP {e.code}: {detail}"
+            except (TimeoutError, socket.timeout):
+                last = f"timed out ({self.timeout:g} s)"
+            except urllib.error.URLError as e:
+                last = "timed out" if isinstance(e.reason, (TimeoutError, socket.timeout)) else f"{e.reason}"
+            except (ConnectionError, OSError, http.client.HTTPException) as e:
+                last = f"{type(e).__name__}: {e}"
+            log.warning("judge request to %s failed (attempt %d/%d): %s", self.endpoint, attempt + 1,
+                        self.retries + 1, last)
+        raise VLMJudgeError(f"judge endpoint {self.endpoint} failed after {self.retries + 1} attempts "
+                            f"(timeout {self.timeout:g} s each); last error: {last}")
+
+    def parse_score(self, text: str) -> float:
+        """The last ``score_pattern`` match (or a bare number), mapped to [0, 1]; VLMReplyError if none."""
+        found = self.pattern.findall(text)
+        value: Optional[float] = None
+        if found:
+            value = float(found[-1] if isinstance(found[-1], str) else found[-1][0])
+        else:
+            try:
+                value = float(text.strip())
+            except ValueError:
+                pass
+        if value is None or not math.isfinite(value):
+            raise VLMReplyError(f"no score in the judge's reply (pattern {self.pattern.pattern!r}): {_snippet(text)!r}")
+        lo, hi = self.score_range
+        if not lo <= value <= hi:
+            raise VLMReplyError(f"judge score {value:g} is outside score_range {self.score_range}: {_snippet(text)!r}")
+        return (value - lo) / (hi - lo)
+
+    def score_one(self, image: torch.Tensor, prompt: str) -> float:
+        body = json.dumps(self.request_body(image, prompt)).encode("utf-8")
+        try:
+            return self.parse_score(reply_text(self._post_with_retries(body)))
+        except VLMReplyError as e:
+            if self.on_invalid == "nan":
+                log.warning("%s; scoring NaN", e)
+                return float("nan")
+            raise
+
+    # ------------------------------------------------------------ the reward
+    def __call__(self, images: torch.Tensor, prompts: list[str], **meta) -> torch.Tensor:
+        check_inputs(images, prompts, self.name)
+        images = images.detach().cpu()
+        log.debug("judging %d images at %s", images.shape[0], self.endpoint)
+        if self.concurrency == 1 or images.shape[0] == 1:
+            scores = [self.score_one(images[i], prompts[i]) for i in range(images.shape[0])]
+        else:
+            with ThreadPoolExecutor(min(self.concurrency, images.shape[0])) as pool:
+                scores = list(pool.map(self.score_one, list(images), list(prompts)))
+        return torch.tensor(scores, dtype=torch.float32)

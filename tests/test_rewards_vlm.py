@@ -1,0 +1,194 @@
+"""VLM judge end to end against a local stub of an OpenAI-compatible chat-completions server.
+
+The stub listens on 127.0.0.1 (an ephemeral port), decodes the PNG each request carries and
+answers "Score: 10 x mean brightness", so a correct client gets each image's brightness back.
+Per-test behaviours (slow, garbage, HTTP errors) are queued on the server; every wait is bounded.
+"""
+import base64
+import io
+import json
+import logging
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flowrl import rewards
+from flowrl.rewards.vlm import VLMJudgeError, VLMReplyError
+
+API_KEY = "sk-test-0123456789-never-log-me"
+
+
+class StubHandler(BaseHTTPRequestHandler):
+    def log_message(self, *args):  # keep test output quiet
+        pass
+
+    def do_POST(self):
+        srv = self.server
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with srv.lock:
+            srv.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
+            mode = srv.modes.pop(0) if srv.modes else "ok"
+        if mode == "slow":
+            time.sleep(srv.slow_seconds)
+        if mode == "http500":
+            return self._send(500, b'{"error": "overloaded"}')
+        if mode == "http401":
+            return self._send(401, b'{"error": "bad key"}')
+        if mode == "not_json":
+            return self._send(200, b"<html>gateway error</html>")
+        if mode == "garbage":
+            return self._reply("I am sorry, I cannot rate images of this kind.")
+        parts = body["messages"][-1]["content"]
+        url = next(p["image_url"]["url"] for p in parts if p["type"] == "image_url")
+        assert url.startswith("data:image/png;base64,")
+        png = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+        assert png.format == "PNG"
+        brightness = np.asarray(png.convert("L"), dtype=np.float64).mean() / 255
+        self._reply(f"The image matches the caption reasonably.\nScore: {10 * brightness:.3f}")
+
+    def _reply(self, content):
+        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+        data = {"id": "x", "object": "chat.completion", "choices": [choice]}
+        self._send(200, json.dumps(data).encode())
+
+    def _send(self, code, payload):
+        try:
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+        except (BrokenPipeError, ConnectionResetError):  # the client gave up (timeout test)
+            pass
+
+
+@pytest.fixture
+def stub():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StubHandler)
+    server.daemon_threads = True
+    server.requests, server.modes, server.lock, server.slow_seconds = [], [], threading.Lock(), 1.0
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+@pytest.fixture(autouse=True)
+def no_proxy(monkeypatch):
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def judge(stub, monkeypatch, **kw):
+    monkeypatch.setenv("FLOWRL_TEST_JUDGE_KEY", API_KEY)
+    kw = {"api_key_env": "FLOWRL_TEST_JUDGE_KEY", "timeout": 2.0, "retries": 1, "backoff": 0.01, **kw}
+    return rewards.build("vlm_judge", url=f"http://127.0.0.1:{stub.server_port}/v1", model="stub-vlm", **kw)
+
+
+def grey_images(levels, size=24):
+    return torch.stack([torch.full((3, size, size), v) for v in levels])  # [B, 3, H, W]
+
+
+def test_end_to_end_scores_each_image_with_its_prompt(stub, monkeypatch, caplog):
+    caplog.set_level(logging.DEBUG)
+    reward = judge(stub, monkeypatch, concurrency=3)
+    levels = [0.2, 0.9, 0.5, 0.7]
+    prompts = [f"prompt number {i}" for i in range(4)]
+    s = reward(grey_images(levels), prompts)
+    assert s.shape == (4,) and s.dtype == torch.float32
+    torch.testing.assert_close(s, torch.tensor(levels), atol=0.01, rtol=0)  # order kept under concurrency
+    assert len(stub.requests) == 4
+    for r in stub.requests:
+        assert r["path"] == "/v1/chat/completions"
+        assert r["auth"] == f"Bearer {API_KEY}"
+        assert r["body"]["model"] == "stub-vlm" and r["body"]["temperature"] == 0.0
+    parts = [p for r in stub.requests for p in r["body"]["messages"][-1]["content"]]
+    texts = sorted(p["text"] for p in parts if p["type"] == "text")
+    assert all(f"Caption: prompt number {i}" in texts[i] for i in range(4))
+    assert API_KEY not in caplog.text and API_KEY not in repr(reward)
+
+
+def test_timeout_is_retried_then_succeeds(stub, monkeypatch):
+    stub.modes[:] = ["slow"]
+    reward = judge(stub, monkeypatch, timeout=0.3, retries=1)
+    t0 = time.perf_counter()
+    s = reward(grey_images([0.4]), ["a grey square"])
+    assert time.perf_counter() - t0 < 5
+    torch.testing.assert_close(s, torch.tensor([0.4]), atol=0.01, rtol=0)
+    assert len(stub.requests) == 2
+
+
+def test_timeout_exhausts_retries_with_a_clear_error(stub, monkeypatch, caplog):
+    caplog.set_level(logging.DEBUG)
+    stub.modes[:] = ["slow"] * 3
+    reward = judge(stub, monkeypatch, timeout=0.3, retries=2)
+    t0 = time.perf_counter()
+    with pytest.raises(VLMJudgeError, match=r"failed after 3 attempts.*timed out") as err:
+        reward(grey_images([0.4]), ["a grey square"])
+    assert time.perf_counter() - t0 < 5
+    assert len(stub.requests) == 3 and API_KEY not in str(err.value)
+    assert "attempt 2/3" in caplog.text and API_KEY not in caplog.text  # retries are logged, the key is not
+
+
+def test_garbage_reply_raises_a_clear_error(stub, monkeypatch):
+    stub.modes[:] = ["garbage"]
+    reward = judge(stub, monkeypatch)
+    with pytest.raises(VLMReplyError, match="no score in the judge's reply.*cannot rate images"):
+        reward(grey_images([0.4]), ["a grey square"])
+    assert len(stub.requests) == 1  # a malformed answer is not retried
+
+
+def test_non_json_reply_raises_and_nan_mode_scores_nan(stub, monkeypatch):
+    stub.modes[:] = ["not_json"]
+    with pytest.raises(VLMReplyError, match="not JSON.*gateway error"):
+        judge(stub, monkeypatch)(grey_images([0.4]), ["x"])
+    stub.modes[:] = ["garbage"]
+    s = judge(stub, monkeypatch, on_invalid="nan", concurrency=1)(grey_images([0.4, 0.6]), ["x", "y"])
+    assert torch.isnan(s[0]) and abs(s[1].item() - 0.6) < 0.01
+
+
+def test_out_of_range_score_is_malformed(stub, monkeypatch):
+    reward = judge(stub, monkeypatch, score_range=(0.0, 5.0))  # the stub answers up to 10
+    with pytest.raises(VLMReplyError, match="outside score_range"):
+        reward(grey_images([0.9]), ["bright"])
+
+
+def test_server_errors_retry_but_auth_errors_do_not(stub, monkeypatch):
+    stub.modes[:] = ["http500"]
+    s = judge(stub, monkeypatch)(grey_images([0.3]), ["x"])
+    assert abs(s.item() - 0.3) < 0.01 and len(stub.requests) == 2
+    stub.modes[:] = ["http401"]
+    with pytest.raises(VLMJudgeError, match="HTTP 401") as err:
+        judge(stub, monkeypatch, retries=3)(grey_images([0.3]), ["x"])
+    assert len(stub.requests) == 3 and API_KEY not in str(err.value)
+
+
+def test_unreachable_endpoint(monkeypatch):
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    reward = rewards.build("vlm_judge", url=f"http://127.0.0.1:{port}/v1", timeout=0.5, retries=1, backoff=0.01)
+    with pytest.raises(VLMJudgeError, match="failed after 2 attempts"):
+        reward(grey_images([0.5]), ["x"])
+
+
+def test_config_errors(monkeypatch):
+    monkeypatch.delenv("FLOWRL_UNSET_KEY", raising=False)
+    with pytest.raises(ValueError, match="FLOWRL_UNSET_KEY"):
+        rewards.build("vlm_judge", url="http://127.0.0.1:1/v1", api_key_env="FLOWRL_UNSET_KEY")
+    with pytest.raises(ValueError, match="http"):
+        rewards.build("vlm_judge", url="127.0.0.1:8000")
+    with pytest.raises(ValueError, match="{prompt}"):
+        rewards.build("vlm_judge", url="http://127.0.0.1:1", template="no placeholder")
+    r = rewards.build("vlm_judge", url="http://127.0.0.1:1/v1/chat/completions/")
+    assert r.endpoint == "http://127.0.0.1:1/v1/chat/completions"
+    assert r.parse_score("looks fine. SCORE: 7.5") == 0.75 and r.parse_score(" 3 ") == 0.3

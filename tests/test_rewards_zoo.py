@@ -1,0 +1,392 @@
+"""CLIP-family rewards (pickscore, clipscore, aesthetic, hps, imagereward) on tiny random models.
+
+Each model is built from a config at toy size, saved, and loaded back through the reward's real
+loading path (``from_pretrained(dir)`` or the checkpoint file). Scores are compared against an
+independent reference computed the peers' way (PIL image + the library's own processor/transform).
+"""
+import functools
+import gzip
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from flowrl import rewards
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads; one avoids oversubscribing shared CI cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+TINY_VISION = dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=2)
+
+
+# ---------------------------------------------------------------- fixtures: real images, tiny models
+def photos(size):
+    """Four real photographs (scikit-learn's bundled samples and their mirror images) as PIL."""
+    from sklearn.datasets import load_sample_images
+
+    pil = [Image.fromarray(a).resize(size, Image.BICUBIC) for a in load_sample_images().images]
+    return pil + [p.transpose(Image.FLIP_LEFT_RIGHT) for p in pil]
+
+
+def to_tensor(pil):
+    return torch.stack([torch.from_numpy(np.array(p)).permute(2, 0, 1).float() / 255 for p in pil])  # [B, 3, H, W]
+
+
+PROMPTS = ["a chinese temple in the hills", "a red flower", "a photo of a dog", "the word HELLO on a sign"]
+
+
+def clip_tokenizer():
+    """The real CLIP BPE tokenizer, from the vocabulary shipped in the open-clip-torch wheel."""
+    import open_clip
+    from open_clip.tokenizer import bytes_to_unicode
+    from transformers import CLIPTokenizer
+
+    path = os.path.join(os.path.dirname(open_clip.__file__), "bpe_simple_vocab_16e6.txt.gz")
+    merges = [tuple(m.split()) for m in gzip.open(path).read().decode("utf-8").split("\n")[1:49152 - 256 - 2 + 1]]
+    chars = list(bytes_to_unicode().values())
+    vocab = chars + [c + "</w>" for c in chars] + ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
+    return CLIPTokenizer(vocab={v: i for i, v in enumerate(vocab)}, merges=merges, model_max_length=77)
+
+
+@pytest.fixture(scope="module")
+def tiny_clip_dir(tmp_path_factory):
+    """A random CLIP (toy size, real vocabulary) saved with save_pretrained: model + processor."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    torch.manual_seed(0)
+    cfg = CLIPConfig(
+        text_config=dict(vocab_size=49408, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, max_position_embeddings=77, bos_token_id=49406, eos_token_id=49407,
+                         pad_token_id=49407),
+        vision_config={k: v for k, v in TINY_VISION.items()}, projection_dim=16)
+    d = tmp_path_factory.mktemp("tiny-clip")
+    CLIPModel(cfg).eval().save_pretrained(d)
+    ip = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    CLIPProcessor(image_processor=ip, tokenizer=clip_tokenizer()).save_pretrained(d)
+    return str(d)
+
+
+@functools.lru_cache(maxsize=None)
+def _clip_reference(d):
+    from transformers import CLIPModel, CLIPProcessor
+
+    return CLIPModel.from_pretrained(d).eval(), CLIPProcessor.from_pretrained(d)
+
+
+def randomize_(module, std):
+    """Spread random weights (matrices ~ N(0, std)) so tiny models give clearly distinct outputs."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return module
+
+
+def check_common(reward, images, prompts):
+    """Shape, dtype, CPU output, batch invariance; returns the batch scores."""
+    s = reward(images, prompts)
+    assert s.shape == (images.shape[0],) and s.dtype == torch.float32 and s.device.type == "cpu"
+    assert torch.isfinite(s).all()
+    one = torch.cat([reward(images[i:i + 1], prompts[i:i + 1]) for i in range(images.shape[0])])
+    torch.testing.assert_close(s, one, atol=1e-5, rtol=1e-5)
+    return s
+
+
+def check_pairing(reward, images, prompts):
+    """Scores depend on which prompt goes with which image, and on the image for a fixed prompt."""
+    s = reward(images, prompts)
+    rolled = reward(images, prompts[1:] + prompts[:1])
+    assert (s - rolled).abs().max() > 1e-3
+    same_prompt = reward(images, [prompts[0]] * len(prompts))
+    assert same_prompt.max() - same_prompt.min() > 1e-3
+
+
+# ---------------------------------------------------------------- PickScore / CLIPScore
+@pytest.mark.parametrize("name,divisor", [("pickscore", 26.0), ("clipscore", 30.0)])
+def test_clip_similarity_rewards_match_reference(tiny_clip_dir, name, divisor):
+    pil = photos((96, 64))  # not square: exercises shortest-edge resize + centre crop
+    images = to_tensor(pil)
+    reward = rewards.build(name, model=tiny_clip_dir, processor=tiny_clip_dir, batch_size=3)
+    assert reward.name == name
+    s = check_common(reward, images, PROMPTS)
+    check_pairing(reward, images, PROMPTS)
+
+    # the peers' path: PIL -> CLIPProcessor -> CLIPModel logits_per_image diagonal / divisor
+    model, proc = _clip_reference(tiny_clip_dir)
+    inp = proc(text=PROMPTS, images=pil, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        ref = model(**inp).logits_per_image.diag() / divisor
+    torch.testing.assert_close(s, ref, atol=5e-3, rtol=0)
+    # the tensor preprocessing stays close to the PIL processor
+    assert (reward.clip.transform(images) - inp["pixel_values"]).abs().max() < 0.1
+
+
+def test_pickscore_defaults_are_the_published_ones():
+    import inspect
+
+    from flowrl.rewards.pickscore import PickScore
+
+    sig = inspect.signature(PickScore.__init__).parameters
+    assert sig["model"].default == "yuvalkirstain/PickScore_v1"
+    assert sig["processor"].default == "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
+    assert sig["divisor"].default == 26.0
+
+
+def test_missing_model_dir_says_what_to_pass(tmp_path):
+    with pytest.raises(OSError, match="save_pretrained"):
+        rewards.build("clipscore", model=str(tmp_path / "nope"))
+
+
+def test_wrong_inputs_are_rejected(tiny_clip_dir):
+    reward = rewards.build("clipscore", model=tiny_clip_dir)
+    with pytest.raises(ValueError, match="2 images but 1 prompts"):
+        reward(torch.rand(2, 3, 32, 32), ["a"])
+    with pytest.raises(ValueError, match=r"\[B, 3, H, W\]"):
+        reward(torch.rand(2, 32, 32), ["a", "b"])
+
+
+# ---------------------------------------------------------------- LAION aesthetic
+@pytest.fixture(scope="module")
+def tiny_aesthetic_head(tiny_clip_dir, tmp_path_factory):
+    from flowrl.rewards._clip_common import LinearMLPHead
+
+    head = randomize_(LinearMLPHead(16), 0.3)
+    path = tmp_path_factory.mktemp("aesthetic") / "sac+logos+ava1-l14-linearMSE.pth"
+    torch.save(head.state_dict(), path)
+    return str(path), head.eval()
+
+
+def test_aesthetic_matches_reference(tiny_clip_dir, tiny_aesthetic_head):
+    path, head = tiny_aesthetic_head
+    pil = photos((96, 64))
+    images = to_tensor(pil)
+    reward = rewards.build("aesthetic", head=path, clip=tiny_clip_dir, batch_size=3)
+    s = check_common(reward, images, PROMPTS)
+    # image-only reward: the prompt does not matter, the image does
+    torch.testing.assert_close(reward(images, ["x"] * 4), s)
+    assert s.max() - s.min() > 1e-3
+    # peers' path (improved-aesthetic-predictor): processor -> image features -> unit norm -> MLP
+    model, proc = _clip_reference(tiny_clip_dir)
+    with torch.no_grad():
+        pix = proc(images=pil, return_tensors="pt")["pixel_values"]
+        emb = model.visual_projection(model.vision_model(pixel_values=pix).pooler_output)
+        ref = head(F.normalize(emb, dim=-1))
+    # the head's gain magnifies preprocessing differences: compare relative to the spread of scores
+    assert (s - ref).abs().max() < 0.02 * (ref.max() - ref.min())
+
+
+def test_aesthetic_head_errors(tiny_clip_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="sac\\+logos\\+ava1-l14-linearMSE.pth"):
+        rewards.build("aesthetic", head=str(tmp_path / "missing.pth"), clip=tiny_clip_dir)
+    from flowrl.rewards._clip_common import LinearMLPHead
+
+    torch.save(LinearMLPHead(768).state_dict(), tmp_path / "l14.pth")  # ViT-L/14 head on a 16-d CLIP
+    with pytest.raises(ValueError, match="768-d"):
+        rewards.build("aesthetic", head=str(tmp_path / "l14.pth"), clip=tiny_clip_dir)
+
+
+# ---------------------------------------------------------------- HPS-v2.1 (open_clip)
+@pytest.fixture(scope="module")
+def tiny_hps(tmp_path_factory):
+    """A toy open_clip config registered by name, and an HPS-style checkpoint {'state_dict': ...}."""
+    import json
+
+    import open_clip
+
+    d = tmp_path_factory.mktemp("hps")
+    cfg = {"embed_dim": 16,
+           "vision_cfg": {"image_size": 32, "layers": 2, "width": 32, "head_width": 16, "patch_size": 8},
+           "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2}}
+    (d / "flowrl-tiny-hps.json").write_text(json.dumps(cfg))
+    open_clip.add_model_config(str(d / "flowrl-tiny-hps.json"))
+    torch.manual_seed(0)
+    model = randomize_(open_clip.create_model("flowrl-tiny-hps", pretrained=None), 0.1)
+    ckpt = d / "HPS_v2.1_compressed.pt"
+    torch.save({"state_dict": model.state_dict()}, ckpt)
+    return str(ckpt), "flowrl-tiny-hps"
+
+
+def test_hps_matches_open_clip_reference(tiny_hps):
+    import open_clip
+
+    ckpt, name = tiny_hps
+    pil = photos((64, 64))  # square: HPS's longest-side pad and open_clip's crop agree
+    images = to_tensor(pil)
+    reward = rewards.build("hps", checkpoint=ckpt, model=name, batch_size=3)
+    s = check_common(reward, images, PROMPTS)
+    check_pairing(reward, images, PROMPTS)
+    # HPSv2 img_score.py: open_clip preprocess_val on PIL, output_dict features, diag(img @ txt.T)
+    model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=None, output_dict=True)
+    model.load_state_dict(torch.load(ckpt, weights_only=True)["state_dict"])
+    with torch.no_grad():
+        out = model(torch.stack([preprocess(p) for p in pil]), open_clip.get_tokenizer(name)(PROMPTS))
+        ref = (out["image_features"] @ out["text_features"].T).diag()
+    torch.testing.assert_close(s, ref, atol=5e-3, rtol=0)
+
+
+def test_hps_pads_non_square_images_like_hpsv2():
+    from flowrl.rewards._clip_common import resize_longest_pad
+
+    x = torch.rand(2, 3, 40, 80)
+    y = resize_longest_pad(x, 32)  # longer side 80 -> 32, shorter 40 -> 16, padded by 8 top and bottom
+    assert y.shape == (2, 3, 32, 32)
+    assert (y[:, :, :8] == 0).all() and (y[:, :, -8:] == 0).all() and y[:, :, 8:24].abs().sum() > 0
+
+
+def test_hps_checkpoint_errors(tiny_hps, tmp_path):
+    _, name = tiny_hps
+    with pytest.raises(FileNotFoundError, match="HPS_v2.1_compressed.pt"):
+        rewards.build("hps", checkpoint=str(tmp_path / "missing.pt"), model=name)
+    torch.save({"state_dict": {"foo": torch.zeros(1)}}, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="does not match open_clip"):
+        rewards.build("hps", checkpoint=str(tmp_path / "bad.pt"), model=name)
+    with pytest.raises(ValueError, match="add_model_config"):
+        rewards.build("hps", checkpoint=str(tmp_path / "bad.pt"), model="no-such-model")
+
+
+def test_missing_optional_dependency_says_what_to_install(monkeypatch, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "open_clip", None)  # makes `import open_clip` fail
+    with pytest.raises(ImportError, match="pip install open-clip-torch"):
+        rewards.build("hps", checkpoint=str(tmp_path / "x.pt"))
+
+
+# ---------------------------------------------------------------- ImageReward (BLIP)
+TINY_MED = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                max_position_embeddings=40)
+TINY_BLIP_VISION = dict(image_size=32, patch_size=8, hidden_size=24, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=2)
+WORDS = "a an the of on in photo chinese temple hills red flower dog word hello sign".split()
+
+
+@pytest.fixture(scope="module")
+def tiny_imagereward(tmp_path_factory):
+    """An ImageReward.pt in the published layout: the vision part comes from timm's ViT (the
+    original BLIP ViT code base), the text part in BLIP-med naming, the MLP as ``mlp.layers.*``."""
+    from timm.models.vision_transformer import VisionTransformer
+    from transformers import BertTokenizer, BlipTextModel
+
+    from flowrl.rewards._clip_common import LinearMLPHead
+    from flowrl.rewards.imagereward import build_configs
+
+    d = tmp_path_factory.mktemp("imagereward")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS
+    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(d / "tokenizer")
+    torch.manual_seed(0)
+    v = TINY_BLIP_VISION
+    vit = VisionTransformer(img_size=v["image_size"], patch_size=v["patch_size"], embed_dim=v["hidden_size"],
+                            depth=v["num_hidden_layers"], num_heads=v["num_attention_heads"], mlp_ratio=4,
+                            qkv_bias=True, num_classes=0, global_pool="",
+                            norm_layer=functools.partial(torch.nn.LayerNorm, eps=1e-6))
+    randomize_(vit, 0.15)
+    _, tcfg = build_configs(TINY_MED, TINY_BLIP_VISION)
+    text = randomize_(BlipTextModel(tcfg, add_pooling_layer=False), 0.15)
+    head = randomize_(LinearMLPHead(32), 0.3)
+    sd = {**{f"blip.visual_encoder.{k}": t for k, t in vit.state_dict().items()},
+          **{f"blip.text_encoder.{k}": t for k, t in text.state_dict().items()},
+          "blip.text_encoder.embeddings.position_ids": torch.arange(40)[None],
+          "blip.vision_proj.weight": torch.zeros(8, 24), "blip.vision_proj.bias": torch.zeros(8),
+          "blip.text_proj.weight": torch.zeros(8, 32), "blip.text_proj.bias": torch.zeros(8),
+          **{f"mlp.{k}": t for k, t in head.state_dict().items()}}
+    torch.save(sd, d / "ImageReward.pt")
+    return dict(ckpt=str(d / "ImageReward.pt"), tokenizer=str(d / "tokenizer"), vit=vit.eval(),
+                text_sd=text.state_dict(), head=head.eval())
+
+
+def med_text_encoder(sd, ids, mask, image_tokens, heads, eps=1e-12):
+    """BLIP ``med.BertModel`` (mode='multimodal') written out from its source: embeddings, then per
+    layer self-attention, cross-attention to the image tokens, feed-forward; post-LN residuals."""
+    lin = lambda x, p: F.linear(x, sd[p + ".weight"], sd[p + ".bias"])  # noqa: E731
+    ln = lambda x, p: F.layer_norm(x, x.shape[-1:], sd[p + ".weight"], sd[p + ".bias"], eps)  # noqa: E731
+
+    def attention(x, kv, p, add_mask):
+        b, t, h = x.shape
+        split = lambda y: y.view(b, -1, heads, h // heads).transpose(1, 2)  # noqa: E731
+        q, k, v = split(lin(x, p + ".self.query")), split(lin(kv, p + ".self.key")), split(lin(kv, p + ".self.value"))
+        scores = q @ k.transpose(-1, -2) / (h // heads) ** 0.5 + add_mask
+        ctx = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, h)
+        return ln(lin(ctx, p + ".output.dense") + x, p + ".output.LayerNorm")
+
+    x = sd["embeddings.word_embeddings.weight"][ids] + sd["embeddings.position_embeddings.weight"][: ids.shape[1]]
+    x = ln(x, "embeddings.LayerNorm")
+    self_mask = (1.0 - mask[:, None, None, :].float()) * -10000.0
+    n_layers = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("encoder.layer."))
+    for i in range(n_layers):
+        p = f"encoder.layer.{i}"
+        x = attention(x, x, p + ".attention", self_mask)
+        x = attention(x, image_tokens, p + ".crossattention", 0.0)
+        x = ln(lin(F.gelu(lin(x, p + ".intermediate.dense")), p + ".output.dense") + x, p + ".output.LayerNorm")
+    return x[:, 0]  # [B, H]
+
+
+def test_imagereward_matches_original_architecture(tiny_imagereward):
+    from torchvision import transforms as T
+    from transformers import AutoTokenizer
+
+    from flowrl.rewards.imagereward import IMAGEREWARD_MEAN, IMAGEREWARD_STD
+
+    t = tiny_imagereward
+    pil = photos((48, 64))
+    images = to_tensor(pil)
+    reward = rewards.build("imagereward", checkpoint=t["ckpt"], tokenizer=t["tokenizer"], med_config=TINY_MED,
+                           vision_config=TINY_BLIP_VISION, batch_size=3)
+    s = check_common(reward, images, PROMPTS)
+    check_pairing(reward, images, PROMPTS)
+
+    # ImageReward.score(): torchvision PIL transform -> BLIP ViT (timm) -> med BERT [CLS] -> MLP -> normalise
+    tf = T.Compose([T.Resize(32, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(32), T.ToTensor(),
+                    T.Normalize((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))])
+    tok = AutoTokenizer.from_pretrained(t["tokenizer"])(PROMPTS, padding="max_length", truncation=True,
+                                                        max_length=35, return_tensors="pt")
+    with torch.no_grad():
+        image_tokens = t["vit"].forward_features(torch.stack([tf(p) for p in pil]))  # [B, 17, 24]
+        cls = med_text_encoder(t["text_sd"], tok["input_ids"], tok["attention_mask"], image_tokens, heads=2)
+        ref = (t["head"](cls) - IMAGEREWARD_MEAN) / IMAGEREWARD_STD
+    assert (s - ref).abs().max() < 0.02 * (ref.max() - ref.min())  # preprocessing differences only
+
+    # exact: the same image tokens through our text tower and the written-out med BERT
+    with torch.no_grad():
+        ours = reward.model.text(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"],
+                                 encoder_hidden_states=image_tokens).last_hidden_state[:, 0]
+    torch.testing.assert_close(ours, cls, atol=1e-5, rtol=1e-5)
+
+
+def test_imagereward_vit_key_mapping_is_exact(tiny_imagereward):
+    """Same pixels in, same image tokens out: BLIP/timm ViT vs BlipVisionModel after renaming."""
+    t = tiny_imagereward
+    reward = rewards.build("imagereward", checkpoint=t["ckpt"], tokenizer=t["tokenizer"], med_config=TINY_MED,
+                           vision_config=TINY_BLIP_VISION)
+    pixels = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        ours = reward.model.vision(pixel_values=pixels).last_hidden_state
+        torch.testing.assert_close(ours, t["vit"].forward_features(pixels), atol=1e-5, rtol=1e-5)
+
+
+def test_imagereward_checkpoint_errors(tiny_imagereward, tmp_path):
+    t = tiny_imagereward
+    with pytest.raises(FileNotFoundError, match="ImageReward.pt"):
+        rewards.build("imagereward", checkpoint=str(tmp_path / "missing.pt"), tokenizer=t["tokenizer"])
+    # an architecture that does not fit the file: a clear error, not silently random weights
+    with pytest.raises(ValueError, match="does not fit the vision tower"):
+        rewards.build("imagereward", checkpoint=t["ckpt"], tokenizer=t["tokenizer"], med_config=TINY_MED,
+                      vision_config={**TINY_BLIP_VISION, "num_hidden_layers": 3})
+    with pytest.raises(ValueError, match="does not fit the text tower"):
+        rewards.build("imagereward", checkpoint=t["ckpt"], tokenizer=t["tokenizer"],
+                      med_config={**TINY_MED, "intermediate_size": 48}, vision_config=TINY_BLIP_VISION)
+
+
+def test_registry_lists_the_zoo():
+    names = set(rewards.available())
+    assert {"pickscore", "hps", "imagereward", "clipscore", "aesthetic", "ocr", "vlm_judge"} <= names
