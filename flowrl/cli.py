@@ -98,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("out")
     m.add_argument("--overwrite", action="store_true", help="replace an existing directory")
     m.set_defaults(fn=_make_tiny)
+    b = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run (JSON + table + PNG)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    from flowrl.bench.samplers import add_parsers as add_sampler_benches
+
+    add_sampler_benches(bsub)
     return p
 
 

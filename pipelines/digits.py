@@ -198,8 +198,8 @@ def digits_dataset(split: str = "all") -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass
 class PretrainConfig:
-    steps: int = 3000
-    batch_size: int = 128
+    steps: int = 600
+    batch_size: int = 64
     lr: float = 1e-3
     cond_dropout: float = 0.1
     seed: int = 0

@@ -14,17 +14,37 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
-from ..trainers.config import load_config
+import yaml
+
+from ..trainers.config import Config, apply_overrides
 from ..trainers.online import OnlineTrainer
 
 
-def run_variant(recipe: str, overrides: list[str], budget_seconds: float, eval_every_seconds: float,
-                max_iterations: int = 10_000, workdir: Optional[Path] = None, progress: bool = True) -> dict:
+@dataclass
+class Variant:
+    """A recipe variant: an optional replacement ``sampler`` section plus dotted overrides."""
+
+    overrides: list = field(default_factory=list)
+    sampler: Optional[dict] = None
+
+    def config(self, recipe: str, extra: list[str]) -> Config:
+        d = yaml.safe_load(Path(recipe).read_text())
+        if self.sampler is not None:
+            d["sampler"] = dict(self.sampler)
+        d = apply_overrides(d, list(self.overrides) + list(extra))
+        return Config.from_dict(d)
+
+
+def run_variant(recipe: str, variant: Variant, budget_seconds: float, eval_every_seconds: float,
+                max_iterations: int = 10_000, workdir: Optional[Path] = None, progress: bool = True,
+                extra: Optional[list[str]] = None) -> dict:
     """Train one variant for ``budget_seconds`` of training time -> curve and timing summary."""
-    cfg = load_config(recipe, list(overrides) + ["logging.trackers=[]", "logging.progress=false",
-                                                 f"train.iterations={max_iterations}"])
+    cfg = variant.config(recipe, list(extra or []) + ["logging.trackers=[]", "logging.progress=false",
+                                                      f"train.iterations={max_iterations}"])
     run_dir = Path(tempfile.mkdtemp(prefix="flowrl-bench-", dir=workdir))
     tr = OnlineTrainer(cfg, run_dir)
     tr.setup()
@@ -50,7 +70,7 @@ def run_variant(recipe: str, overrides: list[str], budget_seconds: float, eval_e
                           "diversity": ev["eval/diversity"], "hf_energy": ev["eval/hf_energy"]})
             next_eval += eval_every_seconds
     tr.acc.end_training()
-    return {"overrides": list(overrides), "iterations": it, "train_seconds": spent,
+    return {"sampler": cfg.sampler.to_dict(), "overrides": list(variant.overrides), "iterations": it, "train_seconds": spent,
             "seconds_per_iteration": float(np.mean(per_iter)) if per_iter else float("nan"),
             "rollout_seconds_per_iteration": float(np.mean(rollout_s)) if rollout_s else float("nan"),
             "model_evals_per_iteration": float(np.mean(evals)) if evals else float("nan"),
@@ -66,15 +86,15 @@ def time_to_reach(curve: list[dict], target: float) -> Optional[float]:
     return None
 
 
-def compare(variants: dict[str, list[str]], recipe: str, budget_seconds: float, eval_every_seconds: float,
+def compare(variants: dict[str, Variant], recipe: str, budget_seconds: float, eval_every_seconds: float,
             json_path: Optional[str] = None, png_path: Optional[str] = None, title: str = "",
-            progress: bool = True) -> dict:
+            progress: bool = True, extra: Optional[list[str]] = None) -> dict:
     """Run every variant with the same budget; write JSON and a reward-vs-seconds PNG."""
     results = {}
-    for name, ov in variants.items():
+    for name, var in variants.items():
         if progress:
-            print(f"[bench] {name}: {' '.join(ov) or '(recipe as is)'}", flush=True)
-        results[name] = run_variant(recipe, ov, budget_seconds, eval_every_seconds, progress=progress)
+            print(f"[bench] {name}: sampler {var.sampler or '(recipe)'} {' '.join(var.overrides)}", flush=True)
+        results[name] = run_variant(recipe, var, budget_seconds, eval_every_seconds, progress=progress, extra=extra)
     out = {"recipe": recipe, "budget_seconds": budget_seconds, "variants": results,
            "machine": {"cpus": os.cpu_count()}}
     if json_path:

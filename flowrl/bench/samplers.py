@@ -1,0 +1,72 @@
+"""``flowrl bench branch`` and ``flowrl bench tempflow``: reward per wall-clock second of a
+sampler against flat GRPO, on one machine in one run (SPEC sections 4-5)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .training import Variant, compare, table
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+BRANCH_VARIANTS = {
+    # flat GRPO with the same 16 samples per prompt and the same DanceGRPO step
+    "flat_grpo": Variant(sampler={"name": "group", "group_size": 16, "num_steps": 10, "step": "dance",
+                                  "noise_level": 0.3}, overrides=["train.advantage_options={}"]),
+    "branch": Variant(),
+    "branch_mix": Variant(overrides=["sampler.mode=mix", "sampler.window=2"]),
+}
+
+TEMPFLOW_VARIANTS = {
+    # flat GRPO at the same number of trained transitions per iteration (2 prompts x 8 x 8 steps)
+    "flat_grpo": Variant(sampler={"name": "group", "group_size": 8, "num_steps": 10, "step": "sde",
+                                  "noise_level": 0.7, "timestep_fraction": 0.8}, overrides=["train.batch_size=16"]),
+    "tempflow": Variant(),
+    "tempflow_no_weights": Variant(overrides=["sampler.noise_aware=false"]),
+}
+
+KINDS = {"branch": ("digits_branch.yaml", BRANCH_VARIANTS), "tempflow": ("digits_tempflow.yaml", TEMPFLOW_VARIANTS)}
+
+
+def bench_sampler(kind: str, pipeline: str = "digits", budget_seconds: float = 120.0, eval_every_seconds: float = 20.0,
+                  out_dir: str = "bench", variants: list[str] | None = None, extra: list[str] | None = None) -> dict:
+    if pipeline != "digits":
+        raise ValueError(f"bench {kind} runs on the offline digits pipeline only (got {pipeline!r}); "
+                         f"for SD3/FLUX run the recipes under recipes/ with `flowrl train` on a GPU machine")
+    recipe_name, all_variants = KINDS[kind]
+    chosen = {k: v for k, v in all_variants.items() if not variants or k in variants}
+    if not chosen:
+        raise ValueError(f"no variant among {variants}; choose from {sorted(all_variants)}")
+    out = Path(out_dir)
+    res = compare(chosen, str(RECIPES / recipe_name), budget_seconds, eval_every_seconds,
+                  json_path=str(out / f"{kind}.json"), png_path=str(out / f"{kind}.png"),
+                  title=f"{kind} vs flat GRPO on digits ({budget_seconds:.0f} s each)", extra=extra)
+    if "flat_grpo" in res["variants"]:
+        flat = res["variants"]["flat_grpo"]
+        for name, r in res["variants"].items():
+            r["rollout_time_ratio_vs_flat"] = r["rollout_seconds_per_iteration"] / flat["rollout_seconds_per_iteration"] \
+                * flat["samples_per_iteration"] / r["samples_per_iteration"]
+            r["model_eval_ratio_vs_flat"] = r["model_evals_per_iteration"] / flat["model_evals_per_iteration"] \
+                * flat["samples_per_iteration"] / r["samples_per_iteration"]
+        import json
+
+        (out / f"{kind}.json").write_text(json.dumps(res, indent=2))
+    print(table(res))
+    for name, r in res["variants"].items():
+        if "rollout_time_ratio_vs_flat" in r:
+            print(f"{name:<20} rollout time per sample vs flat {r['rollout_time_ratio_vs_flat']:.3f}   "
+                  f"model evaluations per sample vs flat {r['model_eval_ratio_vs_flat']:.3f}")
+    print(f"wrote {out / (kind + '.json')} and {out / (kind + '.png')}")
+    return res
+
+
+def add_parsers(bench_sub) -> None:
+    for kind in KINDS:
+        p = bench_sub.add_parser(kind, help=f"{kind} vs flat GRPO: reward per wall-clock second (JSON + PNG)")
+        p.add_argument("--pipeline", default="digits")
+        p.add_argument("--budget", type=float, default=120.0, help="training seconds per variant")
+        p.add_argument("--eval-every", type=float, default=20.0, help="evaluate every N training seconds")
+        p.add_argument("--out", default="bench", help="directory for JSON and PNG")
+        p.add_argument("--variants", nargs="*", default=None, help=f"subset of {sorted(KINDS[kind][1])}")
+        p.add_argument("overrides", nargs="*", help="dotted overrides applied to every variant")
+        p.set_defaults(fn=lambda a, k=kind: (bench_sampler(k, a.pipeline, a.budget, a.eval_every, a.out, a.variants,
+                                                           a.overrides), 0)[1])
