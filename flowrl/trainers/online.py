@@ -13,7 +13,7 @@ of a minibatch, divided by the number of minibatches in its accumulation group.
 from __future__ import annotations
 
 import contextlib
-import math
+import json
 import os
 import signal
 import time
@@ -127,7 +127,9 @@ class OnlineTrainer:
 
         cfg = self.cfg
         trackers = list(cfg.logging.trackers)
-        self.acc = Accelerator(mixed_precision=cfg.train.mixed_precision, log_with=trackers or None,
+        # cpu=True lets accelerate form a gloo (MULTI_CPU) world under torchrun when there is no GPU
+        on_cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
+        self.acc = Accelerator(cpu=on_cpu, mixed_precision=cfg.train.mixed_precision, log_with=trackers or None,
                                project_config=ProjectConfiguration(project_dir=str(self.run_dir),
                                                                    logging_dir=str(self.run_dir / "logs")))
         device = self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
@@ -339,10 +341,12 @@ class OnlineTrainer:
         upd = self._update(rollout, adv, info, it)
         t2 = time.perf_counter()
         r_all = self._gather(rollout.rewards)
+        seeds_all = self._gather(rollout.seeds)
         finite = r_all[torch.isfinite(r_all)]
         met = {"iteration": it, "reward_mean": float(finite.mean()) if len(finite) else float("nan"),
                "reward_std": float(finite.std()) if len(finite) > 1 else 0.0,
-               "nonfinite_rewards": int((~torch.isfinite(r_all)).sum()),
+               "nonfinite_rewards": int((~torch.isfinite(r_all)).sum()), "samples_gathered": int(r_all.numel()),
+               "distinct_seeds_gathered": int(torch.unique(seeds_all).numel()),
                "zero_var_fraction": float(info.get("zero_var_fraction", 0.0)),
                "lr": self.sched.get_last_lr()[0], "skipped_steps": self.skipped,
                "rollout_seconds": rollout.stats.get("rollout_seconds", t1 - t0),
@@ -443,9 +447,27 @@ class OnlineTrainer:
             if self._stop_requested:
                 break
         bar.close()
+        in_sync = self._ranks_in_sync()
         summary = self._finish(last)
+        if summary:
+            summary["ranks_in_sync"] = in_sync
+            summary["num_processes"] = self.acc.num_processes
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.acc.end_training()
+        if self.acc.num_processes > 1 and torch.distributed.is_initialized():
+            self.acc.wait_for_everyone()
+            torch.distributed.destroy_process_group()  # else gloo/NCCL processes abort at exit
         return summary
+
+    def _ranks_in_sync(self) -> bool:
+        """Whether every process holds the same trained weights (checksums gathered over ranks)."""
+        with torch.no_grad():
+            ps = [p.detach().double() for p in self.unwrapped.parameters() if p.requires_grad]
+            sig = torch.stack([sum(p.sum() for p in ps), sum((p * p).sum() for p in ps)]).view(1, 2)
+        if self.acc.num_processes == 1:
+            return True
+        allsig = self.acc.gather(sig.to(self.acc.device)).cpu()  # [world, 2]
+        return bool(torch.allclose(allsig, allsig[:1].expand_as(allsig), rtol=0, atol=0))
 
     def _finish(self, last: int) -> dict:
         if not self.acc.is_main_process:
@@ -465,9 +487,6 @@ class OnlineTrainer:
                    "hf_energy_before": first.get("eval/hf_energy"), "hf_energy_after": final.get("eval/hf_energy"),
                    **{k: v for k, v in real.items() if k.startswith("real/")}, "skipped_steps": self.skipped,
                    "run_dir": str(self.run_dir)}
-        import json
-
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
 
