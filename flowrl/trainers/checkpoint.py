@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..faults import maybe_fault
+
 PATTERN = re.compile(r"^iter_(\d{6,})$")
 STATE_FILE = "trainer_state.json"
 
@@ -47,12 +49,14 @@ def save_checkpoint(root: Path, iteration: int, *, trainable: dict[str, torch.Te
     tmp = root / f".tmp-iter_{iteration:06d}-{os.getpid()}"
     tmp.mkdir()
     save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
+    maybe_fault("checkpoint_mid", iteration)
     if ema is not None:
         save_file({k: v.detach().cpu().contiguous() for k, v in ema.items()}, str(tmp / "ema.safetensors"))
     torch.save(optimizer, tmp / "optimizer.pt")
     torch.save({"scheduler": scheduler, "torch_rng": torch.get_rng_state()}, tmp / "scheduler.pt")
     (tmp / STATE_FILE).write_text(json.dumps({**state, "iteration": iteration}, indent=2))
     _fsync_tree(tmp)
+    maybe_fault("checkpoint_before_rename", iteration)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

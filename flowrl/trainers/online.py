@@ -27,13 +27,14 @@ import torch
 
 from ..advantages import transition_advantages
 from ..diagnostics import high_frequency_energy, within_group_diversity
+from ..faults import maybe_fault
 from ..losses import grpo_clipped_loss, kl_to_reference
 from ..rollout.base import Rollout, score_images
 from ..rollout.ode import ode_sample
 from ..sde import get_step
 from ..seeding import derive_seeds
 from ..types import index_cond
-from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
 from .config import Config, ConfigError, dump_config, load_config
 from .reporting import MetricsLog, plot_curves, read_metrics, save_grid
 from .weights import EMA, Reference, add_lora, load_trainable_state, trainable_state
@@ -147,8 +148,10 @@ class OnlineTrainer:
         self.policy = build_policy_from_config(cfg, device)
         tr = self.policy.transformer
         if cfg.train.lora_rank > 0:
-            add_lora(tr, cfg.train.lora_rank, cfg.train.lora_alpha,
-                     cfg.train.lora_targets or getattr(self.policy, "lora_target_modules", None))
+            with torch.random.fork_rng(devices=[]):  # LoRA init depends on the seed only
+                torch.manual_seed(cfg.train.seed)
+                add_lora(tr, cfg.train.lora_rank, cfg.train.lora_alpha,
+                         cfg.train.lora_targets or getattr(self.policy, "lora_target_modules", None))
         else:
             tr.requires_grad_(True)
         self.ref = Reference(tr, need=cfg.train.beta_kl > 0)
@@ -190,7 +193,16 @@ class OnlineTrainer:
         ckpts = list_checkpoints(self.run_dir / "checkpoints")
         if not ckpts:
             return
-        ck = load_checkpoint(ckpts[-1])
+        for path in reversed(ckpts):  # newest first; an unreadable one falls back to its predecessor
+            try:
+                ck = load_checkpoint(path)
+                break
+            except CheckpointError as e:
+                self.acc.print(f"[flowrl] WARNING: {e}")
+                if path == ckpts[0]:
+                    raise CheckpointError(f"no readable checkpoint in {self.run_dir / 'checkpoints'}; the newest "
+                                          f"error: {e}") from None
+        ckpts = [path]
         load_trainable_state(self.unwrapped, ck["trainable"])
         self.opt.load_state_dict(ck["optimizer"])
         self.sched.load_state_dict(ck["scheduler"])
@@ -337,8 +349,10 @@ class OnlineTrainer:
         self.model.eval()
         rollout = self.sampler(self.policy, prompts, self.reward, seed=self._rollout_seed(it), iteration=it)
         t1 = time.perf_counter()
+        maybe_fault("after_rollout", it)
         adv, info = self._advantages(rollout, it)
         upd = self._update(rollout, adv, info, it)
+        maybe_fault("after_update", it)
         t2 = time.perf_counter()
         r_all = self._gather(rollout.rewards)
         seeds_all = self._gather(rollout.seeds)

@@ -1,0 +1,127 @@
+"""Crash safety: SIGKILL at chosen and random points, SIGTERM, corrupt checkpoints."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_train_overrides
+from flowrl.trainers.checkpoint import list_checkpoints
+
+N_ITER = 4
+
+
+def _cmd(run, model_dir, resume=False, **extra):
+    ov = tiny_train_overrides(model_dir, **{"train.lr": 1e-2, "train.iterations": N_ITER, **extra})
+    return [sys.executable, "-m", "flowrl", "train", "--config", "recipes/digits.yaml", "--output-dir", str(run),
+            *(["--resume"] if resume else []), *ov]
+
+
+def _env(fault=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("FLOWRL_FAULT", None)
+    if fault:
+        env["FLOWRL_FAULT"] = fault
+    return env
+
+
+def _final_weights(run):
+    return load_file(str(list_checkpoints(run / "checkpoints")[-1] / "trainable.safetensors"))
+
+
+def _assert_no_half_written(run):
+    for d in (run / "checkpoints").iterdir():
+        if d.name.startswith("iter_"):  # a visible checkpoint is always complete
+            assert {"trainable.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"} <= \
+                {f.name for f in d.iterdir()}, d
+
+
+@pytest.fixture(scope="module")
+def reference_weights(tiny_digits_dir, tmp_path_factory):
+    run = tmp_path_factory.mktemp("ref") / "run"
+    r = subprocess.run(_cmd(run, tiny_digits_dir), capture_output=True, text=True, env=_env(), timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return _final_weights(run)
+
+
+def _equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_kill_points_then_resume_equals_uninterrupted(tiny_digits_dir, tmp_path, reference_weights):
+    run = tmp_path / "run"
+    kills = 0
+    for fault in ("after_rollout:1", "checkpoint_mid:2", "checkpoint_before_rename:3", "after_update:3"):
+        r = subprocess.run(_cmd(run, tiny_digits_dir, resume=True), capture_output=True, text=True,
+                           env=_env(fault), timeout=600)
+        assert r.returncode == -signal.SIGKILL, (fault, r.returncode, r.stderr[-2000:])
+        kills += 1
+        _assert_no_half_written(run)
+    r = subprocess.run(_cmd(run, tiny_digits_dir, resume=True), capture_output=True, text=True, env=_env(), timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert kills == 4 and _equal(_final_weights(run), reference_weights)
+    its = [json.loads(l)["iteration"] for l in (run / "metrics.jsonl").read_text().splitlines() if "reward_mean" in l]
+    assert its == list(range(N_ITER))  # redone iterations are not logged twice
+
+
+def test_random_sigkill_then_resume(tiny_digits_dir, tmp_path, reference_weights):
+    run = tmp_path / "run"
+    rng = random.Random(1234)
+    for _ in range(2):
+        p = subprocess.Popen(_cmd(run, tiny_digits_dir, resume=True), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, env=_env())
+        time.sleep(rng.uniform(4.0, 14.0))  # somewhere in start-up, rollout, update or a checkpoint write
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=60)
+        if (run / "checkpoints").exists():
+            _assert_no_half_written(run)
+    r = subprocess.run(_cmd(run, tiny_digits_dir, resume=True), capture_output=True, text=True, env=_env(), timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert _equal(_final_weights(run), reference_weights)
+
+
+def test_sigterm_checkpoints_and_exits_zero(tiny_digits_dir, tmp_path):
+    run = tmp_path / "run"
+    p = subprocess.Popen(_cmd(run, tiny_digits_dir, **{"train.iterations": 50, "train.checkpoint_every": 100}),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
+    deadline = time.time() + 300
+    while time.time() < deadline and not any("reward_mean" in l for l in
+                                              ((run / "metrics.jsonl").read_text().splitlines()
+                                               if (run / "metrics.jsonl").exists() else [])):
+        time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-2000:]
+    assert "SIGTERM" in err
+    ck = list_checkpoints(run / "checkpoints")
+    assert len(ck) == 1 and 1 <= int(ck[0].name.split("_")[1]) < 50  # written at the stop, not at the end
+    assert json.loads((run / "summary.json").read_text())["stopped_early"] is True
+
+
+def test_corrupt_newest_checkpoint_falls_back(tiny_digits_dir, tmp_path):
+    from flowrl.trainers.config import load_config
+    from flowrl.trainers.online import OnlineTrainer, train
+
+    run = tmp_path / "run"
+    train(load_config("recipes/digits.yaml", tiny_train_overrides(tiny_digits_dir, **{"train.iterations": 2})), run)
+    ck = list_checkpoints(run / "checkpoints")
+    assert [c.name for c in ck] == ["iter_000001", "iter_000002"]
+    (ck[-1] / "trainable.safetensors").write_bytes(b"garbage")
+    t = OnlineTrainer(load_config("recipes/digits.yaml", tiny_train_overrides(tiny_digits_dir, **{"train.iterations": 3})),
+                      run, resume=True)
+    t.setup()
+    assert t.start_iteration == 1  # resumed from the previous, readable checkpoint
+    for c in ck:
+        (c / "optimizer.pt").write_bytes(b"")
+    from flowrl.trainers.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="no readable checkpoint"):
+        OnlineTrainer(load_config("recipes/digits.yaml",
+                                  tiny_train_overrides(tiny_digits_dir, **{"train.iterations": 3})), run,
+                      resume=True).setup()
