@@ -22,6 +22,10 @@ PATTERN = re.compile(r"^iter_(\d{6,})$")
 STATE_FILE = "trainer_state.json"
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read; the message says how to recover."""
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(str(path), os.O_RDONLY)
     try:
@@ -48,14 +52,21 @@ def save_checkpoint(root: Path, iteration: int, *, trainable: dict[str, torch.Te
     final = root / f"iter_{iteration:06d}"
     tmp = root / f".tmp-iter_{iteration:06d}-{os.getpid()}"
     tmp.mkdir()
-    save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
-    maybe_fault("checkpoint_mid", iteration)
-    if ema is not None:
-        save_file({k: v.detach().cpu().contiguous() for k, v in ema.items()}, str(tmp / "ema.safetensors"))
-    torch.save(optimizer, tmp / "optimizer.pt")
-    torch.save({"scheduler": scheduler, "torch_rng": torch.get_rng_state()}, tmp / "scheduler.pt")
-    (tmp / STATE_FILE).write_text(json.dumps({**state, "iteration": iteration}, indent=2))
-    _fsync_tree(tmp)
+    try:
+        save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
+        maybe_fault("checkpoint_mid", iteration)
+        if ema is not None:
+            save_file({k: v.detach().cpu().contiguous() for k, v in ema.items()}, str(tmp / "ema.safetensors"))
+        torch.save(optimizer, tmp / "optimizer.pt")
+        torch.save({"scheduler": scheduler, "torch_rng": torch.get_rng_state()}, tmp / "scheduler.pt")
+        (tmp / STATE_FILE).write_text(json.dumps({**state, "iteration": iteration}, indent=2))
+        _fsync_tree(tmp)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # e.g. disk full: leave nothing that could be mistaken for a checkpoint
+        if isinstance(e, OSError):
+            raise CheckpointError(f"writing checkpoint {final.name} failed ({e}); the previous checkpoints are "
+                                  f"intact. Free disk space (or fix permissions) and resume with --resume.") from e
+        raise
     maybe_fault("checkpoint_before_rename", iteration)
     if final.exists():
         shutil.rmtree(final)
@@ -72,10 +83,6 @@ def list_checkpoints(root: Path) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := PATTERN.match(p.name))]
     return [p for _, p in sorted(found)]
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 def load_checkpoint(path: Path) -> dict:

@@ -1,0 +1,127 @@
+"""Table-driven bad inputs: each gets a clear error naming the problem and the fix (or a documented
+recovery), and leaves no corrupted file behind."""
+import errno
+import socket
+
+import pytest
+import torch
+
+from conftest import tiny_train_overrides
+from flowrl.data import load_prompts
+from flowrl.trainers.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+from flowrl.trainers.config import ConfigError, load_config
+
+RECIPE = "recipes/digits.yaml"
+
+
+def cfg(*overrides):
+    return lambda tmp: load_config(RECIPE, list(overrides))
+
+
+def prompts_file(content: bytes, name="p.txt"):
+    def f(tmp):
+        p = tmp / name
+        p.write_bytes(content)
+        return load_prompts(str(p))
+    return f
+
+
+def vlm(url_kind):
+    def f(tmp):
+        from flowrl.rewards.vlm import VLMJudge
+
+        if url_kind == "down":
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]  # closed again: nothing listens there
+            j = VLMJudge(url=f"http://127.0.0.1:{port}/v1", retries=0, timeout=2)
+        else:
+            j = VLMJudge(url="ftp://nowhere")
+        return j(torch.rand(1, 3, 8, 8), ["a cat"])
+    return f
+
+
+def corrupt_checkpoint(tmp):
+    ck = save_checkpoint(tmp / "ck", 1, trainable={"w": torch.ones(2)}, optimizer={}, scheduler={}, state={})
+    (ck / "trainable.safetensors").write_bytes(b"\x00" * 10)
+    return load_checkpoint(ck)
+
+
+def disk_full_checkpoint(tmp, monkeypatch=None):
+    import flowrl.trainers.checkpoint as C
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    orig = C.torch.save
+    C.torch.save = full
+    try:
+        save_checkpoint(tmp / "ck", 2, trainable={"w": torch.ones(2)}, optimizer={}, scheduler={}, state={})
+    finally:
+        C.torch.save = orig
+        assert list_checkpoints(tmp / "ck") == [] and not any((tmp / "ck").iterdir())  # nothing half-written
+
+
+def wrong_shape_reward(tmp):
+    from flowrl.rollout.base import score_images
+
+    return score_images(lambda im, p: torch.zeros(3, 2), torch.rand(3, 3, 4, 4), ["a"] * 3)
+
+
+CASES = [
+    # (id, callable(tmp_path), exception, message pattern)
+    ("unknown key", cfg("train.lrr=1"), ConfigError, r"unknown key train\.lrr.*Did you mean train\.lr"),
+    ("unknown section", cfg("trian.lr=1"), ConfigError, r"unknown section 'trian'.*Did you mean 'train'"),
+    ("wrong type", cfg("train.lr=fast"), ConfigError, r"train\.lr must be float"),
+    ("wrong type int", cfg("train.iterations=1.5"), ConfigError, r"train\.iterations must be int"),
+    ("negative size", cfg("train.batch_size=-8"), ConfigError, r"train\.batch_size must be a positive integer"),
+    ("zero size", cfg("train.iterations=0"), ConfigError, r"train\.iterations must be a positive integer"),
+    ("zero minibatch", cfg("train.minibatch_size=0"), ConfigError, r"train\.minibatch_size must be a positive"),
+    ("group does not divide batch", cfg("train.batch_size=36"), ConfigError, r"not a multiple.*use e\.g\. 32"),
+    ("group size 1", cfg("sampler.group_size=1"), ConfigError, r"group_size must be an integer >= 2"),
+    ("unknown sampler", cfg("sampler.name=grpo"), ConfigError, r"unknown sampler 'grpo'.*Valid samplers"),
+    ("unknown sampler option", cfg("sampler.window=3"), ConfigError, r"sampler\.window.*Valid:"),
+    ("unknown reward", cfg("reward.weights={pickscore2: 1}"), ConfigError, r"unknown reward 'pickscore2'.*pickscore"),
+    ("non-numeric reward weight", cfg("reward.weights={digits: high}"), ConfigError, r"must be a number"),
+    ("unknown pipeline", cfg("model.pipeline=sdxl"), ConfigError, r"unknown pipeline 'sdxl'"),
+    ("unknown step type", cfg("sampler.step=ddim"), ConfigError, r"unknown step type 'ddim'.*choose one of"),
+    ("guidance below 1", cfg("model.guidance_scale=0"), ConfigError, r"guidance_scale must be >= 1\.0"),
+    ("bad mixed precision", cfg("train.mixed_precision=fp4"), ConfigError, r"'no', 'bf16' or 'fp16'"),
+    ("bad override syntax", cfg("train.lr"), ConfigError, r"section\.key=value"),
+    ("undotted override", cfg("lr=1"), ConfigError, r"must be dotted"),
+    ("missing recipe", lambda tmp: load_config(tmp / "nope.yaml"), ConfigError, r"not found\. Shipped recipes"),
+    ("missing model path", lambda tmp: __import__("flowrl.pipelines", fromlist=["x"]).build_policy(
+        "digits", str(tmp / "missing")), FileNotFoundError, r"flowrl pretrain-digits"),
+    ("missing sd3 path", lambda tmp: __import__("flowrl.pipelines", fromlist=["x"]).build_policy(
+        "sd3", str(tmp / "missing")), FileNotFoundError, r"make-tiny"),
+    ("empty prompt file", prompts_file(b"\n\n"), ValueError, r"is empty; add at least one prompt"),
+    ("non-UTF-8 prompts", prompts_file("caf\xe9".encode("latin-1")), ValueError, r"not UTF-8.*re-save it as UTF-8"),
+    ("JSONL without prompt", prompts_file(b'{"text": "x"}\n', "p.jsonl"), ValueError, r"needs a 'prompt' field"),
+    ("missing prompt file", lambda tmp: load_prompts(str(tmp / "none.txt")), FileNotFoundError, r"not found"),
+    ("prompt not a string", lambda tmp: load_prompts(["ok", 3]), ValueError, r"expected a string"),
+    ("corrupt checkpoint", corrupt_checkpoint, CheckpointError, r"unreadable.*Delete it"),
+    ("disk full writing checkpoint", disk_full_checkpoint, CheckpointError, r"No space left.*previous checkpoints"),
+    ("reward wrong shape", wrong_shape_reward, ValueError, r"returned shape \(3, 2\).*one float per image"),
+    ("reward service down", vlm("down"), RuntimeError, r"failed after 1 attempts"),
+    ("reward service bad url", vlm("url"), ValueError, r"url must be an http"),
+]
+
+
+@pytest.mark.parametrize("name,fn,exc,match", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(name, fn, exc, match, tmp_path):
+    with pytest.raises(exc, match=match):
+        fn(tmp_path)
+
+
+def test_matrix_is_large_enough():
+    assert len(CASES) >= 25
+
+
+def test_checkpoint_from_another_config(tiny_digits_dir, tmp_path):
+    from flowrl.trainers.online import OnlineTrainer, train
+
+    run = tmp_path / "run"
+    train(load_config(RECIPE, tiny_train_overrides(tiny_digits_dir, **{"train.iterations": 1})), run)
+    other = load_config(RECIPE, tiny_train_overrides(tiny_digits_dir, **{"train.iterations": 2,
+                                                                          "sampler.noise_level": 0.5}))
+    with pytest.raises(ConfigError, match=r"sampler\.noise_level: 0\.7 -> 0\.5.*new --output-dir"):
+        OnlineTrainer(other, run, resume=True)
