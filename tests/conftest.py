@@ -65,3 +65,15 @@ def tiny_train_overrides(path, **extra) -> list[str]:
             "logging.progress": "false", "train.checkpoint_every": 1, "reward.heldout": "{}"}
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture(scope="session")
+def pretrained_digits_base():
+    """The real digits base in $FLOWRL_HOME (pretrained once per session, ~1.5 min on 2 idle cores;
+    reused when FLOWRL_HOME points at a cache that already has it)."""
+    from flowrl.pipelines.digits import default_base_path, pretrain_digits
+
+    path = default_base_path()
+    if not (path / "transformer").is_dir():
+        pretrain_digits(path, progress=False)
+    return path

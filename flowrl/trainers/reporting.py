@@ -81,12 +81,12 @@ def plot_curves(records: Iterable[dict], path: Path, title: str = "") -> None:
     ax = axes[0]
     if train:
         it = [r["iteration"] for r in train]
-        m = np.array([r["reward_mean"] for r in train])
-        s = np.array([r.get("reward_std", 0.0) for r in train])
-        ax.plot(it, m, label="train reward (SDE rollouts)")
-        ax.fill_between(it, m - s, m + s, alpha=0.2)
+        ax.plot(it, [r["reward_mean"] for r in train], alpha=0.7, label="train reward (SDE rollouts, batch mean)")
     if ev:
         ax.plot([r["iteration"] for r in ev], [r["eval/reward"] for r in ev], "o-", label="eval reward (ODE, fixed seeds)")
+    real_r = next((r["real/reward"] for r in recs if "real/reward" in r), None)
+    if real_r is not None:
+        ax.axhline(real_r, color="k", ls="--", label="real data")
     ax.set_xlabel("iteration"), ax.set_ylabel("reward"), ax.legend(fontsize=8), ax.set_title(title or "reward")
     for ax, key, name in ((axes[1], "eval/diversity", "within-prompt diversity"),
                           (axes[2], "eval/hf_energy", "high-frequency energy")):
