@@ -19,7 +19,8 @@ $(STAMP): requirements.lock pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/flowrl train --config recipes/digits.yaml --output-dir runs/demo --resume-if-exists
+	$(VENV)/bin/flowrl pretrain-digits
+	$(VENV)/bin/flowrl train --config recipes/digits.yaml --output-dir runs/demo --resume
 
 test: $(STAMP)
 	$(PY) -m pytest -q

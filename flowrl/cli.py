@@ -50,6 +50,14 @@ def _make_tiny(a) -> int:
     return 0
 
 
+def _export(a) -> int:
+    from flowrl.export import export_run
+
+    print(json.dumps(export_run(a.run_dir, a.out_dir, ema=a.ema, checkpoint=a.checkpoint,
+                                model_path=a.model_path, overwrite=a.overwrite), indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flowrl", description="RL alignment of flow-matching image models")
     sub = p.add_subparsers(dest="command", required=True)
@@ -98,6 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("out")
     m.add_argument("--overwrite", action="store_true", help="replace an existing directory")
     m.set_defaults(fn=_make_tiny)
+
+    x = sub.add_parser("export", help="write a run's LoRA as a diffusers LoRA file (pipe.load_lora_weights(OUT_DIR))")
+    x.add_argument("run_dir", help="a training run directory")
+    x.add_argument("out_dir", help="output directory (absent or empty)")
+    x.add_argument("--ema", action="store_true", help="export the EMA weights (runs with train.ema: true)")
+    x.add_argument("--checkpoint", default=None, help="checkpoint directory or name (iter_NNNNNN); default: latest")
+    x.add_argument("--model-path", default=None, help="base model, if not the run's model.path (reads its config)")
+    x.add_argument("--overwrite", action="store_true", help="replace a previous export in out_dir")
+    x.set_defaults(fn=_export)
+
     b = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run (JSON + table + PNG)")
     bsub = b.add_subparsers(dest="bench", required=True)
     from flowrl.bench.samplers import add_parsers as add_sampler_benches

@@ -3,14 +3,42 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Union
 
 import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DTypeArg = Union[torch.dtype, str, dict]
 
 
 def cfg_combine(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
     """Classifier-free guidance ``u + s (c - u)`` (Ho & Salimans 2022), computed in float32."""
     u, c = uncond.float(), cond.float()
     return u + scale * (c - u)
+
+
+def resolve_dtype(dtype: DTypeArg) -> Union[torch.dtype, dict]:
+    """A ``torch.dtype`` from a dtype or its name (``"bfloat16"``, ``"bf16"``, ...), or a diffusers
+    per-component dict (``{"default": "bfloat16", "vae": "float32"}``) with its values resolved.
+
+    YAML recipes cannot hold ``torch.bfloat16``; diffusers silently falls back to float32 for a
+    dtype given as a string, so names are resolved here, and unknown ones are an error.
+    """
+    if isinstance(dtype, dict):
+        return {str(k): resolve_dtype(v) for k, v in dtype.items()}
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    raise ValueError(f"dtype must be a torch.dtype, one of {sorted(DTYPES)}, or a per-component dict of those "
+                     f"(e.g. {{default: bfloat16, vae: float32}}), got {dtype!r}")
+
+
+def transformer_dtype(transformer: torch.nn.Module) -> torch.dtype:
+    """The parameter dtype of ``transformer``, also when a distributed wrapper (DDP, FSDP, DeepSpeed:
+    all keep the model in ``.module``) has no ``.dtype`` of its own."""
+    return getattr(transformer, "module", transformer).dtype
 
 
 def check_model_path(path_or_id: str, kind: str) -> None:

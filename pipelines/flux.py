@@ -24,7 +24,7 @@ import torch
 from flowrl.schedules import flow_sigmas, flux_sigmas, shift_sigmas
 from flowrl.seeding import seeded_randn
 
-from .common import cfg_combine, check_model_path
+from .common import DTypeArg, cfg_combine, check_model_path, resolve_dtype, transformer_dtype
 from .sd3 import Resolution, resolve_resolution
 
 # Flow-GRPO's LoRA targets for FLUX (scripts/train_flux.py: r=64, alpha=128, gaussian init): the
@@ -126,10 +126,15 @@ class FluxPolicy:
     @classmethod
     def from_pretrained(cls, path_or_id: Union[str, os.PathLike], *, guidance_scale: float = 3.5,
                         true_cfg_scale: float = 1.0, negative_prompt: str = "",
-                        device: Union[str, torch.device] = "cpu", dtype: torch.dtype = torch.float32,
+                        device: Union[str, torch.device] = "cpu", dtype: DTypeArg = torch.float32,
                         max_sequence_length: int = 512, shift: Optional[float] = None, schedule: str = "diffusers",
-                        resolution: Resolution = None, **pipeline_kwargs) -> "FluxPolicy":
-        """Load with ``FluxPipeline.from_pretrained(path_or_id, dtype=dtype, **pipeline_kwargs)``."""
+                        resolution: Resolution = None, gradient_checkpointing: bool = False,
+                        **pipeline_kwargs) -> "FluxPolicy":
+        """Load with ``FluxPipeline.from_pretrained(path_or_id, dtype=dtype, **pipeline_kwargs)``.
+
+        ``dtype`` may be a name or a per-component dict (see ``SD3Policy.from_pretrained``);
+        ``gradient_checkpointing`` recomputes block activations in the backward pass.
+        """
         from diffusers import FluxPipeline
 
         from .tiny import read_flowrl_json
@@ -139,7 +144,9 @@ class FluxPolicy:
         check_model_path(str(path_or_id), "flux")
         if resolution is None:
             resolution = read_flowrl_json(path_or_id).get("resolution")
-        pipe = FluxPipeline.from_pretrained(str(path_or_id), dtype=dtype, **pipeline_kwargs)
+        pipe = FluxPipeline.from_pretrained(str(path_or_id), dtype=resolve_dtype(dtype), **pipeline_kwargs)
+        if gradient_checkpointing:
+            pipe.transformer.enable_gradient_checkpointing()
         return cls(pipe, guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale,
                    negative_prompt=negative_prompt, max_sequence_length=max_sequence_length, shift=shift,
                    schedule=schedule, resolution=resolution, device=device)
@@ -180,7 +187,7 @@ class FluxPolicy:
 
     def _forward(self, packed: torch.Tensor, sigma: torch.Tensor, pe: torch.Tensor, pooled: torch.Tensor,
                  img_ids: torch.Tensor) -> torch.Tensor:
-        dtype = self.transformer.dtype
+        dtype = transformer_dtype(self.transformer)
         b = packed.shape[0]
         guidance = (torch.full((b,), self.guidance_scale, dtype=torch.float32, device=self.device)
                     if self.guidance_embeds else None)  # [B]
@@ -200,7 +207,7 @@ class FluxPolicy:
         if h % 2 or w % 2:
             raise ValueError(f"FLUX latents need even height and width (2x2 packing), got {tuple(x.shape)}")
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(b)  # [B]
-        img_ids = latent_image_ids(h, w, self.device, self.transformer.dtype)  # [(h/2)(w/2), 3]
+        img_ids = latent_image_ids(h, w, self.device, transformer_dtype(self.transformer))  # [(h/2)(w/2), 3]
         packed = pack_latents(x)  # [B, (h/2)(w/2), 4C]
         if self.true_cfg_scale == 1.0:
             v = self._forward(packed, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"], img_ids)

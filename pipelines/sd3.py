@@ -17,7 +17,7 @@ import torch
 from flowrl.schedules import flow_sigmas
 from flowrl.seeding import seeded_randn
 
-from .common import cfg_combine, check_model_path
+from .common import DTypeArg, cfg_combine, check_model_path, resolve_dtype, transformer_dtype
 
 # Flow-GRPO's LoRA targets for SD3.5 (scripts/train_sd3.py: r=32, alpha=64, gaussian init): every
 # projection of the joint attention, image stream (to_*) and text stream (add_*_proj, to_add_out).
@@ -99,11 +99,14 @@ class SD3Policy:
     @classmethod
     def from_pretrained(cls, path_or_id: Union[str, os.PathLike], *, guidance_scale: float = 4.5,
                         negative_prompt: str = "", device: Union[str, torch.device] = "cpu",
-                        dtype: torch.dtype = torch.float32, max_sequence_length: int = 256,
+                        dtype: DTypeArg = torch.float32, max_sequence_length: int = 256,
                         shift: Optional[float] = None, schedule: str = "diffusers", resolution: Resolution = None,
-                        **pipeline_kwargs) -> "SD3Policy":
+                        gradient_checkpointing: bool = False, **pipeline_kwargs) -> "SD3Policy":
         """Load with ``StableDiffusion3Pipeline.from_pretrained(path_or_id, dtype=dtype, **pipeline_kwargs)``.
 
+        ``dtype`` may be a name (``"bfloat16"``) or a per-component dict (``{"default": "bfloat16",
+        "vae": "float32"}``), as YAML recipes give it. ``gradient_checkpointing`` recomputes the
+        transformer's block activations in the backward pass (less memory, ~30% slower updates).
         A local directory may hold a ``flowrl.json`` (written by ``flowrl make-tiny``) whose
         ``resolution`` is the default when ``resolution`` is None.
         """
@@ -116,7 +119,9 @@ class SD3Policy:
         check_model_path(str(path_or_id), "sd3")
         if resolution is None:
             resolution = read_flowrl_json(path_or_id).get("resolution")
-        pipe = StableDiffusion3Pipeline.from_pretrained(str(path_or_id), dtype=dtype, **pipeline_kwargs)
+        pipe = StableDiffusion3Pipeline.from_pretrained(str(path_or_id), dtype=resolve_dtype(dtype), **pipeline_kwargs)
+        if gradient_checkpointing:
+            pipe.transformer.enable_gradient_checkpointing()
         return cls(pipe, guidance_scale=guidance_scale, negative_prompt=negative_prompt,
                    max_sequence_length=max_sequence_length, shift=shift, schedule=schedule,
                    resolution=resolution, device=device)
@@ -157,7 +162,7 @@ class SD3Policy:
         return cond
 
     def _forward(self, x: torch.Tensor, sigma: torch.Tensor, pe: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        dtype = self.transformer.dtype
+        dtype = transformer_dtype(self.transformer)
         return self.transformer(hidden_states=x.to(dtype), timestep=sigma * 1000.0,
                                 encoder_hidden_states=pe.to(self.device, dtype),
                                 pooled_projections=pooled.to(self.device, dtype), return_dict=False)[0]

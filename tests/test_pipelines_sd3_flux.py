@@ -181,3 +181,39 @@ def test_tiny_tokenizers_and_make_tiny_guards(tmp_path):
         make_tiny("sd3", tmp_path / "full")
     with pytest.raises(ValueError, match="sd3"):
         make_tiny("sdxl", tmp_path / "other")
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_recipe_dtypes_and_wrapped_transformer(tiny_dirs, kind):
+    """YAML gives dtypes as names (per component too); the policy keeps working when the trainer
+    puts a distributed wrapper (DDP / FSDP / DeepSpeed: the model in ``.module``, no ``.dtype``)
+    in place of the transformer; LoRA weights train in fp32 on a bf16 base."""
+    from flowrl.pipelines.common import resolve_dtype
+    from flowrl.trainers.weights import add_lora
+
+    assert resolve_dtype("bf16") is torch.bfloat16 and resolve_dtype(torch.float16) is torch.float16
+    assert resolve_dtype({"default": "bfloat16", "vae": "float32"}) == {"default": torch.bfloat16, "vae": torch.float32}
+    with pytest.raises(ValueError, match="dtype must be"):
+        resolve_dtype("float8")
+    policy = load(tiny_dirs, kind, dtype={"default": "bfloat16", "vae": "float32"}, gradient_checkpointing=True)
+    assert policy.transformer.dtype == torch.bfloat16 and policy.vae.dtype == torch.float32
+    assert policy.transformer.is_gradient_checkpointing
+    add_lora(policy.transformer, 4, 8, policy.lora_target_modules)
+    trained = [p for p in policy.transformer.parameters() if p.requires_grad]
+    assert trained and all(p.dtype == torch.float32 for p in trained)
+
+    class Wrapper(torch.nn.Module):  # what DDP looks like to the policy
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    cond = policy.encode_prompts(PROMPTS)
+    x, s = policy.initial_noise([1, 2]), torch.tensor([0.8, 0.3])
+    with torch.no_grad():
+        direct = policy.velocity(x, s, cond)
+        policy.transformer = Wrapper(policy.transformer)
+        wrapped = policy.velocity(x, s, cond)
+    assert direct.dtype == torch.float32 and torch.equal(direct, wrapped)

@@ -96,7 +96,7 @@ def test_nonfinite_loss_skips_then_stops(tiny_digits_dir, tmp_path, monkeypatch)
     monkeypatch.setattr(online, "grpo_clipped_loss", nan_loss)
     run = tmp_path / "run"
     with pytest.raises(TrainingStopped, match="non-finite"):
-        train(_cfg(tiny_digits_dir, **{"train.max_consecutive_skips": 2, "train.iterations": 5}), run)
+        train(_cfg(tiny_digits_dir, **{"train.max_consecutive_skips": 3, "train.iterations": 5}), run)  # 2 steps/iteration
     ck = list_checkpoints(run / "checkpoints")
     assert ck  # checkpoints before the stop are intact
     w = load_file(str(ck[-1] / "trainable.safetensors"))

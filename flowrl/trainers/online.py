@@ -319,7 +319,7 @@ class OnlineTrainer:
         for epoch in range(self.cfg.train.inner_epochs):
             g = torch.Generator().manual_seed(int(derive_seeds(self.cfg.train.seed * 7919 + it, epoch + 1)[-1]))
             rows = rows_all[torch.randperm(len(rows_all), generator=g)][:n_rows]
-            mbs = list(rows.split(self.cfg.train.minibatch_size))
+            mbs = list(rows.split(self.cfg.train.minibatch_size)) if n_rows else []  # no signal: no update
             for start in range(0, len(mbs), ga):
                 group = mbs[start:start + ga]
                 finite = True

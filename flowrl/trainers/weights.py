@@ -13,7 +13,10 @@ DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k
 
 def add_lora(transformer: nn.Module, rank: int, alpha: float, targets: Optional[list[str]] = None) -> None:
     """Freeze ``transformer`` and add a LoRA adapter (peft, Gaussian init so B = 0: the policy
-    starts exactly at the base model)."""
+    starts exactly at the base model). The adapter's weights are kept in float32 whatever the base
+    model's dtype (peft would create them in the base layer's bf16/fp16; Flow-GRPO's get_peft_model
+    and diffusers' cast_training_params upcast them the same way), so small AdamW updates are not
+    rounded away; peft casts the layer input to the adapter's dtype and the sum back."""
     from peft import LoraConfig
 
     transformer.requires_grad_(False)
@@ -24,6 +27,9 @@ def add_lora(transformer: nn.Module, rank: int, alpha: float, targets: Optional[
     except ValueError as e:
         raise ValueError(f"LoRA could not adapt modules {cfg.target_modules}: {e}. "
                          f"Set train.lora_targets to module names of this model.") from None
+    for p in transformer.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
 
 
 def has_lora(transformer: nn.Module) -> bool:

@@ -1,0 +1,255 @@
+"""``flowrl export``: a training run's weights in the format diffusers loads.
+
+LoRA runs (``train.lora_rank > 0``) become a diffusers LoRA file,
+``OUT_DIR/pytorch_lora_weights.safetensors``, written by the pipeline's own
+``save_lora_weights`` from peft's ``get_peft_model_state_dict``, with the adapter's ``LoraConfig``
+(rank, alpha, target modules) as ``lora_adapter_metadata`` inside the file, so the scaling
+``alpha / r`` survives the round trip (without metadata diffusers assumes ``alpha = r``)::
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(base)   # or FluxPipeline
+    pipe.load_lora_weights(OUT_DIR)
+
+The ``digits`` model has no diffusers pipeline; its adapter is written in the same format (keys
+``transformer.*``) and loads into the bare transformer::
+
+    tr = SD3Transformer2DModel.from_pretrained(base, subfolder="transformer")
+    tr.load_lora_adapter(OUT_DIR, weight_name="pytorch_lora_weights.safetensors")
+
+(``load_lora_adapter`` looks for a pickled ``.bin`` unless told the safetensors name.)
+
+Full fine-tunes (``train.lora_rank == 0``) have no adapter: the whole trained transformer is
+written with ``save_pretrained`` to ``OUT_DIR/transformer`` (load it with
+``<Transformer>.from_pretrained(OUT_DIR, subfolder="transformer")`` and pass it to the pipeline as
+``transformer=``).
+
+Nothing but the transformer's ``config.json`` is read from the base model for a LoRA export: the
+adapter is laid out on an empty (meta-device) transformer, which also checks that the checkpoint
+fits the architecture. ``OUT_DIR/flowrl_export.json`` records where the weights came from.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from .trainers.checkpoint import list_checkpoints
+from .trainers.config import Config, ConfigError, load_config
+
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
+EXPORT_JSON = "flowrl_export.json"
+
+# pipeline name -> (transformer class, class whose save_lora_weights writes the file, how to load it)
+PIPELINES = {
+    "sd3": ("SD3Transformer2DModel", "StableDiffusion3Pipeline",
+            "StableDiffusion3Pipeline.from_pretrained(BASE).load_lora_weights(OUT)"),
+    "flux": ("FluxTransformer2DModel", "FluxPipeline", "FluxPipeline.from_pretrained(BASE).load_lora_weights(OUT)"),
+    # digits: an SD3Transformer2DModel with its own text encoder, no diffusers pipeline
+    "digits": ("SD3Transformer2DModel", "SD3LoraLoaderMixin",
+               "SD3Transformer2DModel.from_pretrained(BASE, subfolder='transformer')"
+               f".load_lora_adapter(OUT, weight_name='{LORA_WEIGHT_NAME}')"),
+}
+_HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "variant")
+
+
+class ExportError(ConfigError):
+    """The run cannot be exported as asked; the message says why and what to do."""
+
+
+# ---------------------------------------------------------------- locating things
+def resolve_checkpoint(run_dir: Path, checkpoint: Optional[Union[str, os.PathLike]] = None) -> Path:
+    """The checkpoint directory to export: ``checkpoint`` (a path, or a name under
+    ``RUN/checkpoints``) or the run's latest."""
+    if checkpoint is not None:
+        p = Path(checkpoint)
+        if not p.is_dir() and (run_dir / "checkpoints" / str(checkpoint)).is_dir():
+            p = run_dir / "checkpoints" / str(checkpoint)
+        if p.is_file() and p.name.endswith(".safetensors"):
+            p = p.parent
+        if not (p / "trainable.safetensors").is_file():
+            have = ", ".join(c.name for c in list_checkpoints(run_dir / "checkpoints")) or "none"
+            raise ExportError(f"--checkpoint {checkpoint}: not a checkpoint directory (no trainable.safetensors). "
+                              f"Checkpoints of {run_dir}: {have}")
+        return p
+    ckpts = list_checkpoints(run_dir / "checkpoints")
+    if not ckpts:
+        raise ExportError(f"run {run_dir} has no checkpoint yet (checkpoints/iter_NNNNNN is written every "
+                          f"train.checkpoint_every iterations and at the end); train it first or wait for one")
+    return ckpts[-1]
+
+
+def base_model_path(cfg: Config, model_path: Optional[str] = None) -> str:
+    """Where the run's base model lives: ``model_path`` if given, else the config's ``model.path``
+    (digits: the cached base when empty)."""
+    if model_path:
+        return str(model_path)
+    path = cfg.model.path
+    if cfg.model.pipeline == "digits" and path in (None, "", "digits"):
+        from flowrl.pipelines.digits import default_base_path
+
+        return str(default_base_path())
+    if not path:
+        raise ExportError(f"the run's config has no model.path for pipeline {cfg.model.pipeline!r}; pass --model-path")
+    return str(path)
+
+
+def _transformer_class(pipeline: str):
+    import diffusers
+
+    if pipeline not in PIPELINES:
+        raise ExportError(f"export does not know pipeline {pipeline!r}: it writes diffusers LoRA files for "
+                          f"{', '.join(sorted(PIPELINES))}. Its trained tensors are in the run's "
+                          f"checkpoints/iter_*/trainable.safetensors (peft names) for a custom loader.")
+    return getattr(diffusers, PIPELINES[pipeline][0])
+
+
+def _hub_kwargs(cfg: Config) -> dict:
+    return {k: v for k, v in cfg.model.options.items() if k in _HUB_KWARGS}
+
+
+def empty_transformer(cfg: Config, base: str) -> torch.nn.Module:
+    """The run's transformer architecture on the meta device (no weights), from ``base``'s
+    ``transformer/config.json``."""
+    from accelerate import init_empty_weights
+
+    cls = _transformer_class(cfg.model.pipeline)
+    try:
+        config = cls.load_config(base, subfolder="transformer", **_hub_kwargs(cfg))
+    except (OSError, ValueError) as e:
+        raise ExportError(f"cannot read the transformer config of the base model {base!r} ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}). Export needs only "
+                          f"transformer/config.json: pass --model-path with a local copy of the base model, "
+                          f"or set HF_HOME to the cache the run trained with") from None
+    with init_empty_weights():
+        return cls.from_config(config)
+
+
+# ---------------------------------------------------------------- the two export kinds
+def _lora_modules(tensors: dict[str, torch.Tensor]) -> list[str]:
+    bad = [k for k in tensors if ".lora_A." not in k and ".lora_B." not in k]
+    if bad:
+        raise ExportError(f"the checkpoint holds non-LoRA tensors ({bad[:3]}) although the run trained a LoRA; "
+                          f"was it written by another flowrl version?")
+    return sorted({k.split(".lora_")[0] for k in tensors})
+
+
+def export_lora(cfg: Config, tensors: dict[str, torch.Tensor], out_dir: Path, base: str) -> dict:
+    """Write ``tensors`` (a LoRA checkpoint, peft names) as a diffusers LoRA file; returns a summary."""
+    import diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    from .trainers.weights import add_lora
+
+    r, alpha = cfg.train.lora_rank, cfg.train.lora_alpha
+    modules = _lora_modules(tensors)
+    ranks = {int(v.shape[0]) for k, v in tensors.items() if ".lora_A." in k}
+    if ranks != {r}:
+        raise ExportError(f"the checkpoint's LoRA ranks {sorted(ranks)} differ from the run's train.lora_rank={r}")
+    skeleton = empty_transformer(cfg, base)
+    try:
+        # the training code path, with the exact module names the checkpoint adapted
+        add_lora(skeleton, r, alpha, modules)
+    except ValueError as e:
+        raise ExportError(f"the checkpoint does not fit the base model {base!r}: {e}") from None
+    expected = {n: tuple(p.shape) for n, p in skeleton.named_parameters() if p.requires_grad}
+    got = {n: tuple(t.shape) for n, t in tensors.items()}
+    if expected != got:
+        diff = sorted(set(expected) ^ set(got)) or [n for n in got if expected[n] != got[n]]
+        raise ExportError(f"the checkpoint does not fit the base model {base!r}: tensor names or shapes differ "
+                          f"(e.g. {diff[:3]}); was the run trained on another model? Pass --model-path")
+    layers = get_peft_model_state_dict(skeleton, state_dict=tensors)  # drops the adapter name ("default")
+    metadata = skeleton.peft_config["default"].to_dict()  # r, lora_alpha, target_modules, ...
+    metadata = json.loads(json.dumps(metadata, default=lambda o: sorted(o) if isinstance(o, set) else str(o)))
+    writer = getattr(diffusers, PIPELINES[cfg.model.pipeline][1], None)
+    if writer is None:  # SD3LoraLoaderMixin lives in diffusers.loaders
+        from diffusers import loaders
+
+        writer = getattr(loaders, PIPELINES[cfg.model.pipeline][1])
+    writer.save_lora_weights(str(out_dir), transformer_lora_layers={k: v.contiguous() for k, v in layers.items()},
+                             transformer_lora_adapter_metadata=metadata, weight_name=LORA_WEIGHT_NAME)
+    return {"kind": "lora", "file": LORA_WEIGHT_NAME, "rank": r, "alpha": alpha, "scaling": alpha / r,
+            "modules": len(modules), "load": PIPELINES[cfg.model.pipeline][2]}
+
+
+def export_full(cfg: Config, tensors: dict[str, torch.Tensor], out_dir: Path, base: str) -> dict:
+    """Full fine-tune: the base transformer with every trained tensor replaced, ``save_pretrained``."""
+    from .trainers.weights import load_trainable_state
+
+    cls = _transformer_class(cfg.model.pipeline)
+    dtype = next(iter(tensors.values())).dtype
+    try:
+        tr = cls.from_pretrained(base, subfolder="transformer", dtype=dtype, **_hub_kwargs(cfg))
+    except (OSError, ValueError) as e:
+        raise ExportError(f"cannot load the base transformer from {base!r} ({type(e).__name__}); a full "
+                          f"fine-tune export needs the base weights: pass --model-path") from None
+    tr.requires_grad_(True)  # every parameter was trained: load_trainable_state checks them all
+    try:
+        load_trainable_state(tr, tensors)
+    except ValueError as e:
+        raise ExportError(f"the checkpoint does not fit the base model {base!r}: {e}") from None
+    tr.requires_grad_(False).save_pretrained(str(out_dir / "transformer"))
+    name = PIPELINES[cfg.model.pipeline][0]
+    return {"kind": "full", "dir": "transformer",
+            "load": f"{name}.from_pretrained(OUT, subfolder='transformer'), passed to the pipeline as transformer="}
+
+
+# ---------------------------------------------------------------- entry point
+def export_run(run_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike], *, ema: bool = False,
+               checkpoint: Optional[Union[str, os.PathLike]] = None, model_path: Optional[str] = None,
+               overwrite: bool = False) -> dict:
+    """Export a run's trained weights (see module doc); returns the summary also written to
+    ``OUT_DIR/flowrl_export.json``.
+
+    Args:
+        run_dir: a ``flowrl train`` output directory.
+        out_dir: where to write: absent or empty (or a previous export, with ``overwrite``).
+        ema: export the EMA weights (``ema.safetensors``; the run needs ``train.ema: true``).
+        checkpoint: a checkpoint directory (or its name, e.g. ``iter_000040``); default the latest.
+        model_path: the base model (directory or hub id) if not the run's ``model.path``.
+        overwrite: replace a previous export in ``out_dir`` (a directory holding ``flowrl_export.json``).
+    """
+    from safetensors.torch import load_file
+
+    run, out = Path(run_dir), Path(out_dir)
+    if not (run / "config.yaml").is_file():
+        raise ExportError(f"{run} is not a flowrl run directory (no config.yaml)")
+    cfg = load_config(run / "config.yaml")
+    if cfg.model.pipeline not in PIPELINES:
+        _transformer_class(cfg.model.pipeline)  # raises the explanation
+    ck = resolve_checkpoint(run, checkpoint)
+    fname = "ema.safetensors" if ema else "trainable.safetensors"
+    if not (ck / fname).is_file():
+        raise ExportError(f"{ck} has no {fname}: the run was trained without train.ema; export without --ema")
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise ExportError(f"output dir {out} exists and is not empty; choose another or pass --overwrite")
+        if not (out / EXPORT_JSON).is_file():
+            raise ExportError(f"--overwrite replaces only a previous export (a directory holding {EXPORT_JSON}); "
+                              f"{out} is not one, so it is left alone: choose another output dir")
+    tensors = load_file(str(ck / fname))
+    if not tensors:
+        raise ExportError(f"{ck / fname} holds no tensors")
+    base = base_model_path(cfg, model_path)
+    # written into a sibling temporary directory, renamed into place when complete
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if cfg.train.lora_rank > 0:
+            info = export_lora(cfg, tensors, tmp, base)
+        else:
+            info = export_full(cfg, tensors, tmp, base)
+        state = json.loads((ck / "trainer_state.json").read_text()) if (ck / "trainer_state.json").is_file() else {}
+        info = {**info, "pipeline": cfg.model.pipeline, "base_model": base, "run_dir": str(run.resolve()),
+                "checkpoint": ck.name, "iteration": state.get("iteration"), "weights": "ema" if ema else "trained",
+                "load": info["load"].replace("BASE", repr(base)).replace("OUT", repr(str(out)))}
+        (tmp / EXPORT_JSON).write_text(json.dumps(info, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return info

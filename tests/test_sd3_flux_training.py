@@ -1,0 +1,137 @@
+"""`flowrl train` on tiny SD3 and FLUX pipelines, through the shipped GPU recipes.
+
+Each recipe keeps its structure (sampler, step type, guidance, KL, EMA, LoRA targets) and is only
+shrunk by overrides (`tiny_overrides`): tiny offline models from `make_tiny`, 32 px images, a few
+steps, a cheap reward. Also: the accelerate configs parse as `accelerate launch` reads them.
+"""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flowrl.pipelines.tiny import make_tiny
+from flowrl.trainers.checkpoint import list_checkpoints
+from flowrl.trainers.config import load_config
+from flowrl.trainers.online import train
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGE = 32  # pixels: 16 x 4 x 4 latents
+# recipe sampler options -> overrides that make the sampler tiny (same sampler, same step type)
+SHRINK = {
+    "group": {"sampler.group_size": 2, "sampler.num_steps": 2, "train.batch_size": 4},
+    "branch": {"sampler.num_steps": 3, "sampler.split_steps": "[0, 1]", "sampler.window": 2, "train.batch_size": 4},
+    "tempflow": {"sampler.num_steps": 3, "sampler.branch_steps": "[0, 1]", "sampler.branches": 2,
+                 "sampler.seeds_per_prompt": 1, "train.batch_size": 4},
+}
+
+
+def tiny_overrides(path, sampler: str, **extra) -> list[str]:
+    """Overrides that run a GPU recipe in seconds on a tiny CPU model at ``path``."""
+    base = {"model.path": str(path), "model.device": "cpu", "model.options.resolution": IMAGE,
+            "model.options.max_sequence_length": 8, "model.options.dtype": "float32",
+            "model.options.gradient_checkpointing": "false", "sampler.max_batch": "null",
+            "train.iterations": 2, "train.lr": 1e-2, "train.mixed_precision": "'no'", "train.minibatch_size": 64,
+            "train.grad_accum": 1, "train.checkpoint_every": 1, "train.ema_every": 1,
+            "reward.weights": "{jpeg_compressibility: 1.0}", "reward.options": "{}", "reward.heldout": "{}",
+            "data.prompts": "[a photo of a cat, a red apple on a table]", "data.eval_prompts": "[a photo of a cat]",
+            "data.eval_seeds_per_prompt": 2, "logging.trackers": "[]", "logging.progress": "false",
+            "logging.eval_every": 100, "logging.image_every": 100, **SHRINK[sampler]}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: a second thread only adds synchronisation (and thrashes on a shared CPU)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {kind: make_tiny(kind, root / kind, image_size=IMAGE) for kind in ("sd3", "flux")}
+
+
+def _train_records(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "reward_mean" in line]
+
+
+def _lora(ckpt):
+    return load_file(str(ckpt / "trainable.safetensors"))
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_group_recipe_trains(tiny_models, tmp_path, kind):
+    recipe = ROOT / "recipes" / f"{kind}_group_pickscore.yaml"
+    cfg = load_config(recipe, tiny_overrides(tiny_models[kind], "group"))
+    assert cfg.model.pipeline == kind and cfg.train.lora_rank > 0 and cfg.train.ema
+    run = tmp_path / "run"
+    summary = train(cfg, run)
+    assert summary["iterations_done"] == 2 and summary["skipped_steps"] == 0
+    recs = _train_records(run)
+    assert [r["iteration"] for r in recs] == [0, 1]
+    for r in recs:  # 2 prompts x 2 samples x 1 trained step (timestep_fraction 0.99), less zero-variance groups
+        assert 0 < r["transitions_trained"] <= 4
+        assert torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])).all()
+    # the update rescores the rollout's own transitions: before any step, new == old policy
+    assert abs(recs[0]["ratio_mean"] - 1) < 1e-4
+    if cfg.train.beta_kl > 0:  # SD3 recipe: KL to the adapter-disabled model
+        assert "kl" in recs[1]
+    ck1, ck2 = list_checkpoints(run / "checkpoints")
+    w1, w2 = _lora(ck1), _lora(ck2)
+    assert w2 and all(".lora_A." in k or ".lora_B." in k for k in w2)
+    assert all(v.dtype == torch.float32 for v in w2.values())
+    assert any(".lora_B." in k and v.abs().sum() > 0 for k, v in w1.items())  # B starts at 0
+    assert any(not torch.equal(w1[k], w2[k]) for k in w1)  # the second iteration changed them again
+    ema = load_file(str(ck2 / "ema.safetensors"))
+    assert ema.keys() == w2.keys() and any(not torch.equal(ema[k], w2[k]) for k in w2)
+
+
+@pytest.mark.parametrize("recipe", ["sd3_branch_hps", "flux_branch_hps", "sd3_tempflow_pickscore",
+                                    "flux_tempflow_pickscore"])
+def test_tree_and_tempflow_recipes_train(tiny_models, tmp_path, recipe):
+    kind, sampler = recipe.split("_")[:2]
+    cfg = load_config(ROOT / "recipes" / f"{recipe}.yaml",
+                      tiny_overrides(tiny_models[kind], sampler, **{"train.iterations": 1}))
+    assert cfg.sampler.name == sampler
+    run = tmp_path / "run"
+    train(cfg, run)
+    (rec,) = _train_records(run)
+    assert rec["transitions_trained"] > 0 and abs(rec["ratio_mean"] - 1) < 1e-4
+    w = _lora(list_checkpoints(run / "checkpoints")[-1])
+    assert any(".lora_B." in k and v.abs().sum() > 0 for k, v in w.items())
+
+
+def test_accelerate_configs_parse_as_launch_reads_them():
+    """Every shipped accelerate config passes `accelerate launch`'s own parsing and validation, and
+    every nested option is one of its launch flags (a misspelt key would be silently ignored)."""
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import DistributedType
+
+    files = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
+    kinds = {}
+    for f in files:
+        cfg = ClusterConfig.from_yaml_file(str(f))
+        parser = launch_command_parser()
+        flags = {a.dest for a in parser._actions}
+        nested = [k if k.startswith("fsdp_") else f"fsdp_{k}" for k in cfg.fsdp_config] + list(cfg.deepspeed_config)
+        assert not [k for k in nested if k not in flags], f.name
+        args = parser.parse_args(["--config_file", str(f), "-m", "flowrl", "train", "--config", "x",
+                                  "--output-dir", "y"])
+        args, _, _ = _validate_launch_command(args)
+        assert args.num_processes == cfg.num_processes >= 8 and args.module
+        kinds[f.stem] = (cfg.distributed_type, cfg.num_machines)
+        if cfg.deepspeed_config:
+            ds = ROOT / cfg.deepspeed_config["deepspeed_config_file"]
+            conf = json.loads(ds.read_text())
+            assert conf["zero_optimization"]["stage"] == 2
+            assert isinstance(conf["train_micro_batch_size_per_gpu"], int)  # flowrl prepares no dataloader
+            assert cfg.mixed_precision is None  # accelerate rejects it beside a deepspeed_config_file
+    assert kinds == {"ddp": (DistributedType.MULTI_GPU, 1), "multi_node": (DistributedType.MULTI_GPU, 2),
+                     "fsdp": (DistributedType.FSDP, 1), "deepspeed_zero2": (DistributedType.DEEPSPEED, 1)}
