@@ -311,7 +311,8 @@ class OfflineTrainer:
                             trainable=trainable_state(self.unwrapped), optimizer=self.opt.state_dict(),
                             scheduler=self.sched.state_dict(), ema=self.ema.shadow if self.ema else None,
                             state={"opt_steps": self.opt_steps, "skipped": self.skipped,
-                                   "consecutive_skips": self.consecutive_skips, "train_seconds": self.train_seconds},
+                                   "consecutive_skips": self.consecutive_skips, "train_seconds": self.train_seconds,
+                                   "dataset_groups": len(self.ds)},
                             keep=self.cfg.train.keep_checkpoints)
         self.acc.wait_for_everyone()
 
@@ -327,6 +328,10 @@ class OfflineTrainer:
         if self.ema is not None and ck["ema"] is not None:
             self.ema.shadow = ck["ema"]
         st = ck["state"]
+        if int(st.get("dataset_groups", len(self.ds))) != len(self.ds):
+            raise ConfigError(f"--resume: the dataset {self.cfg.offline.dataset} now holds {len(self.ds)} groups, the run "
+                              f"started with {st['dataset_groups']}; its data order would change. Resume with the same "
+                              f"dataset or start a new --output-dir.")
         self.start_step = int(st["iteration"])
         self.opt_steps, self.skipped = int(st["opt_steps"]), int(st["skipped"])
         self.consecutive_skips = int(st["consecutive_skips"])
@@ -338,7 +343,9 @@ class OfflineTrainer:
         """This process's group ids for optimizer step ``step``: ``grad_accum`` tensors of
         ``batch_groups`` ids (a deterministic function of (train.seed, step))."""
         epoch, pos = divmod(step, self.steps_per_epoch)
-        order = self.ds.epoch_order(self.cfg.train.seed, epoch)
+        if getattr(self, "_order", (None,))[0] != epoch:
+            self._order = (epoch, self.ds.epoch_order(self.cfg.train.seed, epoch))
+        order = self._order[1]
         chunk = order[pos * self.per_step:(pos + 1) * self.per_step]  # [per_step]
         ga, bg = self.cfg.train.grad_accum, self.cfg.offline.batch_groups
         chunk = chunk.view(ga, self.acc.num_processes, bg)[:, self.acc.process_index]  # [ga, bg]

@@ -285,6 +285,8 @@ class OnlineTrainer:
             if self.ema is not None and self.opt_steps % self.cfg.train.ema_every == 0:
                 self.ema.update(self.unwrapped)
         else:
+            if finite and getattr(self.acc, "scaler", None) is not None:
+                self.opt.step()  # fp16: the GradScaler sees the inf, skips the update and lowers its scale
             self.skipped += 1
             self.consecutive_skips += 1
             if self.consecutive_skips >= self.cfg.train.max_consecutive_skips:
