@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     from flowrl.bench.samplers import add_parsers as add_sampler_benches
 
     add_sampler_benches(bsub)
+    from flowrl.bench.precision import add_precision_parser
+
+    add_precision_parser(bsub)
     return p
 
 

@@ -24,7 +24,16 @@ TEMPFLOW_VARIANTS = {
     "tempflow_no_weights": Variant(overrides=["sampler.noise_aware=false"]),
 }
 
-KINDS = {"branch": ("digits_branch.yaml", BRANCH_VARIANTS), "tempflow": ("digits_tempflow.yaml", TEMPFLOW_VARIANTS)}
+SOL_VARIANTS = {
+    # the digits demo's flat GRPO (10 prompts x 8 samples, SDE) against Sol-RL selecting those 8 from 24
+    "flat_grpo": Variant(sampler={"name": "group", "group_size": 8, "num_steps": 10, "step": "sde",
+                                  "noise_level": 0.7}),
+    "sol_int8": Variant(),
+    "sol_full_precision_explore": Variant(overrides=["sampler.explore_backend=none"]),
+}
+
+KINDS = {"branch": ("digits_branch.yaml", BRANCH_VARIANTS), "tempflow": ("digits_tempflow.yaml", TEMPFLOW_VARIANTS),
+         "sol": ("digits_sol.yaml", SOL_VARIANTS)}
 
 
 def bench_sampler(kind: str, pipeline: str = "digits", budget_seconds: float = 120.0, eval_every_seconds: float = 20.0,

@@ -372,6 +372,7 @@ class OnlineTrainer:
             vv = self._gather(v)
             met[f"reward/{k}"] = float(vv[torch.isfinite(vv)].mean()) if torch.isfinite(vv).any() else float("nan")
         met.update({k: v for k, v in info.items() if isinstance(v, (int, float))})
+        met.update({k: v for k, v in rollout.stats.items() if "/" in k and isinstance(v, (int, float))})  # sampler stats
         met.update(upd)
         self.sched.step()
         return IterationResult(met, rollout)
