@@ -4,6 +4,8 @@
 - ``nft``: DiffusionNFT forward-process loss (Sol-RL's trainer, SPEC 6)
 - ``gdro``: Plackett-Luce group loss, Diffusion-DPO, implicit rewards (SPEC 7)
 """
+from .gdro import dpo_loss, gdro_loss, implicit_rewards
 from .grpo import grpo_clipped_loss, kl_to_reference
+from .nft import nft_loss
 
-__all__ = ["grpo_clipped_loss", "kl_to_reference"]
+__all__ = ["grpo_clipped_loss", "kl_to_reference", "nft_loss", "gdro_loss", "dpo_loss", "implicit_rewards"]
