@@ -44,7 +44,8 @@ def _fsync_tree(path: Path) -> None:
 
 def save_checkpoint(root: Path, iteration: int, *, trainable: dict[str, torch.Tensor],
                     optimizer: dict, scheduler: dict, state: dict,
-                    ema: Optional[dict[str, torch.Tensor]] = None, keep: int = 2) -> Path:
+                    ema: Optional[dict[str, torch.Tensor]] = None, keep: int = 2,
+                    extra: Optional[dict[str, dict[str, torch.Tensor]]] = None) -> Path:
     """Write ``root/iter_{iteration:06d}`` atomically and prune to the newest ``keep``."""
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):
@@ -57,6 +58,8 @@ def save_checkpoint(root: Path, iteration: int, *, trainable: dict[str, torch.Te
         maybe_fault("checkpoint_mid", iteration)
         if ema is not None:
             save_file({k: v.detach().cpu().contiguous() for k, v in ema.items()}, str(tmp / "ema.safetensors"))
+        for name, tensors in (extra or {}).items():  # further named tensor sets (e.g. NFT's old policy)
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / f"extra_{name}.safetensors"))
         torch.save(optimizer, tmp / "optimizer.pt")
         torch.save({"scheduler": scheduler, "torch_rng": torch.get_rng_state()}, tmp / "scheduler.pt")
         (tmp / STATE_FILE).write_text(json.dumps({**state, "iteration": iteration}, indent=2))
@@ -91,6 +94,7 @@ def load_checkpoint(path: Path) -> dict:
         state = json.loads((path / STATE_FILE).read_text())
         out = {"state": state, "trainable": load_file(str(path / "trainable.safetensors"))}
         out["ema"] = load_file(str(path / "ema.safetensors")) if (path / "ema.safetensors").exists() else None
+        out["extra"] = {f.stem[len("extra_"):]: load_file(str(f)) for f in path.glob("extra_*.safetensors")}
         out["optimizer"] = torch.load(path / "optimizer.pt", weights_only=True)
         sch = torch.load(path / "scheduler.pt", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable part means the checkpoint is unusable

@@ -143,6 +143,9 @@ class TrainConfig:
     checkpoint_every: int = _h("write a checkpoint every N iterations (and at the end)", 20)
     keep_checkpoints: int = _h("keep the newest N checkpoints", 2)
     max_consecutive_skips: int = _h("stop after this many non-finite steps in a row", 5)
+    loss: str = _h("'grpo' (clipped ratio on stored transitions) or 'nft' (DiffusionNFT on finished samples; "
+                   "any sampler, ODE included)", "grpo")
+    nft_beta: float = _h("DiffusionNFT beta: strength of the implicit positive/negative policies", 1.0)
 
     def __post_init__(self):
         pos = ["iterations", "batch_size", "minibatch_size", "grad_accum", "inner_epochs", "checkpoint_every",
@@ -164,6 +167,10 @@ class TrainConfig:
             raise ConfigError(f"train.mixed_precision must be 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}")
         if not 0 <= self.ema_decay < 1:
             raise ConfigError(f"train.ema_decay must be in [0, 1), got {self.ema_decay}")
+        if self.loss not in ("grpo", "nft"):
+            raise ConfigError(f"train.loss must be 'grpo' or 'nft', got {self.loss!r}")
+        if not self.nft_beta > 0:
+            raise ConfigError(f"train.nft_beta must be > 0, got {self.nft_beta}")
         if self.warmup_iterations < 0:
             raise ConfigError(f"train.warmup_iterations must be >= 0, got {self.warmup_iterations}")
 

@@ -37,6 +37,7 @@ from ..types import index_cond
 from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
 from .config import Config, ConfigError, dump_config, load_config
 from .reporting import MetricsLog, plot_curves, read_metrics, save_grid
+from .nft_update import OldPolicy, nft_update
 from .weights import EMA, Reference, add_lora, load_trainable_state, trainable_state
 
 EVAL_SEED = 20251121  # evaluation seeds are fixed, independent of the training seed
@@ -163,6 +164,7 @@ class OnlineTrainer:
         self.policy.transformer = self.model
         self.unwrapped = self.acc.unwrap_model(self.model)
         self.ema = EMA(self.unwrapped, cfg.train.ema_decay) if cfg.train.ema else None
+        self.old_policy = None  # DiffusionNFT's decayed sampling policy (train.loss=nft)
         self.step_fn = None
         self.start_iteration = 0
         self.opt_steps = self.skipped = self.consecutive_skips = 0
@@ -184,6 +186,7 @@ class OnlineTrainer:
             save_checkpoint(self.run_dir / "checkpoints", iteration_done,
                             trainable=trainable_state(self.unwrapped), optimizer=self.opt.state_dict(),
                             scheduler=self.sched.state_dict(), ema=self.ema.shadow if self.ema else None,
+                            extra={"old_policy": self.old_policy.shadow} if self.old_policy else None,
                             state={"opt_steps": self.opt_steps, "skipped": self.skipped,
                                    "consecutive_skips": self.consecutive_skips},
                             keep=self.cfg.train.keep_checkpoints)
@@ -209,6 +212,9 @@ class OnlineTrainer:
         torch.set_rng_state(ck["torch_rng"])
         if self.ema is not None and ck["ema"] is not None:
             self.ema.shadow = ck["ema"]
+        if "old_policy" in ck["extra"]:
+            self.old_policy = OldPolicy(self.unwrapped)
+            self.old_policy.shadow = ck["extra"]["old_policy"]
         st = ck["state"]
         self.start_iteration = int(st["iteration"])
         self.opt_steps, self.skipped = int(st["opt_steps"]), int(st["skipped"])
@@ -352,8 +358,15 @@ class OnlineTrainer:
         rollout = self.sampler(self.policy, prompts, self.reward, seed=self._rollout_seed(it), iteration=it)
         t1 = time.perf_counter()
         maybe_fault("after_rollout", it)
-        adv, info = self._advantages(rollout, it)
-        upd = self._update(rollout, adv, info, it)
+        if self.cfg.train.loss == "nft":
+            info = {}
+            upd = nft_update(self, rollout, it)
+        else:
+            if len(rollout.transitions) == 0:
+                raise ConfigError(f"the {self.cfg.sampler.name!r} sampler stored no stochastic transitions (an ODE "
+                                  f"sampler?), so train.loss=grpo has nothing to train; use train.loss=nft")
+            adv, info = self._advantages(rollout, it)
+            upd = self._update(rollout, adv, info, it)
         maybe_fault("after_update", it)
         t2 = time.perf_counter()
         r_all = self._gather(rollout.rewards)

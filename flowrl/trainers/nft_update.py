@@ -1,0 +1,104 @@
+"""DiffusionNFT update (arXiv 2509.16117; Sol-RL's trainer, SPEC section 6): trains on finished
+samples alone (``Rollout.x0`` and rewards), no log-probs, so any sampler works, ODE included.
+
+The old (sampling) policy is a second copy of the trained tensors (LoRA: a few MB), updated after
+every optimizer step as ``old <- d old + (1 - d) theta`` with ``d = min(0.001 * step, 0.5)``.
+Each sample is trained at one ``t ~ U(t_min, 1)`` with fresh noise per epoch, both derived from
+``(seed, iteration, epoch)`` so resume stays exact.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..advantages import group_advantages
+from ..losses import nft_loss
+from ..seeding import derive_seeds
+from ..types import index_cond
+from .weights import load_trainable_state, trainable_state
+
+T_MIN = 0.02
+
+
+class OldPolicy:
+    """The decayed copy of the trained tensors that defines ``v_old``."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.shadow = trainable_state(module)
+
+    @staticmethod
+    def decay(optimizer_steps: int) -> float:
+        return min(0.001 * optimizer_steps, 0.5)
+
+    @torch.no_grad()
+    def update(self, module: torch.nn.Module, optimizer_steps: int) -> None:
+        d = self.decay(optimizer_steps)
+        for n, p in module.named_parameters():
+            if n in self.shadow:
+                self.shadow[n].mul_(d).add_(p.detach(), alpha=1 - d)
+
+    @contextlib.contextmanager
+    def applied(self, module: torch.nn.Module):
+        backup = trainable_state(module)
+        load_trainable_state(module, self.shadow)
+        try:
+            yield
+        finally:
+            load_trainable_state(module, backup)
+
+
+def nft_update(trainer, rollout, it: int) -> dict:
+    """One iteration of DiffusionNFT on ``rollout``'s samples; returns averaged stats."""
+    cfg = trainer.cfg.train
+    if trainer.old_policy is None:
+        trainer.old_policy = OldPolicy(trainer.unwrapped)
+    adv, zero = group_advantages(rollout.rewards, rollout.group_index, global_std=cfg.global_std,
+                                 clip=cfg.adv_clip_max)
+    rows_all = torch.nonzero(~zero).flatten()
+    dev = trainer.acc.device
+    with torch.no_grad():
+        cond_all = trainer.policy.encode_prompts(rollout.prompts)
+    sums, count = {}, 0
+    trainer.model.train()
+    for epoch in range(cfg.inner_epochs):
+        seed = derive_seeds(cfg.seed * 7919 + it, epoch + 2)[-1]
+        g = torch.Generator().manual_seed(int(seed))
+        rows = rows_all[torch.randperm(len(rows_all), generator=g)]
+        t_all = T_MIN + (1 - T_MIN) * torch.rand(rollout.num_samples, generator=g)  # [N]
+        eps_all = torch.randn(rollout.x0.shape, generator=g)  # [N, C, H, W]
+        mbs = list(rows.split(cfg.minibatch_size)) if len(rows) else []
+        for start in range(0, len(mbs), cfg.grad_accum):
+            group = mbs[start:start + cfg.grad_accum]
+            finite = True
+            for mb in group:
+                x0 = rollout.x0[mb].to(dev)  # [m, C, H, W]
+                t = t_all[mb].to(dev)  # [m]
+                x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps_all[mb].to(dev)
+                c = index_cond(cond_all, rollout.prompt_index[mb])
+                with torch.no_grad(), trainer.old_policy.applied(trainer.unwrapped):
+                    v_old = trainer.policy.velocity(x_t, t, c)
+                v_ref = None
+                if cfg.beta_kl > 0:
+                    with torch.no_grad(), trainer.ref.active(trainer.policy):
+                        v_ref = trainer.policy.velocity(x_t, t, c)
+                with trainer.acc.autocast():
+                    v = trainer.policy.velocity(x_t, t, c)
+                loss, stats = nft_loss(v, v_old, x_t, x0, t, adv[mb].to(dev), beta=cfg.nft_beta,
+                                       adv_clip_max=cfg.adv_clip_max, v_ref=v_ref, beta_kl=cfg.beta_kl)
+                if not trainer._all_finite(loss.detach()):
+                    finite = False
+                    continue
+                trainer.acc.backward(loss / len(group))
+                for k, val in stats.items():
+                    sums[k] = sums.get(k, 0.0) + float(val)
+                sums["loss"] = sums.get("loss", 0.0) + loss.item()
+                count += 1
+            for k, val in trainer._optimizer_step(finite).items():
+                sums[k] = sums.get(k, 0.0) + val * len(group)
+            trainer.old_policy.update(trainer.unwrapped, trainer.opt_steps)
+    trainer.model.eval()
+    out = {k: v / count for k, v in sums.items()} if count else {}
+    out.update({"transitions_trained": int(len(rows_all)) * cfg.inner_epochs, "zero_var_fraction": zero.float().mean().item(),
+                "nft/old_decay": OldPolicy.decay(trainer.opt_steps)})
+    return out
