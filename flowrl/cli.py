@@ -12,8 +12,32 @@ def _train(a) -> int:
     from flowrl.trainers.online import train
 
     cfg = load_config(a.config, a.overrides)
+    if cfg.train.mode == "offline":
+        from flowrl.trainers.offline import train
     summary = train(cfg, a.output_dir, resume=a.resume)
     print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _generate_offline(a) -> int:
+    from flowrl.trainers.config import load_config
+    from flowrl.trainers.offline import generate_offline
+
+    cfg = load_config(a.config, a.overrides)
+    print(json.dumps(generate_offline(cfg, a.out, max_new_shards=a.max_shards), indent=2))
+    return 0
+
+
+def _rescore_offline(a) -> int:
+    from flowrl.trainers.config import ConfigError, load_config
+    from flowrl.trainers.offline import rescore_offline
+
+    try:
+        options = json.loads(a.options) if a.options else {}
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--options must be a JSON object of the reward's keyword arguments ({e})") from None
+    cfg = load_config(a.config, a.overrides) if a.config else None
+    print(json.dumps(rescore_offline(a.dataset, a.reward, options, cfg=cfg, overwrite=a.overwrite), indent=2))
     return 0
 
 
@@ -62,12 +86,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flowrl", description="RL alignment of flow-matching image models")
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="online RL training from a YAML recipe")
+    t = sub.add_parser("train", help="RL training from a YAML recipe (online, or offline GDRO with train.mode=offline)")
     t.add_argument("--config", required=True, help="recipe YAML, e.g. recipes/digits.yaml")
     t.add_argument("--output-dir", required=True, help="run directory (checkpoints, metrics, images)")
     t.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its latest checkpoint")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 sampler.group_size=8")
     t.set_defaults(fn=_train)
+
+    g = sub.add_parser("generate-offline", help="GDRO dataset: k reference-model samples per prompt, scored")
+    g.add_argument("--config", required=True, help="recipe YAML with an offline section, e.g. recipes/digits_gdro.yaml")
+    g.add_argument("--out", default=None, help="dataset directory (default: offline.dataset); an existing one resumes")
+    g.add_argument("--max-shards", type=int, default=None, help="stop after writing this many shards (rerun to continue)")
+    g.add_argument("overrides", nargs="*", help="dotted overrides, e.g. offline.k=6 offline.groups_per_prompt=4")
+    g.set_defaults(fn=_generate_offline)
+
+    rs = sub.add_parser("rescore-offline", help="add a reward column to a GDRO dataset without regenerating it")
+    rs.add_argument("--dataset", required=True, help="dataset directory written by generate-offline")
+    rs.add_argument("--reward", required=True, help="reward name, e.g. ocr, pickscore, jpeg_compressibility")
+    rs.add_argument("--options", default=None, help="the reward's keyword arguments as JSON, e.g. '{\"device\": \"cuda\"}'")
+    rs.add_argument("--config", default=None, help="recipe whose model decodes the latents (default: the dataset's)")
+    rs.add_argument("--overwrite", action="store_true", help="rescore a column that already exists")
+    rs.add_argument("overrides", nargs="*")
+    rs.set_defaults(fn=_rescore_offline)
 
     pt = sub.add_parser("pretrain-digits", help="pretrain (and cache) the tiny offline digits base model")
     pt.add_argument("--out", default=None, help="directory (default: $FLOWRL_HOME/digits-base-v1)")
@@ -124,10 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
     from flowrl.bench.precision import add_precision_parser
 
     add_precision_parser(bsub)
+    from flowrl.bench.offline import add_offline_parser
+
+    add_offline_parser(bsub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from flowrl.data.offline import DatasetError
     from flowrl.trainers.checkpoint import CheckpointError
     from flowrl.trainers.config import ConfigError
     from flowrl.trainers.online import TrainingStopped
@@ -135,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, CheckpointError, TrainingStopped, FileNotFoundError) as e:
+    except (ConfigError, CheckpointError, TrainingStopped, DatasetError, FileNotFoundError) as e:
         print(f"flowrl {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -4,7 +4,7 @@ import sys
 import pytest
 
 
-def run(*args, timeout=120):
+def run(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "flowrl", *args], capture_output=True, text=True, timeout=timeout)
 
 

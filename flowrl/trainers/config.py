@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 import yaml
 
 from ..registry import SAMPLERS
+from .offline_config import OfflineConfig
 
 
 class ConfigError(ValueError):
@@ -146,6 +147,8 @@ class TrainConfig:
     loss: str = _h("'grpo' (clipped ratio on stored transitions) or 'nft' (DiffusionNFT on finished samples; "
                    "any sampler, ODE included)", "grpo")
     nft_beta: float = _h("DiffusionNFT beta: strength of the implicit positive/negative policies", 1.0)
+    mode: str = _h("'online' (rollouts + GRPO family, section sampler) or 'offline' (GDRO on a dataset from "
+                   "`flowrl generate-offline`, section offline)", "online")
 
     def __post_init__(self):
         pos = ["iterations", "batch_size", "minibatch_size", "grad_accum", "inner_epochs", "checkpoint_every",
@@ -167,6 +170,8 @@ class TrainConfig:
             raise ConfigError(f"train.mixed_precision must be 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}")
         if not 0 <= self.ema_decay < 1:
             raise ConfigError(f"train.ema_decay must be in [0, 1), got {self.ema_decay}")
+        if self.mode not in ("online", "offline"):
+            raise ConfigError(f"train.mode must be 'online' or 'offline', got {self.mode!r}")
         if self.loss not in ("grpo", "nft"):
             raise ConfigError(f"train.loss must be 'grpo' or 'nft', got {self.loss!r}")
         if not self.nft_beta > 0:
@@ -205,7 +210,7 @@ class LoggingConfig:
 
 
 SECTIONS = {"model": ModelConfig, "sampler": SamplerConfig, "reward": RewardConfig, "train": TrainConfig,
-            "data": DataConfig, "logging": LoggingConfig}
+            "data": DataConfig, "logging": LoggingConfig, "offline": OfflineConfig}
 
 
 @dataclass
@@ -216,6 +221,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    offline: OfflineConfig = field(default_factory=OfflineConfig)
 
     def __post_init__(self):
         spp = samples_per_prompt(self.sampler.build())

@@ -86,6 +86,30 @@ def config_differences(a: Config, b: Config) -> list[str]:
     return diff
 
 
+@torch.no_grad()
+def evaluate_policy(policy, reward, heldout: dict, eval_prompts: list[str], seeds_per_prompt: int, num_steps: int,
+                    it: int) -> tuple[dict, torch.Tensor]:
+    """Fixed prompts x fixed seeds (``EVAL_SEED``), deterministic ODE: trained reward, held-out
+    rewards, within-prompt diversity and high-frequency energy (reward-hacking watch).
+    Shared by the online and offline (GDRO) trainers, so their curves compare point for point.
+    Returns (metrics, images [len(eval_prompts) * seeds_per_prompt, 3, H, W])."""
+    k = seeds_per_prompt
+    prompts = [p for p in eval_prompts for _ in range(k)]
+    seeds = derive_seeds(EVAL_SEED, len(prompts))
+    groups = torch.arange(len(eval_prompts)).repeat_interleave(k)
+    _, images = ode_sample(policy, prompts, seeds, num_steps)
+    r, comps = score_images(reward, images, prompts)
+    met = {"iteration": it, "eval/reward": float(r[torch.isfinite(r)].mean()),
+           "eval/reward_std": float(r[torch.isfinite(r)].std()),
+           "eval/diversity": within_group_diversity(images, groups), "eval/hf_energy": high_frequency_energy(images)}
+    for name, v in comps.items():
+        met[f"eval/reward/{name}"] = float(v[torch.isfinite(v)].mean())
+    for name, rew in heldout.items():
+        hv, _ = score_images(rew, images, prompts)
+        met[f"eval/heldout/{name}"] = float(hv[torch.isfinite(hv)].mean())
+    return met, images
+
+
 @dataclass
 class IterationResult:
     metrics: dict
@@ -140,13 +164,13 @@ class OnlineTrainer:
         self.prompts = load_prompts(cfg.data.prompts)
         self.eval_prompts = load_prompts(cfg.data.eval_prompts)
         self.sampler = cfg.sampler.build()
+        self.policy = build_policy_from_config(cfg, device)  # before the rewards: a bad model path fails fast
         self.reward = build_reward(cfg)
         self.heldout = {}
         if cfg.reward.heldout:
             from flowrl.rewards import build
 
             self.heldout = {k: build(k, **(v or {})) for k, v in cfg.reward.heldout.items()}
-        self.policy = build_policy_from_config(cfg, device)
         tr = self.policy.transformer
         if cfg.train.lora_rank > 0:
             with torch.random.fork_rng(devices=[]):  # LoRA init depends on the seed only
@@ -392,26 +416,11 @@ class OnlineTrainer:
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self, it: int) -> tuple[dict, torch.Tensor]:
-        """Fixed prompts x fixed seeds, deterministic ODE: trained reward, held-out rewards,
-        within-prompt diversity and high-frequency energy (reward-hacking watch)."""
-        k = self.cfg.data.eval_seeds_per_prompt
-        prompts = [p for p in self.eval_prompts for _ in range(k)]
-        seeds = derive_seeds(EVAL_SEED, len(prompts))
-        groups = torch.arange(len(self.eval_prompts)).repeat_interleave(k)
-        steps = getattr(self.sampler, "num_steps", 10)
+        """Fixed prompts x fixed seeds, deterministic ODE: see :func:`evaluate_policy`."""
         ctx = self.ema.applied(self.unwrapped) if self.ema is not None else contextlib.nullcontext()
         with ctx:
-            _, images = ode_sample(self.policy, prompts, seeds, steps)
-        r, comps = score_images(self.reward, images, prompts)
-        met = {"iteration": it, "eval/reward": float(r[torch.isfinite(r)].mean()),
-               "eval/reward_std": float(r[torch.isfinite(r)].std()),
-               "eval/diversity": within_group_diversity(images, groups), "eval/hf_energy": high_frequency_energy(images)}
-        for name, v in comps.items():
-            met[f"eval/reward/{name}"] = float(v[torch.isfinite(v)].mean())
-        for name, rew in self.heldout.items():
-            hv, _ = score_images(rew, images, prompts)
-            met[f"eval/heldout/{name}"] = float(hv[torch.isfinite(hv)].mean())
-        return met, images
+            return evaluate_policy(self.policy, self.reward, self.heldout, self.eval_prompts,
+                                   self.cfg.data.eval_seeds_per_prompt, getattr(self.sampler, "num_steps", 10), it)
 
     def _real_data_reference(self) -> dict:
         ref = getattr(self.policy, "reference_images", None)

@@ -1,0 +1,478 @@
+"""Offline group datasets for GDRO (SPEC 7): safetensors shards + a JSON index, written atomically.
+
+Layout of a dataset directory::
+
+    index.json                    format, generation spec, prompts, shard list, seconds spent
+    shard-000000.safetensors      groups [start, start + count) of shard 0:
+        x0            [n, k, C, H, W]  final latents (offline.latent_dtype)
+        seeds         [n, k] int64     seed of each sample's initial noise (policy.initial_noise)
+        group         [n] int64        global group id
+        prompt_index  [n] int64        row of index.json "prompts"
+        reward/<name> [n, k] float32   one column per reward scored at generation (NaN = n/a)
+    shard-000000.reward-<name>.safetensors   a reward column added later (``add_reward_column``)
+    png/g000123_s2.png            optional: image s of group 123
+
+Group ``g`` is prompt ``g % P`` (round-robin, so any prefix covers every prompt) with the ``k``
+seeds ``SeedSequence([seed, g])``: every group depends only on (spec, g), never on its
+batch-mates. A shard file is written under a temporary name, fsynced and renamed; only then is
+it added to ``index.json`` (itself replaced atomically). The index is the truth: files it does
+not list are leftovers of an interrupted run and are overwritten, so a resumed run writes the
+same groups, in the same shard layout, as an uninterrupted one, with none missing or duplicated.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FORMAT = "flowrl-offline-groups"
+VERSION = 1
+INDEX = "index.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# spec keys that may change when resuming/extending a dataset without invalidating its shards
+EXTENSIBLE = {"groups_per_prompt", "save_png"}
+
+
+class DatasetError(ValueError):
+    """An offline dataset is missing, incomplete or does not match the request; says how to fix it."""
+
+
+# ---------------------------------------------------------------- small atomic-file helpers
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: Optional[dict] = None) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _remove_leftovers(root: Path) -> None:
+    for p in root.glob(".*.tmp-*"):
+        p.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- group identity
+def group_seeds(seed: int, group: int, k: int) -> list[int]:
+    """The ``k`` 31-bit sample seeds of group ``group`` (numpy ``SeedSequence([seed, group])``)."""
+    return [int(s) & 0x7FFFFFFF for s in np.random.SeedSequence([int(seed), int(group)]).generate_state(k)]
+
+
+def group_prompt_index(group: int, num_prompts: int) -> int:
+    """Prompt row of group ``group``: round-robin over the prompts."""
+    return int(group) % int(num_prompts)
+
+
+@dataclass
+class GenerationSettings:
+    """How the reference model's groups are generated (stored in the index as the spec)."""
+
+    k: int = 6
+    groups_per_prompt: int = 1
+    sampler: str = "euler"          # deterministic: "euler" (ODE) or "heun"
+    num_steps: int = 20
+    seed: int = 0
+    groups_per_shard: int = 64
+    generation_batch: int = 256     # images per sampler call (chunk boundaries are part of the spec)
+    latent_dtype: str = "float32"
+    save_png: bool = False
+
+    def __post_init__(self):
+        if self.k < 2 or self.groups_per_prompt < 1 or self.num_steps < 1 or self.groups_per_shard < 1 \
+                or self.generation_batch < 1:
+            raise ValueError(f"k must be >= 2 and groups_per_prompt, num_steps, groups_per_shard, generation_batch "
+                             f">= 1; got {self}")
+        if self.sampler not in ("euler", "heun"):
+            raise ValueError(f"sampler must be 'euler' or 'heun', got {self.sampler!r}")
+        if self.latent_dtype not in DTYPES:
+            raise ValueError(f"latent_dtype must be one of {sorted(DTYPES)}, got {self.latent_dtype!r}")
+
+
+# ---------------------------------------------------------------- deterministic generation
+@torch.no_grad()
+def heun_sample(policy, prompts: list[str], seeds: list[int], num_steps: int) -> torch.Tensor:
+    """Heun's 2nd-order ODE solver (Karras et al. 2022, Alg. 1; Euler on the last step to
+    sigma = 0) from ``policy.initial_noise(seeds)`` -> x0 ``[N, C, H, W]`` float32.
+    Costs ``2 * num_steps - 1`` model evaluations per sample."""
+    from ..types import index_cond
+
+    uniq = list(dict.fromkeys(prompts))
+    cond = index_cond(policy.encode_prompts(uniq), torch.tensor([uniq.index(p) for p in prompts]))
+    x = policy.initial_noise(list(seeds)).float()  # [N, C, H, W]
+    sig = policy.sigmas(num_steps).float()
+    n = x.shape[0]
+    for i in range(num_steps):
+        s, s_next = sig[i].expand(n), sig[i + 1].expand(n)  # [N]
+        v = policy.velocity(x, s, cond).float()  # [N, C, H, W]
+        x_e = x + (sig[i + 1] - sig[i]) * v
+        if float(sig[i + 1]) == 0.0:
+            x = x_e
+            continue
+        v2 = policy.velocity(x_e, s_next, cond).float()
+        x = x + (sig[i + 1] - sig[i]) * 0.5 * (v + v2)
+    return x.cpu()
+
+
+def iter_samples(policy, prompts: list[str], seeds: list[int], settings: GenerationSettings
+                 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Deterministic samples for rows ``(prompts[i], seeds[i])`` in chunks of
+    ``settings.generation_batch`` rows: yields (first row, x0 [n, C, H, W] float32 on CPU,
+    images [n, 3, H', W'] in [0, 1] on CPU). Only one chunk's images are alive at a time."""
+    from ..rollout.ode import ode_sample
+
+    b = settings.generation_batch
+    for a in range(0, len(prompts), b):
+        p, s = prompts[a:a + b], seeds[a:a + b]
+        if settings.sampler == "euler":
+            x, im = ode_sample(policy, p, s, settings.num_steps)
+        else:
+            x = heun_sample(policy, p, s, settings.num_steps)
+            with torch.no_grad():
+                im = policy.decode(x.to(getattr(policy, "device", "cpu"))).float().cpu()
+        yield a, x.float().cpu(), im.float().cpu()
+
+
+def _score(rewards: Mapping[str, Callable], images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
+    from ..rollout.base import score_images
+
+    return {name: score_images(fn, images, prompts)[0] for name, fn in rewards.items()}  # name -> [N]
+
+
+# ---------------------------------------------------------------- the index
+def read_index(path: str | os.PathLike) -> dict:
+    """``path/index.json`` as a dict; DatasetError if it is not an offline dataset."""
+    p = Path(path) / INDEX
+    if not p.is_file():
+        raise DatasetError(f"{path} is not a flowrl offline dataset (no {INDEX}). Create one with "
+                           f"`flowrl generate-offline --config RECIPE --out {path}`.")
+    try:
+        idx = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{p} is not valid JSON ({e}); the dataset is damaged, regenerate it") from None
+    if idx.get("format") != FORMAT or idx.get("version") != VERSION:
+        raise DatasetError(f"{p}: format {idx.get('format')!r} v{idx.get('version')} is not "
+                           f"{FORMAT!r} v{VERSION}; regenerate the dataset with this flowrl version")
+    return idx
+
+
+def _write_index(root: Path, idx: dict) -> None:
+    _atomic_write_text(root / INDEX, json.dumps(idx, indent=1, sort_keys=True))
+
+
+def _spec(settings: GenerationSettings, prompts: list[str], model: dict, reward_names: list[str]) -> dict:
+    return {**asdict(settings), "model": dict(model), "num_prompts": len(prompts), "rewards": sorted(reward_names)}
+
+
+def _spec_diff(old: dict, new: dict) -> list[str]:
+    keys = sorted(set(old) | set(new))
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if k not in EXTENSIBLE and old.get(k) != new.get(k)]
+
+
+def _shard_name(i: int) -> str:
+    return f"shard-{i:06d}"
+
+
+def _next_shard(idx: dict, total: int, per_shard: int) -> Optional[tuple[int, int, int]]:
+    """(shard number, start group, count) of the next shard to write, or None when complete."""
+    end = max((s["start"] + s["count"] for s in idx["shards"]), default=0)
+    if end >= total:
+        return None
+    return len(idx["shards"]), end, min(per_shard, total - end)
+
+
+# ---------------------------------------------------------------- writing
+def generate_dataset(out: str | os.PathLike, policy, prompts: Sequence[str], rewards: Mapping[str, Callable],
+                     settings: GenerationSettings, model: Optional[dict] = None,
+                     max_new_shards: Optional[int] = None, progress: bool = True,
+                     on_shard: Optional[Callable[[int], None]] = None) -> dict:
+    """Generate (or resume, or extend) the dataset in ``out``; returns its index.
+
+    ``policy``: the reference model (``FlowPolicy``). ``rewards``: name -> reward callable, each
+    stored as column ``reward/<name>``. ``model``: a description stored in the spec (pipeline,
+    path, guidance) so a resume with another model is refused. A resume must use the same spec
+    (except ``groups_per_prompt``, which may grow: new groups are appended). ``max_new_shards``
+    stops after writing that many shards (a budget; rerun to continue).
+    """
+    from tqdm.auto import tqdm
+
+    root = Path(out)
+    prompts = list(prompts)
+    if not prompts:
+        raise DatasetError("generate_dataset needs at least one prompt")
+    spec = _spec(settings, prompts, model or {}, list(rewards))
+    if (root / INDEX).exists():
+        idx = read_index(root)
+        diff = _spec_diff(idx["spec"], spec)
+        if idx["prompts"] != prompts:
+            diff.append("prompts: the prompt list differs")
+        if diff:
+            raise DatasetError(f"{root} holds a dataset generated with other settings ({'; '.join(diff)}). "
+                               f"Resume with the same settings, or choose another --out.")
+        if spec["groups_per_prompt"] < idx["spec"]["groups_per_prompt"]:
+            raise DatasetError(f"{root} has groups_per_prompt={idx['spec']['groups_per_prompt']}; a dataset can "
+                               f"grow but not shrink (got {spec['groups_per_prompt']})")
+        idx["spec"] = spec
+    elif root.exists() and any(p for p in root.iterdir() if not p.name.startswith(".")):
+        raise DatasetError(f"{root} exists and is not an offline dataset (no {INDEX}); choose an empty or new --out")
+    else:
+        root.mkdir(parents=True, exist_ok=True)
+        idx = {"format": FORMAT, "version": VERSION, "spec": spec, "prompts": prompts, "shards": [],
+               "latent_shape": None, "columns": ["x0", "seeds", "group", "prompt_index"] +
+               [f"reward/{n}" for n in sorted(rewards)], "generation_seconds": 0.0, "reward_seconds": 0.0,
+               "model_evals": 0}
+    _remove_leftovers(root)
+    total = len(prompts) * settings.groups_per_prompt
+    done_groups = sum(s["count"] for s in idx["shards"])
+    bar = tqdm(total=total, initial=done_groups, desc="generate groups", unit="group", disable=not progress)
+    written = 0
+    evals_per_sample = settings.num_steps if settings.sampler == "euler" else 2 * settings.num_steps - 1
+    while (nxt := _next_shard(idx, total, settings.groups_per_shard)) is not None:
+        if max_new_shards is not None and written >= max_new_shards:
+            break
+        number, start, count = nxt
+        groups = list(range(start, start + count))
+        pidx = [group_prompt_index(g, len(prompts)) for g in groups]
+        seeds = [group_seeds(settings.seed, g, settings.k) for g in groups]  # [n][k]
+        rows_p = [prompts[p] for p in pidx for _ in range(settings.k)]
+        rows_s = [s for ss in seeds for s in ss]
+        k = settings.k
+        xs, parts, gen_s, rew_s = [], [], 0.0, 0.0
+        t_gen = time.perf_counter()
+        for first, x, images in iter_samples(policy, rows_p, rows_s, settings):
+            t_score = time.perf_counter()
+            gen_s += t_score - t_gen
+            parts.append(_score(rewards, images, rows_p[first:first + len(x)]))  # name -> [n]
+            if settings.save_png:
+                _save_pngs(root, [(groups[(first + i) // k], (first + i) % k) for i in range(len(x))], images)
+            xs.append(x.to(DTYPES[settings.latent_dtype]))
+            t_gen = time.perf_counter()
+            rew_s += t_gen - t_score
+        x0 = torch.cat(xs)  # [n*k, C, H, W]
+        tensors = {"x0": x0.view(count, k, *x0.shape[1:]),
+                   "seeds": torch.tensor(seeds, dtype=torch.int64), "group": torch.tensor(groups, dtype=torch.int64),
+                   "prompt_index": torch.tensor(pidx, dtype=torch.int64),
+                   **{f"reward/{n}": torch.cat([q[n] for q in parts]).float().view(count, k) for n in rewards}}
+        name = _shard_name(number) + ".safetensors"
+        _atomic_save_tensors(tensors, root / name)
+        if on_shard is not None:
+            on_shard(number)  # tests: simulate a crash between the shard file and the index update
+        idx["latent_shape"] = list(x0.shape[1:])
+        idx["shards"].append({"name": _shard_name(number), "start": start, "count": count,
+                              "columns": {c: name for c in tensors}})
+        idx["generation_seconds"] += gen_s
+        idx["reward_seconds"] += rew_s
+        idx["model_evals"] += count * k * evals_per_sample
+        _write_index(root, idx)
+        written += 1
+        bar.update(count)
+    bar.close()
+    return idx
+
+
+def _save_pngs(root: Path, names: list[tuple[int, int]], images: torch.Tensor) -> None:
+    """``png/g{group}_s{sample}.png`` for each (group, sample) in ``names`` and image [3, H, W]."""
+    from ..trainers.reporting import save_png
+
+    for (g, j), im in zip(names, images):
+        arr = (im.clamp(0, 1).permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+        save_png(arr, root / "png" / f"g{g:06d}_s{j}.png")
+
+
+def add_reward_column(path: str | os.PathLike, name: str, reward: Callable, decode: Callable[[torch.Tensor], torch.Tensor],
+                      batch_images: int = 256, overwrite: bool = False, progress: bool = True) -> dict:
+    """Score every stored image with ``reward`` and add column ``reward/<name>`` (no regeneration).
+
+    ``decode``: latents ``[B, C, H, W]`` -> images ``[B, 3, H', W']`` in [0, 1] (the policy's
+    ``decode``). Each shard's column goes to its own file ``shard-NNNNNN.reward-<name>.safetensors``,
+    written atomically, then the index is updated: an interrupted rescore resumes at the first
+    shard without the column. ``overwrite`` rescores shards that already have it.
+    """
+    from tqdm.auto import tqdm
+
+    root = Path(path)
+    idx = read_index(root)
+    col = f"reward/{name}"
+    _remove_leftovers(root)
+    if not overwrite and all(col in s["columns"] for s in idx["shards"]) and idx["shards"]:
+        raise DatasetError(f"{root} already has column {col!r}; pass overwrite=True (--overwrite) to rescore it")
+    ds = OfflineDataset(root)
+    for s in tqdm(idx["shards"], desc=f"score {name}", disable=not progress):
+        if col in s["columns"] and not overwrite:
+            continue
+        t0 = time.perf_counter()
+        batch = ds.read(list(range(s["start"], s["start"] + s["count"])), rewards=[])
+        n, k = batch.x0.shape[:2]
+        flat = batch.x0.flatten(0, 1)  # [n*k, C, H, W]
+        prompts = [p for p in batch.prompts for _ in range(k)]
+        vals = []
+        for a in range(0, flat.shape[0], batch_images):
+            with torch.no_grad():
+                images = decode(flat[a:a + batch_images]).float().cpu()
+            vals.append(_score({name: reward}, images, prompts[a:a + batch_images])[name])
+        fname = f"{s['name']}.reward-{_safe(name)}.safetensors"
+        _atomic_save_tensors({col: torch.cat(vals).view(n, k)}, root / fname)
+        s["columns"][col] = fname
+        if col not in idx["columns"]:
+            idx["columns"].append(col)
+        idx["reward_seconds"] += time.perf_counter() - t0
+        _write_index(root, idx)
+    ds.close()
+    return idx
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
+
+
+# ---------------------------------------------------------------- reading
+@dataclass
+class GroupBatch:
+    """G groups of k samples read from a dataset."""
+
+    group: torch.Tensor                 # [G] long, global group ids
+    prompt_index: torch.Tensor          # [G] long
+    prompts: list[str]                  # [G]
+    seeds: torch.Tensor                 # [G, k] long
+    x0: torch.Tensor                    # [G, k, C, H, W] float32
+    rewards: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [G, k] float32
+
+
+class OfflineDataset:
+    """Random access to the groups of a dataset directory (memory-mapped shards, never loaded whole).
+
+    ``len(ds)`` complete groups; ``ds.read([g, ...])`` -> :class:`GroupBatch`;
+    ``ds.epoch_order(seed, epoch)`` a reproducible permutation of the group ids.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.root = Path(path)
+        self.index = read_index(self.root)
+        self.shards = sorted(self.index["shards"], key=lambda s: s["start"])
+        self._starts = [s["start"] for s in self.shards]
+        self._handles: dict[str, object] = {}
+        for s in self.shards:
+            for f in set(s["columns"].values()):
+                if not (self.root / f).is_file():
+                    raise DatasetError(f"{self.root}: index lists {f}, which is missing. Rerun "
+                                       f"`flowrl generate-offline` with the same --out to repair it.")
+
+    # --- description
+    def __len__(self) -> int:
+        return sum(s["count"] for s in self.shards)
+
+    @property
+    def k(self) -> int:
+        return int(self.index["spec"]["k"])
+
+    @property
+    def prompts(self) -> list[str]:
+        return list(self.index["prompts"])
+
+    @property
+    def spec(self) -> dict:
+        return dict(self.index["spec"])
+
+    @property
+    def latent_shape(self) -> tuple[int, ...]:
+        return tuple(self.index["latent_shape"] or ())
+
+    @property
+    def reward_names(self) -> list[str]:
+        """Reward columns present in every shard."""
+        cols = [c for c in self.index["columns"] if c.startswith("reward/")]
+        return [c.split("/", 1)[1] for c in cols if all(c in s["columns"] for s in self.shards)]
+
+    @property
+    def generation_seconds(self) -> float:
+        """Seconds spent generating and scoring the dataset (all runs that wrote it)."""
+        return float(self.index["generation_seconds"] + self.index["reward_seconds"])
+
+    def group_ids(self) -> torch.Tensor:
+        """``[N]`` long: ids of the complete groups, ascending."""
+        if not self.shards:
+            return torch.zeros(0, dtype=torch.long)
+        return torch.cat([torch.arange(s["start"], s["start"] + s["count"]) for s in self.shards])
+
+    def epoch_order(self, seed: int, epoch: int) -> torch.Tensor:
+        """``[N]`` group ids in the reproducible shuffled order of ``epoch`` (depends only on
+        (seed, epoch) and the ids present)."""
+        ids = self.group_ids()
+        g = torch.Generator().manual_seed(int(np.random.SeedSequence([int(seed), int(epoch), 17]).generate_state(1)[0]))
+        return ids[torch.randperm(len(ids), generator=g)]
+
+    # --- reading
+    def _locate(self, g: int) -> tuple[dict, int]:
+        i = bisect.bisect_right(self._starts, int(g)) - 1
+        if i < 0 or not self.shards[i]["start"] <= g < self.shards[i]["start"] + self.shards[i]["count"]:
+            raise DatasetError(f"group {g} is not in the dataset {self.root} ({len(self)} groups)")
+        s = self.shards[i]
+        return s, int(g) - s["start"]
+
+    def _handle(self, fname: str):
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(str(self.root / fname), framework="pt", device="cpu")
+        return self._handles[fname]
+
+    def _row(self, shard: dict, column: str, row: int) -> torch.Tensor:
+        return self._handle(shard["columns"][column]).get_slice(column)[row:row + 1]
+
+    def read(self, groups: Sequence[int] | torch.Tensor, rewards: Optional[Sequence[str]] = None) -> GroupBatch:
+        """The groups ``groups`` (in that order). ``rewards``: reward columns to load (default:
+        all complete ones; ``[]``: none); a missing one is an error naming ``flowrl rescore-offline``."""
+        ids = [int(g) for g in (groups.tolist() if torch.is_tensor(groups) else groups)]
+        names = list(self.reward_names if rewards is None else rewards)
+        missing = [n for n in names if n not in self.reward_names]
+        if missing:
+            raise DatasetError(f"dataset {self.root} has no reward column {missing[0]!r} (it has "
+                               f"{self.reward_names or 'none'}). Add it without regenerating: "
+                               f"`flowrl rescore-offline --dataset {self.root} --reward {missing[0]}`.")
+        rows = [self._locate(g) for g in ids]
+        x0 = torch.cat([self._row(s, "x0", r) for s, r in rows]).float() if rows else torch.zeros(0)
+        seeds = torch.cat([self._row(s, "seeds", r) for s, r in rows]) if rows else torch.zeros(0, dtype=torch.long)
+        pidx = torch.cat([self._row(s, "prompt_index", r) for s, r in rows]) if rows else torch.zeros(0, dtype=torch.long)
+        rew = {n: torch.cat([self._row(s, f"reward/{n}", r) for s, r in rows]).float() for n in names}
+        prompts = self.index["prompts"]
+        return GroupBatch(group=torch.tensor(ids, dtype=torch.long), prompt_index=pidx,
+                          prompts=[prompts[int(p)] for p in pidx], seeds=seeds, x0=x0, rewards=rew)
+
+    def column(self, name: str) -> torch.Tensor:
+        """A whole reward column ``[N, k]`` in group-id order (for statistics)."""
+        return torch.cat([self._handle(s["columns"][f"reward/{name}"]).get_tensor(f"reward/{name}")
+                          for s in self.shards]) if self.shards else torch.zeros(0, self.k)
+
+    def iter_shards(self) -> Iterator[dict]:
+        yield from self.shards
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __repr__(self) -> str:
+        return (f"OfflineDataset({str(self.root)!r}, groups={len(self)}, k={self.k}, "
+                f"latent_shape={self.latent_shape}, rewards={self.reward_names})")
