@@ -118,3 +118,21 @@ def test_tree_and_tempflow_samplers_train(tiny_digits_dir, tmp_path, recipe, ext
     recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if "reward_mean" in l]
     assert len(recs) == 2 and all(r["transitions_trained"] > 0 for r in recs)
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in _weights(run).items())
+
+
+def test_sample_and_eval_commands_on_a_run(tiny_digits_dir, tmp_path):
+    from flowrl.cli import main
+
+    run = tmp_path / "run"
+    train(_cfg(tiny_digits_dir, **{"train.iterations": 1}), run)
+    png = tmp_path / "s.png"
+    assert main(["sample", "--run", str(run), "--prompts", "a handwritten digit 1", "a handwritten digit 2",
+                 "--per-prompt", "2", "--steps", "3", "--out", str(png)]) == 0
+    from PIL import Image
+
+    assert Image.open(png).size[0] > 2 * 16
+    out = tmp_path / "e.json"
+    assert main(["eval", "--run", str(run), "--per-prompt", "2", "--steps", "3", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["samples"] == 20 and 0 <= res["reward_mean"] <= 1
+    assert main(["eval", "--run", str(tmp_path / "nope"), "--per-prompt", "2"]) == 2  # clear error, exit 2
