@@ -31,6 +31,8 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
+
+from ..trainers.checkpoint import fsync_dir
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -42,19 +44,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 EXTENSIBLE = {"groups_per_prompt", "save_png"}
 
 
+
 class DatasetError(ValueError):
     """An offline dataset is missing, incomplete or does not match the request; says how to fix it."""
 
 
 # ---------------------------------------------------------------- small atomic-file helpers
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
@@ -62,7 +57,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: Optional[dict] = None) -> None:
@@ -71,7 +66,7 @@ def _atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata:
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _remove_leftovers(root: Path) -> None:

@@ -26,7 +26,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; the message says how to recover."""
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(str(path), os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -39,7 +39,7 @@ def _fsync_tree(path: Path) -> None:
         if f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-    _fsync_dir(path)
+    fsync_dir(path)
 
 
 def save_checkpoint(root: Path, iteration: int, *, trainable: dict[str, torch.Tensor],
@@ -74,7 +74,7 @@ def save_checkpoint(root: Path, iteration: int, *, trainable: dict[str, torch.Te
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

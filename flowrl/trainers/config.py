@@ -264,6 +264,8 @@ class Config:
                     close = difflib.get_close_matches(k, valid, n=1)
                     raise ConfigError(f"unknown key {name}.{k}." + (f" Did you mean {name}.{close[0]}?" if close else "")
                                       + f" Valid keys: {', '.join(sorted(valid))}")
+            if name == "train" and raw.get("mixed_precision") is False:  # YAML reads a bare `no` as False
+                raw = {**raw, "mixed_precision": "no"}
             _check_types(name, sec_cls, raw)
             kw[name] = sec_cls(**raw)
         return cls(**kw)

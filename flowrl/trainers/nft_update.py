@@ -8,44 +8,30 @@ Each sample is trained at one ``t ~ U(t_min, 1)`` with fresh noise per epoch, bo
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from ..advantages import group_advantages
 from ..losses import nft_loss
 from ..seeding import derive_seeds
 from ..types import index_cond
-from .weights import load_trainable_state, trainable_state
+from .weights import EMA
 
 T_MIN = 0.02
 
 
-class OldPolicy:
-    """The decayed copy of the trained tensors that defines ``v_old``."""
+class OldPolicy(EMA):
+    """The decayed copy of the trained tensors that defines ``v_old``: an EMA whose decay grows
+    with the optimizer step, ``d = min(0.001 * step, 0.5)`` (DiffusionNFT)."""
 
     def __init__(self, module: torch.nn.Module):
-        self.shadow = trainable_state(module)
+        super().__init__(module, decay=0.0)
 
     @staticmethod
-    def decay(optimizer_steps: int) -> float:
+    def decay_at(optimizer_steps: int) -> float:
         return min(0.001 * optimizer_steps, 0.5)
 
-    @torch.no_grad()
-    def update(self, module: torch.nn.Module, optimizer_steps: int) -> None:
-        d = self.decay(optimizer_steps)
-        for n, p in module.named_parameters():
-            if n in self.shadow:
-                self.shadow[n].mul_(d).add_(p.detach(), alpha=1 - d)
-
-    @contextlib.contextmanager
-    def applied(self, module: torch.nn.Module):
-        backup = trainable_state(module)
-        load_trainable_state(module, self.shadow)
-        try:
-            yield
-        finally:
-            load_trainable_state(module, backup)
+    def step(self, module: torch.nn.Module, optimizer_steps: int) -> None:
+        self.update(module, self.decay_at(optimizer_steps))
 
 
 def nft_update(trainer, rollout, it: int) -> dict:
@@ -96,9 +82,9 @@ def nft_update(trainer, rollout, it: int) -> dict:
                 count += 1
             for k, val in trainer._optimizer_step(finite).items():
                 sums[k] = sums.get(k, 0.0) + val * len(group)
-            trainer.old_policy.update(trainer.unwrapped, trainer.opt_steps)
+            trainer.old_policy.step(trainer.unwrapped, trainer.opt_steps)
     trainer.model.eval()
     out = {k: v / count for k, v in sums.items()} if count else {}
     out.update({"transitions_trained": int(len(rows_all)) * cfg.inner_epochs, "zero_var_fraction": zero.float().mean().item(),
-                "nft/old_decay": OldPolicy.decay(trainer.opt_steps)})
+                "nft/old_decay": OldPolicy.decay_at(trainer.opt_steps)})
     return out

@@ -90,10 +90,11 @@ class EMA:
         self.shadow = trainable_state(transformer)
 
     @torch.no_grad()
-    def update(self, transformer: nn.Module) -> None:
+    def update(self, transformer: nn.Module, decay: Optional[float] = None) -> None:
+        d = self.decay if decay is None else decay
         for n, p in transformer.named_parameters():
             if n in self.shadow:
-                self.shadow[n].mul_(self.decay).add_(p.detach(), alpha=1 - self.decay)
+                self.shadow[n].mul_(d).add_(p.detach(), alpha=1 - d)
 
     @contextlib.contextmanager
     def applied(self, transformer: nn.Module) -> Iterator[None]:

@@ -1,0 +1,1 @@
+"""Trainers: online (rollout -> update, GRPO family and DiffusionNFT) and offline (GDRO)."""
