@@ -217,3 +217,38 @@ def test_heun_sampler(full_dataset, tmp_path):
     assert not torch.allclose(OfflineDataset(out).read([0]).x0, OfflineDataset(path).read([0]).x0)
     with pytest.raises(ValueError, match="euler"):
         GenerationSettings(sampler="sde")
+
+
+def test_truncated_shard_is_a_clear_error_and_repairable(full_dataset, tmp_path):
+    import shutil
+
+    path, policy = full_dataset
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    shard = sorted(copy.glob("shard-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated
+    with pytest.raises(DatasetError, match="is damaged.*Delete it and rerun"):
+        OfflineDataset(copy).read([0])
+    shard.unlink()  # the documented recovery: delete it, rerun generation
+    _gen(copy, policy)
+    _assert_same(copy, path)
+
+
+def test_disk_full_while_writing_a_shard_leaves_no_partial_file(full_dataset, tmp_path, monkeypatch):
+    import errno
+
+    import flowrl.data.offline as off
+
+    path, policy = full_dataset
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(off, "save_file", full)
+    out = tmp_path / "full"
+    with pytest.raises(DatasetError, match="No space left.*complete shards are intact"):
+        _gen(out, policy)
+    assert not any(p.name.startswith(".") or p.suffix == ".safetensors" for p in out.iterdir())
+    monkeypatch.undo()
+    _gen(out, policy)  # after freeing space, the same command completes the dataset
+    _assert_same(out, path)

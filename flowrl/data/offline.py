@@ -62,9 +62,14 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 def _atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: Optional[dict] = None) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    try:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+    except OSError as e:  # e.g. disk full: no partial shard is left, the index still lists only complete ones
+        tmp.unlink(missing_ok=True)
+        raise DatasetError(f"writing {path.name} failed ({e}); the dataset's complete shards are intact. Free disk "
+                           f"space and rerun `flowrl generate-offline` with the same --out to continue.") from e
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
@@ -202,6 +207,18 @@ def _next_shard(idx: dict, total: int, per_shard: int) -> Optional[tuple[int, in
     return len(idx["shards"]), end, min(per_shard, total - end)
 
 
+def _drop_missing_shards(root: Path, idx: dict, evals_per_group: int) -> None:
+    """Repair: from the first shard whose file was deleted (e.g. a damaged one), drop it and the
+    shards after it from the index, so generation rewrites them (deterministically identical)."""
+    shards = sorted(idx["shards"], key=lambda s: s["start"])
+    for i, sh in enumerate(shards):
+        if not all((root / f).is_file() for f in set(sh["columns"].values())):
+            dropped = shards[i:]
+            idx["shards"] = shards[:i]
+            idx["model_evals"] -= sum(d["count"] for d in dropped) * evals_per_group
+            return
+
+
 # ---------------------------------------------------------------- writing
 def generate_dataset(out: str | os.PathLike, policy, prompts: Sequence[str], rewards: Mapping[str, Callable],
                      settings: GenerationSettings, model: Optional[dict] = None,
@@ -243,11 +260,12 @@ def generate_dataset(out: str | os.PathLike, policy, prompts: Sequence[str], rew
                [f"reward/{n}" for n in sorted(rewards)], "generation_seconds": 0.0, "reward_seconds": 0.0,
                "model_evals": 0}
     _remove_leftovers(root)
+    evals_per_sample = settings.num_steps if settings.sampler == "euler" else 2 * settings.num_steps - 1
+    _drop_missing_shards(root, idx, settings.k * evals_per_sample)
     total = len(prompts) * settings.groups_per_prompt
     done_groups = sum(s["count"] for s in idx["shards"])
     bar = tqdm(total=total, initial=done_groups, desc="generate groups", unit="group", disable=not progress)
     written = 0
-    evals_per_sample = settings.num_steps if settings.sampler == "euler" else 2 * settings.num_steps - 1
     while (nxt := _next_shard(idx, total, settings.groups_per_shard)) is not None:
         if max_new_shards is not None and written >= max_new_shards:
             break
@@ -432,7 +450,11 @@ class OfflineDataset:
 
     def _handle(self, fname: str):
         if fname not in self._handles:
-            self._handles[fname] = safe_open(str(self.root / fname), framework="pt", device="cpu")
+            try:
+                self._handles[fname] = safe_open(str(self.root / fname), framework="pt", device="cpu")
+            except Exception as e:  # noqa: BLE001 - truncated or overwritten file
+                raise DatasetError(f"{self.root / fname} is damaged ({e}). Delete it and rerun `flowrl "
+                                   f"generate-offline` with the same --out: missing shards are regenerated.") from e
         return self._handles[fname]
 
     def _row(self, shard: dict, column: str, row: int) -> torch.Tensor:

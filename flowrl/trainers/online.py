@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -446,7 +447,9 @@ class OnlineTrainer:
 
     def _on_sigterm(self, signum, frame) -> None:  # noqa: ARG002
         self._stop_requested = True
-        self.acc.print("[flowrl] SIGTERM: finishing this iteration, writing a checkpoint, then exiting")
+        if self.acc.is_main_process:
+            print("[flowrl] SIGTERM: finishing this iteration, writing a checkpoint, then exiting",
+                  file=sys.stderr, flush=True)
 
     def train(self) -> dict:
         from tqdm.auto import tqdm
