@@ -69,7 +69,7 @@ def test_validation_names_the_fix():
         _sol(explore_backend="int4")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="work on this machine: .*int8-dynamic"):
-            _sol(explore_backend="nvfp4")
+            _sol(explore_backend="nvfp4").check_available()  # constructing it is fine: recipes load anywhere
     s = _sol(explore_backend="int8-dynamic:activation=per_tensor")
     assert s.quantizer.activation == "per_tensor" and s.samples_per_prompt == 4 and s.num_steps == 4
 
@@ -173,3 +173,20 @@ def test_sol_sampler_trains_through_the_online_trainer(tiny_digits_dir, tmp_path
     train(cfg, run)
     recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if "reward_mean" in l]
     assert len(recs) == 2 and all(r["transitions_trained"] > 0 for r in recs)
+
+
+def test_gpu_recipe_loads_on_cpu_but_refuses_to_run(tiny_digits_dir, tmp_path):
+    import torch
+
+    from flowrl.trainers.config import ConfigError, load_config
+    from flowrl.trainers.online import OnlineTrainer
+
+    cfg = load_config("recipes/flux_sol_nvfp4.yaml")
+    assert cfg.sampler.options["explore_backend"] == "nvfp4" and cfg.prompts_per_iteration == 2
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: nvfp4 may run here")
+    cfg = load_config("recipes/digits_sol.yaml", [f"model.path={tiny_digits_dir}", "sampler.explore_backend=nvfp4",
+                                                  "logging.trackers=[]"])
+    with pytest.raises(ConfigError, match="Backends that work on this machine: .*int8-dynamic"):
+        OnlineTrainer(cfg, tmp_path / "run").setup()
+    assert not (tmp_path / "run" / "config.yaml").exists()

@@ -62,12 +62,17 @@ def get_quantizer(name: str, *, require_available: bool = True, **options: Any):
         raise ValueError(f"bad options {sorted(options)} for quantization backend {name!r} ({e}); "
                          f"valid options: {', '.join(valid) or 'none'}") from None
     if require_available:
-        why = q.unavailable_reason()
-        if why is not None:
-            ok = [n for n in available_backends() if n != name]
-            raise BackendUnavailable(f"quantization backend {name!r} is not available here: {why}. "
-                                     f"Backends that work on this machine: {', '.join(ok)}")
+        check_available(q)
     return q
+
+
+def check_available(q) -> None:
+    """Raise :class:`BackendUnavailable` naming the reason and the backends that work here."""
+    why = q.unavailable_reason()
+    if why is not None:
+        ok = [n for n in available_backends() if n != q.name]
+        raise BackendUnavailable(f"quantization backend {q.name!r} is not available here: {why}. "
+                                 f"Backends that work on this machine: {', '.join(ok)}")
 
 
 def _parse_value(text: str) -> Any:

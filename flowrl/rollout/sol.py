@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..quant import get_quantizer, parse_backend_spec
+from ..quant import check_available, get_quantizer, parse_backend_spec
 from ..quant.fidelity import ranking_fidelity
 from ..quant.sync import QuantizedCopy, swapped_transformer
 from ..seeding import derive_seeds
@@ -179,7 +179,9 @@ class SolSampler:
         if self.calibration_prompts is not None and not self.calibration_prompts:
             raise ValueError("calibration_prompts is empty: pass prompts, or None to use the first call's")
         name, spec_opts = parse_backend_spec(self.explore_backend)
-        self._quantizer = get_quantizer(name, **{**spec_opts, **dict(self.explore_options)})
+        # availability is checked when the sampler is used (check_available), so a GPU recipe still
+        # loads and validates on a CPU machine
+        self._quantizer = get_quantizer(name, require_available=False, **{**spec_opts, **dict(self.explore_options)})
         self._regen = self._build_regen()
         self._copy = QuantizedCopy(self._quantizer)
 
@@ -242,6 +244,10 @@ class SolSampler:
         rewards, _ = score_images(reward, images, per_sample)
         return rewards, time.perf_counter() - t
 
+    def check_available(self) -> None:
+        """Raise a clear error if the exploration backend cannot run on this machine."""
+        check_available(self._quantizer)
+
     # ------------------------------------------------------------------ call
     @torch.no_grad()
     def __call__(self, policy: FlowPolicy, prompts: list[str], reward: Optional[RewardFn] = None, seed: int = 0, *,
@@ -250,6 +256,7 @@ class SolSampler:
         pool_size``, prompt-major) overrides the derived pool."""
         if not prompts:
             raise ValueError("prompts is empty: pass at least one prompt")
+        self.check_available()
         t0 = time.perf_counter()
         p, n = len(prompts), self.pool_size
         pool = list(seeds) if seeds is not None else derive_seeds(seed, p * n)

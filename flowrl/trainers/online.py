@@ -165,6 +165,11 @@ class OnlineTrainer:
         self.prompts = load_prompts(cfg.data.prompts)
         self.eval_prompts = load_prompts(cfg.data.eval_prompts)
         self.sampler = cfg.sampler.build()
+        if hasattr(self.sampler, "check_available"):  # e.g. an NVFP4 exploration backend on a CPU machine
+            try:
+                self.sampler.check_available()
+            except ValueError as e:
+                raise ConfigError(f"sampler.explore_backend: {e}") from None
         self.policy = build_policy_from_config(cfg, device)  # before the rewards: a bad model path fails fast
         self.reward = build_reward(cfg)
         self.heldout = {}
