@@ -35,3 +35,10 @@ def test_per_reward_normalisation():
     a, _ = combine_component_advantages(comps, {"a": 1.0, "b": 1.0}, torch.tensor([0, 0]))
     # each reward contributes +-1 (before its +1e-4), whatever its scale
     assert torch.allclose(a, torch.tensor([-2.0, 2.0]), atol=1e-3)
+
+
+def test_public_names_named_by_the_issues():
+    from flowrl.advantages import ADVANTAGES, noise_aware_weights  # noqa: F401
+    from flowrl.rollout import BranchSampler, GroupSampler, SolSampler, TempFlowSampler  # noqa: F401
+
+    assert {"group", "branch", "tempflow"} <= set(ADVANTAGES)

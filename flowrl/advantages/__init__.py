@@ -12,12 +12,15 @@ from typing import Callable
 import torch
 
 from .group import ADV_CLIP, GROUP_EPS, combine_component_advantages, group_advantages, group_structure
+from .tempflow import noise_aware_weights, tempflow_structure
+from .tree import branch_structure, depthwise_advantages, fuse_rewards
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, dict]]
-ADVANTAGES: dict[str, AdvantageFn] = {"group": group_structure}
-# structures whose module loads on first use: name -> "module:function"
-_LAZY = {"branch": "flowrl.advantages.tree:branch_structure",
-         "tempflow": "flowrl.advantages.tempflow:tempflow_structure"}
+ADVANTAGES: dict[str, AdvantageFn] = {"group": group_structure, "branch": branch_structure,
+                                      "tempflow": tempflow_structure}
+
+__all__ = ["ADVANTAGES", "ADV_CLIP", "GROUP_EPS", "register", "transition_advantages", "group_advantages",
+           "combine_component_advantages", "noise_aware_weights", "fuse_rewards", "depthwise_advantages"]
 
 
 def register(structure: str, fn: AdvantageFn) -> None:
@@ -26,14 +29,9 @@ def register(structure: str, fn: AdvantageFn) -> None:
 
 def transition_advantages(rollout, **options) -> tuple[torch.Tensor, dict]:
     """One advantage per transition of ``rollout`` [M], and info (see module docstring)."""
-    if rollout.structure not in ADVANTAGES and rollout.structure in _LAZY:
-        import importlib
-
-        mod, attr = _LAZY[rollout.structure].split(":")
-        ADVANTAGES[rollout.structure] = getattr(importlib.import_module(mod), attr)
     try:
         fn = ADVANTAGES[rollout.structure]
     except KeyError:
         raise ValueError(f"no advantage function for rollout structure {rollout.structure!r}; "
-                         f"registered: {sorted(set(ADVANTAGES) | set(_LAZY))}") from None
+                         f"registered: {sorted(ADVANTAGES)}") from None
     return fn(rollout, **options)

@@ -2,6 +2,7 @@
 from .base import Rollout, Transitions, score_images
 from .branch import BranchSampler
 from .group import GroupSampler
+from .sol import SolSampler
 from .tempflow import TempFlowSampler
 
-__all__ = ["Rollout", "Transitions", "score_images", "GroupSampler", "TempFlowSampler", "BranchSampler"]
+__all__ = ["Rollout", "Transitions", "score_images", "GroupSampler", "TempFlowSampler", "BranchSampler", "SolSampler"]
