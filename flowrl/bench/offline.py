@@ -12,12 +12,13 @@ and a PNG.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Optional, Sequence
+
+from ..trainers.reporting import save_figure, write_json
 
 QUIET = ["logging.trackers=[]", "logging.progress=false"]
 
@@ -118,11 +119,7 @@ def bench_offline(offline_recipe: str = "recipes/digits_gdro.yaml", online_recip
                        "cuda": torch.cuda.is_available()},
            "note": "compute = wall seconds of generation + scoring + training on this machine, evaluation excluded"}
     if json_path:
-        p = Path(json_path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(out, indent=2))
-        os.replace(tmp, p)
+        write_json(out, Path(json_path))
     if png_path:
         plot(out, Path(png_path))
     return out
@@ -144,12 +141,7 @@ def plot(out: dict, path: Path, title: str = "") -> None:
     ax.set_ylabel("eval reward (fixed prompts and seeds)")
     ax.set_title(title or "offline GDRO vs online GRPO")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)
 
 
 def table(out: dict) -> str:

@@ -24,7 +24,6 @@ real), ``sd3`` / ``flux`` (``model_path`` to a diffusers directory; on CUDA comp
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import platform
@@ -44,6 +43,7 @@ from ..rollout.base import score_images
 from ..rollout.ode import ode_sample
 from ..schedules import flow_sigmas
 from ..seeding import derive_seeds, seeded_randn
+from ..trainers.reporting import save_figure, write_json
 
 PIPELINES = ("digits", "sd3-mid", "sd3", "flux")
 BENCH_SEED = 20260408
@@ -370,10 +370,7 @@ def bench_precision(pipeline: str = "digits", backends: Optional[Sequence[str]] 
         out["model_parameters"] = sum(p.numel() for p in policy.transformer.parameters())
     if json_path:
         jp = Path(json_path)
-        jp.parent.mkdir(parents=True, exist_ok=True)
-        tmp = jp.with_name(f".{jp.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(out, indent=2))
-        os.replace(tmp, jp)
+        write_json(out, jp)
         png_path = png_path or jp.with_suffix(".png")
     if png_path:
         plot_precision(out, Path(png_path))
@@ -491,12 +488,7 @@ def plot_precision(res: dict, path: Path) -> None:
         ax.set_ylim(0, 1.05)
         ax.legend(fontsize=8, loc="lower right")
         ax.set_title(f"ranking fidelity vs full precision at {st['ref_steps']} steps", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)
 
 
 # ------------------------------------------------------------------ command line

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..trainers.reporting import write_json
 from .training import Variant, compare, table
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -56,9 +57,7 @@ def bench_sampler(kind: str, pipeline: str = "digits", budget_seconds: float = 1
                 * flat["samples_per_iteration"] / r["samples_per_iteration"]
             r["model_eval_ratio_vs_flat"] = r["model_evals_per_iteration"] / flat["model_evals_per_iteration"] \
                 * flat["samples_per_iteration"] / r["samples_per_iteration"]
-        import json
-
-        (out / f"{kind}.json").write_text(json.dumps(res, indent=2))
+        write_json(res, out / f"{kind}.json")
     print(table(res))
     for name, r in res["variants"].items():
         if "rollout_time_ratio_vs_flat" in r:

@@ -7,14 +7,12 @@ run one after another in this process, on the same machine state, from the same 
 """
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
-
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -22,6 +20,7 @@ import yaml
 
 from ..trainers.config import Config, apply_overrides
 from ..trainers.online import OnlineTrainer
+from ..trainers.reporting import save_figure, write_json
 
 
 @dataclass
@@ -98,8 +97,7 @@ def compare(variants: dict[str, Variant], recipe: str, budget_seconds: float, ev
     out = {"recipe": recipe, "budget_seconds": budget_seconds, "variants": results,
            "machine": {"cpus": os.cpu_count()}}
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(out, indent=2))
+        write_json(out, Path(json_path))
     if png_path:
         plot_compare(out, Path(png_path), title)
     return out
@@ -119,10 +117,7 @@ def plot_compare(out: dict, path: Path, title: str = "") -> None:
     ax.set_ylabel("eval reward (fixed prompts and seeds)")
     ax.set_title(title)
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def table(out: dict) -> str:

@@ -97,9 +97,26 @@ def plot_curves(records: Iterable[dict], path: Path, title: str = "") -> None:
             if real is not None:
                 ax.axhline(real, color="k", ls="--", label="real data")
         ax.set_xlabel("iteration"), ax.set_title(name), ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def save_figure(fig, path: Path, dpi: int = 110) -> None:
+    """Lay out, write a matplotlib figure as PNG atomically (temporary name, then rename), close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=110)
+    fig.savefig(tmp, dpi=dpi)
     plt.close(fig)
+    os.replace(tmp, path)
+
+
+def write_json(obj, path: Path) -> None:
+    """Write ``obj`` as indented JSON atomically (temporary name, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2))
     os.replace(tmp, path)
