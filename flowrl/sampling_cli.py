@@ -49,9 +49,7 @@ def _generate(a):
     cfg, policy = load_policy(a.config, a.run, a.overrides)
     prompts = list(a.prompts) if a.prompts else None
     if prompts is None:
-        from .data import load_prompts
-
-        prompts = load_prompts(cfg.data.eval_prompts)
+        prompts = cfg.data.eval_prompt_set()
     rows = [p for p in prompts for _ in range(a.per_prompt)]
     steps = a.steps or getattr(cfg.sampler.build(), "num_steps", 10)
     _, images = ode_sample(policy, rows, derive_seeds(a.seed, len(rows)), steps)

@@ -95,7 +95,7 @@ CASES = [
         "sd3", str(tmp / "missing")), FileNotFoundError, r"make-tiny"),
     ("empty prompt file", prompts_file(b"\n\n"), ValueError, r"is empty; add at least one prompt"),
     ("non-UTF-8 prompts", prompts_file("caf\xe9".encode("latin-1")), ValueError, r"not UTF-8.*re-save it as UTF-8"),
-    ("JSONL without prompt", prompts_file(b'{"text": "x"}\n', "p.jsonl"), ValueError, r"needs a 'prompt' field"),
+    ("JSONL without prompt", prompts_file(b'{"title": "x"}\n', "p.jsonl"), ValueError, r"needs a 'prompt' field"),
     ("missing prompt file", lambda tmp: load_prompts(str(tmp / "none.txt")), FileNotFoundError, r"not found"),
     ("prompt not a string", lambda tmp: load_prompts(["ok", 3]), ValueError, r"expected a string"),
     ("corrupt checkpoint", corrupt_checkpoint, CheckpointError, r"unreadable.*Delete it"),

@@ -1,46 +1,113 @@
-"""Prompt sets: a list, a text file (one prompt per line), a JSONL file ({"prompt": ...}), or a
-built-in name (``digits``)."""
+"""Prompt sets: a list, a text file (one prompt per line), a JSONL file ({"prompt": ...}), a
+Hugging Face dataset directory written by ``save_to_disk``, or a shipped name (``digits``,
+``flowgrpo-ocr-sample``, ... : see :data:`NAMED` and ``flowrl/data/prompt_sets/README.md``)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
+
+SETS_DIR = Path(__file__).resolve().parent / "prompt_sets"
 
 BUILTIN = {
     "digits": [f"a handwritten digit {d}" for d in range(10)],
 }
+# shipped samples of the peers' prompt sets (provenance and licences in prompt_sets/README.md)
+NAMED = {
+    "flowgrpo-ocr-sample": "flowgrpo_ocr_sample.txt",
+    "flowgrpo-pickscore-sample": "flowgrpo_pickscore_sample.txt",
+    "geneval-sample": "geneval_sample.jsonl",
+}
+# columns tried, in order, when a dataset's prompt column is not named
+PROMPT_COLUMNS = ("prompt", "caption", "text")
 
 
-def load_prompts(source: Union[str, list, tuple]) -> list[str]:
-    """Prompts from ``source``; errors say what was wrong (missing file, empty set, bad line)."""
+def available_sets() -> list[str]:
+    """Names ``load_prompts`` accepts without a path."""
+    return sorted([*BUILTIN, *NAMED])
+
+
+def load_prompts(source: Union[str, list, tuple], column: Optional[str] = None, split: Optional[str] = None) -> list[str]:
+    """Prompts from ``source``; errors say what was wrong (missing file, empty set, bad line).
+
+    ``column`` names the prompt field of a JSONL file or dataset (default: the first of
+    ``prompt``, ``caption``, ``text`` present); ``split`` picks a split of a saved ``DatasetDict``
+    (default ``train``, or its only split).
+    """
     if isinstance(source, (list, tuple)):
         prompts = list(source)
     elif source in BUILTIN:
         prompts = list(BUILTIN[source])
+    elif source in NAMED:
+        return load_prompts(str(SETS_DIR / NAMED[source]), column=column)
     else:
         p = Path(str(source)).expanduser()
-        if not p.is_file():
+        if p.is_dir():
+            prompts = _load_hf_dataset(p, column, split)
+        elif not p.is_file():
             raise FileNotFoundError(f"prompt file {str(source)!r} not found; give a .txt (one prompt per line), "
-                                    f"a .jsonl with a 'prompt' field, a list, or one of {sorted(BUILTIN)}")
-        try:
-            text = p.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"prompt file {p} is not UTF-8 ({e}); re-save it as UTF-8") from None
-        if p.suffix == ".jsonl":
-            prompts = []
-            for i, line in enumerate(text.splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                    prompts.append(rec["prompt"] if isinstance(rec, dict) else rec)
-                except (json.JSONDecodeError, KeyError) as e:
-                    raise ValueError(f"{p}:{i}: each JSONL line needs a 'prompt' field ({e})") from None
+                                    f"a .jsonl with a 'prompt' field, a Hugging Face dataset directory "
+                                    f"(save_to_disk), a list, or one of {available_sets()}")
         else:
-            prompts = [ln.strip() for ln in text.splitlines() if ln.strip()]
+            prompts = _load_file(p, column)
     bad = [i for i, x in enumerate(prompts) if not isinstance(x, str)]
     if bad:
         raise ValueError(f"prompt {bad[0]} of {source!r} is {type(prompts[bad[0]]).__name__}, expected a string")
     if not prompts:
         raise ValueError(f"prompt set {source!r} is empty; add at least one prompt")
     return prompts
+
+
+def _load_file(p: Path, column: Optional[str]) -> list:
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"prompt file {p} is not UTF-8 ({e}); re-save it as UTF-8") from None
+    if p.suffix != ".jsonl":
+        return [ln.strip() for ln in text.splitlines() if ln.strip()]
+    prompts = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}:{i}: not valid JSON ({e})") from None
+        if not isinstance(rec, dict):
+            prompts.append(rec)
+            continue
+        key = column or next((c for c in PROMPT_COLUMNS if c in rec), None)
+        if key is None or key not in rec:
+            raise ValueError(f"{p}:{i}: each JSONL line needs a {column or 'prompt'!r} field "
+                             f"(found {sorted(rec)}); name the field with data.prompt_column")
+        prompts.append(rec[key])
+    return prompts
+
+
+def _load_hf_dataset(p: Path, column: Optional[str], split: Optional[str]) -> list:
+    """Prompts from ``datasets.load_from_disk(p)`` (a ``Dataset`` or a ``DatasetDict``)."""
+    markers = ("dataset_info.json", "state.json", "dataset_dict.json")
+    if not any((p / m).is_file() for m in markers):
+        raise FileNotFoundError(f"{p} is a directory but not a saved Hugging Face dataset (no {' / '.join(markers)}); "
+                                f"write it with Dataset.save_to_disk(...) or give a .txt / .jsonl file")
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(f"{p} is a Hugging Face dataset; reading it needs the `datasets` package: "
+                          f"pip install 'flowrl[data]' (or pip install datasets)") from None
+    ds = datasets.load_from_disk(str(p))
+    if isinstance(ds, datasets.DatasetDict):
+        names = list(ds)
+        name = split or ("train" if "train" in ds else names[0] if len(names) == 1 else None)
+        if name is None or name not in ds:
+            raise ValueError(f"{p} holds splits {names}; choose one with data.prompt_split"
+                             + (f" ({split!r} is not among them)" if split else ""))
+        ds = ds[name]
+    elif split is not None:
+        raise ValueError(f"{p} is a single dataset without splits; remove data.prompt_split={split!r}")
+    cols = list(ds.column_names)
+    key = column or next((c for c in PROMPT_COLUMNS if c in cols), None)
+    if key is None or key not in cols:
+        raise ValueError(f"{p}: no prompt column {column or ' / '.join(PROMPT_COLUMNS)!r}; its columns are {cols}. "
+                         f"Name the column with data.prompt_column")
+    return list(ds[key])

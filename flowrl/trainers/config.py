@@ -182,13 +182,31 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    prompts: Union[str, list] = _h("training prompts: a list, a .txt/.jsonl file, or 'digits' (built in)", "digits")
+    prompts: Union[str, list] = _h("training prompts: a list, a .txt/.jsonl file, a saved Hugging Face dataset "
+                                   "directory, or a shipped set (digits, flowgrpo-ocr-sample, "
+                                   "flowgrpo-pickscore-sample, geneval-sample)", "digits")
     eval_prompts: Union[str, list] = _h("held-out evaluation prompts (same forms); fixed with fixed seeds", "digits")
     eval_seeds_per_prompt: int = _h("samples per evaluation prompt", 8)
+    prompt_column: Optional[str] = _h("prompt field of a .jsonl file or Hugging Face dataset; empty = the first of "
+                                      "prompt, caption, text", None)
+    prompt_split: Optional[str] = _h("split of a saved Hugging Face DatasetDict for training prompts (default train)", None)
+    eval_prompt_split: Optional[str] = _h("split of a saved DatasetDict for evaluation prompts (default train)", None)
 
     def __post_init__(self):
         if self.eval_seeds_per_prompt < 2:
             raise ConfigError(f"data.eval_seeds_per_prompt must be >= 2 (diversity needs pairs), got {self.eval_seeds_per_prompt}")
+
+    def train_prompts(self) -> list[str]:
+        """The training prompt set (``data.prompts``, read with the column/split options)."""
+        from flowrl.data import load_prompts
+
+        return load_prompts(self.prompts, self.prompt_column, self.prompt_split)
+
+    def eval_prompt_set(self) -> list[str]:
+        """The evaluation prompt set (``data.eval_prompts``)."""
+        from flowrl.data import load_prompts
+
+        return load_prompts(self.eval_prompts, self.prompt_column, self.eval_prompt_split)
 
 
 @dataclass
