@@ -35,9 +35,17 @@ class ModelConfig:
     guidance_scale: float = _h("classifier-free guidance inside the policy (1.0 = none)", 1.0)
     device: str = _h("'auto' = the accelerator's device, or cpu / cuda:N", "auto")
     options: dict = _h("extra keyword arguments for the pipeline's from_pretrained", factory=dict)
+    text_embedding_cache: Optional[str] = _h("encode the fixed prompt sets once: 'memory', or a directory of "
+                                             "safetensors shards (reused across runs); empty = encode every batch", None)
+    drop_text_encoders: bool = _h("after caching, remove the text encoders from memory (needs "
+                                  "text_embedding_cache; prompts outside the sets are then an error)", False)
 
     def __post_init__(self):
         from flowrl.pipelines import REGISTRY
+
+        if self.drop_text_encoders and not self.text_embedding_cache:
+            raise ConfigError("model.drop_text_encoders=true needs model.text_embedding_cache ('memory' or a "
+                              "directory): without cached embeddings the prompts could not be encoded")
 
         if self.pipeline not in REGISTRY:
             raise ConfigError(f"model.pipeline: unknown pipeline {self.pipeline!r}; valid: {', '.join(sorted(REGISTRY))}")
@@ -61,7 +69,8 @@ class SamplerConfig:
 
     def build(self):
         cls = SAMPLERS.get(self.name)
-        valid = {f.name for f in fields(cls)} if dataclasses.is_dataclass(cls) else None
+        valid = ({f.name for f in fields(cls) if f.init and not f.name.startswith("_")}
+                 if dataclasses.is_dataclass(cls) else None)
         if valid is not None:
             bad = set(self.options) - valid
             if bad:

@@ -21,39 +21,27 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
 
+from ..data.embeddings import attach_text_cache
 from ..data.offline import DatasetError, GenerationSettings, OfflineDataset, add_reward_column, generate_dataset
 from ..losses.gdro import gdro_loss, group_velocity_errors, implicit_rewards, ranking_stats
 from ..rollout.base import score_images
-from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from .config import Config, ConfigError, dump_config, load_config
-from .online import TrainingStopped, _flat, _side_by_side, build_policy_from_config, build_reward, evaluate_policy
-from .reporting import MetricsLog, plot_curves, read_metrics, save_grid
-from .weights import EMA, Reference, add_lora, load_trainable_state, trainable_state
+from .config import Config, ConfigError
+from .common import TrainerBase
+from .online import build_policy_from_config, build_reward, evaluate_policy
+from .reporting import save_grid
 
 # keys that may change between a run and its resume without changing its trajectory
 RESUME_FREE = {"train.iterations", "train.checkpoint_every", "train.keep_checkpoints", "logging", "model.device",
                "model.path", "train.max_consecutive_skips", "offline.epochs", "offline.max_steps",
                "offline.eval_every", "offline.eval_steps", "offline.judge", "offline.judge_range", "sampler",
                "offline.dataset", "offline.generation_batch", "offline.save_png", "offline.score_heldout",
-               "reward.heldout", "data.eval_prompts", "data.eval_seeds_per_prompt"}
-
-
-def _resume_differences(a: Config, b: Config) -> list[str]:
-    fa, fb = _flat(a.to_dict()), _flat(b.to_dict())
-    out = []
-    for k in sorted(set(fa) | set(fb)):
-        parts = k.split(".")
-        if any(".".join(parts[:i]) in RESUME_FREE for i in range(1, len(parts) + 1)):
-            continue
-        if fa.get(k) != fb.get(k):
-            out.append(f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}")
-    return out
+               "reward.heldout", "data.eval_prompts", "data.eval_seeds_per_prompt", "model.text_embedding_cache",
+               "model.drop_text_encoders", "data.eval_prompt_split"}
 
 
 # ---------------------------------------------------------------- dataset generation (CLI glue)
@@ -91,12 +79,10 @@ def generate_offline(cfg: Config, out: Optional[str] = None, max_new_shards: Opt
                      progress: bool = True, policy=None, rewards: Optional[dict] = None) -> dict:
     """``flowrl generate-offline``: the reference model's groups for ``data.prompts`` into ``out``
     (default ``offline.dataset``); resumes an interrupted dataset. Returns a summary dict."""
-    from flowrl.data import load_prompts
-
     out = out or cfg.offline.dataset
     if not out:
         raise ConfigError("generate-offline needs a dataset directory: --out DIR (or offline.dataset=DIR)")
-    prompts = load_prompts(cfg.data.prompts)
+    prompts = cfg.data.train_prompts()
     settings = generation_settings(cfg)
     rewards = rewards if rewards is not None else dataset_rewards(cfg)
     policy = policy if policy is not None else build_policy_from_config(cfg, _device(cfg))
@@ -191,7 +177,7 @@ def corrected_score(r: torch.Tensor, quality: torch.Tensor, judge_range: list) -
 
 
 # ---------------------------------------------------------------- the trainer
-class OfflineTrainer:
+class OfflineTrainer(TrainerBase):
     """``OfflineTrainer(config, output_dir, resume=False).train()`` -> summary dict.
 
     The run directory holds what an online run holds (``config.yaml``, ``metrics.jsonl``,
@@ -200,26 +186,13 @@ class OfflineTrainer:
     ``compute_seconds`` is generation + training.
     """
 
+    RESUME_FREE = RESUME_FREE
+    unit = "step"
+    stop_causes = "offline.beta too large, "
+
     def __init__(self, config: Config, output_dir: str | os.PathLike, resume: bool = False):
-        self.cfg = config
-        self.cfg.offline.check_for_training()
-        self.run_dir = Path(output_dir)
-        self.resume = resume
-        self._stop_requested = False
-        saved = self.run_dir / "config.yaml"
-        if saved.exists():
-            if not resume:
-                raise ConfigError(f"output dir {self.run_dir} already holds a run (config.yaml). Pass --resume to "
-                                  f"continue it, or choose another --output-dir.")
-            try:
-                old = load_config(saved)
-            except ConfigError as e:
-                raise ConfigError(f"{saved} is not a valid flowrl config ({e}); use another --output-dir") from None
-            diff = _resume_differences(old, self.cfg)
-            if diff:
-                raise ConfigError(f"--resume: the config differs from the run in {self.run_dir} in keys that change "
-                                  f"training: {'; '.join(diff)}. Resume with the same settings or start a new "
-                                  f"--output-dir.")
+        config.offline.check_for_training()
+        super().__init__(config, output_dir, resume)
 
     # ---------------------------------------------------------------- set-up
     def _open_dataset(self) -> OfflineDataset:
@@ -241,19 +214,9 @@ class OfflineTrainer:
         return ds
 
     def setup(self) -> None:
-        from accelerate import Accelerator
-        from accelerate.utils import ProjectConfiguration
-
-        from flowrl.data import load_prompts
-
         cfg = self.cfg
         self.ds = self._open_dataset()
-        trackers = list(cfg.logging.trackers)
-        # cpu=True lets accelerate form a gloo (MULTI_CPU) world under torchrun when there is no GPU
-        on_cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
-        self.acc = Accelerator(cpu=on_cpu, mixed_precision=cfg.train.mixed_precision, log_with=trackers or None,
-                               project_config=ProjectConfiguration(project_dir=str(self.run_dir),
-                                                                   logging_dir=str(self.run_dir / "logs")))
+        device = self._make_accelerator()
         self.per_step = cfg.offline.batch_groups * cfg.train.grad_accum * self.acc.num_processes
         self.steps_per_epoch = len(self.ds) // self.per_step
         if self.steps_per_epoch == 0:
@@ -264,79 +227,34 @@ class OfflineTrainer:
         self.total_steps = cfg.offline.epochs * self.steps_per_epoch
         if cfg.offline.max_steps:
             self.total_steps = min(self.total_steps, cfg.offline.max_steps)
-        device = self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
-        self.eval_prompts = load_prompts(cfg.data.eval_prompts)
+        self.eval_prompts = cfg.data.eval_prompt_set()
         self.reward = build_reward(cfg)
         from flowrl.rewards import build
 
         self.heldout = {k: build(k, **(v or {})) for k, v in cfg.reward.heldout.items()}
         self.judge = {k: build(k, **(v or {})) for k, v in cfg.offline.judge.items()}
         self.policy = build_policy_from_config(cfg, device)
-        tr = self.policy.transformer
-        if cfg.train.lora_rank > 0:
-            with torch.random.fork_rng(devices=[]):  # LoRA A's random init depends on train.seed only
-                torch.manual_seed(cfg.train.seed)
-                add_lora(tr, cfg.train.lora_rank, cfg.train.lora_alpha,
-                         cfg.train.lora_targets or getattr(self.policy, "lora_target_modules", None))
-        else:
-            tr.requires_grad_(True)
-        self.ref = Reference(tr, need=True)  # GDRO's implicit reward always needs the reference
-        self.params = [p for p in tr.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-        warm = cfg.train.warmup_iterations
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: min(1.0, (it + 1) / warm) if warm else 1.0)
-        self.model, self.opt, self.sched = self.acc.prepare(tr, opt, sched)
-        self.policy.transformer = self.model
-        self.unwrapped = self.acc.unwrap_model(self.model)
-        self.ema = EMA(self.unwrapped, cfg.train.ema_decay) if cfg.train.ema else None
+        self.text_cache = attach_text_cache(self.policy, cfg.model, list(self.ds.prompts) + self.eval_prompts,
+                                            is_main=self.acc.is_main_process, barrier=self.acc.wait_for_everyone,
+                                            progress=cfg.logging.progress and self.acc.is_main_process)
+        self._prepare_model(need_reference=True)  # GDRO's implicit reward always needs the reference
         self.start_step = 0
-        self.opt_steps = self.skipped = self.consecutive_skips = 0
         self.train_seconds = 0.0
         if self.resume:
-            self._load_latest()
-        if self.acc.is_main_process:  # the run dir is claimed only once everything loaded
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            tmp = self.run_dir / "config.yaml.tmp"
-            tmp.write_text(dump_config(cfg))
-            os.replace(tmp, self.run_dir / "config.yaml")
-            self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", resume_from=self.start_step)
-            if trackers:
-                self.acc.init_trackers(cfg.logging.project, config={k: str(v) for k, v in _flat(cfg.to_dict()).items()})
+            ck = self._load_latest()
+            if ck is not None:
+                st = ck["state"]
+                if int(st.get("dataset_groups", len(self.ds))) != len(self.ds):
+                    raise ConfigError(f"--resume: the dataset {cfg.offline.dataset} now holds {len(self.ds)} groups, "
+                                      f"the run started with {st['dataset_groups']}; its data order would change. "
+                                      f"Resume with the same dataset or start a new --output-dir.")
+                self.start_step = int(st["iteration"])
+                self.train_seconds = float(st.get("train_seconds", 0.0))
+        self._claim_run_dir(self.start_step)  # only once everything loaded
 
     # ---------------------------------------------------------------- checkpoints
     def _save(self, step_done: int) -> None:
-        self.acc.wait_for_everyone()
-        if self.acc.is_main_process:
-            save_checkpoint(self.run_dir / "checkpoints", step_done,
-                            trainable=trainable_state(self.unwrapped), optimizer=self.opt.state_dict(),
-                            scheduler=self.sched.state_dict(), ema=self.ema.shadow if self.ema else None,
-                            state={"opt_steps": self.opt_steps, "skipped": self.skipped,
-                                   "consecutive_skips": self.consecutive_skips, "train_seconds": self.train_seconds,
-                                   "dataset_groups": len(self.ds)},
-                            keep=self.cfg.train.keep_checkpoints)
-        self.acc.wait_for_everyone()
-
-    def _load_latest(self) -> None:
-        ckpts = list_checkpoints(self.run_dir / "checkpoints")
-        if not ckpts:
-            return
-        ck = load_checkpoint(ckpts[-1])
-        load_trainable_state(self.unwrapped, ck["trainable"])
-        self.opt.load_state_dict(ck["optimizer"])
-        self.sched.load_state_dict(ck["scheduler"])
-        torch.set_rng_state(ck["torch_rng"])
-        if self.ema is not None and ck["ema"] is not None:
-            self.ema.shadow = ck["ema"]
-        st = ck["state"]
-        if int(st.get("dataset_groups", len(self.ds))) != len(self.ds):
-            raise ConfigError(f"--resume: the dataset {self.cfg.offline.dataset} now holds {len(self.ds)} groups, the run "
-                              f"started with {st['dataset_groups']}; its data order would change. Resume with the same "
-                              f"dataset or start a new --output-dir.")
-        self.start_step = int(st["iteration"])
-        self.opt_steps, self.skipped = int(st["opt_steps"]), int(st["skipped"])
-        self.consecutive_skips = int(st["consecutive_skips"])
-        self.train_seconds = float(st.get("train_seconds", 0.0))
-        self.acc.print(f"[flowrl] resumed from {ckpts[-1]} (step {self.start_step})")
+        super()._save(step_done, state={"train_seconds": self.train_seconds, "dataset_groups": len(self.ds)})
 
     # ---------------------------------------------------------------- one step
     def step_groups(self, step: int) -> list[torch.Tensor]:
@@ -358,12 +276,6 @@ class OfflineTrainer:
         t = sample_t(gen, g, self.cfg.offline)  # [g]
         eps = torch.randn((g, *self.ds.latent_shape), generator=gen)  # [g, C, H, W]
         return t, eps
-
-    def _all_finite(self, x: torch.Tensor) -> bool:
-        ok = torch.tensor([1.0 if torch.isfinite(x).all() else 0.0], device=self.acc.device)
-        if self.acc.num_processes > 1:
-            ok = self.acc.reduce(ok, reduction="sum") / self.acc.num_processes
-        return bool(ok.item() == 1.0)
 
     def microbatch_loss(self, groups: torch.Tensor, step: int, micro: int) -> tuple[torch.Tensor, dict]:
         """GDRO loss of one pass over ``groups`` [G] ids -> (loss scalar, stats)."""
@@ -390,27 +302,6 @@ class OfflineTrainer:
         stats.update({"pl_loss": pl.item(), "fm_top": reg.item(), "fm_ref_top": err_ref[m].gather(1, top.view(-1, 1)).mean().item(),
                       **ranking_stats(s[m], rr)})
         return loss, stats
-
-    def _optimizer_step(self, finite: bool) -> dict:
-        norm = self.acc.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm) if finite else torch.tensor(float("nan"))
-        norm = torch.as_tensor(norm, dtype=torch.float32)
-        if finite and self._all_finite(norm):
-            self.opt.step()
-            self.opt_steps += 1
-            self.consecutive_skips = 0
-            if self.ema is not None and self.opt_steps % self.cfg.train.ema_every == 0:
-                self.ema.update(self.unwrapped)
-        else:
-            self.skipped += 1
-            self.consecutive_skips += 1
-            if self.consecutive_skips >= self.cfg.train.max_consecutive_skips:
-                raise TrainingStopped(
-                    f"{self.consecutive_skips} optimizer steps in a row had a non-finite loss or gradient, so training "
-                    f"stopped (weights are as of the last good step; the last checkpoint is intact). Causes: a "
-                    f"learning rate too high (train.lr={self.cfg.train.lr}), offline.beta too large "
-                    f"({self.cfg.offline.beta}), or fp16 overflow (train.mixed_precision={self.cfg.train.mixed_precision}).")
-        self.opt.zero_grad(set_to_none=True)
-        return {"grad_norm": float(norm)}
 
     def run_step(self, step: int) -> dict:
         """One optimizer step (``grad_accum`` passes) -> metrics."""
@@ -466,34 +357,7 @@ class OfflineTrainer:
         met["train_seconds"] = self.train_seconds
         return met, images
 
-    def _real_data_reference(self) -> dict:
-        ref = getattr(self.policy, "reference_images", None)
-        if ref is None:
-            return {}
-        k = self.cfg.data.eval_seeds_per_prompt
-        images = ref(self.eval_prompts, k)
-        if images is None:
-            return {}
-        from ..diagnostics import high_frequency_energy, within_group_diversity
-
-        groups = torch.arange(len(self.eval_prompts)).repeat_interleave(k)
-        prompts = [p for p in self.eval_prompts for _ in range(k)]
-        r, _ = score_images(self.reward, images, prompts)
-        return {"real/reward": float(r[torch.isfinite(r)].mean()), "real/diversity": within_group_diversity(images, groups),
-                "real/hf_energy": high_frequency_energy(images)}
-
     # ---------------------------------------------------------------- the loop
-    def _log(self, record: dict) -> None:
-        if self.acc.is_main_process:
-            self.metrics.write(record)
-            if self.cfg.logging.trackers:
-                self.acc.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "iteration"},
-                             step=record["iteration"])
-
-    def _on_sigterm(self, signum, frame) -> None:  # noqa: ARG002
-        self._stop_requested = True
-        self.acc.print("[flowrl] SIGTERM: finishing this step, writing a checkpoint, then exiting")
-
     def _eval_and_log(self, step: int) -> None:
         em, imgs = self.evaluate(step)
         self._log(em)
@@ -533,39 +397,20 @@ class OfflineTrainer:
                 break
         bar.close()
         summary = self._finish(last)
-        self.acc.end_training()
         self.ds.close()
-        if self.acc.num_processes > 1 and torch.distributed.is_initialized():
-            self.acc.wait_for_everyone()
-            torch.distributed.destroy_process_group()  # else gloo/NCCL processes abort at exit
+        self._shutdown()
         return summary
 
     def _finish(self, last: int) -> dict:
         if not self.acc.is_main_process:
             return {}
-        recs = read_metrics(self.run_dir / "metrics.jsonl")
-        plot_curves(recs, self.run_dir / "reward_curve.png", title=f"{self.cfg.model.pipeline} / GDRO (offline)")
-        evals = sorted((r for r in recs if "eval/reward" in r), key=lambda r: r["iteration"])
-        first, final = (evals[0], evals[-1]) if evals else ({}, {})
-        before = self.run_dir / "samples" / "eval_000000.png"
-        after = self.run_dir / "samples" / f"eval_{final.get('iteration', 0):06d}.png"
-        if before.exists() and after.exists():
-            _side_by_side(before, after, self.run_dir / "before_after.png")
-        real = next((r for r in recs if "real/reward" in r), {})
         gen = self.ds.generation_seconds
         summary = {"steps_done": last, "total_steps": self.total_steps, "steps_per_epoch": self.steps_per_epoch,
-                   "epochs_done": last / self.steps_per_epoch, "stopped_early": self._stop_requested,
-                   "dataset": str(self.cfg.offline.dataset), "dataset_groups": len(self.ds),
-                   "eval_reward_before": first.get("eval/reward"), "eval_reward_after": final.get("eval/reward"),
-                   "diversity_before": first.get("eval/diversity"), "diversity_after": final.get("eval/diversity"),
-                   "hf_energy_before": first.get("eval/hf_energy"), "hf_energy_after": final.get("eval/hf_energy"),
-                   **{k: v for k, v in real.items() if k.startswith("real/")},
+                   "epochs_done": last / self.steps_per_epoch, "dataset": str(self.cfg.offline.dataset),
+                   "dataset_groups": len(self.ds),
+                   **self._report(last, title=f"{self.cfg.model.pipeline} / GDRO (offline)"),
                    "generation_seconds": gen, "train_seconds": self.train_seconds,
-                   "compute_seconds": gen + self.train_seconds, "skipped_steps": self.skipped,
-                   "num_processes": self.acc.num_processes, "run_dir": str(self.run_dir)}
-        if "eval/reward_corrected" in final:
-            summary["eval_reward_corrected_before"] = first.get("eval/reward_corrected")
-            summary["eval_reward_corrected_after"] = final.get("eval/reward_corrected")
+                   "compute_seconds": gen + self.train_seconds}
         tmp = self.run_dir / "summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2))
         os.replace(tmp, self.run_dir / "summary.json")

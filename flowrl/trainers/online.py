@@ -16,17 +16,15 @@ import contextlib
 import json
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
-from typing import Optional
 
 import numpy as np
 import torch
 
 from ..advantages import transition_advantages
+from ..data.embeddings import attach_text_cache
 from ..diagnostics import high_frequency_energy, within_group_diversity
 from ..faults import maybe_fault
 from ..losses import grpo_clipped_loss, kl_to_reference
@@ -35,20 +33,16 @@ from ..rollout.ode import ode_sample
 from ..sde import get_step
 from ..seeding import derive_seeds
 from ..types import index_cond
-from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
-from .config import Config, ConfigError, dump_config, load_config
-from .reporting import MetricsLog, plot_curves, read_metrics, save_grid
+from .common import TrainerBase, TrainingStopped  # noqa: F401 (TrainingStopped: public here too)
+from .config import Config, ConfigError
+from .reporting import save_grid
 from .nft_update import OldPolicy, nft_update
-from .weights import EMA, Reference, add_lora, load_trainable_state, trainable_state
 
 EVAL_SEED = 20251121  # evaluation seeds are fixed, independent of the training seed
 # keys that may change between a run and its resume without changing its trajectory
 RESUME_FREE = {"train.iterations", "train.checkpoint_every", "train.keep_checkpoints", "logging", "model.device",
-               "model.path", "train.max_consecutive_skips"}
+               "model.path", "train.max_consecutive_skips", "model.text_embedding_cache", "model.drop_text_encoders"}
 
-
-class TrainingStopped(RuntimeError):
-    """Training stopped on purpose (too many non-finite steps); the message says why."""
 
 
 def build_reward(cfg: Config):
@@ -62,29 +56,6 @@ def build_policy_from_config(cfg: Config, device):
 
     return build_policy(cfg.model.pipeline, cfg.model.path, guidance_scale=cfg.model.guidance_scale,
                         device=device, **cfg.model.options)
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and k not in ("options", "weights", "heldout", "advantage_options"):
-            out.update(_flat(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def config_differences(a: Config, b: Config) -> list[str]:
-    """Keys whose values differ and that change the training trajectory."""
-    fa, fb = _flat(a.to_dict()), _flat(b.to_dict())
-    diff = []
-    for k in sorted(set(fa) | set(fb)):
-        if k in RESUME_FREE or k.split(".")[0] in RESUME_FREE:
-            continue
-        if fa.get(k) != fb.get(k):
-            diff.append(f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}")
-    return diff
 
 
 @torch.no_grad()
@@ -117,53 +88,23 @@ class IterationResult:
     rollout: Rollout
 
 
-class OnlineTrainer:
+class OnlineTrainer(TrainerBase):
     """``OnlineTrainer(config, output_dir, resume=False).train()`` -> summary dict.
 
     The run directory holds ``config.yaml``, ``metrics.jsonl``, ``checkpoints/iter_NNNNNN``,
     ``samples/*.png``, ``reward_curve.png``, ``before_after.png`` and TensorBoard logs.
     """
 
-    def __init__(self, config: Config, output_dir: str | os.PathLike, resume: bool = False):
-        self.cfg = config
-        self.run_dir = Path(output_dir)
-        self.resume = resume
-        self._check_run_dir()
-        self._stop_requested = False
+    RESUME_FREE = RESUME_FREE
+    unit = "iteration"
+    stop_causes = "a reward returning NaN/inf, "
 
     # ---------------------------------------------------------------- set-up
-    def _check_run_dir(self) -> None:
-        saved = self.run_dir / "config.yaml"
-        if saved.exists():
-            if not self.resume:
-                raise ConfigError(f"output dir {self.run_dir} already holds a run (config.yaml). Pass --resume to "
-                                  f"continue it, or choose another --output-dir.")
-            try:
-                old = load_config(saved)
-            except ConfigError as e:
-                raise ConfigError(f"{saved} is not a valid flowrl config ({e}); use another --output-dir") from None
-            diff = config_differences(old, self.cfg)
-            if diff:
-                raise ConfigError(f"--resume: the config differs from the run in {self.run_dir} in keys that change "
-                                  f"training: {'; '.join(diff)}. Resume with the same settings or start a new "
-                                  f"--output-dir.")
-
     def setup(self) -> None:
-        from accelerate import Accelerator
-        from accelerate.utils import ProjectConfiguration
-
         cfg = self.cfg
-        trackers = list(cfg.logging.trackers)
-        # cpu=True lets accelerate form a gloo (MULTI_CPU) world under torchrun when there is no GPU
-        on_cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
-        self.acc = Accelerator(cpu=on_cpu, mixed_precision=cfg.train.mixed_precision, log_with=trackers or None,
-                               project_config=ProjectConfiguration(project_dir=str(self.run_dir),
-                                                                   logging_dir=str(self.run_dir / "logs")))
-        device = self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
-        from flowrl.data import load_prompts
-
-        self.prompts = load_prompts(cfg.data.prompts)
-        self.eval_prompts = load_prompts(cfg.data.eval_prompts)
+        device = self._make_accelerator()
+        self.prompts = cfg.data.train_prompts()
+        self.eval_prompts = cfg.data.eval_prompt_set()
         self.sampler = cfg.sampler.build()
         if hasattr(self.sampler, "check_available"):  # e.g. an NVFP4 exploration backend on a CPU machine
             try:
@@ -171,85 +112,31 @@ class OnlineTrainer:
             except ValueError as e:
                 raise ConfigError(f"sampler.explore_backend: {e}") from None
         self.policy = build_policy_from_config(cfg, device)  # before the rewards: a bad model path fails fast
+        self.text_cache = attach_text_cache(self.policy, cfg.model, self.prompts + self.eval_prompts,
+                                            is_main=self.acc.is_main_process, barrier=self.acc.wait_for_everyone,
+                                            progress=cfg.logging.progress and self.acc.is_main_process)
         self.reward = build_reward(cfg)
         self.heldout = {}
         if cfg.reward.heldout:
             from flowrl.rewards import build
 
             self.heldout = {k: build(k, **(v or {})) for k, v in cfg.reward.heldout.items()}
-        tr = self.policy.transformer
-        if cfg.train.lora_rank > 0:
-            with torch.random.fork_rng(devices=[]):  # LoRA init depends on the seed only
-                torch.manual_seed(cfg.train.seed)
-                add_lora(tr, cfg.train.lora_rank, cfg.train.lora_alpha,
-                         cfg.train.lora_targets or getattr(self.policy, "lora_target_modules", None))
-        else:
-            tr.requires_grad_(True)
-        self.ref = Reference(tr, need=cfg.train.beta_kl > 0)
-        self.params = [p for p in tr.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-        warm = cfg.train.warmup_iterations
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: min(1.0, (it + 1) / warm) if warm else 1.0)
-        self.model, self.opt, self.sched = self.acc.prepare(tr, opt, sched)
-        self.policy.transformer = self.model
-        self.unwrapped = self.acc.unwrap_model(self.model)
-        self.ema = EMA(self.unwrapped, cfg.train.ema_decay) if cfg.train.ema else None
+        self._prepare_model(need_reference=cfg.train.beta_kl > 0)
         self.old_policy = None  # DiffusionNFT's decayed sampling policy (train.loss=nft)
         self.step_fn = None
         self.start_iteration = 0
-        self.opt_steps = self.skipped = self.consecutive_skips = 0
         if self.resume:
-            self._load_latest()
-        if self.acc.is_main_process:  # the run dir is claimed only once everything loaded
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            tmp = self.run_dir / "config.yaml.tmp"
-            tmp.write_text(dump_config(cfg))
-            os.replace(tmp, self.run_dir / "config.yaml")
-            self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", resume_from=self.start_iteration)
-            if trackers:
-                self.acc.init_trackers(cfg.logging.project, config={k: str(v) for k, v in _flat(cfg.to_dict()).items()})
+            ck = self._load_latest()
+            if ck is not None:
+                self.start_iteration = int(ck["state"]["iteration"])
+                if "old_policy" in ck["extra"]:
+                    self.old_policy = OldPolicy(self.unwrapped)
+                    self.old_policy.shadow = ck["extra"]["old_policy"]
+        self._claim_run_dir(self.start_iteration)  # only once everything loaded
 
     # ---------------------------------------------------------------- checkpoints
     def _save(self, iteration_done: int) -> None:
-        self.acc.wait_for_everyone()
-        if self.acc.is_main_process:
-            save_checkpoint(self.run_dir / "checkpoints", iteration_done,
-                            trainable=trainable_state(self.unwrapped), optimizer=self.opt.state_dict(),
-                            scheduler=self.sched.state_dict(), ema=self.ema.shadow if self.ema else None,
-                            extra={"old_policy": self.old_policy.shadow} if self.old_policy else None,
-                            state={"opt_steps": self.opt_steps, "skipped": self.skipped,
-                                   "consecutive_skips": self.consecutive_skips},
-                            keep=self.cfg.train.keep_checkpoints)
-        self.acc.wait_for_everyone()
-
-    def _load_latest(self) -> None:
-        ckpts = list_checkpoints(self.run_dir / "checkpoints")
-        if not ckpts:
-            return
-        for path in reversed(ckpts):  # newest first; an unreadable one falls back to its predecessor
-            try:
-                ck = load_checkpoint(path)
-                break
-            except CheckpointError as e:
-                self.acc.print(f"[flowrl] WARNING: {e}")
-                if path == ckpts[0]:
-                    raise CheckpointError(f"no readable checkpoint in {self.run_dir / 'checkpoints'}; the newest "
-                                          f"error: {e}") from None
-        ckpts = [path]
-        load_trainable_state(self.unwrapped, ck["trainable"])
-        self.opt.load_state_dict(ck["optimizer"])
-        self.sched.load_state_dict(ck["scheduler"])
-        torch.set_rng_state(ck["torch_rng"])
-        if self.ema is not None and ck["ema"] is not None:
-            self.ema.shadow = ck["ema"]
-        if "old_policy" in ck["extra"]:
-            self.old_policy = OldPolicy(self.unwrapped)
-            self.old_policy.shadow = ck["extra"]["old_policy"]
-        st = ck["state"]
-        self.start_iteration = int(st["iteration"])
-        self.opt_steps, self.skipped = int(st["opt_steps"]), int(st["skipped"])
-        self.consecutive_skips = int(st["consecutive_skips"])
-        self.acc.print(f"[flowrl] resumed from {ckpts[-1]} (iteration {self.start_iteration})")
+        super()._save(iteration_done, extra={"old_policy": self.old_policy.shadow} if self.old_policy else None)
 
     # ---------------------------------------------------------------- one iteration
     def _iteration_prompts(self, it: int) -> list[str]:
@@ -284,12 +171,6 @@ class OnlineTrainer:
         adv, info = transition_advantages(view, iteration=it, **opts)
         return adv.clamp(-self.cfg.train.adv_clip_max, self.cfg.train.adv_clip_max), info
 
-    def _all_finite(self, x: torch.Tensor) -> bool:
-        ok = torch.tensor([1.0 if torch.isfinite(x).all() else 0.0], device=self.acc.device)
-        if self.acc.num_processes > 1:
-            ok = self.acc.reduce(ok, reduction="sum") / self.acc.num_processes
-        return bool(ok.item() == 1.0)
-
     def _minibatch_loss(self, rollout: Rollout, cond, rows: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
         tr = rollout.transitions.select(rows)
         dev = self.acc.device
@@ -310,29 +191,6 @@ class OnlineTrainer:
             loss = loss + self.cfg.train.beta_kl * kl
             stats["kl"] = kl.item()
         return loss, stats
-
-    def _optimizer_step(self, finite: bool) -> dict:
-        norm = self.acc.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm) if finite else torch.tensor(float("nan"))
-        norm = torch.as_tensor(norm, dtype=torch.float32)
-        if finite and self._all_finite(norm):
-            self.opt.step()
-            self.opt_steps += 1
-            self.consecutive_skips = 0
-            if self.ema is not None and self.opt_steps % self.cfg.train.ema_every == 0:
-                self.ema.update(self.unwrapped)
-        else:
-            if finite and getattr(self.acc, "scaler", None) is not None:
-                self.opt.step()  # fp16: the GradScaler sees the inf, skips the update and lowers its scale
-            self.skipped += 1
-            self.consecutive_skips += 1
-            if self.consecutive_skips >= self.cfg.train.max_consecutive_skips:
-                raise TrainingStopped(
-                    f"{self.consecutive_skips} optimizer steps in a row had a non-finite loss or gradient, so training "
-                    f"stopped (weights are as of the last good step; the last checkpoint is intact). Causes: a reward "
-                    f"returning NaN/inf, a learning rate too high (train.lr={self.cfg.train.lr}), or fp16 overflow "
-                    f"(train.mixed_precision={self.cfg.train.mixed_precision}).")
-        self.opt.zero_grad(set_to_none=True)
-        return {"grad_norm": float(norm)}
 
     def _update(self, rollout: Rollout, adv: torch.Tensor, info: dict, it: int) -> dict:
         m = len(rollout.transitions)
@@ -428,34 +286,7 @@ class OnlineTrainer:
             return evaluate_policy(self.policy, self.reward, self.heldout, self.eval_prompts,
                                    self.cfg.data.eval_seeds_per_prompt, getattr(self.sampler, "num_steps", 10), it)
 
-    def _real_data_reference(self) -> dict:
-        ref = getattr(self.policy, "reference_images", None)
-        if ref is None:
-            return {}
-        k = self.cfg.data.eval_seeds_per_prompt
-        images = ref(self.eval_prompts, k)
-        if images is None:
-            return {}
-        groups = torch.arange(len(self.eval_prompts)).repeat_interleave(k)
-        prompts = [p for p in self.eval_prompts for _ in range(k)]
-        r, _ = score_images(self.reward, images, prompts)
-        return {"real/reward": float(r[torch.isfinite(r)].mean()), "real/diversity": within_group_diversity(images, groups),
-                "real/hf_energy": high_frequency_energy(images)}
-
     # ---------------------------------------------------------------- the loop
-    def _log(self, record: dict) -> None:
-        if self.acc.is_main_process:
-            self.metrics.write(record)
-            if self.cfg.logging.trackers:
-                self.acc.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "iteration"},
-                             step=record["iteration"])
-
-    def _on_sigterm(self, signum, frame) -> None:  # noqa: ARG002
-        self._stop_requested = True
-        if self.acc.is_main_process:
-            print("[flowrl] SIGTERM: finishing this iteration, writing a checkpoint, then exiting",
-                  file=sys.stderr, flush=True)
-
     def train(self) -> dict:
         from tqdm.auto import tqdm
 
@@ -498,12 +329,8 @@ class OnlineTrainer:
         summary = self._finish(last)
         if summary:
             summary["ranks_in_sync"] = in_sync
-            summary["num_processes"] = self.acc.num_processes
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        self.acc.end_training()
-        if self.acc.num_processes > 1 and torch.distributed.is_initialized():
-            self.acc.wait_for_everyone()
-            torch.distributed.destroy_process_group()  # else gloo/NCCL processes abort at exit
+        self._shutdown()
         return summary
 
     def _ranks_in_sync(self) -> bool:
@@ -519,35 +346,8 @@ class OnlineTrainer:
     def _finish(self, last: int) -> dict:
         if not self.acc.is_main_process:
             return {}
-        recs = read_metrics(self.run_dir / "metrics.jsonl")
-        plot_curves(recs, self.run_dir / "reward_curve.png", title=f"{self.cfg.model.pipeline} / {self.cfg.sampler.name}")
-        evals = sorted((r for r in recs if "eval/reward" in r), key=lambda r: r["iteration"])
-        first, final = (evals[0], evals[-1]) if evals else ({}, {})
-        before = self.run_dir / "samples" / "eval_000000.png"
-        after = self.run_dir / "samples" / f"eval_{final.get('iteration', 0):06d}.png"
-        if before.exists() and after.exists():
-            _side_by_side(before, after, self.run_dir / "before_after.png")
-        real = next((r for r in recs if "real/reward" in r), {})
-        summary = {"iterations_done": last, "stopped_early": self._stop_requested,
-                   "eval_reward_before": first.get("eval/reward"), "eval_reward_after": final.get("eval/reward"),
-                   "diversity_before": first.get("eval/diversity"), "diversity_after": final.get("eval/diversity"),
-                   "hf_energy_before": first.get("eval/hf_energy"), "hf_energy_after": final.get("eval/hf_energy"),
-                   **{k: v for k, v in real.items() if k.startswith("real/")}, "skipped_steps": self.skipped,
-                   "run_dir": str(self.run_dir)}
-        return summary
-
-
-def _side_by_side(before: Path, after: Path, out: Path) -> None:
-    import numpy as np
-    from PIL import Image
-
-    from .reporting import save_png
-
-    a, b = np.asarray(Image.open(before).convert("RGB")), np.asarray(Image.open(after).convert("RGB"))
-    h = max(a.shape[0], b.shape[0])
-    pad = lambda x: np.pad(x, ((0, h - x.shape[0]), (0, 0), (0, 0)), constant_values=255)  # noqa: E731
-    gap = np.full((h, 12, 3), 255, np.uint8)
-    save_png(np.concatenate([pad(a), gap, pad(b)], axis=1), out)
+        return {"iterations_done": last,
+                **self._report(last, title=f"{self.cfg.model.pipeline} / {self.cfg.sampler.name}")}
 
 
 def train(config: Config, output_dir: str | os.PathLike, resume: bool = False) -> dict:

@@ -1,0 +1,279 @@
+"""Text-embedding cache for a fixed prompt set.
+
+Training prompts are fixed, so each prompt's text conditioning is computed once (as DanceGRPO
+precomputes its embeddings) and served from the cache afterwards; the text encoders can then be
+dropped from memory (SD3.5's T5-XXL alone is ~9.5 GB in bf16). A cached row is exactly what
+``policy.encode_prompts`` returned for the batch it was encoded in; the encoders themselves vary
+with batch composition by float rounding (~1e-7 for SD3's CLIP pooled output), which the cache
+removes: a prompt's conditioning no longer depends on its batch-mates.
+
+Storage: in memory, or a directory of safetensors shards (``emb-00000.safetensors``, one row per
+prompt per tensor) plus ``index.json``, read lazily with ``safe_open`` so a 25k-prompt set costs
+disk, not RAM. Prompt-independent tensors (the negative prompt's embeddings under CFG) are found
+by encoding two different probe prompts and stored once, not per row.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+INDEX = "index.json"
+SHARED = "shared.safetensors"
+TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
+_PROBES = ("a photo of a cat", "an oil painting of a harbour at night")
+
+
+class TextCacheError(ValueError):
+    """The cache cannot serve a request; the message says why and what to do."""
+
+
+def model_fingerprint(model_cfg: dict) -> str:
+    """A short hash of the model settings that change text embeddings (pipeline, path, guidance,
+    options such as the negative prompt or max_sequence_length)."""
+    keep = {k: model_cfg.get(k) for k in ("pipeline", "path", "guidance_scale", "options")}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class TextEmbeddingCache:
+    """Per-prompt text conditioning, served in ``policy.encode_prompts``'s format.
+
+    Build with :meth:`build` (or :meth:`open_or_build` for a directory), then :meth:`attach` it to
+    the policy. ``encode(prompts)`` returns batch-first tensors on ``device``.
+    """
+
+    def __init__(self, fingerprint: str = "", directory: Optional[Path] = None):
+        self.fingerprint = fingerprint
+        self.directory = Path(directory) if directory is not None else None
+        self.shared: dict[str, torch.Tensor] = {}          # key -> [1, ...], prompt-independent
+        self.keys: list[str] = []                          # per-row keys
+        self._where: dict[str, tuple[int, int]] = {}       # prompt -> (shard, row)
+        self._shards: list = []                            # dicts of [R, ...] tensors, or file names
+        self._open: dict[int, object] = {}                 # lazily opened safetensors handles
+        self.device = torch.device("cpu")
+
+    # ---------------------------------------------------------------- building
+    @classmethod
+    def build(cls, policy, prompts: list[str], fingerprint: str = "", directory: Optional[str] = None,
+              batch_size: int = 32, progress: bool = False) -> "TextEmbeddingCache":
+        """Encode every distinct prompt of ``prompts`` with ``policy.encode_prompts`` (in batches of
+        ``batch_size``); with ``directory`` the shards and index are written there atomically."""
+        cache = cls(fingerprint, Path(directory) if directory else None)
+        if cache.directory is not None:
+            cache.directory.mkdir(parents=True, exist_ok=True)
+        cache.device = getattr(policy, "device", torch.device("cpu"))
+        cache.extend(policy.encode_prompts, prompts, batch_size=batch_size, progress=progress)
+        return cache
+
+    def _find_shared(self, encode: Callable, sample: list[str]) -> None:
+        """Keys whose rows are equal for every probe and sample prompt are prompt-independent."""
+        cond = encode(list(dict.fromkeys([*_PROBES, *sample[:4]])))  # [n, ...] per key
+        self.keys = [k for k, v in cond.items() if not all(torch.equal(v[0], v[i]) for i in range(1, v.shape[0]))]
+        self.shared = {k: v[:1].detach().cpu().contiguous() for k, v in cond.items() if k not in self.keys}
+
+    def extend(self, encode: Callable, prompts: list[str], batch_size: int = 32, progress: bool = False) -> int:
+        """Add the prompts not cached yet (one new shard per ``batch_size`` prompts). Returns how many."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        new = [p for p in dict.fromkeys(prompts) if p not in self._where]
+        if not new:
+            return 0
+        if not self.keys and not self.shared:
+            self._find_shared(encode, new)
+        chunks = [new[i:i + batch_size] for i in range(0, len(new), batch_size)]
+        if progress:
+            from tqdm.auto import tqdm
+
+            chunks = tqdm(chunks, desc="text embeddings", unit="batch")
+        for chunk in chunks:
+            cond = encode(list(chunk))
+            missing = set(self.keys) - set(cond)
+            if missing:
+                raise TextCacheError(f"encode_prompts stopped returning {sorted(missing)}; rebuild the cache")
+            for k, v in self.shared.items():
+                if not torch.equal(cond[k].detach().cpu(), v.expand_as(cond[k])):
+                    raise TextCacheError(f"{k!r} looked prompt-independent but differs for {chunk[0]!r}; "
+                                         f"this policy cannot use the text-embedding cache")
+            rows = {k: cond[k].detach().cpu().contiguous() for k in self.keys}  # [R, ...] each
+            idx = len(self._shards)
+            self._shards.append(self._write_shard(idx, rows) if self.directory else rows)
+            for r, p in enumerate(chunk):
+                self._where[p] = (idx, r)
+        if self.directory:
+            self._write_index()
+        return len(new)
+
+    # ---------------------------------------------------------------- lookup
+    def __contains__(self, prompt: str) -> bool:
+        return prompt in self._where
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    @property
+    def prompts(self) -> list[str]:
+        return list(self._where)
+
+    def _rows(self, shard: int, rows: list[int]) -> dict[str, torch.Tensor]:
+        s = self._shards[shard]
+        if isinstance(s, dict):
+            return {k: s[k][rows] for k in self.keys}
+        if shard not in self._open:
+            from safetensors import safe_open
+
+            self._open[shard] = safe_open(str(self.directory / s), framework="pt")
+        h = self._open[shard]
+        return {k: torch.cat([h.get_slice(k)[r:r + 1] for r in rows]) for k in self.keys}
+
+    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """``policy.encode_prompts(prompts)`` from the cache: batch-first tensors on ``self.device``.
+
+        A prompt not in the cache is a :class:`TextCacheError` naming it."""
+        prompts = list(prompts)
+        unknown = [p for p in prompts if p not in self._where]
+        if unknown:
+            raise TextCacheError(f"prompt {unknown[0]!r} is not in the text-embedding cache ({len(self)} prompts) and "
+                                 f"the text encoders were dropped; add it to data.prompts / data.eval_prompts, or set "
+                                 f"model.drop_text_encoders=false")
+        out: dict[str, list] = {k: [None] * len(prompts) for k in self.keys}
+        by_shard: dict[int, list[tuple[int, int]]] = {}
+        for i, p in enumerate(prompts):
+            s, r = self._where[p]
+            by_shard.setdefault(s, []).append((i, r))
+        for s, pairs in by_shard.items():
+            got = self._rows(s, [r for _, r in pairs])
+            for j, (i, _) in enumerate(pairs):
+                for k in self.keys:
+                    out[k][i] = got[k][j]
+        cond = {k: torch.stack(v).to(self.device) for k, v in out.items()}  # [B, ...]
+        n = len(prompts)
+        cond.update({k: v.to(self.device).expand(n, *v.shape[1:]).clone() for k, v in self.shared.items()})  # [B, ...]
+        return cond
+
+    # ---------------------------------------------------------------- policy
+    def attach(self, policy, drop_encoders: bool = False) -> int:
+        """Serve ``policy.encode_prompts`` from this cache. Cached prompts come from the cache; others
+        are encoded and added (kept in memory) while the encoders exist. ``drop_encoders`` removes the
+        text encoders from the policy (and its diffusers pipeline) to free their memory; returns the
+        number of parameters freed."""
+        self.device = getattr(policy, "device", self.device)
+        original = policy.encode_prompts
+        freed = 0
+        if drop_encoders:
+            for obj in (policy, getattr(policy, "pipe", None)):
+                for name in TEXT_ENCODER_NAMES:
+                    mod = getattr(obj, name, None) if obj is not None else None
+                    if isinstance(mod, torch.nn.Module):
+                        freed += sum(p.numel() for p in mod.parameters())
+                        setattr(obj, name, None)
+            import gc
+
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+        def encode_prompts(prompts: list[str]):
+            missing = [p for p in dict.fromkeys(prompts) if p not in self._where]
+            if missing and not drop_encoders:
+                directory, self.directory = self.directory, None  # late additions stay in memory
+                try:
+                    self.extend(original, missing)
+                finally:
+                    self.directory = directory
+            return self.encode(prompts)
+
+        policy.encode_prompts = encode_prompts
+        policy.text_embedding_cache = self
+        return freed
+
+    # ---------------------------------------------------------------- files
+    def _write_shard(self, idx: int, rows: dict[str, torch.Tensor]) -> str:
+        from safetensors.torch import save_file
+
+        name = f"emb-{idx:05d}.safetensors"
+        tmp = self.directory / (name + ".tmp")
+        save_file(rows, str(tmp))
+        os.replace(tmp, self.directory / name)
+        return name
+
+    def _write_index(self) -> None:
+        from safetensors.torch import save_file
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if self.shared and not (self.directory / SHARED).exists():
+            save_file({k: v.contiguous() for k, v in self.shared.items()}, str(self.directory / (SHARED + ".tmp")))
+            os.replace(self.directory / (SHARED + ".tmp"), self.directory / SHARED)
+        shards = [{"file": f, "prompts": [p for p, (s, _) in self._where.items() if s == i]}
+                  for i, f in enumerate(self._shards) if isinstance(f, str)]
+        doc = {"version": 1, "fingerprint": self.fingerprint, "keys": self.keys, "shared": sorted(self.shared),
+               "shards": shards}
+        tmp = self.directory / (INDEX + ".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, self.directory / INDEX)
+
+    @classmethod
+    def load(cls, directory: str, fingerprint: Optional[str] = None) -> "TextEmbeddingCache":
+        """Open a cache directory; ``fingerprint`` (if given) must match the one it was built with."""
+        d = Path(directory)
+        idx = d / INDEX
+        if not idx.is_file():
+            raise TextCacheError(f"{d} holds no text-embedding cache ({INDEX} missing)")
+        doc = json.loads(idx.read_text())
+        if fingerprint is not None and doc["fingerprint"] != fingerprint:
+            raise TextCacheError(f"the text-embedding cache in {d} was built for a different model setting "
+                                 f"(fingerprint {doc['fingerprint']} != {fingerprint}: pipeline, path, guidance or "
+                                 f"options changed); delete the directory or point model.text_embedding_cache elsewhere")
+        cache = cls(doc["fingerprint"], d)
+        cache.keys = list(doc["keys"])
+        if doc["shared"]:
+            from safetensors.torch import load_file
+
+            cache.shared = load_file(str(d / SHARED))
+        for i, sh in enumerate(doc["shards"]):
+            if not (d / sh["file"]).is_file():
+                raise TextCacheError(f"text-embedding shard {d / sh['file']} is missing; delete {d} to rebuild the cache")
+            cache._shards.append(sh["file"])
+            for r, p in enumerate(sh["prompts"]):
+                cache._where[p] = (i, r)
+        return cache
+
+    @classmethod
+    def open_or_build(cls, policy, prompts: list[str], directory: str, fingerprint: str,
+                      progress: bool = False) -> "TextEmbeddingCache":
+        """Load ``directory`` (checking the fingerprint) and add any prompt not cached yet, or build it."""
+        if (Path(directory) / INDEX).is_file():
+            cache = cls.load(directory, fingerprint)
+            cache.device = getattr(policy, "device", cache.device)
+            cache.extend(policy.encode_prompts, prompts, progress=progress)
+            return cache
+        return cls.build(policy, prompts, fingerprint, directory, progress=progress)
+
+
+def attach_text_cache(policy, model_cfg, prompts: list[str], is_main: bool = True,
+                      barrier: Optional[Callable[[], None]] = None, progress: bool = False) -> Optional[TextEmbeddingCache]:
+    """Apply ``model.text_embedding_cache`` / ``model.drop_text_encoders`` to a freshly loaded policy.
+
+    ``"memory"``: every process encodes ``prompts`` once into RAM. A directory: the main process
+    builds (or extends) it, the others wait at ``barrier`` and then read it. Returns the cache or None.
+    """
+    where = model_cfg.text_embedding_cache
+    if not where:
+        return None
+    fp = model_fingerprint({"pipeline": model_cfg.pipeline, "path": model_cfg.path,
+                            "guidance_scale": model_cfg.guidance_scale, "options": model_cfg.options})
+    if where == "memory":
+        cache = TextEmbeddingCache.build(policy, prompts, fp, progress=progress)
+    else:
+        if is_main:
+            TextEmbeddingCache.open_or_build(policy, prompts, where, fp, progress=progress)
+        if barrier is not None:
+            barrier()
+        cache = TextEmbeddingCache.load(where, fp)
+    freed = cache.attach(policy, drop_encoders=model_cfg.drop_text_encoders)
+    if progress and freed:
+        print(f"text encoders dropped: {freed / 1e6:.1f}M parameters freed; {len(cache)} prompts cached")
+    return cache

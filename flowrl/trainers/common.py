@@ -1,0 +1,275 @@
+"""What the online (rollout) and offline (GDRO) trainers share: the run directory and its resume
+check, the accelerator, the trained model (LoRA, reference, optimizer, EMA), checkpoints with
+fallback to the previous one, the non-finite guard, metric logging and SIGTERM handling."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..diagnostics import high_frequency_energy, within_group_diversity
+from ..rollout.base import score_images
+from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+from .config import Config, ConfigError, dump_config, load_config
+from .reporting import MetricsLog, plot_curves, read_metrics
+from .weights import EMA, Reference, add_lora, load_trainable_state, trainable_state
+
+
+class TrainingStopped(RuntimeError):
+    """Training stopped on purpose (too many non-finite steps); the message says why."""
+
+
+def flat_config(d: dict, prefix: str = "") -> dict:
+    """``{"train": {"lr": 1}}`` -> ``{"train.lr": 1}`` (option dicts stay whole)."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and k not in ("options", "weights", "heldout", "advantage_options"):
+            out.update(flat_config(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_differences(a: Config, b: Config, free: set) -> list[str]:
+    """Keys whose values differ between ``a`` and ``b``, except those in ``free`` or under a free prefix
+    (``logging`` frees ``logging.eval_every``, ``offline.judge`` frees ``offline.judge.vlm_judge.url``)."""
+    fa, fb = flat_config(a.to_dict()), flat_config(b.to_dict())
+
+    def is_free(k: str) -> bool:
+        parts = k.split(".")
+        return any(".".join(parts[:i]) in free for i in range(1, len(parts) + 1))
+
+    return [f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in sorted(set(fa) | set(fb))
+            if not is_free(k) and fa.get(k) != fb.get(k)]
+
+
+class TrainerBase:
+    """Subclasses set ``RESUME_FREE`` (keys a resume may change), ``unit`` (what a checkpoint counts:
+    iteration / step) and ``stop_causes`` (likely causes of non-finite steps, for the message)."""
+
+    RESUME_FREE: set = set()
+    unit = "iteration"
+    stop_causes = ""
+
+    def __init__(self, config: Config, output_dir: str | os.PathLike, resume: bool = False):
+        self.cfg = config
+        self.run_dir = Path(output_dir)
+        self.resume = resume
+        self._stop_requested = False
+        self._check_run_dir()
+
+    # ---------------------------------------------------------------- set-up
+    def _check_run_dir(self) -> None:
+        saved = self.run_dir / "config.yaml"
+        if not saved.exists():
+            return
+        if not self.resume:
+            raise ConfigError(f"output dir {self.run_dir} already holds a run (config.yaml). Pass --resume to "
+                              f"continue it, or choose another --output-dir.")
+        try:
+            old = load_config(saved)
+        except ConfigError as e:
+            raise ConfigError(f"{saved} is not a valid flowrl config ({e}); use another --output-dir") from None
+        diff = config_differences(old, self.cfg, self.RESUME_FREE)
+        if diff:
+            raise ConfigError(f"--resume: the config differs from the run in {self.run_dir} in keys that change "
+                              f"training: {'; '.join(diff)}. Resume with the same settings or start a new "
+                              f"--output-dir.")
+
+    def _make_accelerator(self) -> torch.device:
+        """``self.acc``; returns the device the model goes to."""
+        from accelerate import Accelerator
+        from accelerate.utils import ProjectConfiguration
+
+        cfg = self.cfg
+        trackers = list(cfg.logging.trackers)
+        # cpu=True lets accelerate form a gloo (MULTI_CPU) world under torchrun when there is no GPU
+        on_cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
+        self.acc = Accelerator(cpu=on_cpu, mixed_precision=cfg.train.mixed_precision, log_with=trackers or None,
+                               project_config=ProjectConfiguration(project_dir=str(self.run_dir),
+                                                                   logging_dir=str(self.run_dir / "logs")))
+        return self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
+
+    def _prepare_model(self, need_reference: bool) -> None:
+        """LoRA (seeded init) or full fine-tune on ``self.policy.transformer``, the reference (the
+        adapter-disabled model), AdamW with linear warm-up, ``accelerate.prepare``, EMA."""
+        cfg = self.cfg
+        tr = self.policy.transformer
+        if cfg.train.lora_rank > 0:
+            with torch.random.fork_rng(devices=[]):  # LoRA init depends on train.seed only
+                torch.manual_seed(cfg.train.seed)
+                add_lora(tr, cfg.train.lora_rank, cfg.train.lora_alpha,
+                         cfg.train.lora_targets or getattr(self.policy, "lora_target_modules", None))
+        else:
+            tr.requires_grad_(True)
+        self.ref = Reference(tr, need=need_reference)
+        self.params = [p for p in tr.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        warm = cfg.train.warmup_iterations
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: min(1.0, (it + 1) / warm) if warm else 1.0)
+        self.model, self.opt, self.sched = self.acc.prepare(tr, opt, sched)
+        self.policy.transformer = self.model
+        self.unwrapped = self.acc.unwrap_model(self.model)
+        self.ema = EMA(self.unwrapped, cfg.train.ema_decay) if cfg.train.ema else None
+        self.opt_steps = self.skipped = self.consecutive_skips = 0
+
+    def _claim_run_dir(self, start: int) -> None:
+        """Once everything loaded: ``config.yaml``, the metrics log (cut at ``start``), trackers."""
+        if not self.acc.is_main_process:
+            return
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.run_dir / "config.yaml.tmp"
+        tmp.write_text(dump_config(cfg))
+        os.replace(tmp, self.run_dir / "config.yaml")
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", resume_from=start)
+        if cfg.logging.trackers:
+            self.acc.init_trackers(cfg.logging.project, config={k: str(v) for k, v in flat_config(cfg.to_dict()).items()})
+
+    # ---------------------------------------------------------------- checkpoints
+    def _save(self, done: int, state: Optional[dict] = None, extra: Optional[dict] = None) -> None:
+        """Checkpoint after ``done`` iterations/steps (main process writes; everyone waits)."""
+        self.acc.wait_for_everyone()
+        if self.acc.is_main_process:
+            save_checkpoint(self.run_dir / "checkpoints", done,
+                            trainable=trainable_state(self.unwrapped), optimizer=self.opt.state_dict(),
+                            scheduler=self.sched.state_dict(), ema=self.ema.shadow if self.ema else None,
+                            extra=extra or None,
+                            state={"opt_steps": self.opt_steps, "skipped": self.skipped,
+                                   "consecutive_skips": self.consecutive_skips, **(state or {})},
+                            keep=self.cfg.train.keep_checkpoints)
+        self.acc.wait_for_everyone()
+
+    def _load_latest(self) -> Optional[dict]:
+        """Restore the newest readable checkpoint (an unreadable one falls back to its predecessor):
+        weights, optimizer, scheduler, RNG, EMA, counters. Returns it (None: nothing to resume)."""
+        ckpts = list_checkpoints(self.run_dir / "checkpoints")
+        if not ckpts:
+            return None
+        for path in reversed(ckpts):
+            try:
+                ck = load_checkpoint(path)
+                break
+            except CheckpointError as e:
+                self.acc.print(f"[flowrl] WARNING: {e}")
+                if path == ckpts[0]:
+                    raise CheckpointError(f"no readable checkpoint in {self.run_dir / 'checkpoints'}; the newest "
+                                          f"error: {e}") from None
+        load_trainable_state(self.unwrapped, ck["trainable"])
+        self.opt.load_state_dict(ck["optimizer"])
+        self.sched.load_state_dict(ck["scheduler"])
+        torch.set_rng_state(ck["torch_rng"])
+        if self.ema is not None and ck["ema"] is not None:
+            self.ema.shadow = ck["ema"]
+        st = ck["state"]
+        self.opt_steps, self.skipped = int(st["opt_steps"]), int(st["skipped"])
+        self.consecutive_skips = int(st["consecutive_skips"])
+        self.acc.print(f"[flowrl] resumed from {path} ({self.unit} {int(st['iteration'])})")
+        return ck
+
+    # ---------------------------------------------------------------- optimizer
+    def _all_finite(self, x: torch.Tensor) -> bool:
+        """True when ``x`` is finite on every process (all ranks take the same decision)."""
+        ok = torch.tensor([1.0 if torch.isfinite(x).all() else 0.0], device=self.acc.device)
+        if self.acc.num_processes > 1:
+            ok = self.acc.reduce(ok, reduction="sum") / self.acc.num_processes
+        return bool(ok.item() == 1.0)
+
+    def _optimizer_step(self, finite: bool) -> dict:
+        """Clip, step (or skip a non-finite step, stopping after ``train.max_consecutive_skips``), zero."""
+        norm = self.acc.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm) if finite else torch.tensor(float("nan"))
+        norm = torch.as_tensor(norm, dtype=torch.float32)
+        if finite and self._all_finite(norm):
+            self.opt.step()
+            self.opt_steps += 1
+            self.consecutive_skips = 0
+            if self.ema is not None and self.opt_steps % self.cfg.train.ema_every == 0:
+                self.ema.update(self.unwrapped)
+        else:
+            if finite and getattr(self.acc, "scaler", None) is not None:
+                self.opt.step()  # fp16: the GradScaler sees the inf, skips the update and lowers its scale
+            self.skipped += 1
+            self.consecutive_skips += 1
+            if self.consecutive_skips >= self.cfg.train.max_consecutive_skips:
+                raise TrainingStopped(
+                    f"{self.consecutive_skips} optimizer steps in a row had a non-finite loss or gradient, so training "
+                    f"stopped (weights are as of the last good step; the last checkpoint is intact). Causes: "
+                    f"{self.stop_causes}a learning rate too high (train.lr={self.cfg.train.lr}), or fp16 overflow "
+                    f"(train.mixed_precision={self.cfg.train.mixed_precision}).")
+        self.opt.zero_grad(set_to_none=True)
+        return {"grad_norm": float(norm)}
+
+    # ---------------------------------------------------------------- reporting
+    def _real_data_reference(self) -> dict:
+        """The evaluation metrics on real data (digits: held-out images), when the policy has them."""
+        ref = getattr(self.policy, "reference_images", None)
+        if ref is None:
+            return {}
+        k = self.cfg.data.eval_seeds_per_prompt
+        images = ref(self.eval_prompts, k)
+        if images is None:
+            return {}
+        groups = torch.arange(len(self.eval_prompts)).repeat_interleave(k)
+        prompts = [p for p in self.eval_prompts for _ in range(k)]
+        r, _ = score_images(self.reward, images, prompts)
+        return {"real/reward": float(r[torch.isfinite(r)].mean()), "real/diversity": within_group_diversity(images, groups),
+                "real/hf_energy": high_frequency_energy(images)}
+
+    def _log(self, record: dict) -> None:
+        if self.acc.is_main_process:
+            self.metrics.write(record)
+            if self.cfg.logging.trackers:
+                self.acc.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "iteration"},
+                             step=record["iteration"])
+
+    def _on_sigterm(self, signum, frame) -> None:  # noqa: ARG002
+        self._stop_requested = True
+        if self.acc.is_main_process:
+            print(f"[flowrl] SIGTERM: finishing this {self.unit}, writing a checkpoint, then exiting",
+                  file=sys.stderr, flush=True)
+
+    # ---------------------------------------------------------------- the end
+    def _report(self, last: int, title: str) -> dict:
+        """Main process: ``reward_curve.png``, ``before_after.png`` and the summary fields both trainers
+        share (first vs last evaluation, real-data values, skipped steps)."""
+        recs = read_metrics(self.run_dir / "metrics.jsonl")
+        plot_curves(recs, self.run_dir / "reward_curve.png", title=title)
+        evals = sorted((r for r in recs if "eval/reward" in r), key=lambda r: r["iteration"])
+        first, final = (evals[0], evals[-1]) if evals else ({}, {})
+        before = self.run_dir / "samples" / "eval_000000.png"
+        after = self.run_dir / "samples" / f"eval_{final.get('iteration', 0):06d}.png"
+        if before.exists() and after.exists():
+            side_by_side(before, after, self.run_dir / "before_after.png")
+        real = next((r for r in recs if "real/reward" in r), {})
+        out = {"stopped_early": self._stop_requested}
+        for key, name in (("eval/reward", "eval_reward"), ("eval/diversity", "diversity"), ("eval/hf_energy", "hf_energy"),
+                          ("eval/reward_corrected", "eval_reward_corrected")):
+            if key in final or key in first:
+                out[f"{name}_before"], out[f"{name}_after"] = first.get(key), final.get(key)
+        out.update({k: v for k, v in real.items() if k.startswith("real/")})
+        out.update({"skipped_steps": self.skipped, "num_processes": self.acc.num_processes, "run_dir": str(self.run_dir)})
+        return out
+
+    def _shutdown(self) -> None:
+        self.acc.end_training()
+        if self.acc.num_processes > 1 and torch.distributed.is_initialized():
+            self.acc.wait_for_everyone()
+            torch.distributed.destroy_process_group()  # else gloo/NCCL processes abort at exit
+
+
+def side_by_side(before: Path, after: Path, out: Path) -> None:
+    """Two PNGs next to each other (white gap) -> ``out``."""
+    import numpy as np
+    from PIL import Image
+
+    from .reporting import save_png
+
+    a, b = np.asarray(Image.open(before).convert("RGB")), np.asarray(Image.open(after).convert("RGB"))
+    h = max(a.shape[0], b.shape[0])
+    pad = lambda x: np.pad(x, ((0, h - x.shape[0]), (0, 0), (0, 0)), constant_values=255)  # noqa: E731
+    gap = np.full((h, 12, 3), 255, np.uint8)
+    save_png(np.concatenate([pad(a), gap, pad(b)], axis=1), out)
