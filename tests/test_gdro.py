@@ -290,12 +290,12 @@ def test_corrected_score():
 def test_every_gdro_recipe_loads():
     from flowrl.trainers.config import load_config
 
-    for name, mode in (("digits_gdro.yaml", "offline"), ("flux_gdro_ocr.yaml", "offline")):
+    for name, mode in (("digits_gdro.yaml", "offline"), ("flux_gdro_ocr.yaml", "offline"), ("sd3_gdro_ocr.yaml", "offline")):
         cfg = load_config(ROOT / "recipes" / name)
         assert cfg.train.mode == mode
-    flux = load_config(ROOT / "recipes" / "flux_gdro_ocr.yaml")
-    o = flux.offline
-    assert (o.k, o.tau, o.beta, o.gamma) == (6, 0.05, 12.0, 0.5)  # the paper's OCR settings
+    for name in ("flux_gdro_ocr.yaml", "sd3_gdro_ocr.yaml"):
+        o = load_config(ROOT / "recipes" / name).offline
+        assert (o.k, o.tau, o.beta, o.gamma) == (6, 0.05, 12.0, 0.5), name  # the paper's OCR settings
 
 
 def test_cli_generate_train_rescore(tiny_digits_dir, tmp_path, capsys):

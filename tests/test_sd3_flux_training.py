@@ -24,6 +24,9 @@ SHRINK = {
     "branch": {"sampler.num_steps": 3, "sampler.split_steps": "[0, 1]", "sampler.window": 2, "train.batch_size": 4},
     "tempflow": {"sampler.num_steps": 3, "sampler.branch_steps": "[0, 1]", "sampler.branches": 2,
                  "sampler.seeds_per_prompt": 1, "train.batch_size": 4},
+    # int8 exploration: the CPU stand-in for the recipes' nvfp4 (CUDA)
+    "sol": {"sampler.pool_size": 4, "sampler.preview_steps": 2, "sampler.keep": 2, "sampler.regen_options": "{num_steps: 2}",
+            "sampler.explore_backend": "int8-dynamic", "train.batch_size": 4},
 }
 
 
@@ -38,6 +41,9 @@ def tiny_overrides(path, sampler: str, **extra) -> list[str]:
             "data.prompts": "[a photo of a cat, a red apple on a table]", "data.eval_prompts": "[a photo of a cat]",
             "data.eval_seeds_per_prompt": 2, "logging.trackers": "[]", "logging.progress": "false",
             "logging.eval_every": 100, "logging.image_every": 100, **SHRINK[sampler]}
+    if sampler == "sol":  # the Sol sampler chunks its exploration with explore_batch
+        del base["sampler.max_batch"]
+        base["sampler.explore_batch"] = "null"
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 
@@ -103,6 +109,25 @@ def test_tree_and_tempflow_recipes_train(tiny_models, tmp_path, recipe):
     train(cfg, run)
     (rec,) = _train_records(run)
     assert rec["transitions_trained"] > 0 and abs(rec["ratio_mean"] - 1) < 1e-4
+    w = _lora(list_checkpoints(run / "checkpoints")[-1])
+    assert any(".lora_B." in k and v.abs().sum() > 0 for k, v in w.items())
+
+
+@pytest.mark.parametrize("recipe", ["sd3_sol_nvfp4", "flux_sol_nvfp4"])
+def test_sol_recipes_train(tiny_models, tmp_path, recipe):
+    """Sol-RL recipes (DiffusionNFT on regenerated samples) run end to end; the SD3.5-M one also
+    caches the text embeddings on disk and drops the text encoders."""
+    kind = recipe.split("_")[0]
+    cfg = load_config(ROOT / "recipes" / f"{recipe}.yaml",
+                      tiny_overrides(tiny_models[kind], "sol", **{"train.iterations": 1,
+                                                                   "model.text_embedding_cache": str(tmp_path / "emb"),
+                                                                   "model.drop_text_encoders": "true"}))
+    assert cfg.sampler.name == "sol" and cfg.train.loss == "nft"
+    run = tmp_path / "run"
+    assert train(cfg, run)["iterations_done"] == 1
+    (rec,) = _train_records(run)
+    assert torch.isfinite(torch.tensor(rec["loss"])) and rec["sol/explore_model_evals"] == 2 * 4 * 2  # prompts x pool x steps
+    assert len(json.loads((tmp_path / "emb" / "index.json").read_text())["shards"][0]["prompts"]) == 2
     w = _lora(list_checkpoints(run / "checkpoints")[-1])
     assert any(".lora_B." in k and v.abs().sum() > 0 for k, v in w.items())
 

@@ -181,8 +181,11 @@ def test_gpu_recipe_loads_on_cpu_but_refuses_to_run(tiny_digits_dir, tmp_path):
     from flowrl.trainers.config import ConfigError, load_config
     from flowrl.trainers.online import OnlineTrainer
 
-    cfg = load_config("recipes/flux_sol_nvfp4.yaml")
-    assert cfg.sampler.options["explore_backend"] == "nvfp4" and cfg.prompts_per_iteration == 2
+    for recipe in ("flux_sol_nvfp4", "sd35l_sol_nvfp4", "sd3_sol_nvfp4"):  # the paper's pool 96, 6 steps, 12+12
+        cfg = load_config(f"recipes/{recipe}.yaml")
+        o = cfg.sampler.options
+        assert (o["explore_backend"], o["pool_size"], o["preview_steps"], o["keep"]) == ("nvfp4", 96, 6, 24), recipe
+        assert cfg.train.loss == "nft" and cfg.prompts_per_iteration == 2, recipe
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: nvfp4 may run here")
     cfg = load_config("recipes/digits_sol.yaml", [f"model.path={tiny_digits_dir}", "sampler.explore_backend=nvfp4",
