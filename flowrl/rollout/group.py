@@ -9,9 +9,10 @@ import torch
 
 from ..seeding import derive_seeds, seeded_randn
 from ..sde import DEFAULT_NOISE_LEVEL, get_step, ode_step
+from ..ode_solvers import SOLVERS, compressed_sigmas, data_prediction, dpmpp_2m_step, second_order
 from ..types import FlowPolicy, RewardFn, index_cond
 from .base import Rollout, Transitions, score_images
-from .common import EvalCounter, step_sigmas, velocity_batched
+from .common import EvalCounter, velocity_batched
 
 
 @dataclass
@@ -30,6 +31,11 @@ class GroupSampler:
         timestep_fraction: fraction of the stochastic steps stored for training, from the
             first (Flow-GRPO ``timestep_fraction``; 0.99 with T = 10 skips the last step).
         max_batch: chunk velocity calls to at most this many rows (memory), None = all.
+        ode_solver: solver of the deterministic (out-of-window) steps: ``"euler"`` or
+            ``"dpmpp_2m"`` (DPM-Solver++(2M), second order: MixGRPO-Flash).
+        post_window_steps: if set, the ODE segment after the window takes this many steps
+            (sigmas evenly thinned) instead of all remaining ones (MixGRPO-Flash); needs
+            ``sde_window``. Window transitions and their log-probs are unchanged.
     """
 
     group_size: int = 4
@@ -41,6 +47,8 @@ class GroupSampler:
     window_shift_every: Optional[int] = None
     timestep_fraction: float = 1.0
     max_batch: Optional[int] = None
+    ode_solver: str = "euler"
+    post_window_steps: Optional[int] = None
 
     def __post_init__(self) -> None:
         get_step(self.step)
@@ -62,6 +70,14 @@ class GroupSampler:
             raise ValueError(f"timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
         if self.max_batch is not None and self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 or None, got {self.max_batch}")
+        if self.ode_solver not in SOLVERS:
+            raise ValueError(f"ode_solver must be one of {SOLVERS}, got {self.ode_solver!r}")
+        if self.post_window_steps is not None:
+            if self.sde_window is None:
+                raise ValueError("post_window_steps compresses the ODE segment after the SDE window; set "
+                                 "sde_window too (MixGRPO-Flash), or remove post_window_steps")
+            if not isinstance(self.post_window_steps, int) or self.post_window_steps < 1:
+                raise ValueError(f"post_window_steps must be a positive integer, got {self.post_window_steps!r}")
 
     @property
     def samples_per_prompt(self) -> int:
@@ -83,6 +99,14 @@ class GroupSampler:
         steps = self.sde_steps(iteration)
         return steps[: max(1, int(len(steps) * self.timestep_fraction + 1e-9))]
 
+    def step_plan(self, iteration: int = 0) -> list[tuple[int, int]]:
+        """``(i, j)`` pairs of sigma indices, one per model evaluation: every step up to the window's
+        end, then the (possibly thinned, ``post_window_steps``) segment after it."""
+        end = max(self.sde_steps(iteration)) + 1
+        head = [(i, i + 1) for i in range(end)]
+        tail = compressed_sigmas(torch.zeros(self.num_steps + 1), end, self.post_window_steps)
+        return head + list(zip(tail[:-1], tail[1:]))
+
     @torch.no_grad()
     def __call__(self, policy: FlowPolicy, prompts: list[str], reward: Optional[RewardFn] = None,
                  seed: int = 0, *, iteration: int = 0, seeds: Optional[list[int]] = None) -> Rollout:
@@ -103,12 +127,21 @@ class GroupSampler:
         step_fn = get_step(self.step)
         counter = EvalCounter()
         parts = []
-        for i in range(self.num_steps):
-            s, s_next = step_sigmas(sigmas, i, n)
+        x0_prev = sig_prev = None  # the previous ODE step's data prediction (DPM-Solver++ 2M)
+        for i, j in self.step_plan(iteration):
+            s, s_next = sigmas[i].float().expand(n).clone(), sigmas[j].float().expand(n).clone()  # [N] each
             v = velocity_batched(policy, x, s, cond, self.max_batch, counter)  # [N, C, H, W]
             if i in stoch:
                 noise = seeded_randn(seeds, tuple(x.shape[1:]), stream=1 + i, device=x.device)
                 out = step_fn(v, x, s, s_next, noise_level=self.noise_level, noise=noise)
+                x0_prev = sig_prev = None  # a noisy step leaves the ODE trajectory: restart at first order
+            elif self.ode_solver == "dpmpp_2m":
+                x0 = data_prediction(x, v, float(sigmas[i]))  # [N, C, H, W]
+                out = ode_step(v, x, s, s_next)  # first order: Euler itself
+                if second_order(sig_prev, float(sigmas[i]), float(sigmas[j])):
+                    out = ode_step(v, x, s, s_next, prev_sample=dpmpp_2m_step(
+                        x, x0, float(sigmas[i]), float(sigmas[j]), x0_prev, sig_prev))
+                x0_prev, sig_prev = x0, float(sigmas[i])
             else:
                 out = ode_step(v, x, s, s_next)
             if i in trained:
