@@ -44,4 +44,5 @@ SAMPLERS = Registry("sampler", {
     "branch": "flowrl.rollout.branch:BranchSampler",
     "tempflow": "flowrl.rollout.tempflow:TempFlowSampler",
     "sol": "flowrl.rollout.sol:SolSampler",
+    "ode": "flowrl.rollout.ode:ODEGroupSampler",
 })

@@ -1,12 +1,17 @@
-"""Deterministic (ODE) generation: evaluation sets, previews, offline datasets."""
+"""Deterministic (ODE) generation: evaluation sets, previews, offline datasets, and flat ODE
+groups for the DiffusionNFT loss (``train.loss: nft``), which trains on finished samples only."""
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..sde import ode_step
-from ..types import FlowPolicy, index_cond
+from ..seeding import derive_seeds
+from ..types import FlowPolicy, RewardFn, index_cond
+from .base import Rollout, Transitions, score_images
 from .common import EvalCounter, step_sigmas, velocity_batched
 
 
@@ -27,3 +32,62 @@ def ode_sample(policy: FlowPolicy, prompts: list[str], seeds: list[int], num_ste
         v = velocity_batched(policy, x, s, cond, max_batch, counter)
         x = ode_step(v, x, s, s_next).sample
     return x.cpu(), policy.decode(x).float().cpu()
+
+
+def ode_rollout(policy: FlowPolicy, prompts: list[str], seeds: list[int], num_steps: int,
+                reward: Optional[RewardFn] = None, max_batch: Optional[int] = None) -> Rollout:
+    """``len(seeds) // len(prompts)`` ODE samples per prompt (prompt-major seeds) as a
+    :class:`Rollout` with no stochastic transitions (for DiffusionNFT)."""
+    t0 = time.perf_counter()
+    if not prompts or len(seeds) % len(prompts):
+        raise ValueError(f"need a positive multiple of {len(prompts)} prompts' seeds, got {len(seeds)} seeds")
+    k = len(seeds) // len(prompts)
+    prompt_index = torch.arange(len(prompts)).repeat_interleave(k)  # [N]
+    per_sample = [prompts[i] for i in prompt_index.tolist()]
+    counter = EvalCounter()
+    x0, images = ode_sample(policy, per_sample, list(seeds), num_steps, max_batch, counter)
+    t_roll = time.perf_counter() - t0
+    rewards, comps = score_images(reward, images, per_sample)
+    return Rollout(
+        prompts=list(prompts), prompt_index=prompt_index, seeds=torch.tensor(list(seeds), dtype=torch.long),
+        group_index=prompt_index.clone(), x0=x0, images=images, rewards=rewards,
+        transitions=Transitions.empty(tuple(x0.shape[1:])), sigmas=policy.sigmas(num_steps).float().cpu(),
+        step_type="ode", noise_level=0.0, structure="group", reward_components=comps,
+        stats={"model_evals": counter.rows, "rollout_seconds": t_roll,
+               "reward_seconds": time.perf_counter() - t0 - t_roll})
+
+
+@dataclass
+class ODEGroupSampler:
+    """``group_size`` deterministic ODE samples per prompt, one seed each: the flat sampler of
+    DiffusionNFT (arXiv 2509.16117), which needs finished samples, not log-probs. Only for
+    ``train.loss: nft`` (GRPO has no stochastic transitions to train on here)."""
+
+    group_size: int = 8
+    num_steps: int = 10
+    max_batch: Optional[int] = None
+    stores_transitions = False  # class constant: the trainer's GRPO loss cannot use this sampler
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.group_size, int) or self.group_size < 2:
+            raise ValueError(f"group_size must be an integer >= 2 (a group of one has no advantage signal), "
+                             f"got {self.group_size!r}")
+        if not isinstance(self.num_steps, int) or self.num_steps < 1:
+            raise ValueError(f"num_steps must be a positive integer, got {self.num_steps!r}")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1 or None, got {self.max_batch}")
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return self.group_size
+
+    @torch.no_grad()
+    def __call__(self, policy: FlowPolicy, prompts: list[str], reward: Optional[RewardFn] = None, seed: int = 0, *,
+                 iteration: int = 0, seeds: Optional[list[int]] = None) -> Rollout:
+        if not prompts:
+            raise ValueError("prompts is empty: pass at least one prompt")
+        n = len(prompts) * self.group_size
+        seeds = list(seeds) if seeds is not None else derive_seeds(seed, n)
+        if len(seeds) != n:
+            raise ValueError(f"got {len(seeds)} seeds for {n} samples")
+        return ode_rollout(policy, list(prompts), seeds, self.num_steps, reward, self.max_batch)

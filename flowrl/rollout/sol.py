@@ -39,7 +39,7 @@ from ..seeding import derive_seeds
 from ..types import FlowPolicy, RewardFn
 from .base import Rollout, Transitions, score_images
 from .common import EvalCounter
-from .ode import ode_sample
+from .ode import ode_rollout, ode_sample
 
 SELECT_MODES = ("best_worst", "random", "extremes_random", "mean_deviation")
 REGEN_SAMPLERS = ("ode", "group")
@@ -94,22 +94,7 @@ class ODERegen:
     @torch.no_grad()
     def __call__(self, policy: FlowPolicy, prompts: list[str], reward: Optional[RewardFn] = None, seed: int = 0, *,
                  iteration: int = 0, seeds: list[int]) -> Rollout:
-        t0 = time.perf_counter()
-        k = len(seeds) // len(prompts)
-        prompt_index = torch.arange(len(prompts)).repeat_interleave(k)  # [N]
-        per_sample = [prompts[i] for i in prompt_index.tolist()]
-        counter = EvalCounter()
-        x0, images = ode_sample(policy, per_sample, list(seeds), self.num_steps, self.max_batch, counter)
-        t_roll = time.perf_counter() - t0
-        rewards, comps = score_images(reward, images, per_sample)
-        sigmas = policy.sigmas(self.num_steps).float().cpu()
-        return Rollout(
-            prompts=list(prompts), prompt_index=prompt_index, seeds=torch.tensor(list(seeds), dtype=torch.long),
-            group_index=prompt_index.clone(), x0=x0, images=images, rewards=rewards,
-            transitions=Transitions.empty(tuple(x0.shape[1:])), sigmas=sigmas, step_type="ode", noise_level=0.0,
-            structure="group", reward_components=comps,
-            stats={"model_evals": counter.rows, "rollout_seconds": t_roll,
-                   "reward_seconds": time.perf_counter() - t0 - t_roll})
+        return ode_rollout(policy, prompts, list(seeds), self.num_steps, reward, self.max_batch)
 
 
 @dataclass
@@ -203,6 +188,11 @@ class SolSampler:
     def samples_per_prompt(self) -> int:
         """Trained (regenerated) samples per prompt: the trainer's batch unit."""
         return self.keep
+
+    @property
+    def stores_transitions(self) -> bool:
+        """Whether the regeneration stores stochastic transitions (GRPO needs them; ODE does not)."""
+        return self.regen != "ode"
 
     @property
     def num_steps(self) -> int:

@@ -57,7 +57,7 @@ class ModelConfig:
 class SamplerConfig:
     """``name`` plus the sampler's own keyword arguments (flat in YAML)."""
 
-    name: str = _h("flowrl sampler: group, branch, tempflow, sol", "group")
+    name: str = _h("flowrl sampler: group, branch, tempflow, sol, ode (flat ODE groups, train.loss=nft only)", "group")
     options: dict = _h("keyword arguments of the sampler class", factory=dict)
 
     def __post_init__(self):
@@ -251,7 +251,13 @@ class Config:
     offline: OfflineConfig = field(default_factory=OfflineConfig)
 
     def __post_init__(self):
-        spp = samples_per_prompt(self.sampler.build())
+        sampler = self.sampler.build()
+        if self.train.loss == "grpo" and not getattr(sampler, "stores_transitions", True):
+            raise ConfigError(f"the {self.sampler.name!r} sampler (as configured) stores no stochastic transitions, so "
+                              f"train.loss=grpo would have nothing to train on; use train.loss=nft (DiffusionNFT trains "
+                              f"on finished samples), or a stochastic sampler (group, branch, tempflow, sol with "
+                              f"regen: group)")
+        spp = samples_per_prompt(sampler)
         if self.train.batch_size % spp:
             raise ConfigError(f"train.batch_size={self.train.batch_size} is not a multiple of the sampler's "
                               f"{spp} samples per prompt (group size); use e.g. {max(1, self.train.batch_size // spp) * spp}")
