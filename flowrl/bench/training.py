@@ -25,12 +25,16 @@ from ..trainers.reporting import save_figure, write_json
 
 @dataclass
 class Variant:
-    """A recipe variant: an optional replacement ``sampler`` section plus dotted overrides."""
+    """A recipe variant: an optional replacement ``sampler`` section plus dotted overrides; ``recipe``
+    (a file name in the benchmark's recipe directory) replaces the benchmark's recipe."""
 
     overrides: list = field(default_factory=list)
     sampler: Optional[dict] = None
+    recipe: Optional[str] = None
 
     def config(self, recipe: str, extra: list[str]) -> Config:
+        if self.recipe is not None:
+            recipe = str(Path(recipe).parent / self.recipe)
         d = yaml.safe_load(Path(recipe).read_text())
         if self.sampler is not None:
             d["sampler"] = dict(self.sampler)
@@ -69,7 +73,8 @@ def run_variant(recipe: str, variant: Variant, budget_seconds: float, eval_every
                           "diversity": ev["eval/diversity"], "hf_energy": ev["eval/hf_energy"]})
             next_eval += eval_every_seconds
     tr.acc.end_training()
-    return {"sampler": cfg.sampler.to_dict(), "overrides": list(variant.overrides), "iterations": it, "train_seconds": spent,
+    return {"recipe": variant.recipe or Path(recipe).name, "sampler": cfg.sampler.to_dict(), "loss": cfg.train.loss,
+            "overrides": list(variant.overrides), "iterations": it, "train_seconds": spent,
             "seconds_per_iteration": float(np.mean(per_iter)) if per_iter else float("nan"),
             "rollout_seconds_per_iteration": float(np.mean(rollout_s)) if rollout_s else float("nan"),
             "model_evals_per_iteration": float(np.mean(evals)) if evals else float("nan"),
@@ -92,7 +97,8 @@ def compare(variants: dict[str, Variant], recipe: str, budget_seconds: float, ev
     results = {}
     for name, var in variants.items():
         if progress:
-            print(f"[bench] {name}: sampler {var.sampler or '(recipe)'} {' '.join(var.overrides)}", flush=True)
+            print(f"[bench] {name}: {var.recipe or Path(recipe).name}, sampler {var.sampler or '(recipe)'} "
+                  f"{' '.join(var.overrides)}", flush=True)
         results[name] = run_variant(recipe, var, budget_seconds, eval_every_seconds, progress=progress, extra=extra)
     out = {"recipe": recipe, "budget_seconds": budget_seconds, "variants": results,
            "machine": {"cpus": os.cpu_count()}}
@@ -104,19 +110,29 @@ def compare(variants: dict[str, Variant], recipe: str, budget_seconds: float, ev
 
 
 def plot_compare(out: dict, path: Path, title: str = "") -> None:
+    """Eval reward, within-prompt diversity and high-frequency energy vs training seconds, one line
+    per variant; the reward panel marks flat GRPO's final reward (dashed) when it is a variant."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for name, r in out["variants"].items():
-        c = r["curve"]
-        ax.plot([p["train_seconds"] for p in c], [p["eval_reward"] for p in c], "o-", label=name)
-    ax.set_xlabel("training seconds (rollout + reward + update)")
-    ax.set_ylabel("eval reward (fixed prompts and seeds)")
-    ax.set_title(title)
-    ax.legend()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    panels = (("eval_reward", "eval reward (fixed prompts and seeds)"),
+              ("diversity", "within-prompt diversity (hacking watch)"),
+              ("hf_energy", "high-frequency energy (hacking watch)"))
+    for ax, (key, label) in zip(axes, panels):
+        for name, r in out["variants"].items():
+            c = r["curve"]
+            ax.plot([p["train_seconds"] for p in c], [p[key] for p in c], "o-", ms=3, label=name)
+        ax.set_xlabel("training seconds (rollout + reward + update)")
+        ax.set_ylabel(label)
+    flat = out["variants"].get("flat_grpo")
+    if flat is not None:
+        axes[0].axhline(flat["final_eval_reward"], color="gray", ls="--", lw=1, label="flat GRPO final")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
     save_figure(fig, path)
 
 
