@@ -17,6 +17,10 @@ from ..registry import SAMPLERS
 from .offline_config import OfflineConfig
 
 
+# train.loss values (flowrl.trainers.online.UPDATES maps each to its update)
+LOSSES = ("grpo", "nft", "dpo", "gdro")
+
+
 class ConfigError(ValueError):
     """A recipe or override is invalid; the message says which key and how to fix it."""
 
@@ -153,9 +157,13 @@ class TrainConfig:
     checkpoint_every: int = _h("write a checkpoint every N iterations (and at the end)", 20)
     keep_checkpoints: int = _h("keep the newest N checkpoints", 2)
     max_consecutive_skips: int = _h("stop after this many non-finite steps in a row", 5)
-    loss: str = _h("'grpo' (clipped ratio on stored transitions) or 'nft' (DiffusionNFT on finished samples; "
-                   "any sampler, ODE included)", "grpo")
+    loss: str = _h("'grpo' (clipped ratio on stored transitions), 'nft' (DiffusionNFT on finished samples; any "
+                   "sampler, ODE included), 'dpo' (online Diffusion-DPO: each group's best vs worst sample) or "
+                   "'gdro' (online GDRO: Plackett-Luce over each group's ranking)", "grpo")
     nft_beta: float = _h("DiffusionNFT beta: strength of the implicit positive/negative policies", 1.0)
+    pref_beta: float = _h("dpo / gdro: beta of the implicit reward -beta (err - err_ref), per-image mean "
+                          "squared velocity errors (GDRO: 12 for OCR, 6 for GenEval)", 12.0)
+    pref_tau: float = _h("gdro: temperature of the Plackett-Luce target over rewards (0 = hard ranking)", 0.05)
     mode: str = _h("'online' (rollouts + GRPO family, section sampler) or 'offline' (GDRO on a dataset from "
                    "`flowrl generate-offline`, section offline)", "online")
 
@@ -181,8 +189,10 @@ class TrainConfig:
             raise ConfigError(f"train.ema_decay must be in [0, 1), got {self.ema_decay}")
         if self.mode not in ("online", "offline"):
             raise ConfigError(f"train.mode must be 'online' or 'offline', got {self.mode!r}")
-        if self.loss not in ("grpo", "nft"):
-            raise ConfigError(f"train.loss must be 'grpo' or 'nft', got {self.loss!r}")
+        if self.loss not in LOSSES:
+            raise ConfigError(f"train.loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if not self.pref_beta > 0 or not self.pref_tau >= 0:
+            raise ConfigError(f"train.pref_beta must be > 0 and train.pref_tau >= 0, got {self.pref_beta}, {self.pref_tau}")
         if not self.nft_beta > 0:
             raise ConfigError(f"train.nft_beta must be > 0, got {self.nft_beta}")
         if self.warmup_iterations < 0:

@@ -34,9 +34,10 @@ from ..sde import get_step
 from ..seeding import derive_seeds
 from ..types import index_cond
 from .common import TrainerBase, TrainingStopped  # noqa: F401 (TrainingStopped: public here too)
-from .config import Config, ConfigError
+from .config import LOSSES, Config, ConfigError
 from .reporting import save_grid
 from .nft_update import OldPolicy, nft_update
+from .preference_update import preference_update
 
 EVAL_SEED = 20251121  # evaluation seeds are fixed, independent of the training seed
 # keys that may change between a run and its resume without changing its trajectory
@@ -71,8 +72,9 @@ def evaluate_policy(policy, reward, heldout: dict, eval_prompts: list[str], seed
     groups = torch.arange(len(eval_prompts)).repeat_interleave(k)
     _, images = ode_sample(policy, prompts, seeds, num_steps)
     r, comps = score_images(reward, images, prompts)
-    met = {"iteration": it, "eval/reward": float(r[torch.isfinite(r)].mean()),
-           "eval/reward_std": float(r[torch.isfinite(r)].std()),
+    fin = r[torch.isfinite(r)]
+    met = {"iteration": it, "eval/reward": float(fin.mean()) if fin.numel() else float("nan"),
+           "eval/reward_std": float(fin.std()) if fin.numel() > 1 else float("nan"),
            "eval/diversity": within_group_diversity(images, groups), "eval/hf_energy": high_frequency_energy(images)}
     for name, v in comps.items():
         met[f"eval/reward/{name}"] = float(v[torch.isfinite(v)].mean())
@@ -192,6 +194,14 @@ class OnlineTrainer(TrainerBase):
             stats["kl"] = kl.item()
         return loss, stats
 
+    def _grpo_update(self, rollout: Rollout, it: int) -> tuple[dict, dict]:
+        """Advantages of the rollout's structure, then the clipped-ratio update -> (stats, advantage info)."""
+        if len(rollout.transitions) == 0:
+            raise ConfigError(f"the {self.cfg.sampler.name!r} sampler stored no stochastic transitions (an ODE "
+                              f"sampler?), so train.loss=grpo has nothing to train; use train.loss=nft")
+        adv, info = self._advantages(rollout, it)
+        return self._update(rollout, adv, info, it), info
+
     def _update(self, rollout: Rollout, adv: torch.Tensor, info: dict, it: int) -> dict:
         m = len(rollout.transitions)
         mask = torch.ones(m, dtype=torch.bool)
@@ -246,15 +256,7 @@ class OnlineTrainer(TrainerBase):
         rollout = self.sampler(self.policy, prompts, self.reward, seed=self._rollout_seed(it), iteration=it)
         t1 = time.perf_counter()
         maybe_fault("after_rollout", it)
-        if self.cfg.train.loss == "nft":
-            info = {}
-            upd = nft_update(self, rollout, it)
-        else:
-            if len(rollout.transitions) == 0:
-                raise ConfigError(f"the {self.cfg.sampler.name!r} sampler stored no stochastic transitions (an ODE "
-                                  f"sampler?), so train.loss=grpo has nothing to train; use train.loss=nft")
-            adv, info = self._advantages(rollout, it)
-            upd = self._update(rollout, adv, info, it)
+        upd, info = UPDATES[self.cfg.train.loss](self, rollout, it)
         maybe_fault("after_update", it)
         t2 = time.perf_counter()
         r_all = self._gather(rollout.rewards)
@@ -348,6 +350,16 @@ class OnlineTrainer(TrainerBase):
             return {}
         return {"iterations_done": last,
                 **self._report(last, title=f"{self.cfg.model.pipeline} / {self.cfg.sampler.name}")}
+
+
+# train.loss -> (trainer, rollout, iteration) -> (update stats, advantage info)
+UPDATES = {
+    "grpo": lambda tr, rollout, it: tr._grpo_update(rollout, it),
+    "nft": lambda tr, rollout, it: (nft_update(tr, rollout, it), {}),
+    "dpo": lambda tr, rollout, it: (preference_update(tr, rollout, it, pairwise=True), {}),
+    "gdro": lambda tr, rollout, it: (preference_update(tr, rollout, it, pairwise=False), {}),
+}
+assert set(UPDATES) == set(LOSSES), "trainers/config.py LOSSES and UPDATES must name the same losses"
 
 
 def train(config: Config, output_dir: str | os.PathLike, resume: bool = False) -> dict:
