@@ -324,3 +324,28 @@ def test_fp8_simulated_on_cpu(tiny_digits_policy):
     assert torch.equal(a[:2], b[:2])  # static calibrated per-tensor scales: batch-independent
     full = _x0(pol, pol.transformer, [0, 1, 2, 3])
     assert 0 < (a - full).abs().max() < 0.1
+
+
+# ------------------------------------------------------------------ CUDA backends (run on a GPU machine)
+needs_cuda_modelopt = pytest.mark.skipif(not (HAS_MODELOPT and torch.cuda.is_available()),
+                                         reason="nvfp4 / fp8 through nvidia-modelopt run on CUDA only (no GPU here)")
+
+
+@needs_cuda_modelopt
+@pytest.mark.parametrize("backend", ["nvfp4", "fp8"])
+def test_cuda_backends_quantize_close_and_batch_independent(backend):
+    """On a CUDA machine: the modelopt backends quantize a private copy whose samples stay near full
+    precision and do not depend on their batch-mates (static calibrated scales)."""
+    from diffusers import SD3Transformer2DModel
+
+    from flowrl.pipelines.digits import DigitsPolicy, DigitTextEncoder, tiny_transformer_config
+
+    torch.manual_seed(0)
+    pol = DigitsPolicy(SD3Transformer2DModel(**{**tiny_transformer_config(), "num_layers": 1}).eval(),
+                       DigitTextEncoder().eval(), device="cuda")
+    q = get_quantizer(backend).quantize(pol.transformer, _calibrator(pol, PROMPTS[:4], SEEDS[:4]))
+    assert q is not pol.transformer
+    a, b = _x0(pol, q, [0, 1, 2, 3]), _x0(pol, q, [0, 1, 6, 7])
+    assert torch.equal(a[:2], b[:2])
+    full = _x0(pol, pol.transformer, [0, 1, 2, 3])
+    assert 0 < (a - full).abs().max() < 0.2
