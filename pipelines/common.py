@@ -53,3 +53,24 @@ def check_model_path(path_or_id: str, kind: str) -> None:
             f"{kind} model path {str(path_or_id)!r} does not exist. Pass a directory written by "
             f"save_pretrained (e.g. `flowrl make-tiny {kind} DIR` for a tiny offline one) or a hub id "
             f"like 'stabilityai/stable-diffusion-3.5-medium'.")
+
+
+def encode_with_negative(adapter, prompts: list[str], use_negative: bool) -> dict[str, torch.Tensor]:
+    """Batch-first ``{"prompt_embeds", "pooled_prompt_embeds"}`` from ``adapter._encode(prompts)``;
+    with ``use_negative`` also ``negative_prompt_embeds`` / ``negative_pooled_prompt_embeds``: the
+    adapter's ``negative_prompt``, encoded once (cached in ``adapter._negative``) and repeated per row.
+    Shared by the SD3 and FLUX adapters (no gradients: the text encoders are frozen)."""
+    prompts = list(prompts)
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str):
+            raise TypeError(f"prompt {i} is {type(p).__name__}, expected str")
+    with torch.no_grad():
+        pe, pooled = adapter._encode(prompts)
+        cond = {"prompt_embeds": pe, "pooled_prompt_embeds": pooled}
+        if use_negative:
+            if adapter._negative is None:
+                npe, npooled = adapter._encode([adapter.negative_prompt])
+                adapter._negative = {"negative_prompt_embeds": npe, "negative_pooled_prompt_embeds": npooled}
+            b = len(prompts)
+            cond.update({k: v.repeat(b, *([1] * (v.ndim - 1))) for k, v in adapter._negative.items()})
+    return cond

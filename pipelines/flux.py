@@ -24,7 +24,7 @@ import torch
 from flowrl.schedules import flow_sigmas, flux_sigmas, shift_sigmas
 from flowrl.seeding import seeded_randn
 
-from .common import DTypeArg, cfg_combine, check_model_path, resolve_dtype, transformer_dtype
+from .common import DTypeArg, cfg_combine, check_model_path, encode_with_negative, resolve_dtype, transformer_dtype
 from .sd3 import Resolution, resolve_resolution
 
 # Flow-GRPO's LoRA targets for FLUX (scripts/train_flux.py: r=64, alpha=128, gaussian init): the
@@ -170,20 +170,7 @@ class FluxPolicy:
         """Batch-first conditioning: ``prompt_embeds`` [B, max_sequence_length, D] (T5) and
         ``pooled_prompt_embeds`` [B, P] (CLIP); with ``true_cfg_scale > 1`` also the cached
         ``negative_*`` ones. (Text position ids are all zero and rebuilt in ``velocity``.)"""
-        prompts = list(prompts)
-        for i, p in enumerate(prompts):
-            if not isinstance(p, str):
-                raise TypeError(f"prompt {i} is {type(p).__name__}, expected str")
-        with torch.no_grad():
-            pe, pooled = self._encode(prompts)
-            cond = {"prompt_embeds": pe, "pooled_prompt_embeds": pooled}
-            if self.true_cfg_scale > 1.0:
-                if self._negative is None:
-                    npe, npooled = self._encode([self.negative_prompt])
-                    self._negative = {"negative_prompt_embeds": npe, "negative_pooled_prompt_embeds": npooled}
-                b = len(prompts)
-                cond.update({k: v.repeat(b, *([1] * (v.ndim - 1))) for k, v in self._negative.items()})
-        return cond
+        return encode_with_negative(self, prompts, use_negative=self.true_cfg_scale > 1.0)
 
     def _forward(self, packed: torch.Tensor, sigma: torch.Tensor, pe: torch.Tensor, pooled: torch.Tensor,
                  img_ids: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from flowrl.schedules import flow_sigmas
 from flowrl.seeding import seeded_randn
 
-from .common import DTypeArg, cfg_combine, check_model_path, resolve_dtype, transformer_dtype
+from .common import DTypeArg, cfg_combine, check_model_path, encode_with_negative, resolve_dtype, transformer_dtype
 
 # Flow-GRPO's LoRA targets for SD3.5 (scripts/train_sd3.py: r=32, alpha=64, gaussian init): every
 # projection of the joint attention, image stream (to_*) and text stream (add_*_proj, to_add_out).
@@ -146,20 +146,7 @@ class SD3Policy:
         CLIP-G hidden states padded to the T5 width, then T5) and ``pooled_prompt_embeds`` [B, P];
         with guidance also ``negative_prompt_embeds`` / ``negative_pooled_prompt_embeds`` (the
         negative prompt, encoded once and cached)."""
-        prompts = list(prompts)
-        for i, p in enumerate(prompts):
-            if not isinstance(p, str):
-                raise TypeError(f"prompt {i} is {type(p).__name__}, expected str")
-        with torch.no_grad():
-            pe, pooled = self._encode(prompts)
-            cond = {"prompt_embeds": pe, "pooled_prompt_embeds": pooled}
-            if self.guidance_scale > 1.0:
-                if self._negative is None:
-                    npe, npooled = self._encode([self.negative_prompt])
-                    self._negative = {"negative_prompt_embeds": npe, "negative_pooled_prompt_embeds": npooled}
-                b = len(prompts)
-                cond.update({k: v.repeat(b, *([1] * (v.ndim - 1))) for k, v in self._negative.items()})
-        return cond
+        return encode_with_negative(self, prompts, use_negative=self.guidance_scale > 1.0)
 
     def _forward(self, x: torch.Tensor, sigma: torch.Tensor, pe: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         dtype = transformer_dtype(self.transformer)

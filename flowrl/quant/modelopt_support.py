@@ -12,7 +12,7 @@ import copy
 import importlib.util
 import io
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 from torch import nn
 
@@ -82,3 +82,42 @@ def mtq_quantize(module: nn.Module, config: dict[str, Any], calibrate: Callable[
         raise ValueError(f"{len(missing)} input quantizers saw no calibration data (first: {missing[0]}); the "
                          f"calibrate callable must run real prompts through every quantized layer")
     return q
+
+
+class ModeloptPreset:
+    """The body the modelopt backends (``fp8``, ``nvfp4``) share: a preset's quantizer attributes on
+    the weights and inputs of ``nn.Linear`` layers outside the skip-list, activation scales
+    calibrated once (static). Subclasses are dataclasses with a ``skip`` field and set ``name``,
+    ``PRESET``, :meth:`unavailable_reason` and, if needed, :meth:`check_module`."""
+
+    PRESET: ClassVar[str] = ""
+    name: ClassVar[str] = ""
+    needs_calibration: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        self.skip = tuple(self.skip)
+
+    def unavailable_reason(self) -> Optional[str]:
+        raise NotImplementedError
+
+    def available(self) -> bool:
+        return self.unavailable_reason() is None
+
+    def check_module(self, module: nn.Module) -> None:
+        """Raise if ``module`` cannot be quantized by this backend (default: anything goes)."""
+
+    def quantize(self, module: nn.Module, calibrate: Optional[Callable[[nn.Module], None]]) -> nn.Module:
+        problem = self.unavailable_reason()
+        if problem:
+            raise RuntimeError(problem)
+        if calibrate is None:
+            raise ValueError(f"{self.name} calibrates its activation scales once: pass calibrate, a callable that "
+                             f"runs real prompts through the module")
+        self.check_module(module)
+        return mtq_quantize(module, self.config(), calibrate)
+
+    def config(self) -> dict:
+        """The modelopt config: ``PRESET``'s attributes on Linear weights and inputs, the skip-list disabled."""
+        weight = preset_attributes(self.PRESET, "*weight_quantizer")
+        inputs = preset_attributes(self.PRESET, "*input_quantizer")
+        return linear_only_config(weight, inputs, self.skip)
