@@ -264,3 +264,21 @@ def scaled_cosine(clip: HFClip, images: torch.Tensor, prompts: Sequence[str], ba
         cos = (clip.embed_images(images[s]) * clip.embed_texts(prompts[s])).sum(-1)  # [b]
         out.append((clip.logit_scale * cos).cpu())
     return torch.cat(out).float()
+
+
+class ScaledCosineReward:
+    """CLIP-family reward: ``logit_scale * cos(image, own prompt) / divisor`` per pair, float32 [B]
+    on CPU (PickScore, CLIPScore); subclasses set ``name`` and their model defaults."""
+
+    name = "scaled_cosine"
+
+    def __init__(self, model: str, processor: Optional[str] = None, device: str = "cpu", dtype: DTypeLike = "float32",
+                 divisor: float = 1.0, batch_size: int = 32):
+        if divisor <= 0:
+            raise ValueError(f"divisor must be > 0, got {divisor}")
+        self.clip = HFClip(model, processor, device=device, dtype=dtype)
+        self.divisor, self.batch_size = float(divisor), int(batch_size)
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], **meta) -> torch.Tensor:
+        check_inputs(images, prompts, self.name)
+        return scaled_cosine(self.clip, images, list(prompts), self.batch_size) / self.divisor  # [B]

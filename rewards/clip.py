@@ -13,23 +13,14 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
-from ._clip_common import DTypeLike, HFClip, check_inputs, scaled_cosine
+from ._clip_common import DTypeLike, ScaledCosineReward
 
 
-class CLIPScore:
+class CLIPScore(ScaledCosineReward):
     """CLIP similarity of each image with its own prompt; float32 [B] on CPU."""
 
     name = "clipscore"
 
     def __init__(self, model: str = "openai/clip-vit-large-patch14", processor: Optional[str] = None,
                  device: str = "cpu", dtype: DTypeLike = "float32", divisor: float = 30.0, batch_size: int = 32):
-        if divisor <= 0:
-            raise ValueError(f"divisor must be > 0, got {divisor}")
-        self.clip = HFClip(model, processor, device=device, dtype=dtype)
-        self.divisor, self.batch_size = float(divisor), int(batch_size)
-
-    def __call__(self, images: torch.Tensor, prompts: list[str], **meta) -> torch.Tensor:
-        check_inputs(images, prompts, self.name)
-        return scaled_cosine(self.clip, images, list(prompts), self.batch_size) / self.divisor  # [B]
+        super().__init__(model, processor, device=device, dtype=dtype, divisor=divisor, batch_size=batch_size)

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
-from ._clip_common import DTypeLike, HFClip, check_inputs, scaled_cosine
+from ._clip_common import DTypeLike, ScaledCosineReward
 
 PICKSCORE_DIVISOR = 26.0
 
 
-class PickScore:
+class PickScore(ScaledCosineReward):
     """PickScore / 26 per (image, prompt) pair; float32 [B] on CPU."""
 
     name = "pickscore"
@@ -28,11 +26,4 @@ class PickScore:
                  processor: Optional[str] = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
                  device: str = "cpu", dtype: DTypeLike = "float32", divisor: float = PICKSCORE_DIVISOR,
                  batch_size: int = 32):
-        if divisor <= 0:
-            raise ValueError(f"divisor must be > 0, got {divisor}")
-        self.clip = HFClip(model, processor, device=device, dtype=dtype)
-        self.divisor, self.batch_size = float(divisor), int(batch_size)
-
-    def __call__(self, images: torch.Tensor, prompts: list[str], **meta) -> torch.Tensor:
-        check_inputs(images, prompts, self.name)
-        return scaled_cosine(self.clip, images, list(prompts), self.batch_size) / self.divisor  # [B]
+        super().__init__(model, processor, device=device, dtype=dtype, divisor=divisor, batch_size=batch_size)
