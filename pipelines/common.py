@@ -74,3 +74,13 @@ def encode_with_negative(adapter, prompts: list[str], use_negative: bool) -> dic
             b = len(prompts)
             cond.update({k: v.repeat(b, *([1] * (v.ndim - 1))) for k, v in adapter._negative.items()})
     return cond
+
+
+def vae_decode(vae, latents: torch.Tensor, device) -> torch.Tensor:
+    """Latents ``[B, C, h, w]`` -> float32 images ``[B, 3, 8h, 8w]`` in [0, 1], as the SD3 and FLUX
+    pipelines do: ``latents / scaling_factor + shift_factor``, VAE decode, ``x / 2 + 0.5`` clamped."""
+    cfg = vae.config
+    z = latents.to(device, vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)  # [B, C, h, w]
+    with torch.no_grad():
+        img = vae.decode(z, return_dict=False)[0]  # [B, 3, H, W] in ~[-1, 1]
+    return (img.float() / 2 + 0.5).clamp(0, 1)  # [B, 3, H, W]

@@ -24,7 +24,8 @@ import torch
 from flowrl.schedules import flow_sigmas, flux_sigmas, shift_sigmas
 from flowrl.seeding import seeded_randn
 
-from .common import DTypeArg, cfg_combine, check_model_path, encode_with_negative, resolve_dtype, transformer_dtype
+from .common import (DTypeArg, cfg_combine, check_model_path, encode_with_negative, resolve_dtype,
+                     transformer_dtype, vae_decode)
 from .sd3 import Resolution, resolve_resolution
 
 # Flow-GRPO's LoRA targets for FLUX (scripts/train_flux.py: r=64, alpha=128, gaussian init): the
@@ -208,11 +209,7 @@ class FluxPolicy:
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Unpacked latents ``[B, C, h, w]`` -> float32 images ``[B, 3, 8h, 8w]`` in [0, 1]
         (``latents / scaling_factor + shift_factor``, VAE decode, ``x / 2 + 0.5`` clamped)."""
-        cfg = self.vae.config
-        z = latents.to(self.device, self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)  # [B, C, h, w]
-        with torch.no_grad():
-            img = self.vae.decode(z, return_dict=False)[0]  # [B, 3, H, W] in ~[-1, 1]
-        return (img.float() / 2 + 0.5).clamp(0, 1)  # [B, 3, H, W]
+        return vae_decode(self.vae, latents, self.device)  # [B, 3, H, W]
 
     def initial_noise(self, seeds: list[int]) -> torch.Tensor:
         """Standard-normal float32 ``[B, C, h, w]`` (unpacked), row i depending only on ``seeds[i]``."""

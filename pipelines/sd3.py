@@ -17,7 +17,8 @@ import torch
 from flowrl.schedules import flow_sigmas
 from flowrl.seeding import seeded_randn
 
-from .common import DTypeArg, cfg_combine, check_model_path, encode_with_negative, resolve_dtype, transformer_dtype
+from .common import (DTypeArg, cfg_combine, check_model_path, encode_with_negative, resolve_dtype,
+                     transformer_dtype, vae_decode)
 
 # Flow-GRPO's LoRA targets for SD3.5 (scripts/train_sd3.py: r=32, alpha=64, gaussian init): every
 # projection of the joint attention, image stream (to_*) and text stream (add_*_proj, to_add_out).
@@ -174,11 +175,7 @@ class SD3Policy:
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents ``[B, C, h, w]`` -> images float32 ``[B, 3, 8h, 8w]`` in [0, 1] (the pipeline's
         ``latents / scaling_factor + shift_factor``, VAE decode, ``x / 2 + 0.5`` clamped)."""
-        cfg = self.vae.config
-        z = latents.to(self.device, self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)  # [B, C, h, w]
-        with torch.no_grad():
-            img = self.vae.decode(z, return_dict=False)[0]  # [B, 3, H, W] in ~[-1, 1]
-        return (img.float() / 2 + 0.5).clamp(0, 1)  # [B, 3, H, W]
+        return vae_decode(self.vae, latents, self.device)  # [B, 3, H, W]
 
     def initial_noise(self, seeds: list[int]) -> torch.Tensor:
         """Standard-normal float32 ``[B, C, h, w]``, row i depending only on ``seeds[i]``."""

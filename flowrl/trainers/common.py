@@ -4,6 +4,7 @@ fallback to the previous one, the non-finite guard, metric logging and SIGTERM h
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -231,6 +232,16 @@ class TrainerBase:
         if self.acc.is_main_process:
             print(f"[flowrl] SIGTERM: finishing this {self.unit}, writing a checkpoint, then exiting",
                   file=sys.stderr, flush=True)
+
+    # ---------------------------------------------------------------- the loop
+    def _begin(self) -> None:
+        """Set up if not yet done; SIGTERM then finishes the current step, checkpoints and exits."""
+        if not hasattr(self, "acc"):
+            self.setup()
+        try:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        except ValueError:  # not the main thread: the caller handles signals
+            pass
 
     # ---------------------------------------------------------------- the end
     def _report(self, last: int, title: str) -> dict:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import time
 from typing import Optional
 
@@ -367,13 +366,8 @@ class OfflineTrainer(TrainerBase):
     def train(self) -> dict:
         from tqdm.auto import tqdm
 
-        if not hasattr(self, "acc"):
-            self.setup()
+        self._begin()
         cfg, lg = self.cfg, self.cfg.logging
-        try:
-            signal.signal(signal.SIGTERM, self._on_sigterm)
-        except ValueError:  # not the main thread
-            pass
         n = self.total_steps
         if self.start_step == 0 and self.acc.is_main_process:
             real = self._real_data_reference()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -292,13 +291,8 @@ class OnlineTrainer(TrainerBase):
     def train(self) -> dict:
         from tqdm.auto import tqdm
 
-        if not hasattr(self, "acc"):
-            self.setup()
+        self._begin()
         cfg, lg = self.cfg, self.cfg.logging
-        try:
-            signal.signal(signal.SIGTERM, self._on_sigterm)
-        except ValueError:  # not the main thread: the caller handles signals
-            pass
         n_it = cfg.train.iterations
         eval_nrow = cfg.data.eval_seeds_per_prompt
         if self.start_iteration == 0 and self.acc.is_main_process:
