@@ -44,7 +44,6 @@ RESUME_FREE = {"train.iterations", "train.checkpoint_every", "train.keep_checkpo
                "model.path", "train.max_consecutive_skips", "model.text_embedding_cache", "model.drop_text_encoders"}
 
 
-
 def build_reward(cfg: Config):
     from flowrl.rewards import MultiReward, build
 
