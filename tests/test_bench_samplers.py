@@ -39,4 +39,4 @@ def test_bench_rejects_unknown_variant_and_pipeline(tmp_path):
         bench_sampler("sol", out_dir=str(tmp_path), variants=["nope"])
     with pytest.raises(ValueError, match="digits pipeline only"):
         bench_sampler("branch", pipeline="sd3", out_dir=str(tmp_path))
-    assert set(KINDS) == {"branch", "tempflow", "sol"}
+    assert set(KINDS) == {"branch", "tempflow", "sol", "preference"}

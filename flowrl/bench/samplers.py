@@ -1,5 +1,5 @@
-"""``flowrl bench branch`` and ``flowrl bench tempflow``: reward per wall-clock second of a
-sampler against flat GRPO, on one machine in one run (SPEC sections 4-5)."""
+"""``flowrl bench {branch,tempflow,sol,preference}``: reward per wall-clock second of a sampler or
+loss against flat GRPO, on one machine in one run (SPEC sections 4-6; online DPO / GDRO)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -45,8 +45,16 @@ SOL_VARIANTS = {
                                                            "train.batch_size=40"]),
 }
 
+PREFERENCE_VARIANTS = {
+    # the demo's flat GRPO against online DPO / GDRO on 8 ODE samples per prompt (DiffusionNFT's recipe
+    # settings: lr 1e-3, minibatch 40, no KL term)
+    "flat_grpo": Variant(recipe="digits.yaml"),
+    "online_dpo": Variant(sampler={"name": "ode", "group_size": 8, "num_steps": 10}, overrides=["train.loss=dpo"]),
+    "online_gdro": Variant(sampler={"name": "ode", "group_size": 8, "num_steps": 10}, overrides=["train.loss=gdro"]),
+}
+
 KINDS = {"branch": ("digits_branch.yaml", BRANCH_VARIANTS), "tempflow": ("digits_tempflow.yaml", TEMPFLOW_VARIANTS),
-         "sol": ("digits_sol.yaml", SOL_VARIANTS)}
+         "sol": ("digits_sol.yaml", SOL_VARIANTS), "preference": ("digits_sol_nft.yaml", PREFERENCE_VARIANTS)}
 
 
 def bench_sampler(kind: str, pipeline: str = "digits", budget_seconds: float = 120.0, eval_every_seconds: float = 20.0,
