@@ -341,3 +341,19 @@ def test_bench_offline_smoke(tiny_digits_dir, tmp_path):
     assert out["offline"]["compute_seconds"] == pytest.approx(out["offline"]["generation_seconds"]
                                                               + out["offline"]["train_seconds"])
     assert out["online"]["iterations"] >= 1 and "offline" in table(out)
+
+
+def test_generate_offline_with_text_cache_writes_the_same_dataset(tiny_digits_dir, tiny_dataset, tmp_path):
+    """``model.text_embedding_cache`` during generation: the cache is written, the latents are unchanged."""
+    from flowrl.data.offline import OfflineDataset
+    from flowrl.trainers.offline import generate_offline
+
+    ds = tmp_path / "ds"
+    generate_offline(_offline_cfg(tiny_digits_dir, ds, **{"model.text_embedding_cache": str(tmp_path / "emb"),
+                                                          "model.drop_text_encoders": "true"}), progress=False)
+    assert (tmp_path / "emb" / "index.json").exists()
+    a, b = OfflineDataset(tiny_dataset), OfflineDataset(ds)
+    ga = a.read(torch.arange(len(a)), rewards=["jpeg_compressibility"])
+    gb = b.read(torch.arange(len(b)), rewards=["jpeg_compressibility"])
+    assert ga.prompts == gb.prompts and torch.equal(ga.x0, gb.x0)
+    a.close(), b.close()

@@ -84,7 +84,9 @@ def generate_offline(cfg: Config, out: Optional[str] = None, max_new_shards: Opt
     prompts = cfg.data.train_prompts()
     settings = generation_settings(cfg)
     rewards = rewards if rewards is not None else dataset_rewards(cfg)
-    policy = policy if policy is not None else build_policy_from_config(cfg, _device(cfg))
+    if policy is None:
+        policy = build_policy_from_config(cfg, _device(cfg))
+        attach_text_cache(policy, cfg.model, prompts, progress=progress)  # model.text_embedding_cache, if set
     policy.transformer.requires_grad_(False)
     idx = generate_dataset(out, policy, prompts, rewards, settings, model=model_description(cfg),
                            max_new_shards=max_new_shards, progress=progress)
