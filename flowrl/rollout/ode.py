@@ -60,8 +60,8 @@ def ode_rollout(policy: FlowPolicy, prompts: list[str], seeds: list[int], num_st
 @dataclass
 class ODEGroupSampler:
     """``group_size`` deterministic ODE samples per prompt, one seed each: the flat sampler of
-    DiffusionNFT (arXiv 2509.16117), which needs finished samples, not log-probs. Only for
-    ``train.loss: nft`` (GRPO has no stochastic transitions to train on here)."""
+    DiffusionNFT (arXiv 2509.16117) and of online DPO / GDRO, which train on finished samples, not
+    log-probs (``train.loss: nft | dpo | gdro``; GRPO has no stochastic transitions to train on here)."""
 
     group_size: int = 8
     num_steps: int = 10

@@ -37,7 +37,7 @@ from ..quant.fidelity import ranking_fidelity
 from ..quant.sync import QuantizedCopy, swapped_transformer
 from ..seeding import derive_seeds
 from ..types import FlowPolicy, RewardFn
-from .base import Rollout, Transitions, score_images
+from .base import Rollout, score_images
 from .common import EvalCounter
 from .ode import ode_rollout, ode_sample
 

@@ -264,7 +264,7 @@ class Config:
         sampler = self.sampler.build()
         if self.train.loss == "grpo" and not getattr(sampler, "stores_transitions", True):
             raise ConfigError(f"the {self.sampler.name!r} sampler (as configured) stores no stochastic transitions, so "
-                              f"train.loss=grpo would have nothing to train on; use train.loss=nft (DiffusionNFT trains "
+                              f"train.loss=grpo would have nothing to train on; use train.loss=nft, dpo or gdro (they train "
                               f"on finished samples), or a stochastic sampler (group, branch, tempflow, sol with "
                               f"regen: group)")
         spp = samples_per_prompt(sampler)
