@@ -70,3 +70,12 @@ def test_invalid_yaml(tmp_path):
 def test_parse_override_yaml_values():
     assert parse_override("a.b=[1, 2]") == (["a", "b"], [1, 2])
     assert parse_override("a.b=true") == (["a", "b"], True)
+
+
+def test_a_whole_section_can_be_replaced():
+    """``sampler={...}`` swaps the sampler (the recipe's other sampler keys are dropped); a plain
+    value for a section name is still an error."""
+    cfg = load_config(ROOT / "recipes/digits_sol_nft.yaml", ["sampler={name: ode, group_size: 8, num_steps: 10}"])
+    assert cfg.sampler.to_dict() == {"name": "ode", "group_size": 8, "num_steps": 10} and cfg.train.loss == "nft"
+    with pytest.raises(ConfigError, match="must be dotted"):
+        load_config(ROOT / "recipes/digits.yaml", ["sampler=ode"])

@@ -335,14 +335,19 @@ def _check_types(section: str, cls, raw: dict) -> None:
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """``"train.lr=3e-4"`` -> (["train", "lr"], 3e-4); values parse as YAML."""
+    """``"train.lr=3e-4"`` -> (["train", "lr"], 3e-4); values parse as YAML. A whole section may be
+    replaced by a mapping: ``"sampler={name: ode, group_size: 8}"`` -> (["sampler"], {...})."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like section.key=value, e.g. train.lr=3e-4")
     key, val = text.split("=", 1)
     parts = key.strip().split(".")
+    value = yaml.safe_load(val) if val.strip() else ""
+    if len(parts) == 1 and parts[0] in SECTIONS and isinstance(value, dict):
+        return parts, value
     if len(parts) < 2 or not all(parts):
-        raise ConfigError(f"override key {key!r} must be dotted, like train.lr or sampler.group_size")
-    return parts, (yaml.safe_load(val) if val.strip() else "")
+        raise ConfigError(f"override key {key!r} must be dotted, like train.lr or sampler.group_size (or a whole "
+                          f"section given a mapping, like sampler={{name: ode, group_size: 8}})")
+    return parts, value
 
 
 def apply_overrides(d: dict, overrides: list[str]) -> dict:
