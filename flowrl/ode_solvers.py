@@ -36,9 +36,7 @@ def _lam(s: float) -> float:
 def second_order(sigma_prev: Optional[float], sigma: float, sigma_next: float) -> bool:
     """Whether a 2M step from ``sigma`` to ``sigma_next`` can use the previous prediction at
     ``sigma_prev`` (both lambda steps finite); otherwise the step is first order, i.e. Euler."""
-    if sigma_prev is None or not 0.0 < float(sigma_next) < float(sigma) < float(sigma_prev) < 1.0:
-        return False
-    return True
+    return sigma_prev is not None and 0.0 < float(sigma_next) < float(sigma) < float(sigma_prev) < 1.0
 
 
 def data_prediction(x: torch.Tensor, v: torch.Tensor, sigma: float) -> torch.Tensor:

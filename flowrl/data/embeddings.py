@@ -75,8 +75,10 @@ class TextEmbeddingCache:
         self.keys = [k for k, v in cond.items() if not all(torch.equal(v[0], v[i]) for i in range(1, v.shape[0]))]
         self.shared = {k: v[:1].detach().cpu().contiguous() for k, v in cond.items() if k not in self.keys}
 
-    def extend(self, encode: Callable, prompts: list[str], batch_size: int = 32, progress: bool = False) -> int:
-        """Add the prompts not cached yet (one new shard per ``batch_size`` prompts). Returns how many."""
+    def extend(self, encode: Callable, prompts: list[str], batch_size: int = 32, progress: bool = False,
+               persist: bool = True) -> int:
+        """Add the prompts not cached yet (one new shard per ``batch_size`` prompts). Returns how many.
+        ``persist=False`` keeps the new shards in memory even when the cache has a directory."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         new = [p for p in dict.fromkeys(prompts) if p not in self._where]
@@ -100,10 +102,10 @@ class TextEmbeddingCache:
                                          f"this policy cannot use the text-embedding cache")
             rows = {k: cond[k].detach().cpu().contiguous() for k in self.keys}  # [R, ...] each
             idx = len(self._shards)
-            self._shards.append(self._write_shard(idx, rows) if self.directory else rows)
+            self._shards.append(self._write_shard(idx, rows) if persist and self.directory else rows)
             for r, p in enumerate(chunk):
                 self._where[p] = (idx, r)
-        if self.directory:
+        if persist and self.directory:
             self._write_index()
         return len(new)
 
@@ -179,11 +181,7 @@ class TextEmbeddingCache:
         def encode_prompts(prompts: list[str]):
             missing = [p for p in dict.fromkeys(prompts) if p not in self._where]
             if missing and not drop_encoders:
-                directory, self.directory = self.directory, None  # late additions stay in memory
-                try:
-                    self.extend(original, missing)
-                finally:
-                    self.directory = directory
+                self.extend(original, missing, persist=False)  # late additions stay in memory
             return self.encode(prompts)
 
         policy.encode_prompts = encode_prompts
@@ -268,11 +266,11 @@ def attach_text_cache(policy, model_cfg, prompts: list[str], is_main: bool = Tru
     if where == "memory":
         cache = TextEmbeddingCache.build(policy, prompts, fp, progress=progress)
     else:
-        if is_main:
-            TextEmbeddingCache.open_or_build(policy, prompts, where, fp, progress=progress)
+        cache = TextEmbeddingCache.open_or_build(policy, prompts, where, fp, progress=progress) if is_main else None
         if barrier is not None:
             barrier()
-        cache = TextEmbeddingCache.load(where, fp)
+        if cache is None:  # the other processes read what the main one wrote
+            cache = TextEmbeddingCache.load(where, fp)
     freed = cache.attach(policy, drop_encoders=model_cfg.drop_text_encoders)
     if progress and freed:
         print(f"text encoders dropped: {freed / 1e6:.1f}M parameters freed; {len(cache)} prompts cached")

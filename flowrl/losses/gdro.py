@@ -140,6 +140,15 @@ def group_velocity_errors(policy, reference: Optional[Callable[[], ContextManage
     return err, err_ref
 
 
+def usable_groups(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[G]`` masks: (finite: every reward finite, ranked: finite and not all equal).
+    Groups whose rewards are all equal carry no ranking and are left out (logged). Shared by offline GDRO
+    and the online preference updates."""
+    finite = torch.isfinite(r).all(dim=1)  # [G]
+    spread = torch.where(finite, r.max(dim=1).values - r.min(dim=1).values, torch.zeros(r.shape[0]))
+    return finite, finite & (spread > 0)
+
+
 def ranking_stats(implicit: torch.Tensor, rewards: torch.Tensor) -> dict:
     """Diagnostics over ``[G, k]`` groups: fraction of groups whose top-reward image has the
     highest implicit reward (``top1_accuracy``), and the mean implicit-reward margin of the

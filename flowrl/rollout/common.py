@@ -32,6 +32,8 @@ def velocity_batched(policy: FlowPolicy, x: torch.Tensor, sigma: torch.Tensor, c
     return outs[0] if len(outs) == 1 else torch.cat(outs)  # [B, ...]
 
 
-def step_sigmas(sigmas: torch.Tensor, i: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sigma_i, sigma_{i+1})`` each expanded to ``[n]`` float32."""
-    return sigmas[i].float().expand(n).clone(), sigmas[i + 1].float().expand(n).clone()
+def step_sigmas(sigmas: torch.Tensor, i: int, n: int, j: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sigma_i, sigma_j)`` each expanded to ``[n]`` float32; ``j`` defaults to ``i + 1`` (a step
+    that skips sigmas, as a thinned ODE segment does, passes its own ``j``)."""
+    j = i + 1 if j is None else j
+    return sigmas[i].float().expand(n).clone(), sigmas[j].float().expand(n).clone()

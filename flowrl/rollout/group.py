@@ -12,7 +12,7 @@ from ..sde import DEFAULT_NOISE_LEVEL, get_step, ode_step
 from ..ode_solvers import SOLVERS, compressed_sigmas, data_prediction, dpmpp_2m_step, second_order
 from ..types import FlowPolicy, RewardFn, index_cond
 from .base import Rollout, Transitions, score_images
-from .common import EvalCounter, velocity_batched
+from .common import EvalCounter, step_sigmas, velocity_batched
 
 
 @dataclass
@@ -129,19 +129,18 @@ class GroupSampler:
         parts = []
         x0_prev = sig_prev = None  # the previous ODE step's data prediction (DPM-Solver++ 2M)
         for i, j in self.step_plan(iteration):
-            s, s_next = sigmas[i].float().expand(n).clone(), sigmas[j].float().expand(n).clone()  # [N] each
+            s, s_next = step_sigmas(sigmas, i, n, j)  # [N] each
             v = velocity_batched(policy, x, s, cond, self.max_batch, counter)  # [N, C, H, W]
             if i in stoch:
                 noise = seeded_randn(seeds, tuple(x.shape[1:]), stream=1 + i, device=x.device)
                 out = step_fn(v, x, s, s_next, noise_level=self.noise_level, noise=noise)
                 x0_prev = sig_prev = None  # a noisy step leaves the ODE trajectory: restart at first order
             elif self.ode_solver == "dpmpp_2m":
-                x0 = data_prediction(x, v, float(sigmas[i]))  # [N, C, H, W]
-                out = ode_step(v, x, s, s_next)  # first order: Euler itself
-                if second_order(sig_prev, float(sigmas[i]), float(sigmas[j])):
-                    out = ode_step(v, x, s, s_next, prev_sample=dpmpp_2m_step(
-                        x, x0, float(sigmas[i]), float(sigmas[j]), x0_prev, sig_prev))
-                x0_prev, sig_prev = x0, float(sigmas[i])
+                si, sj = float(sigmas[i]), float(sigmas[j])
+                x0 = data_prediction(x, v, si)  # [N, C, H, W]
+                nxt = dpmpp_2m_step(x, x0, si, sj, x0_prev, sig_prev) if second_order(sig_prev, si, sj) else None
+                out = ode_step(v, x, s, s_next, prev_sample=nxt)  # first order (nxt None): Euler itself
+                x0_prev, sig_prev = x0, si
             else:
                 out = ode_step(v, x, s, s_next)
             if i in trained:

@@ -26,7 +26,7 @@ sum(9 - k)"); without: 9 + 270 = 279.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch

@@ -3,11 +3,12 @@ check, the accelerator, the trained model (LoRA, reference, optimizer, EMA), che
 fallback to the previous one, the non-finite guard, metric logging and SIGTERM handling."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -179,6 +180,35 @@ class TrainerBase:
         if self.acc.num_processes > 1:
             ok = self.acc.reduce(ok, reduction="sum") / self.acc.num_processes
         return bool(ok.item() == 1.0)
+
+    def _accumulate(self, passes: list, loss_of: Callable[[Any], tuple[torch.Tensor, dict]], sums: dict,
+                    after_step: Optional[Callable[[], None]] = None) -> int:
+        """Forward/backward over ``passes`` in groups of ``train.grad_accum``, one optimizer step per
+        group (DDP syncs gradients on a group's last pass only). ``loss_of(pass) -> (loss, stats)``;
+        each pass's loss is divided by its group's size. A non-finite loss skips its backward and
+        makes its group's step a skipped one. Adds the stats, ``loss`` and ``grad_norm`` (weighted by
+        group size) into ``sums``; ``after_step()`` runs after every step. Returns passes counted."""
+        count, ga = 0, self.cfg.train.grad_accum
+        for start in range(0, len(passes), ga):
+            group = passes[start:start + ga]
+            finite = True
+            for j, p in enumerate(group):
+                sync = j == len(group) - 1 or self.acc.num_processes == 1
+                with contextlib.nullcontext() if sync else self.acc.no_sync(self.model):
+                    loss, stats = loss_of(p)
+                    if not self._all_finite(loss.detach()):
+                        finite = False
+                        continue
+                    self.acc.backward(loss / len(group))
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                sums["loss"] = sums.get("loss", 0.0) + loss.item()
+                count += 1
+            for k, v in self._optimizer_step(finite).items():
+                sums[k] = sums.get(k, 0.0) + v * len(group)
+            if after_step is not None:
+                after_step()
+        return count
 
     def _optimizer_step(self, finite: bool) -> dict:
         """Clip, step (or skip a non-finite step, stopping after ``train.max_consecutive_skips``), zero."""

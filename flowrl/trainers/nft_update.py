@@ -54,35 +54,25 @@ def nft_update(trainer, rollout, it: int) -> dict:
         t_all = T_MIN + (1 - T_MIN) * torch.rand(rollout.num_samples, generator=g)  # [N]
         eps_all = torch.randn(rollout.x0.shape, generator=g)  # [N, C, H, W]
         mbs = list(rows.split(cfg.minibatch_size)) if len(rows) else []
-        for start in range(0, len(mbs), cfg.grad_accum):
-            group = mbs[start:start + cfg.grad_accum]
-            finite = True
-            for mb in group:
-                x0 = rollout.x0[mb].to(dev)  # [m, C, H, W]
-                t = t_all[mb].to(dev)  # [m]
-                x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps_all[mb].to(dev)
-                c = index_cond(cond_all, rollout.prompt_index[mb])
-                with torch.no_grad(), trainer.old_policy.applied(trainer.unwrapped):
-                    v_old = trainer.policy.velocity(x_t, t, c)
-                v_ref = None
-                if cfg.beta_kl > 0:
-                    with torch.no_grad(), trainer.ref.active(trainer.policy):
-                        v_ref = trainer.policy.velocity(x_t, t, c)
-                with trainer.acc.autocast():
-                    v = trainer.policy.velocity(x_t, t, c)
-                loss, stats = nft_loss(v, v_old, x_t, x0, t, adv[mb].to(dev), beta=cfg.nft_beta,
-                                       adv_clip_max=cfg.adv_clip_max, v_ref=v_ref, beta_kl=cfg.beta_kl)
-                if not trainer._all_finite(loss.detach()):
-                    finite = False
-                    continue
-                trainer.acc.backward(loss / len(group))
-                for k, val in stats.items():
-                    sums[k] = sums.get(k, 0.0) + float(val)
-                sums["loss"] = sums.get("loss", 0.0) + loss.item()
-                count += 1
-            for k, val in trainer._optimizer_step(finite).items():
-                sums[k] = sums.get(k, 0.0) + val * len(group)
-            trainer.old_policy.step(trainer.unwrapped, trainer.opt_steps)
+
+        def loss_of(mb: torch.Tensor, t_all=t_all, eps_all=eps_all) -> tuple[torch.Tensor, dict]:
+            x0 = rollout.x0[mb].to(dev)  # [m, C, H, W]
+            t = t_all[mb].to(dev)  # [m]
+            x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps_all[mb].to(dev)
+            c = index_cond(cond_all, rollout.prompt_index[mb])
+            with torch.no_grad(), trainer.old_policy.applied(trainer.unwrapped):
+                v_old = trainer.policy.velocity(x_t, t, c)
+            v_ref = None
+            if cfg.beta_kl > 0:
+                with torch.no_grad(), trainer.ref.active(trainer.policy):
+                    v_ref = trainer.policy.velocity(x_t, t, c)
+            with trainer.acc.autocast():
+                v = trainer.policy.velocity(x_t, t, c)
+            return nft_loss(v, v_old, x_t, x0, t, adv[mb].to(dev), beta=cfg.nft_beta,
+                            adv_clip_max=cfg.adv_clip_max, v_ref=v_ref, beta_kl=cfg.beta_kl)
+
+        count += trainer._accumulate(mbs, loss_of, sums,
+                                     after_step=lambda: trainer.old_policy.step(trainer.unwrapped, trainer.opt_steps))
     trainer.model.eval()
     out = {k: v / count for k, v in sums.items()} if count else {}
     out.update({"transitions_trained": int(len(rows_all)) * cfg.inner_epochs, "zero_var_fraction": zero.float().mean().item(),

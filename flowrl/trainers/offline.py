@@ -27,7 +27,7 @@ import torch
 
 from ..data.embeddings import attach_text_cache
 from ..data.offline import DatasetError, GenerationSettings, OfflineDataset, add_reward_column, generate_dataset
-from ..losses.gdro import gdro_loss, group_velocity_errors, implicit_rewards, ranking_stats
+from ..losses.gdro import gdro_loss, group_velocity_errors, implicit_rewards, ranking_stats, usable_groups
 from ..rollout.base import score_images
 from .config import Config, ConfigError
 from .common import TrainerBase
@@ -150,14 +150,6 @@ def ranking_rewards(rewards: dict[str, torch.Tensor], weights: dict[str, float],
             r = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)
         total = w * r if total is None else total + w * r
     return total if total is not None else torch.zeros_like(next(iter(rewards.values())))
-
-
-def usable_groups(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[G]`` masks: (finite: every reward finite, ranked: finite and not all equal).
-    Groups whose rewards are all equal carry no ranking and are left out (logged)."""
-    finite = torch.isfinite(r).all(dim=1)  # [G]
-    spread = torch.where(finite, r.max(dim=1).values - r.min(dim=1).values, torch.zeros(r.shape[0]))
-    return finite, finite & (spread > 0)
 
 
 def sample_t(generator: torch.Generator, n: int, cfg) -> torch.Tensor:

@@ -218,30 +218,12 @@ class OnlineTrainer(TrainerBase):
             cond = self.policy.encode_prompts(rollout.prompts)
         sums: dict[str, float] = {}
         count = 0
-        ga = self.cfg.train.grad_accum
         self.model.train()
         for epoch in range(self.cfg.train.inner_epochs):
             g = torch.Generator().manual_seed(int(derive_seeds(self.cfg.train.seed * 7919 + it, epoch + 1)[-1]))
             rows = rows_all[torch.randperm(len(rows_all), generator=g)][:n_rows]
             mbs = list(rows.split(self.cfg.train.minibatch_size)) if n_rows else []  # no signal: no update
-            for start in range(0, len(mbs), ga):
-                group = mbs[start:start + ga]
-                finite = True
-                for j, mb in enumerate(group):
-                    sync = j == len(group) - 1
-                    ctx = contextlib.nullcontext() if sync or self.acc.num_processes == 1 else self.acc.no_sync(self.model)
-                    with ctx:
-                        loss, stats = self._minibatch_loss(rollout, cond, mb, adv)
-                        if not self._all_finite(loss.detach()):
-                            finite = False
-                            continue
-                        self.acc.backward(loss / len(group))
-                    for k, v in stats.items():
-                        sums[k] = sums.get(k, 0.0) + v
-                    sums["loss"] = sums.get("loss", 0.0) + loss.item()
-                    count += 1
-                for k, v in self._optimizer_step(finite).items():
-                    sums[k] = sums.get(k, 0.0) + v * len(group)
+            count += self._accumulate(mbs, lambda mb: self._minibatch_loss(rollout, cond, mb, adv), sums)
         self.model.eval()
         out = {k: v / count for k, v in sums.items()} if count else {}
         out["transitions_trained"] = n_rows * self.cfg.train.inner_epochs

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..losses.gdro import dpo_loss, gdro_loss, group_velocity_errors, implicit_rewards, ranking_stats
+from ..losses.gdro import dpo_loss, gdro_loss, group_velocity_errors, implicit_rewards, ranking_stats, usable_groups
 from ..seeding import derive_seeds
 from ..types import index_cond
 
@@ -38,9 +38,7 @@ def preference_update(trainer, rollout, it: int, pairwise: bool) -> dict:
     cfg = trainer.cfg.train
     rows = grouped(rollout)  # [G, k]
     r = rollout.rewards[rows].float()  # [G, k]
-    finite = torch.isfinite(r).all(dim=1)
-    spread = torch.where(finite, r.max(1).values - r.min(1).values, torch.zeros(len(r)))
-    usable = torch.nonzero(finite & (spread > 0)).flatten()  # [G']
+    usable = torch.nonzero(usable_groups(r)[1]).flatten()  # [G'] groups with a ranking
     if pairwise:  # best and worst of each group, best first
         order = torch.argsort(torch.nan_to_num(r, nan=-torch.inf), dim=1, descending=True)
         rows = torch.stack([rows.gather(1, order[:, :1]), rows.gather(1, order[:, -1:])], dim=1).squeeze(-1)  # [G, 2]
@@ -59,31 +57,22 @@ def preference_update(trainer, rollout, it: int, pairwise: bool) -> dict:
         t_all = T_MIN + (1 - 2 * T_MIN) * torch.rand(g_all, generator=g)  # [G]
         eps_all = torch.randn((g_all, *rollout.x0.shape[1:]), generator=g)  # [G, C, H, W]
         passes = list(order.split(per_pass)) if len(order) else []
-        for start in range(0, len(passes), cfg.grad_accum):
-            chunk = passes[start:start + cfg.grad_accum]
-            finite_step = True
-            for mb in chunk:
-                x0 = rollout.x0[rows[mb]].to(dev)  # [m, k, C, H, W]
-                err, err_ref = group_velocity_errors(
-                    trainer.policy, lambda: trainer.ref.active(trainer.policy), x0,
-                    index_cond(cond_all, group_prompt[mb]), t_all[mb].to(dev), eps_all[mb].to(dev),
-                    autocast=trainer.acc.autocast)  # [m, k] each
-                s = implicit_rewards(err, err_ref, cfg.pref_beta)  # [m, k]
-                rr = r[mb].to(dev)  # [m, k]
-                loss = dpo_loss(s[:, 0], s[:, 1]) if pairwise else gdro_loss(s, rr, cfg.pref_tau)
-                if not trainer._all_finite(loss.detach()):
-                    finite_step = False
-                    continue
-                trainer.acc.backward(loss / len(chunk))
-                stats = {"pref_loss": loss.item(), **ranking_stats(s.detach(), rr)}
-                for key, val in stats.items():
-                    sums[key] = sums.get(key, 0.0) + float(val)
-                count += 1
-            for key, val in trainer._optimizer_step(finite_step).items():
-                sums[key] = sums.get(key, 0.0) + val * len(chunk)
+
+        def loss_of(mb: torch.Tensor, t_all=t_all, eps_all=eps_all) -> tuple[torch.Tensor, dict]:
+            x0 = rollout.x0[rows[mb]].to(dev)  # [m, k, C, H, W]
+            err, err_ref = group_velocity_errors(
+                trainer.policy, lambda: trainer.ref.active(trainer.policy), x0,
+                index_cond(cond_all, group_prompt[mb]), t_all[mb].to(dev), eps_all[mb].to(dev),
+                autocast=trainer.acc.autocast)  # [m, k] each
+            s = implicit_rewards(err, err_ref, cfg.pref_beta)  # [m, k]
+            rr = r[mb].to(dev)  # [m, k]
+            loss = dpo_loss(s[:, 0], s[:, 1]) if pairwise else gdro_loss(s, rr, cfg.pref_tau)
+            return loss, {"pref_loss": loss.item(), **ranking_stats(s.detach(), rr)}
+
+        count += trainer._accumulate(passes, loss_of, sums)
     trainer.model.eval()
     out = {key: v / count for key, v in sums.items()} if count else {}
-    out["loss"] = out.get("pref_loss", float("nan"))
+    out.setdefault("loss", float("nan"))
     out.update({"transitions_trained": int(len(usable)) * k * cfg.inner_epochs,
                 "zero_var_fraction": 1.0 - len(usable) / max(1, g_all)})
     return out
