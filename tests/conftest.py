@@ -10,6 +10,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny-model tests (modules opt in with ``pytestmark``): a
+    second thread only adds synchronisation on tiny matrices and oversubscribes shared CI cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def tiny_digits_policy():
     """A random-init digits policy (no pretraining): for mechanics, not quality."""

@@ -26,12 +26,7 @@ RANK, ALPHA = 4, 16  # scaling alpha / r = 4: lost if the export dropped alpha (
 PROMPTS = ["a photo of a cat", "a red apple on a table"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
 
 
 @pytest.fixture(scope="module")

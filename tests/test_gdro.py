@@ -155,16 +155,21 @@ def _lora_setup(policy, g, k, seed):
     return s_now, torch.optim.SGD(params, lr=0.02)
 
 
-def test_steps_through_the_network_raise_the_winners_implicit_reward(tiny_digits_policy):
-    """k = 2 (the DPO case): a few SGD steps on a LoRA policy raise s_w - s_l from 0."""
-    s_now, opt = _lora_setup(tiny_digits_policy, 1, 2, seed=6)
-    r = torch.tensor([[0.2, 0.9]])  # sample 1 wins
-    for _ in range(3):
+def _sgd_steps(s_now, opt, r, steps=3):
+    """``steps`` SGD steps on the GDRO loss (tau 0.05) -> the implicit rewards after them."""
+    for _ in range(steps):
         opt.zero_grad()
         gdro_loss(s_now(), r, 0.05).backward()
         opt.step()
     with torch.no_grad():
-        s = s_now()
+        return s_now()
+
+
+def test_steps_through_the_network_raise_the_winners_implicit_reward(tiny_digits_policy):
+    """k = 2 (the DPO case): a few SGD steps on a LoRA policy raise s_w - s_l from 0."""
+    s_now, opt = _lora_setup(tiny_digits_policy, 1, 2, seed=6)
+    r = torch.tensor([[0.2, 0.9]])  # sample 1 wins
+    s = _sgd_steps(s_now, opt, r)
     assert s[0, 1] > 0 > s[0, 0]  # the winner fits better than the reference, the loser worse
 
 
@@ -173,12 +178,7 @@ def test_steps_through_the_network_lower_the_group_loss(tiny_digits_policy):
     r = torch.tensor([[0.1, 0.7, 0.3, 0.9], [0.5, 0.2, 0.8, 0.0]])
     with torch.no_grad():
         l0 = gdro_loss(s_now(), r, 0.05)
-    for _ in range(3):
-        opt.zero_grad()
-        gdro_loss(s_now(), r, 0.05).backward()
-        opt.step()
-    with torch.no_grad():
-        s = s_now()
+    s = _sgd_steps(s_now, opt, r)
     assert gdro_loss(s, r, 0.05) < l0
     assert ranking_stats(s, r)["margin"] > 0  # best above worst, on average over the groups
 

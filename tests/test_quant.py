@@ -18,13 +18,7 @@ needs_modelopt = pytest.mark.skipif(not HAS_MODELOPT, reason="nvidia-modelopt is
 S_G1 = 6.0 * 448.0  # a global amax whose fp32 global scale is exactly 1
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run faster on one thread, above all on a shared, busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
 
 
 # ------------------------------------------------------------------ NVFP4 numerics by hand

@@ -13,13 +13,7 @@ from flowrl import rewards
 from flowrl.rewards.ocr import levenshtein, quoted_text, text_similarity
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads; one avoids oversubscribing shared CI cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
 
 
 # ---------------------------------------------------------------- scoring rules

@@ -12,13 +12,7 @@ from flowrl.seeding import derive_seeds
 PROMPTS = ["a handwritten digit 3", "a handwritten digit 7"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run faster on one thread, above all on a shared, busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
 
 
 class BrightnessReward:
