@@ -29,7 +29,16 @@ def _classifier() -> nn.Module:
 
 
 def train_classifier(seed: int = 0, epochs: int = 400) -> tuple[nn.Module, float]:
-    """Full-batch Adam on the train split; returns (model, test accuracy)."""
+    """Full-batch Adam on the train split; returns (model, test accuracy).
+
+    Gradients are switched on here: the classifier is trained on first use, which may happen
+    inside a caller's ``torch.no_grad()`` / ``inference_mode()`` (an evaluation or a report).
+    """
+    with torch.inference_mode(False), torch.enable_grad():
+        return _train_classifier(seed, epochs)
+
+
+def _train_classifier(seed: int, epochs: int) -> tuple[nn.Module, float]:
     from flowrl.pipelines.digits import digits_dataset
 
     torch.manual_seed(seed)

@@ -79,3 +79,11 @@ def test_a_whole_section_can_be_replaced():
     assert cfg.sampler.to_dict() == {"name": "ode", "group_size": 8, "num_steps": 10} and cfg.train.loss == "nft"
     with pytest.raises(ConfigError, match="must be dotted"):
         load_config(ROOT / "recipes/digits.yaml", ["sampler=ode"])
+
+
+def test_shipped_recipe_by_name_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    a, b = load_config("digits"), load_config("recipes/digits_branch.yaml")
+    assert a.sampler.name == "group" and b.sampler.name == "branch"
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("elsewhere/digits.yaml")  # a path that names another folder is not a shipped name

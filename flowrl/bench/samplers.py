@@ -1,13 +1,13 @@
 """``flowrl bench {branch,tempflow,sol,preference}``: reward per wall-clock second of a sampler or
-loss against flat GRPO, on one machine in one run (SPEC sections 4-6; online DPO / GDRO)."""
+loss against flat GRPO, on one machine in one run (docs/algorithms.md §4-6; online DPO / GDRO)."""
 from __future__ import annotations
 
 from pathlib import Path
 
+from ..trainers.config import recipes_dir
 from ..trainers.reporting import write_json
 from .training import Variant, compare, table, time_to_reach
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 BRANCH_VARIANTS = {
     # flat GRPO with the same 16 samples per prompt and the same DanceGRPO step
@@ -67,7 +67,7 @@ def bench_sampler(kind: str, pipeline: str = "digits", budget_seconds: float = 1
     if not chosen:
         raise ValueError(f"no variant among {variants}; choose from {sorted(all_variants)}")
     out = Path(out_dir)
-    res = compare(chosen, str(RECIPES / recipe_name), budget_seconds, eval_every_seconds,
+    res = compare(chosen, str(recipes_dir() / recipe_name), budget_seconds, eval_every_seconds,
                   json_path=str(out / f"{kind}.json"), png_path=str(out / f"{kind}.png"),
                   title=f"{kind} vs flat GRPO on digits ({budget_seconds:.0f} s each)", extra=extra)
     if "flat_grpo" in res["variants"]:

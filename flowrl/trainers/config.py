@@ -141,6 +141,13 @@ class TrainConfig:
     clip_range: float = _h("PPO clip epsilon on the per-step ratio", 1e-3)
     adv_clip_max: float = _h("advantages are clipped to +-this", 5.0)
     beta_kl: float = _h("weight of the KL to the reference (adapter-disabled) policy", 0.0)
+    kl_form: str = _h("GRPO's KL to the reference: 'flow_grpo' (Flow-GRPO's code: squared mean difference over "
+                      "2 std_t^2, the noise coefficient without sqrt(-dt); published betas such as 0.04 carry "
+                      "over) or 'exact' (the KL of the two transition Gaussians, 1/|dt| times larger; "
+                      "TempFlow-GRPO's code). See docs/algorithms.md", "flow_grpo")
+    cfg_uncond_grad: bool = _h("with CFG in training, let the gradient flow through the unconditional half of "
+                               "the guided velocity (flowrl's former behaviour); false detaches it, as "
+                               "Flow-GRPO's code does", False)
     global_std: bool = _h("normalise advantages by the whole batch's std instead of the group's", False)
     lora_rank: int = _h("LoRA rank; 0 = full fine-tune", 8)
     lora_alpha: float = _h("LoRA alpha", 16.0)
@@ -187,6 +194,10 @@ class TrainConfig:
             raise ConfigError(f"train.mixed_precision must be 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}")
         if not 0 <= self.ema_decay < 1:
             raise ConfigError(f"train.ema_decay must be in [0, 1), got {self.ema_decay}")
+        from ..losses.grpo import KL_FORMS
+
+        if self.kl_form not in KL_FORMS:
+            raise ConfigError(f"train.kl_form must be one of {', '.join(KL_FORMS)}, got {self.kl_form!r}")
         if self.mode not in ("online", "offline"):
             raise ConfigError(f"train.mode must be 'online' or 'offline', got {self.mode!r}")
         if self.loss not in LOSSES:
@@ -378,13 +389,14 @@ def _fix_floats(d):
 
 
 def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[list[str]] = None) -> Config:
-    """Recipe YAML (or defaults when ``path`` is None) + dotted overrides -> validated Config."""
+    """Recipe YAML (or defaults when ``path`` is None) + dotted overrides -> validated Config.
+
+    ``path`` is a YAML file, or the name of a shipped recipe (``digits``, ``digits.yaml`` or
+    ``recipes/digits.yaml`` from any directory, also when flowrl is installed from a wheel).
+    """
     d: dict = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"recipe {str(path)!r} not found. Shipped recipes: "
-                              f"{', '.join(str(r) for r in shipped_recipes()) or '(none)'}")
+        p = resolve_recipe(path)
         try:
             d = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
@@ -393,9 +405,28 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[lis
     return Config.from_dict(d)
 
 
+def recipes_dir() -> Path:
+    """The shipped recipes: ``flowrl/recipes`` in an installed wheel, ``recipes/`` in a checkout."""
+    installed = Path(__file__).resolve().parents[1] / "recipes"
+    return installed if installed.is_dir() else Path(__file__).resolve().parents[2] / "recipes"
+
+
 def shipped_recipes() -> list[Path]:
-    root = Path(__file__).resolve().parents[2] / "recipes"
+    root = recipes_dir()
     return sorted(root.glob("*.yaml")) if root.is_dir() else []
+
+
+def resolve_recipe(path: Union[str, Path]) -> Path:
+    """A recipe file: ``path`` itself if it exists, else the shipped recipe of that file name."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    name = p.name if p.suffix in (".yaml", ".yml") else p.name + ".yaml"
+    shipped = recipes_dir() / name
+    if shipped.is_file() and (len(p.parts) == 1 or p.parent.name == "recipes"):
+        return shipped
+    raise ConfigError(f"recipe {str(path)!r} not found. Shipped recipes (give a name or a path): "
+                      f"{', '.join(r.name for r in shipped_recipes()) or '(none)'}")
 
 
 def dump_config(cfg: Config) -> str:
