@@ -1,4 +1,4 @@
-"""Sigma schedules for rectified-flow sampling (SPEC section 1).
+"""Sigma schedules for rectified-flow sampling (docs/algorithms.md §1).
 
 A schedule is a float32 tensor of ``num_steps + 1`` noise levels, running from (about) 1
 down to exactly 0. Step ``i`` moves the latent from ``sigmas[i]`` to ``sigmas[i + 1]``.

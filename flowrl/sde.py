@@ -2,7 +2,7 @@
 
 Every step function has the signature
 ``(velocity, latents, sigma, sigma_next, *, noise_level=..., prev_sample=None,
-generator=None, noise=None) -> StepOutput`` (SPEC section 2):
+generator=None, noise=None) -> StepOutput`` (docs/algorithms.md §2):
 
 * ``velocity``/``latents``: ``[B, ...]`` tensors of any float dtype; the math runs in float32.
 * ``sigma``/``sigma_next``: floats or ``[B]`` tensors, ``sigma_next < sigma`` (``dt < 0``).
@@ -138,9 +138,28 @@ def cps_step(velocity, latents, sigma: Sigma, sigma_next: Sigma, *, noise_level:
     return _finish(mean, scale, prev_sample, generator, noise)
 
 
+def cps_flow_grpo_step(velocity, latents, sigma: Sigma, sigma_next: Sigma, *, noise_level: float = 0.8,
+                       prev_sample=None, generator=None, noise=None) -> StepOutput:
+    """CPS with the log-prob of Flow-GRPO's code: ``-mean((sample - mean)^2)``, no ``1 / (2 std^2)``, no constants.
+
+    Same samples, means and std as :func:`cps_step`. Only differences of such log-probs mean
+    anything (PPO ratios), and they are ``2 std^2`` times the Gaussian ones (x0.6 ... x7.2 on
+    SD3's steps, far more at the last), so Flow-GRPO's CPS clip range only carries over here.
+    A deterministic row (``sigma_next = 0``) gets log_prob 0, as in :func:`cps_step`.
+    """
+    out = cps_step(velocity, latents, sigma, sigma_next, noise_level=noise_level, prev_sample=prev_sample,
+                   generator=generator, noise=noise)
+    dims = tuple(range(1, out.sample.ndim))
+    lp = -((out.sample.detach() - out.mean) ** 2).mean(dim=dims)  # [B]
+    return StepOutput(out.sample, out.mean, out.std, torch.where(out.std > 0, lp, torch.zeros_like(lp)))
+
+
 StepFn = Callable[..., StepOutput]
-STEPS: dict[str, StepFn] = {"ode": ode_step, "sde": sde_step, "dance": dance_step, "cps": cps_step}
-DEFAULT_NOISE_LEVEL = {"ode": 0.0, "sde": 0.7, "dance": 0.3, "cps": 0.8}
+STEPS: dict[str, StepFn] = {"ode": ode_step, "sde": sde_step, "dance": dance_step, "cps": cps_step,
+                            "cps_flow_grpo": cps_flow_grpo_step}
+DEFAULT_NOISE_LEVEL = {"ode": 0.0, "sde": 0.7, "dance": 0.3, "cps": 0.8, "cps_flow_grpo": 0.8}
+# steps whose Flow-GRPO noise coefficient ``std_dev_t`` is the step's scale itself (no sqrt(-dt) factor)
+SCALE_IS_NOISE_COEFFICIENT = frozenset({"cps", "cps_flow_grpo"})
 
 
 def get_step(name: str) -> StepFn:

@@ -1,6 +1,6 @@
 """The seams of flowrl: Protocols for a policy, a sampler, a reward and a quantizer.
 
-Nothing inherits from these; anything with the right methods fits (DESIGN.md).
+Nothing inherits from these; anything with the right methods fits (docs/design.md).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""BranchGRPO tree rollouts and tree advantages (SPEC section 4, arXiv 2509.06040)."""
+"""BranchGRPO tree rollouts and tree advantages (docs/algorithms.md §4, arXiv 2509.06040)."""
 import math
 
 import pytest

@@ -1,4 +1,4 @@
-"""GDRO (SPEC 7): the loss's math, its gradient direction, and the offline trainer's mechanics."""
+"""GDRO (docs/algorithms.md §8): the loss's math, its gradient direction, and the offline trainer's mechanics."""
 import json
 import math
 from pathlib import Path
@@ -19,7 +19,7 @@ def _distinct_rewards(g, k, gen):
 
 
 def _naive_gdro(s, r, tau):
-    """SPEC 7 literally, with python loops: sort by reward, sum_{i<k} [lse_{m>=i} s_m - sum_{j>=i} q_i(j) s_j]."""
+    """docs/algorithms.md §8 literally, with python loops: sort by reward, sum_{i<k} [lse_{m>=i} s_m - sum_{j>=i} q_i(j) s_j]."""
     total = 0.0
     for sg, rg in zip(s.tolist(), r.tolist()):
         pairs = sorted(zip(rg, sg), key=lambda p: -p[0])

@@ -19,7 +19,7 @@ def test_diffusers_schedule_equals_scheduler(steps, shift):
 def test_spec_figure_sigma_min_shift3():
     s = flow_sigmas(10, 3.0)
     assert s[-1] == 0 and s[0] == 1
-    assert abs(s[-2].item() - 0.0089) < 1e-4  # SPEC: 1/1000 shifted twice
+    assert abs(s[-2].item() - 0.0089) < 1e-4  # docs/algorithms.md: 1/1000 shifted twice
 
 
 def test_linear_schedule():

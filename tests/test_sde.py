@@ -106,7 +106,7 @@ def test_tensor_sigmas_and_dtype():
 def test_unknown_step_lists_valid():
     with pytest.raises(ValueError, match="choose one of"):
         get_step("ddim")
-    assert set(STEPS) == {"ode", "sde", "dance", "cps"}
+    assert set(STEPS) == {"ode", "sde", "dance", "cps", "cps_flow_grpo"}
 
 
 def test_given_noise_is_used():

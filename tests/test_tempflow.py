@@ -1,4 +1,4 @@
-"""TempFlow-GRPO (SPEC section 5): sampler, noise-aware weights, per-step advantages."""
+"""TempFlow-GRPO (docs/algorithms.md §5): sampler, noise-aware weights, per-step advantages."""
 import math
 
 import pytest
@@ -39,7 +39,7 @@ def test_noise_aware_weights_spec_figures():
     w = noise_aware_weights(sig, 0.7, trained)  # [10]
     assert w.dtype == torch.float32 and w.shape == (10,)
     assert abs(w[:9].mean().item() - 1) < 1e-6 and w[9] == 0
-    assert abs(w[0].item() - 1.6) < 0.05 and abs(w[8].item() - 0.5) < 0.05  # SPEC: ~1.6 -> ~0.5
+    assert abs(w[0].item() - 1.6) < 0.05 and abs(w[8].item() - 0.5) < 0.05  # docs/algorithms.md: ~1.6 -> ~0.5
     assert torch.all(w[2:9][1:] < w[2:9][:-1])  # decreasing after the second step
     assert w[1] > w[0]  # the first step's std_t uses 1 - sigma_next: step 1 is the largest (1.673)
     assert torch.allclose(noise_aware_weights(sig, 0.9, trained), w, atol=1e-6)  # independent of a
@@ -116,7 +116,7 @@ def test_model_evals_closed_form(tiny_digits_policy, counting, cfg, num_prompts)
 
 
 def test_spec_cost_figure():
-    # SPEC: "10 main + 6 * sum(9 - k)" per (prompt, seed) for T = 10, B = 0..8
+    # docs/algorithms.md: "10 main + 6 * sum(9 - k)" per (prompt, seed) for T = 10, B = 0..8
     assert TempFlowSampler(finish_main=True).model_evals(1) == 4 * (10 + 6 * 45)
     assert TempFlowSampler().model_evals(1) == 4 * (9 + 6 * 45)  # main stops after the last branch step
     assert TempFlowSampler().branch_steps == tuple(range(9)) and TempFlowSampler().num_completions(1) == 216

@@ -1,7 +1,7 @@
 """Advantages: rewards + rollout structure -> one advantage per transition.
 
 ``ADVANTAGES[rollout.structure](rollout, **options) -> (advantages [M], info)`` is the only
-thing a new sampler adds for the trainer to train on it (DESIGN.md). ``info`` may hold
+thing a new sampler adds for the trainer to train on it (docs/design.md). ``info`` may hold
 ``zero_var`` ([M] bool: no signal, skipped), ``train_mask`` ([M] bool: pruned transitions
 are False) and scalars to log. One module per structure; the math is pure functions.
 """

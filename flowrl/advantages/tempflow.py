@@ -1,10 +1,11 @@
-"""TempFlow-GRPO advantages and noise-aware step weights (SPEC section 5). Pure functions.
+"""TempFlow-GRPO advantages and noise-aware step weights (docs/algorithms.md §5). Pure functions.
 
 TempFlow-GRPO (He et al. 2025, arXiv 2508.04324) gives each stochastic transition
 ``x_k -> child b`` its own process reward ``R[b, k]`` (the reward of the child's ODE
 completion, see :class:`flowrl.rollout.TempFlowSampler`), normalises it within a
 (prompt, initial noise, step) column, and weights the clipped loss of step ``k`` by how much
-noise the step injects.
+noise the step injects. The ``*_tracker`` groupings reproduce the statistics of the TempFlow-GRPO
+code (Flow-GRPO's per-prompt stat tracker on the table of process rewards, one column per step).
 """
 from __future__ import annotations
 
@@ -15,7 +16,11 @@ import torch
 from ..sde import sde_step
 from .group import ADV_CLIP, GROUP_EPS, combine_component_advantages, group_advantages
 
-GROUP_BY = ("seed", "prompt")
+# Advantage groupings of a TempFlow rollout (``TempFlowSampler.group_by`` /
+# ``tempflow_structure(group_by=...)``). The ``*_tracker`` ones use Flow-GRPO's
+# per-prompt stat tracker statistics, as the TempFlow-GRPO code does (see tracker_advantages).
+GROUP_BY = ("seed", "prompt", "seed_tracker", "prompt_tracker")
+TRACKER_GROUP_BY = ("seed_tracker", "prompt_tracker")
 
 
 def step_noise_scales(sigmas: torch.Tensor, noise_level: float) -> torch.Tensor:
@@ -37,7 +42,7 @@ def step_noise_scales(sigmas: torch.Tensor, noise_level: float) -> torch.Tensor:
 
 
 def noise_aware_weights(sigmas: torch.Tensor, noise_level: float, trained_steps: Sequence[int]) -> torch.Tensor:
-    """Noise-aware loss weight of every step (TempFlow-GRPO, arXiv 2508.04324, SPEC section 5).
+    """Noise-aware loss weight of every step (TempFlow-GRPO, arXiv 2508.04324, docs/algorithms.md §5).
 
     ``w_t = (std_t sqrt(-dt_t)) / mean_{t' in trained}(std_t' sqrt(-dt_t'))`` for ``t`` in
     ``trained_steps``, so the weights **average 1 over the trained steps** (each trained step
@@ -75,11 +80,21 @@ def noise_aware_weights(sigmas: torch.Tensor, noise_level: float, trained_steps:
     return weights
 
 
+def prompt_text_ids(prompts: Sequence[str], prompt_index: torch.Tensor) -> torch.Tensor:
+    """Dense id of each row's prompt **text** ``[M]`` long: rows whose prompts are equal strings share
+    an id even when they are different entries of ``prompts`` (Flow-GRPO's tracker keys by text)."""
+    ids: dict[str, int] = {}
+    per_prompt = torch.tensor([ids.setdefault(str(q), len(ids)) for q in prompts], dtype=torch.long)  # [P]
+    return per_prompt[prompt_index.long()]  # [M]
+
+
 def tempflow_groups(rollout, group_by: str) -> torch.Tensor:
     """Advantage group id of every transition ``[M]`` long.
 
-    ``"seed"``: (prompt, initial noise, step), i.e. the ``branches`` children of one ODE latent
-    ``x_k``; ``"prompt"``: (prompt, step), all seeds' children of step ``k`` together.
+    ``"seed"`` / ``"seed_tracker"``: (prompt, initial noise, step), i.e. the ``branches``
+    children of one ODE latent ``x_k``; ``"prompt"``: (prompt, step), all seeds' children of
+    step ``k`` together; ``"prompt_tracker"``: (prompt text, step), as ``"prompt"`` but rows
+    whose prompts are the same string are pooled.
     """
     if group_by not in GROUP_BY:
         raise ValueError(f"group_by must be one of {GROUP_BY}, got {group_by!r}")
@@ -88,15 +103,88 @@ def tempflow_groups(rollout, group_by: str) -> torch.Tensor:
     if missing:
         raise ValueError(f"rollout.extras lacks {missing}: not a TempFlowSampler rollout "
                          f"(structure {rollout.structure!r})")
-    row = ex["trajectory"] if group_by == "seed" else rollout.transitions.prompt_index  # [M] long
+    if group_by in ("seed", "seed_tracker"):
+        row = ex["trajectory"]  # [M] long
+    elif group_by == "prompt_tracker":
+        row = prompt_text_ids(rollout.prompts, rollout.transitions.prompt_index)  # [M] long
+    else:
+        row = rollout.transitions.prompt_index  # [M] long
     step = ex["step"].long()  # [M]
     t = int(step.max().item()) + 1 if step.numel() else 1
     return row.long() * t + step  # [M] long, unique per (row, step)
 
 
+def tracker_advantages(rewards: torch.Tensor, groups: torch.Tensor, steps: torch.Tensor, rows: torch.Tensor, *,
+                       global_std: bool = False, eps: float = GROUP_EPS,
+                       clip: float = ADV_CLIP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Process-reward advantages with Flow-GRPO's per-prompt stat tracker statistics (Flow-GRPO,
+    arXiv 2505.05470: group-relative advantage, population std + 1e-4), as the TempFlow-GRPO
+    code normalises its ``[rows, steps]`` table of process rewards (arXiv 2508.04324).
+
+    Per cell ``g`` (a group at one step: ``groups`` already holds the step)::
+
+        A = (R - mean_g(R)) / (std_g(R) + eps)          # population std, float64, eps = 1e-4
+        A = (R - mean_g(R)) / (std_k(R) + eps)          # global_std: std of ALL rewards of step k
+
+    clipped to ``+-clip``. Unlike :func:`flowrl.advantages.group_advantages`: the global std is
+    taken per step column (not over all steps), a constant cell is not skipped but gets A = 0
+    (and is still trained), and only a whole table **row** whose advantages are 0 at every step
+    is skipped (``zero_var``), as the TempFlow-GRPO SD3 code drops such rows.
+
+    Args:
+        rewards: ``[M]`` process rewards, one per transition.
+        groups: ``[M]`` long cell id (group x step, :func:`tempflow_groups`).
+        steps: ``[M]`` long step index (columns for ``global_std``).
+        rows: ``[M]`` long table row (the peer's sample: one (seed, branch) across its steps).
+    Returns:
+        ``(A [M] float32, zero_var [M] bool)``. Non-finite rewards are left out of every
+        statistic and get A = 0 (the peer would propagate NaN).
+    """
+    r = rewards.double()  # [M] float64 as numpy in the tracker
+    valid = torch.isfinite(r)  # [M]
+    adv = torch.zeros_like(r)  # [M]
+    col_std = {}
+    if global_std:
+        for k in torch.unique(steps).tolist():
+            rk = r[(steps == k) & valid]  # [n_k]
+            col_std[k] = rk.std(unbiased=False) if rk.numel() else r.new_zeros(())
+    for gid in torch.unique(groups).tolist():
+        m = (groups == gid) & valid  # [M]
+        if not bool(m.any()):
+            continue
+        rg = r[m]  # [n_g]
+        if bool((rg == rg[0]).all()):
+            continue  # constant cell: A = 0 (the tracker's (r - mean) / (0 + eps))
+        k = int(steps[m][0])
+        std = col_std[k] if global_std else rg.std(unbiased=False)
+        adv[m] = (rg - rg.mean()) / (std + eps)  # [n_g]
+    adv = adv.clamp(-clip, clip).float()  # [M]
+    zero_var = zero_rows(adv, rows)  # [M]
+    return adv, zero_var
+
+
+def zero_rows(adv: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``[M]`` bool: the transition's table row has A == 0 at every one of its steps."""
+    _, inv = torch.unique(rows, return_inverse=True)  # [M] dense row ids
+    nonzero = torch.zeros(int(inv.max().item()) + 1 if inv.numel() else 0, dtype=torch.bool)  # [R]
+    nonzero.index_put_((inv,), adv != 0, accumulate=True)
+    return ~nonzero[inv]  # [M]
+
+
+def tempflow_rows(rollout) -> torch.Tensor:
+    """Table row of every transition ``[M]`` long: (seed trajectory, branch), the TempFlow-GRPO
+    code's sample, which holds child ``b`` of every branch step of one initial noise."""
+    ex = rollout.extras
+    if "branch" not in ex:
+        raise ValueError("rollout.extras lacks 'branch': not a TempFlowSampler rollout "
+                         f"(structure {rollout.structure!r})")
+    return ex["trajectory"].long() * (int(ex["branch"].max().item()) + 1) + ex["branch"].long()  # [M]
+
+
 def tempflow_structure(rollout, *, group_by: Optional[str] = None, global_std: bool = False,
-                       per_reward_weights: Optional[dict] = None, **_: object) -> tuple[torch.Tensor, dict]:
-    """Per-step process-reward advantages of a TempFlow rollout (arXiv 2508.04324, SPEC section 5).
+                       per_reward_weights: Optional[dict] = None, adv_clip: float = ADV_CLIP,
+                       **_: object) -> tuple[torch.Tensor, dict]:
+    """Per-step process-reward advantages of a TempFlow rollout (arXiv 2508.04324, docs/algorithms.md §5).
 
     ``A[b, k] = (R[b, k] - mean(R[., k])) / (std(R[., k]) + 1e-4)`` within each group (see
     :func:`tempflow_groups`; population std as in Flow-GRPO), clipped to +-5. ``R[b, k]`` is the
@@ -104,21 +192,37 @@ def tempflow_structure(rollout, *, group_by: Optional[str] = None, global_std: b
 
     Args:
         rollout: from :class:`flowrl.rollout.TempFlowSampler` (``structure="tempflow"``).
-        group_by: ``"seed"`` or ``"prompt"``; None takes the sampler's (``rollout.extras["group_by"]``).
-        global_std: divide by the std of all process rewards instead of the group's.
+        group_by: one of :data:`GROUP_BY`; None takes the sampler's (``rollout.extras["group_by"]``).
+            ``"seed"`` / ``"prompt"``: :func:`flowrl.advantages.group_advantages` per cell
+            (constant cells skipped). ``"seed_tracker"`` / ``"prompt_tracker"``: the
+            TempFlow-GRPO code's statistics (:func:`tracker_advantages`); ``"prompt_tracker"``
+            is Flow-GRPO's ``PerPromptStatTracker`` on this rollout's table, ``"seed_tracker"``
+            what it computes in the TempFlow-GRPO runs, whose per-process table holds one initial
+            noise per prompt.
+        global_std: divide by the std of all process rewards instead of the group's (tracker
+            groupings: the std of all rewards of the same step).
         per_reward_weights: normalise each reward component first, then weight (MixGRPO).
+        adv_clip: advantage clip of the tracker groupings (``train.adv_clip_max``; the others clip at 5).
     Returns:
-        ``(A [M] float32, info)``; ``info["zero_var"]`` [M] bool marks groups whose rewards
-        are all equal (A = 0, skipped); ``info["zero_var_fraction"]`` and ``info["num_groups"]``
-        are floats to log. The noise-aware weight is not applied here: it is
-        ``rollout.transitions.weight``.
+        ``(A [M] float32, info)``; ``info["zero_var"]`` [M] bool marks transitions without signal
+        (skipped): groups whose rewards are all equal, or for the tracker groupings table rows
+        with A = 0 at every step; ``info["zero_var_fraction"]`` and ``info["num_groups"]`` are
+        floats to log. The noise-aware weight is not applied here: it is ``rollout.transitions.weight``.
     """
     group_by = group_by or rollout.extras.get("group_by", "seed")
     groups = tempflow_groups(rollout, group_by)  # [M]
     idx = rollout.transitions.sample_index  # [M]
     if bool((idx < 0).any()):
         raise ValueError("every TempFlow transition must lead to exactly one completion (sample_index >= 0)")
-    if per_reward_weights:
+    if group_by in TRACKER_GROUP_BY:
+        steps, rows = rollout.extras["step"].long(), tempflow_rows(rollout)  # [M], [M]
+        comps = ({k: v[idx] for k, v in rollout.reward_components.items()} if per_reward_weights
+                 else {"reward": rollout.rewards[idx]})  # name -> [M]
+        weights = per_reward_weights or {"reward": 1.0}
+        adv = sum(weights[k] * tracker_advantages(v, groups, steps, rows, global_std=global_std,
+                                                  clip=adv_clip)[0] for k, v in comps.items())  # [M]
+        zero = zero_rows(adv, rows)  # [M]
+    elif per_reward_weights:
         comps = {k: v[idx] for k, v in rollout.reward_components.items()}  # name -> [M]
         adv, zero = combine_component_advantages(comps, per_reward_weights, groups, global_std=global_std)
     else:

@@ -1,4 +1,4 @@
-"""Tree advantages (BranchGRPO, Li et al. 2025, arXiv 2509.06040; SPEC section 4). Pure functions.
+"""Tree advantages (BranchGRPO, Li et al. 2025, arXiv 2509.06040; docs/algorithms.md §4). Pure functions.
 
 A tree is given by per-node tensors: ``parent`` [nodes] (-1 for a root), ``depth`` [nodes],
 ``tree`` [nodes] (which prompt tree), ``edge_log_prob`` [nodes] (log-prob of the edge into
@@ -17,11 +17,17 @@ from typing import Optional
 import torch
 
 from .group import ADV_CLIP
+from .tree_pruning import PEER_WIDTH_MODES, exclude_window, peer_width_mask, preorder_key
 
 DEPTH_EPS = 1e-8      # A_d(n) = (rbar - mean_d) / (std_d + 1e-8)  (BranchGRPO public code)
 DEPTH_MIN_STD = 1e-6  # a depth whose std is below this carries no signal: A = 0
-FUSIONS = ("mean", "softmax")
+FUSIONS = ("mean", "softmax", "softmax_children")
 WIDTH_MODES = ("extremes", "parent_top1")
+DEPTH_MODES = ("train_window", "exclude_window")
+# compat="branchgrpo": the option values that reproduce BranchGRPO's public training script
+COMPAT = {"branchgrpo": {"fusions": ("mean", "softmax_children"), "width_modes": PEER_WIDTH_MODES,
+                         "depth_modes": ("exclude_window",), "width_mode": "pooled_extremes",
+                         "depth_mode": "exclude_window"}}
 
 
 def ancestor_pairs(parent: torch.Tensor, leaf_node: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +95,44 @@ def fuse_rewards(leaf_rewards: torch.Tensor, parent: torch.Tensor, leaf_node: to
     num = torch.zeros(n).index_add_(0, node, w * r[leaf])  # [nodes] sum_l w_l r_l
     den = torch.zeros(n).index_add_(0, node, w)  # [nodes] sum_l w_l
     return torch.where(den > 0, num / den.clamp(min=1e-30), torch.full_like(num, float("nan")))
+
+
+def fuse_rewards_children(leaf_rewards: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor,
+                          leaf_node: torch.Tensor, edge_log_prob: torch.Tensor, beta_f: float = 1.0) -> torch.Tensor:
+    """Recursive child-softmax node rewards (BranchGRPO public code, ``--tree_prob_weighted``).
+
+    Bottom-up (arXiv 2509.06040, path-weighted fusion as the authors' script computes it):
+    ``rbar(n) = sum_{c in children(n)} softmax_c(beta_f * lp_c) rbar(c)``, ``lp_c`` the
+    log-prob of the edge into child ``c`` (nats per element, one edge, not a path sum); a leaf
+    keeps its reward and a single child passes its value through (weight 1). The peer fixes
+    ``beta_f`` (its ``alpha``) at 1.0. Unlike :func:`fuse_rewards` (one softmax over the
+    leaves of summed path log-probs), each level renormalises over the immediate children.
+
+    Args:
+        leaf_rewards: ``[L]`` float32; a child whose value is not finite is left out of its
+            parent's softmax (the peer has no such case).
+        parent, depth, leaf_node, edge_log_prob: the tree (module docstring).
+    Returns:
+        ``[nodes]`` float32; NaN for a node without a finite leaf reward below it.
+    """
+    n = parent.numel()
+    val = torch.full((n,), float("nan"))
+    val[leaf_node.long()] = leaf_rewards.float()
+    logit_all = beta_f * edge_log_prob.float()  # [nodes]
+    top_depth = int(depth.max()) if n else 0
+    for d in range(top_depth, 0, -1):  # children at depth d fuse into their parents at d - 1
+        kid = torch.nonzero((depth == d) & (parent >= 0) & torch.isfinite(val)).flatten()  # [C]
+        if kid.numel() == 0:
+            continue
+        par = parent[kid].long()  # [C]
+        logit = logit_all[kid]  # [C]
+        top = torch.full((n,), -torch.inf).scatter_reduce(0, par, logit, reduce="amax", include_self=True)
+        w = torch.exp(torch.where(logit == top[par], 0.0, logit - top[par]))  # [C] softmax numerators, max 1
+        num = torch.zeros(n).index_add_(0, par, w * val[kid])  # [nodes]
+        den = torch.zeros(n).index_add_(0, par, w)  # [nodes]
+        has = den > 0
+        val[has] = num[has] / den[has]
+    return val
 
 
 def depthwise_advantages(values: torch.Tensor, depth: torch.Tensor, tree: Optional[torch.Tensor] = None, *,
@@ -185,7 +229,7 @@ def depth_window_mask(edge_depth: torch.Tensor, num_depths: int, window: int, it
 
     Depths run ``1..num_depths`` (an edge of step i has child depth i + 1). The window starts
     at depth 1 and slides by one every ``slide_every`` iterations, wrapping around after the
-    deepest position (SPEC section 4: 4 depths, one slide per 30 iterations).
+    deepest position (docs/algorithms.md §4: 4 depths, one slide per 30 iterations).
     Returns ``(mask [M] bool, first depth of the window)``.
     """
     if not isinstance(window, int) or not 1 <= window <= num_depths:
@@ -196,52 +240,113 @@ def depth_window_mask(edge_depth: torch.Tensor, num_depths: int, window: int, it
     return (edge_depth >= start) & (edge_depth < start + window), start
 
 
-def branch_structure(rollout, *, iteration: int = 0, fusion: str = "mean", beta_f: Optional[float] = None,
-                     width_keep_ratio: Optional[float] = None, width_mode: str = "extremes",
-                     depth_window: Optional[int] = None, depth_slide_every: int = 30,
-                     **_: object) -> tuple[torch.Tensor, dict]:
+def resolve_modes(compat: Optional[str], fusion: Optional[str], width_mode: Optional[str],
+                  depth_mode: Optional[str]) -> tuple[str, str, str]:
+    """Defaults and checks of the mode options -> ``(fusion, width_mode, depth_mode)``.
+
+    ``compat=None``: flowrl's modes by default (``"mean"``, ``"extremes"``, ``"train_window"``),
+    any valid value allowed. ``compat="branchgrpo"``: BranchGRPO's public code (arXiv
+    2509.06040) by default (``"mean"``, ``"pooled_extremes"``, ``"exclude_window"``), and only
+    the values that the peer's script can express (``fusion`` ``"mean"`` or
+    ``"softmax_children"``; ``width_mode`` ``"pooled_extremes"`` or ``"chain_top"``).
+    """
+    if compat is not None and compat not in COMPAT:
+        raise ValueError(f"unknown compat {compat!r}; choose one of {sorted(COMPAT)} or None (flowrl's own choices)")
+    c = COMPAT.get(compat, {"fusions": FUSIONS, "width_modes": WIDTH_MODES + PEER_WIDTH_MODES,
+                            "depth_modes": DEPTH_MODES, "width_mode": "extremes", "depth_mode": "train_window"})
+    fusion = "mean" if fusion is None else fusion
+    width_mode = c["width_mode"] if width_mode is None else width_mode
+    depth_mode = c["depth_mode"] if depth_mode is None else depth_mode
+    for name, value, allowed in (("fusion", fusion, c["fusions"]), ("width_mode", width_mode, c["width_modes"]),
+                                 ("depth_mode", depth_mode, c["depth_modes"])):
+        if value not in allowed:
+            extra = f" with compat={compat!r}" if compat is not None else ""
+            raise ValueError(f"unknown {name} {value!r}{extra}; choose one of {tuple(allowed)}")
+    return fusion, width_mode, depth_mode
+
+
+def branch_structure(rollout, *, iteration: int = 0, fusion: Optional[str] = None, beta_f: Optional[float] = None,
+                     width_keep_ratio: Optional[float] = None, width_mode: Optional[str] = None,
+                     depth_window: Optional[int] = None, depth_slide_every: Optional[int] = 30,
+                     depth_mode: Optional[str] = None, depth_start: Optional[int] = None,
+                     depth_stop: Optional[int] = None, compat: Optional[str] = None,
+                     adv_clip: float = ADV_CLIP, **_: object) -> tuple[torch.Tensor, dict]:
     """Advantages of a BranchSampler rollout: fuse, normalise per depth, map to edges, prune.
 
     Args:
-        fusion: ``"mean"`` (``beta_f = 0``) or ``"softmax"`` (path-probability weights,
-            ``beta_f`` default 1.0, the paper's stable choice).
-        width_keep_ratio: None = no width pruning, else see :func:`width_prune_mask`.
-        depth_window: None = train all depths, else see :func:`depth_window_mask`.
+        fusion: ``"mean"`` (default, ``beta_f = 0``), ``"softmax"`` (one softmax over the
+            leaves of summed path log-probs, :func:`fuse_rewards`, ``beta_f`` default 1.0) or
+            ``"softmax_children"`` (the peer code's recursive child-edge softmax,
+            :func:`fuse_rewards_children`, ``beta_f`` default 1.0 as in the peer).
+        width_keep_ratio: None = no width pruning. ``width_mode`` ``"extremes"`` /
+            ``"parent_top1"``: :func:`width_prune_mask`, independent of depth pruning;
+            ``"pooled_extremes"`` / ``"chain_top"``: the peer's modes 2 / 1
+            (:func:`flowrl.advantages.tree_pruning.peer_width_mask`), applied to the edges
+            that depth pruning left, as in the peer.
+        depth_window: None = train all depths, else a window of this many depths;
+            ``depth_mode="train_window"``: only the window trains (:func:`depth_window_mask`,
+            slides every ``depth_slide_every`` iterations, wraps); ``"exclude_window"``: the
+            window is removed from training as in the peer
+            (:func:`flowrl.advantages.tree_pruning.exclude_window`: starts at ``depth_start``,
+            default ``T - window - 1``, slides shallower, stops at ``depth_stop``, default the
+            last split step).
+        compat: None, or ``"branchgrpo"``: the peer code's modes by default and only those
+            allowed (:func:`resolve_modes`). Pruning stays off unless its option is set.
+        adv_clip: edge advantages are clipped to ``+-adv_clip`` (the trainer passes
+            ``train.adv_clip_max``).
     Returns:
         ``(A [M] float32, info)``; info: ``train_mask`` [M] bool (pruned edges False),
         ``zero_var`` [M] bool (degenerate depth: A = 0) and floats ``zero_var_fraction``,
-        ``train_fraction``, ``trained_edges``, ``depth_window_start`` (0: no depth pruning).
+        ``train_fraction``, ``trained_edges``, ``depth_window_start`` (first depth of the
+        trained / excluded window; 0: no depth pruning).
     """
-    if fusion not in FUSIONS:
-        raise ValueError(f"unknown fusion {fusion!r}; choose one of {FUSIONS}")
+    fusion, width_mode, depth_mode = resolve_modes(compat, fusion, width_mode, depth_mode)
     if fusion == "mean":
         if beta_f not in (None, 0, 0.0):
-            raise ValueError(f"fusion='mean' ignores beta_f, got beta_f={beta_f}; use fusion='softmax'")
+            raise ValueError(f"fusion='mean' ignores beta_f, got beta_f={beta_f}; use fusion='softmax' "
+                             f"or 'softmax_children'")
         beta = 0.0
     else:
         beta = 1.0 if beta_f is None else float(beta_f)
+    if depth_mode == "train_window" and (depth_start is not None or depth_stop is not None):
+        raise ValueError("depth_start / depth_stop apply to depth_mode='exclude_window' only; "
+                         f"choose depth_mode from {DEPTH_MODES}")
     ex = rollout.extras
     missing = {"node_parent", "node_depth", "node_tree", "node_log_prob", "leaf_node", "edge_node"} - set(ex)
     if missing:
         raise ValueError(f"rollout.extras lacks {sorted(missing)}: structure 'branch' needs a BranchSampler rollout")
     parent, depth, edge_node = ex["node_parent"], ex["node_depth"], ex["edge_node"]
-    rbar = fuse_rewards(rollout.rewards, parent, ex["leaf_node"], ex["node_log_prob"], beta)  # [nodes]
+    if fusion == "softmax_children":
+        rbar = fuse_rewards_children(rollout.rewards, parent, depth, ex["leaf_node"], ex["node_log_prob"], beta)
+    else:
+        rbar = fuse_rewards(rollout.rewards, parent, ex["leaf_node"], ex["node_log_prob"], beta)  # [nodes]
     node_adv, degenerate = depthwise_advantages(rbar, depth, ex["node_tree"])  # [nodes]
-    adv = edge_advantages(node_adv, edge_node)  # [M]
+    adv = edge_advantages(node_adv, edge_node, adv_clip)  # [M]
     zero_var = degenerate[edge_node]  # [M]
     step = rollout.transitions.step  # [M]
     mask = torch.ones(adv.shape[0], dtype=torch.bool)
-    if width_keep_ratio is not None:
-        last = max(ex["split_steps"])
-        group = ex["node_tree"][edge_node]
-        if width_mode == "parent_top1":
-            group = ancestor_at_depth(parent, depth, edge_node, last)
-        mask &= width_prune_mask(adv, step, group, last, float(width_keep_ratio), width_mode)
     start = 0
     if depth_window is not None:
-        dmask, start = depth_window_mask(depth[edge_node], int(ex["num_steps"]), depth_window, iteration,
-                                         depth_slide_every)
+        edge_depth, num_depths = depth[edge_node], int(ex["num_steps"])  # [M]
+        if depth_mode == "train_window":
+            dmask, start = depth_window_mask(edge_depth, num_depths, depth_window, iteration, depth_slide_every)
+        else:
+            stop = max(ex["split_steps"]) if depth_stop is None else depth_stop
+            start = exclude_window(num_depths, depth_window, depth_start, stop, iteration, depth_slide_every)
+            dmask = (edge_depth < start) | (edge_depth >= start + depth_window)  # [M]
         mask &= dmask
+    if width_keep_ratio is not None:
+        last = max(ex["split_steps"])
+        if width_mode in PEER_WIDTH_MODES:
+            order = preorder_key(parent, depth, ex["leaf_node"])[edge_node]  # [M] the peer's walk order
+            group = ancestor_at_depth(parent, depth, edge_node, last + 1)  # [M] child of the last split
+            mask &= peer_width_mask(node_adv.float()[edge_node], step, group, order, last, float(width_keep_ratio),
+                                    width_mode, eligible=mask)
+        else:
+            group = ex["node_tree"][edge_node]
+            if width_mode == "parent_top1":
+                group = ancestor_at_depth(parent, depth, edge_node, last)
+            mask &= width_prune_mask(adv, step, group, last, float(width_keep_ratio), width_mode)
     m = max(adv.shape[0], 1)
     info = {"train_mask": mask, "zero_var": zero_var,
             "zero_var_fraction": zero_var.float().sum().item() / m, "train_fraction": mask.float().sum().item() / m,

@@ -1,4 +1,4 @@
-"""Offline group datasets for GDRO (SPEC 7): safetensors shards + a JSON index, written atomically.
+"""Offline group datasets for GDRO (docs/algorithms.md §8): safetensors shards + a JSON index, written atomically.
 
 Layout of a dataset directory::
 

@@ -1,4 +1,4 @@
-"""GDRO and Diffusion-DPO (SPEC section 7): group ranking losses on implicit rewards.
+"""GDRO and Diffusion-DPO (docs/algorithms.md §8): group ranking losses on implicit rewards.
 
 GDRO, "Group Direct Reward Optimization" (arXiv 2601.02036): offline, sampler-free. A group of
 ``k`` images of one prompt, generated once by the reference model and ranked by an explicit
@@ -26,7 +26,7 @@ from ..types import Conditioning, index_cond
 
 
 def implicit_rewards(err: torch.Tensor, err_ref: torch.Tensor, beta: float) -> torch.Tensor:
-    """``s = -beta * (err - err_ref)`` (GDRO arXiv 2601.02036, SPEC 7), any shape, float32.
+    """``s = -beta * (err - err_ref)`` (GDRO arXiv 2601.02036, docs/algorithms.md §8), any shape, float32.
 
     ``err`` / ``err_ref``: per-image mean squared velocity errors of the policy / reference,
     e.g. ``[G, k]``. Positive ``s``: the policy fits the image better than the reference does.
@@ -52,7 +52,7 @@ def plackett_luce_terms(implicit: torch.Tensor, rewards: torch.Tensor, tau: floa
 
         term_i = logsumexp_{m>=i} s_m - sum_{j>=i} q_i(j) s_j,   q_i = softmax_{j>=i}(r_j / tau)
 
-    (GDRO arXiv 2601.02036, SPEC 7). The last position's term is 0 (a one-element suffix).
+    (GDRO arXiv 2601.02036, docs/algorithms.md §8). The last position's term is 0 (a one-element suffix).
     ``tau = 0`` is the hard limit: ``q_i`` is one-hot on position ``i`` (plain Plackett-Luce).
     """
     s, r = _sort_groups(implicit.float(), rewards.float())  # [G, k] each, reward-descending
@@ -71,7 +71,7 @@ def plackett_luce_terms(implicit: torch.Tensor, rewards: torch.Tensor, tau: floa
 
 
 def gdro_loss(implicit: torch.Tensor, rewards: torch.Tensor, tau: float) -> torch.Tensor:
-    """GDRO Plackett-Luce loss (arXiv 2601.02036, SPEC 7), **mean over groups** -> scalar.
+    """GDRO Plackett-Luce loss (arXiv 2601.02036, docs/algorithms.md §8), **mean over groups** -> scalar.
 
     ``implicit`` [G, k]: implicit rewards ``s`` (see :func:`implicit_rewards`); ``rewards``
     [G, k]: explicit rewards (finite); ``tau >= 0``: target temperature (0 = hard ranking).

@@ -1,4 +1,4 @@
-"""DiffusionNFT loss (arXiv 2509.16117), the trainer of Sol-RL (arXiv 2604.06916); SPEC section 6.
+"""DiffusionNFT loss (arXiv 2509.16117), the trainer of Sol-RL (arXiv 2604.06916); docs/algorithms.md §7.
 
 For clean samples ``x0``, times ``t`` and noise ``eps`` the caller builds
 ``x_t = (1 - t) x0 + t eps`` and evaluates the velocities there. With the optimality

@@ -1,4 +1,4 @@
-"""Offline GDRO training (SPEC 7): stream reference-model groups from a dataset, rank by reward,
+"""Offline GDRO training (docs/algorithms.md §8): stream reference-model groups from a dataset, rank by reward,
 update through implicit rewards; no sampler in the loop.
 
 ``flowrl generate-offline`` writes the dataset (:func:`generate_offline`), ``flowrl train`` with
@@ -27,6 +27,7 @@ import torch
 
 from ..data.embeddings import attach_text_cache
 from ..data.offline import DatasetError, GenerationSettings, OfflineDataset, add_reward_column, generate_dataset
+from ..pipelines.common import cfg_uncond_gradient
 from ..losses.gdro import gdro_loss, group_velocity_errors, implicit_rewards, ranking_stats, usable_groups
 from ..rollout.base import score_images
 from .config import Config, ConfigError
@@ -161,7 +162,7 @@ def sample_t(generator: torch.Generator, n: int, cfg) -> torch.Tensor:
 
 
 def corrected_score(r: torch.Tensor, quality: torch.Tensor, judge_range: list) -> torch.Tensor:
-    """GDRO's reward-hacking-corrected score (arXiv 2601.02036, SPEC 7): ``r * (u - 3) + 0.2``
+    """GDRO's reward-hacking-corrected score (arXiv 2601.02036, docs/algorithms.md §8): ``r * (u - 3) + 0.2``
     with ``u = lo + q * (hi - lo)`` the second judge's quality ``q`` in [0, 1] mapped to
     ``judge_range`` (paper: [1, 5]). ``r``, ``quality`` [N] -> [N]."""
     lo, hi = float(judge_range[0]), float(judge_range[1])
@@ -280,8 +281,9 @@ class OfflineTrainer(TrainerBase):
         t, eps = self._noise(step, micro, len(groups))
         with torch.no_grad():
             cond = self.policy.encode_prompts(batch.prompts)  # G rows
-        err, err_ref = group_velocity_errors(self.policy, lambda: self.ref.active(self.policy), batch.x0.to(dev),
-                                             cond, t.to(dev), eps.to(dev), autocast=self.acc.autocast)  # [G, k]
+        with cfg_uncond_gradient(self.cfg.train.cfg_uncond_grad):
+            err, err_ref = group_velocity_errors(self.policy, lambda: self.ref.active(self.policy), batch.x0.to(dev),
+                                                 cond, t.to(dev), eps.to(dev), autocast=self.acc.autocast)  # [G, k]
         s = implicit_rewards(err, err_ref, o.beta)  # [G, k]
         stats = {"ranked_fraction": float(ranked.float().mean()), "nonfinite_groups": int((~finite).sum())}
         if not ranked.any():

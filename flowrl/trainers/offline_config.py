@@ -1,4 +1,4 @@
-"""The ``offline`` section of a recipe: GDRO dataset generation and training (SPEC 7).
+"""The ``offline`` section of a recipe: GDRO dataset generation and training (docs/algorithms.md §8).
 
 Read by ``flowrl generate-offline`` (dataset, k, sampler, seeds, shards, PNGs) and by
 ``flowrl train`` when ``train.mode: offline`` (tau, beta, gamma, epochs, t sampling). The rest of
@@ -64,7 +64,7 @@ class OfflineConfig:
     t_std: float = _h("logit-normal scale", 1.0)
     eval_every: int = _h("online evaluation (fixed prompts and seeds, ODE) every N optimizer steps", 10)
     eval_steps: Optional[int] = _h("ODE steps of the evaluation (default: num_steps)", None)
-    # --- corrected score (reward hacking, SPEC 7) ----------------------------------------
+    # --- corrected score (reward hacking, docs/algorithms.md §8) ----------------------------------------
     judge: dict = _h("{reward name: {kwargs}}: a second judge giving quality q in [0, 1]; when set, "
                      "evaluation reports r_corr = r * (u - 3) + 0.2 with u = lo + q * (hi - lo)", factory=dict)
     judge_range: list = _h("[lo, hi]: the quality scale u of the corrected score (paper: 1-5)",
