@@ -33,3 +33,14 @@ def test_help_lists_verbs():
     r = run("--help")
     for verb in ("train", "pretrain-digits", "sample", "eval", "make-tiny"):
         assert verb in r.stdout
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--pipeline", "sd35m-arch"], "needs a CUDA GPU"),
+    (["--pipeline", "sd3-mid", "--backends", "fp8"], "int8-dynamic"),
+])
+def test_missing_hardware_is_one_clear_line(args, match):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has CUDA: the hardware is not missing")
+    r = run("bench", "precision", *args)
+    assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

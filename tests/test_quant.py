@@ -84,6 +84,66 @@ def test_nvfp4_matches_modelopt_reference():
     assert torch.equal(nvfp4_fake_quant(w, w.abs().amax()), ref)
 
 
+# ------------------------------------------------------------------ real NVFP4 layout (packing, swizzled scales)
+def test_e2m1_codes_and_nibble_packing_by_hand():
+    from flowrl.quant.nvfp4_kernels import e2m1_codes, e2m1_values, pack_pairs, unpack_pairs
+
+    v = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.5, -6.0])
+    codes = e2m1_codes(v)
+    assert codes.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 9, 15]
+    assert torch.equal(e2m1_values(codes), v)
+    packed = pack_pairs(codes)  # element 2j in the low nibble
+    assert packed.tolist() == [0x10, 0x32, 0x54, 0x76, 0xF9]
+    assert torch.equal(unpack_pairs(packed), codes)
+
+
+def test_nvfp4_pack_decodes_to_the_emulated_numerics():
+    from flowrl.quant.nvfp4_kernels import nvfp4_pack, nvfp4_unpack
+
+    torch.manual_seed(0)
+    x = torch.randn(20, 48) * torch.rand(20, 1) * 3  # [R, K]
+    packed, scales, s_g = nvfp4_pack(x, 10.0)
+    assert packed.shape == (20, 24) and packed.dtype == torch.uint8 and scales.shape == (20, 3)
+    assert scales.dtype == torch.float8_e4m3fn
+    assert torch.equal(nvfp4_unpack(packed, scales, s_g), nvfp4_fake_quant(x, 10.0))
+
+
+def test_swizzled_block_scales_follow_the_cublas_layout():
+    from flowrl.quant.nvfp4_kernels import swizzle_scales
+
+    r, c = 130, 6  # padded to 256 x 8: two row tiles, two column tiles
+    s = torch.arange(r * c, dtype=torch.float32).reshape(r, c)
+    flat = swizzle_scales(s)
+    assert flat.numel() == 256 * 8
+    for i, j in [(0, 0), (1, 0), (0, 3), (33, 2), (127, 3), (128, 0), (129, 5), (64, 4)]:
+        tile = (i // 128) * 2 + j // 4  # 2 column tiles per row of tiles
+        offset = 512 * tile + (i % 32) * 16 + ((i % 128) // 32) * 4 + j % 4
+        assert flat[offset] == s[i, j]
+    assert flat.sum() == s.sum()  # the padding is zeros
+
+
+def test_nvfp4_kernel_option_and_real_gemm_availability():
+    from flowrl.quant.nvfp4_kernels import nvfp4_gemm_problem
+
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        get_quantizer("nvfp4", require_available=False, kernel="te")
+    assert "sm_100" in nvfp4_gemm_problem("cpu") or "float4" in nvfp4_gemm_problem("cpu")
+    q = get_quantizer("nvfp4", require_available=False)
+    if not torch.cuda.is_available():
+        assert q.resolved_kernel() == "modelopt"
+
+
+def test_kernel_labels():
+    from flowrl.quant.kernels import display_label, kernel_info, tag_kernel
+
+    assert kernel_info("full")["real_kernels"] and kernel_info("int8-dynamic:activation=static")["real_kernels"]
+    assert not kernel_info("nvfp4-emulated")["real_kernels"] and not kernel_info("nvfp4")["real_kernels"]
+    m = tag_kernel(torch.nn.Linear(2, 2), real=True, kernel="x")
+    assert kernel_info("nvfp4", m) == {"real_kernels": True, "kernel": "x"}
+    assert display_label("nvfp4", {"real_kernels": False}) == "nvfp4 (simulated)"
+    assert display_label("fp8", {"real_kernels": True}) == "fp8"
+
+
 # ------------------------------------------------------------------ registry and errors
 def test_registry_names_status_and_errors():
     names = available_backends()
@@ -285,6 +345,15 @@ def test_bench_precision_smoke(tiny_digits_policy, tmp_path):
         assert r["images_per_second"] > 0 and "2" in r["fidelity"] and r["model_mb"] > 0
         assert r["batch_check"]["max_abs_reward_change"] == 0.0  # batch-independent backends
     assert out["backends"]["full"]["speedup_vs_full"] == 1.0
+    emu, i8 = out["backends"]["nvfp4-emulated:engine=torch"], out["backends"]["int8-dynamic"]
+    assert saved["backends"]["nvfp4-emulated:engine=torch"]["real_kernels"] is False and i8["real_kernels"] is True
+    assert emu["label"] == "nvfp4-emulated:engine=torch (simulated)" and i8["label"] == "int8-dynamic"
+    from flowrl.bench.precision_report import format_table
+
+    table = format_table(out)
+    assert "nvfp4-emulated:engine=torch (simulated)" in table and "* simulated" in table
+    rows = {line.split()[0]: line for line in table.splitlines()[2:5]}
+    assert f"{emu['speedup_vs_full']:.3f}*" in rows["nvfp4-emulated:engine=torch"] and "*" not in rows["int8-dynamic"]
     parser = argparse.ArgumentParser()
     add_precision_parser(parser.add_subparsers())
     a = parser.parse_args(["precision", "--pipeline", "sd3-mid", "--backends", "full,int8-dynamic", "--json", "x.json"])

@@ -5,15 +5,21 @@ Every backend follows ``flowrl.types.Quantizer``: ``name``, ``available()``,
 never modified), plus ``unavailable_reason()`` (None, or why it cannot run here) and
 ``needs_calibration`` (whether ``calibrate`` is required: static activation scales).
 
-==================  =========================================================  ==========
-name                what                                                       where
-==================  =========================================================  ==========
-``none``            full-precision copy (control)                              anywhere
-``int8-dynamic``    int8 weights, int8 activations per row or static (fbgemm)  CPU
-``nvfp4-emulated``  NVFP4 numerics in pure torch (modelopt backend or torch)   anywhere
-``nvfp4``           modelopt NVFP4                                             CUDA
-``fp8``             modelopt FP8-E4M3                                          CUDA
-==================  =========================================================  ==========
+==================  ==========================================================  =================
+name                what                                                        where
+==================  ==========================================================  =================
+``none``            full-precision copy (control)                               anywhere
+``int8-dynamic``    int8 weights, int8 activations per row or static (fbgemm)   CPU
+``nvfp4-emulated``  NVFP4 numerics in pure torch (modelopt backend or torch)    anywhere, simulated
+``nvfp4``           NVFP4: real FP4 GEMMs (``kernel=scaled_mm``, sm_100+), else   CUDA
+                    modelopt fake quantization (``kernel=modelopt``, simulated)
+``fp8``             FP8-E4M3 GEMMs, ``torch._scaled_mm`` (``kernel=scaled_mm``),  CUDA sm_89+
+                    or modelopt fake quantization (``kernel=modelopt``)
+==================  ==========================================================  =================
+
+A quantized copy says what it really runs (:mod:`flowrl.quant.kernels`): ``real_kernels``
+True only for real low-precision GEMMs; simulations (quantize-dequantize, CPU references of GPU
+kernels) are labelled ``simulated`` wherever a benchmark reports them.
 
 ``get_quantizer(name, **options)`` builds one; ``available_backends()`` lists those that run
 here; ``backend_status()`` says why the others do not. A backend spec string

@@ -1,28 +1,51 @@
-"""``int8-dynamic``: int8 weights and dynamically quantized int8 activations on the CPU (fbgemm).
+"""``int8-dynamic``: int8 weights and int8 activations on the CPU (fbgemm).
 
-The kernel is torch.ao's dynamic quantized Linear (``torch.ops.quantized.linear_dynamic``,
-what ``torch.ao.quantization.quantize_dynamic`` installs): int8 x int8 matmuls with int32
-accumulation, the real CPU speed-up of Sol-RL's exploration pass on this machine.
+Weights are int8 per output channel (symmetric, step ``amax_j / 127``), packed once for
+fbgemm; the matmuls run as uint8 x int8 with exact int32 accumulation and a fused float
+epilogue (zero-point correction, scales, bias) inside fbgemm, the real CPU speed-up of Sol-RL's
+exploration pass on this machine.
 
-torch.ao takes the activation scale over the **whole input tensor**, so a sample's output
-depends on its batch-mates. The default ``activation="per_row"`` removes that: each row
-(token) is divided by its own absolute maximum before the call and multiplied back after,
-and two sentinel rows (+1, -1) pin the kernel's tensor-wide range to [-1, 1]; row i is then
-quantized with step ``2 * amax_i / 127`` whatever else is in the batch, and with exact int32
-accumulation its output row does not depend on the other rows, bit for bit. The extra
-passes (row maxima, division, rescale) cost some of the int8 speed-up, most on narrow layers.
-``activation="static"`` pins the range instead to a per-tensor absolute maximum calibrated
-once on real prompts (inputs clamped to it, sentinel rows at +-amax): batch-independent too,
-one input pass instead of three and no output pass, but no per-token adaptivity.
-``activation="per_tensor"`` is torch.ao's behaviour, kept to measure that batch sensitivity.
+Activation modes (all quantize to 7 bits, codes ``64 +- 63``, because fbgemm's AVX2 kernel
+sums pairs of uint8 x int8 products in int16 and would saturate on 8-bit codes; torch.ao's
+``reduce_range=True`` is the same constraint):
+
+- ``"per_row"`` (default): each row (token) gets its own scale ``amax_i / 63``, so a sample's
+  output never depends on its batch-mates, bit for bit. The row maxima take two cheap
+  reductions; the rows are scaled to [-1, 1] by one multiply, quantized with the fixed scale
+  1/63 inside the GEMM's packing (``quantized::linear_with_input_q_dq_qweight_dq_output_fp32``:
+  no tensor-wide min/max pass, nothing concatenated) and the output rows are multiplied back
+  (fused with the bias, one pass).
+- ``"static"``: one per-tensor scale ``amax / 63`` calibrated once on real prompts (inputs
+  clamped to the calibrated range): batch-independent too, one clamp pass and the GEMM, bias
+  inside the kernel; no per-token adaptivity, and the calibration runs at every sync.
+- ``"per_tensor"``: torch.ao's behaviour (``torch.ops.quantized.linear_dynamic``, scale from
+  the whole input's min/max): a sample depends on its batch-mates; kept to measure that.
+
+What else keeps it at the kernel's speed (measured on ``sd3-mid``, 2 cores, issue 15):
+
+- the element-wise passes (row maxima, scaling, rescale, clamp) run on the calling thread
+  only (:class:`_OneThread`): as two-thread parallel regions they were cheap on an idle machine
+  but each waited a scheduler time slice for a descheduled worker on a busy one, which is how
+  ``per_row`` fell to 1.0x there while torch.ao (one region per layer, the GEMM) kept 1.3x;
+- the prepared input goes into a per-copy workspace kept between calls instead of a fresh
+  multi-megabyte tensor per layer (page faults and zeroed pages after every heap trim);
+- layers fed the very same input tensor (an attention's q, k and v projections) share its
+  preparation: a memo of the last prepared input keyed on the tensor's identity and in-place
+  version counter, so a changed or different input is never mistaken for it.
+
+Where the fused kernel is missing (another quantized engine, an old torch), ``per_row`` and
+``static`` fall back to ``linear_dynamic`` with two sentinel rows (+-1 or +-amax) that pin its
+tensor-wide range: same batch independence, a few more passes.
 """
 from __future__ import annotations
 
 import functools
 import math
+import threading
 import warnings
+import weakref
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 from torch import nn
@@ -31,6 +54,66 @@ from .common import DEFAULT_SKIP, merged_copy, replace_linears
 
 ACTIVATION_MODES = ("per_row", "static", "per_tensor")
 WEIGHT_MODES = ("per_channel", "per_tensor")
+LEVELS = 63  # activation codes ZERO_POINT +- LEVELS: [1, 127], 7 bits (no int16 saturation in fbgemm's AVX2 kernel)
+ZERO_POINT = 64
+_TINY = 1e-30  # floor of a row / calibrated maximum: all-zero rows stay exactly 0
+
+
+KERNELS = ("onednn", "fbgemm", "sentinel")  # per_row / static GEMM paths, fastest first ("auto": the first that works)
+PARALLEL_PASS_NUMEL = 1 << 22  # element-wise passes over tensors this big (16 MB fp32) keep all threads
+
+
+def _qdq_linear(x: torch.Tensor, scale: float, packed) -> torch.Tensor:
+    """fbgemm: quantize ``x`` [N, I] (float32, contiguous) with ``scale`` and zero point 64 while
+    packing it, uint8 x int8 GEMM with int32 accumulation, float output [N, O] (+ packed bias)."""
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, scale, ZERO_POINT, packed)
+
+
+def _uint8_codes(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``clamp(round(x / scale) + 64, 0, 255)`` as a plain uint8 tensor [N, I] (x float32, contiguous):
+    torch's vectorized per-tensor quantizer, its bytes re-viewed through the storage (no copy)."""
+    q = torch.quantize_per_tensor(x, scale, ZERO_POINT, torch.quint8)
+    return torch.empty(0, dtype=torch.uint8).set_(q.untyped_storage(), q.storage_offset(), q.shape, q.stride())
+
+
+def _onednn_linear(u: torch.Tensor, scale: float, packed, w_scale: torch.Tensor, w_zp: torch.Tensor,
+                   bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """oneDNN: uint8 codes ``u`` [N, I] (zero point 64, step ``scale``) x int8 weights, int32
+    accumulation, float output ``scale * w_scale[j] * sum (u - 64) w + bias`` [N, O]."""
+    return torch.ops.onednn.qlinear_pointwise(u, scale, ZERO_POINT, packed, w_scale, w_zp, bias, 1.0, 0,
+                                              torch.float32, "none", [], "")
+
+
+class _OneThread:
+    """Run the block's element-wise passes on the calling thread only (intra-op threads back after).
+
+    A pass over a few megabytes takes well under a millisecond on one core, but as a parallel
+    region it waits for every worker thread; on a busy machine a descheduled worker costs a
+    scheduler time slice (milliseconds) per region, which made four small passes per layer cost
+    more than the int8 GEMM saved. The GEMMs keep all threads, and so do passes over tensors of
+    ``PARALLEL_PASS_NUMEL`` elements or more (``parallel=True``), where a second core saves more
+    than a region risks.
+
+    Only on the main thread: there ``torch.set_num_threads`` leaves the other threads' counts
+    alone, but called from another thread it can leave the main thread at one thread for good
+    (libgomp), so other threads run the passes as ordinary parallel ops.
+    """
+
+    __slots__ = ("active", "n")
+
+    def __init__(self, parallel: bool = False) -> None:
+        self.active = not parallel and threading.current_thread() is threading.main_thread()
+        self.n = 1
+
+    def __enter__(self) -> None:
+        if self.active:
+            self.n = torch.get_num_threads()
+            if self.n > 1:
+                torch.set_num_threads(1)
+
+    def __exit__(self, *exc) -> None:
+        if self.n > 1:
+            torch.set_num_threads(self.n)
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,42 +131,164 @@ def _kernel_problem() -> Optional[str]:
     return None
 
 
+def _probe(kernel: str) -> bool:
+    """Whether ``kernel`` runs here and gives the hand-computed result on a small case."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = torch.tensor([[1.0, -2.0, 3.0], [0.5, 0.25, -1.0]])  # [2, 3]
+        b = torch.tensor([1.0, -1.0])
+        s = (w.abs().amax(dim=1) / 127.0).double()
+        qw = torch.quantize_per_channel(w, s, torch.zeros(2, dtype=torch.long), 0, torch.qint8)
+        x = torch.tensor([[1.0, 0.3, -1.0], [0.0, -0.45, 0.7]])  # [2, 3], no rounding ties
+        if kernel == "fbgemm":
+            y = _qdq_linear(x, 1.0 / LEVELS, torch.ops.quantized.linear_prepack(qw, b))
+        else:
+            packed = torch.ops.onednn.qlinear_prepack(qw.int_repr(), None)
+            y = _onednn_linear(_uint8_codes(x, 1.0 / LEVELS), 1.0 / LEVELS, packed, s.float(),
+                               torch.zeros(2, dtype=torch.long), b)
+        xq = torch.round(x.double() * LEVELS) / LEVELS  # what the kernel multiplies
+        ref = xq @ (qw.int_repr().double() * s[:, None]).t() + b.double()
+        return bool(torch.allclose(y.double(), ref, atol=1e-4))
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_available(kernel: str) -> bool:
+    """Whether the ``"onednn"`` / ``"fbgemm"`` fixed-scale kernel works here (``"sentinel"``:
+    whenever int8-dynamic does)."""
+    if kernel == "sentinel":
+        return _kernel_problem() is None
+    try:
+        return _probe(kernel)
+    except Exception:  # noqa: BLE001 - missing op, or an engine without it: not available
+        return False
+
+
+def fused_kernel_available() -> bool:
+    """Whether a fixed-scale kernel (oneDNN or fbgemm) runs here; else the sentinel fallback."""
+    return kernel_available("onednn") or kernel_available("fbgemm")
+
+
+def resolve_kernel(kernel: str = "auto") -> str:
+    """``"auto"``: the fastest of :data:`KERNELS` that works here; a named one must work here."""
+    if kernel == "auto":
+        return next(k for k in KERNELS if kernel_available(k))
+    if kernel not in KERNELS:
+        raise ValueError(f"int8-dynamic kernel must be 'auto' or one of {KERNELS}, got {kernel!r}")
+    if not kernel_available(kernel):
+        working = [k for k in KERNELS if kernel_available(k)]
+        raise ValueError(f"int8-dynamic kernel {kernel!r} does not run with torch {torch.__version__} here; "
+                         f"these do: {', '.join(working)} (or 'auto')")
+    return kernel
+
+
+class SharedInput:
+    """Per-thread scratch of one quantized copy, shared by its int8 layers.
+
+    - a workspace that every layer writes its prepared input into (scaled rows, or the clamped
+      input): no fresh multi-megabyte allocation per layer call, so no page faults and zeroed
+      pages each time the allocator has handed memory back to the OS;
+    - a memo of the last prepared input, ``(weakref to the input, its version counter, key,
+      prepared tensors)``, read and written as one tuple: layers fed the very same tensor object,
+      not modified in place since, reuse its preparation (inference tensors have no version
+      counter: never memoized).
+
+    The workspace is kept between calls (one float32 tensor the size of the largest quantized
+    layer input seen): freeing it after each forward cost more page faults than it saved.
+    :meth:`release` frees both. Copies and pickles of a module get a fresh, empty one.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def __reduce__(self):
+        return (SharedInput, ())
+
+    def get(self, x: torch.Tensor, key: Any) -> Optional[tuple]:
+        e = getattr(self._local, "entry", None)
+        if e is not None and e[0]() is x and e[2] == key and not x.is_inference() and e[1] == x._version:
+            return e[3]
+        return None
+
+    def put(self, x: torch.Tensor, key: Any, value: tuple) -> None:
+        self._local.entry = None if x.is_inference() else (weakref.ref(x), x._version, key, value)
+
+    def workspace(self, rows: int, cols: int) -> torch.Tensor:
+        """A float32 [rows, cols] scratch tensor; invalidates the memo (it may live there)."""
+        self._local.entry = None
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < rows * cols:
+            self._local.buf = buf = None  # free the old one first
+            self._local.buf = buf = torch.empty(rows * cols, dtype=torch.float32)
+        return buf[: rows * cols].view(rows, cols)
+
+    def release(self) -> None:
+        self._local.entry = None
+        self._local.buf = None
+
+
 class DynamicInt8Linear(nn.Module):
     """``y = x W^T + b`` with W int8 (per output channel) and x quantized to int8 on the fly.
 
-    Holds the fbgemm-packed weight; ``bias`` stays float32. Inputs ``[..., in_features]`` of
-    any float dtype; the result has the input's dtype. With ``activation="static"`` the layer
-    starts in calibration mode (full-precision passes recording the input's absolute maximum)
-    until :meth:`finish_calibration`.
+    Holds the packed int8 weight (oneDNN or fbgemm); ``bias`` stays float32. Inputs
+    ``[..., in_features]`` of any float dtype; the result has the input's dtype. With
+    ``activation="static"`` the layer starts in calibration mode (full-precision passes recording
+    the input's absolute maximum) until :meth:`finish_calibration`. ``shared``: the copy's
+    :class:`SharedInput` (None: a private one). ``kernel``: one of :data:`KERNELS` or ``"auto"``
+    (``per_tensor`` always runs ``linear_dynamic``).
     """
 
-    def __init__(self, linear: nn.Linear, activation: str = "per_row", weight: str = "per_channel"):
+    def __init__(self, linear: nn.Linear, activation: str = "per_row", weight: str = "per_channel",
+                 shared: Optional[SharedInput] = None, kernel: str = "auto"):
         super().__init__()
+        if activation not in ACTIVATION_MODES:
+            raise ValueError(f"activation must be one of {ACTIVATION_MODES}, got {activation!r}")
+        if weight not in WEIGHT_MODES:
+            raise ValueError(f"weight must be one of {WEIGHT_MODES}, got {weight!r}")
         w = linear.weight.detach().float().cpu()  # [O, I]
         self.in_features, self.out_features = w.shape[1], w.shape[0]
         self.activation = activation
+        self.kernel = "linear_dynamic" if activation == "per_tensor" else resolve_kernel(kernel)
+        self.shared = shared if shared is not None else SharedInput()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's quantized-tensor deprecation notices
             if weight == "per_channel":
                 scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()  # [O]
                 qw = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
             else:
-                qw = torch.quantize_per_tensor(w, max(float(w.abs().max()) / 127.0, 1e-12), 0, torch.qint8)
+                scale = torch.full((self.out_features,), max(float(w.abs().max()) / 127.0, 1e-12), dtype=torch.float64)
+                qw = torch.quantize_per_tensor(w, float(scale[0]), 0, torch.qint8)
             bias = None if linear.bias is None else linear.bias.detach().float().cpu().clone()  # [O]
-            # the kernel adds the bias (as torch.ao does), except per_row: added after the row rescale
-            self._packed = torch.ops.quantized.linear_prepack(qw, None if activation == "per_row" else bias)
+            # the kernel adds the bias, except per_row: added with the row rescale (one pass)
+            kernel_bias = None if activation == "per_row" else bias
+            if self.kernel == "onednn":
+                self._w_codes = qw.int_repr()  # [O, I] int8: oneDNN's packed copy is opaque (no copy, no pickle)
+                self._packed = torch.ops.onednn.qlinear_prepack(self._w_codes, None)
+                self._w_scale, self._w_zp = scale.float(), torch.zeros(self.out_features, dtype=torch.long)  # [O]
+                self._kernel_bias = kernel_bias
+            else:
+                self._packed = torch.ops.quantized.linear_prepack(qw, kernel_bias)
         self.register_buffer("bias", bias if activation == "per_row" else None)
-        self.register_buffer("_sentinel", torch.tensor([[1.0], [-1.0]]).expand(2, self.in_features).contiguous(),
-                             persistent=False)  # [2, I]
         self.calibrating = activation == "static"
         self._float = (w, bias) if self.calibrating else None  # full-precision weights while calibrating
         self.register_buffer("input_amax", torch.tensor(float("nan")))  # static: calibrated |x| maximum
+        self._amax = 1.0  # static: the frozen range
         n_scales = self.out_features if weight == "per_channel" else 1
         self._weight_bytes = qw.numel() + 8 * n_scales  # int8 weights + fp64 scales
 
     def extra_bytes(self) -> int:
         """Bytes of the packed int8 weight (not a parameter, so counted here)."""
         return self._weight_bytes
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        if self.kernel == "onednn":
+            state.pop("_packed")  # an opaque oneDNN tensor: packed again from the int8 codes
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if self.kernel == "onednn":
+            self._packed = torch.ops.onednn.qlinear_prepack(self._w_codes, None)
 
     @torch.no_grad()
     def finish_calibration(self) -> None:
@@ -92,37 +297,85 @@ class DynamicInt8Linear(nn.Module):
         if math.isnan(a):
             raise RuntimeError("this int8 layer saw no calibration data: the calibrate callable must run real "
                                "prompts through every quantized layer")
-        self._sentinel = self._sentinel * max(a, 1e-30)  # rows at +-amax pin the kernel's range
-        self._amax = max(a, 1e-30)
+        self._amax = max(a, _TINY)
         self.calibrating, self._float = False, None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features).float()  # [N, I]
+    # ------------------------------------------------------------------ forward paths
+    def _gemm(self, prepared: torch.Tensor, scale: float) -> torch.Tensor:
+        """The int8 GEMM on a prepared input (uint8 codes for oneDNN, floats for fbgemm) [N, O]."""
+        if self.kernel == "onednn":
+            return _onednn_linear(prepared, scale, self._packed, self._w_scale, self._w_zp, self._kernel_bias)
+        return _qdq_linear(prepared, scale, self._packed)
+
+    def _per_row(self, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        prep = self.shared.get(x, "row")
+        if prep is None:
+            xn = self.shared.workspace(*x2.shape)  # [N, I]
+            with _OneThread(parallel=x2.numel() >= PARALLEL_PASS_NUMEL):
+                # row absolute maximum as max(max, -min): two fast reductions, no |x| copy
+                a = torch.maximum(x2.amax(dim=1, keepdim=True), x2.amin(dim=1, keepdim=True).neg_())  # [N, 1]
+                a = a.clamp_min_(_TINY)
+                torch.mul(x2, a.reciprocal(), out=xn)  # rows in [-1, 1] (+ rounding: codes still in [1, 127])
+                if self.kernel == "onednn":
+                    xn = _uint8_codes(xn, 1.0 / LEVELS)  # [N, I]
+            prep = (xn, a)
+            self.shared.put(x, "row", prep)
+        xn, a = prep
+        y = self._gemm(xn, 1.0 / LEVELS)  # [N, O], rows still divided by a
+        with _OneThread(parallel=y.numel() >= PARALLEL_PASS_NUMEL):
+            return torch.addcmul(self.bias, y, a, out=y) if self.bias is not None else y.mul_(a)
+
+    def _static(self, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        key = ("clamp", self._amax)
+        prep = self.shared.get(x, key)
+        if prep is None:
+            xc = self.shared.workspace(*x2.shape)  # [N, I]
+            with _OneThread(parallel=x2.numel() >= PARALLEL_PASS_NUMEL):
+                xc = torch.clamp(x2, -self._amax, self._amax, out=xc)  # codes stay in [1, 127]
+                if self.kernel == "onednn":
+                    xc = _uint8_codes(xc, self._amax / LEVELS)
+            prep = (xc,)
+            self.shared.put(x, key, prep)
+        return self._gemm(prep[0], self._amax / LEVELS)  # [N, O], bias included
+
+    def _sentinel(self, x2: torch.Tensor) -> torch.Tensor:
+        """Fallback without a fixed-scale kernel: two rows at +-r pin linear_dynamic's tensor-wide range."""
         n = x2.shape[0]
-        if self.calibrating:
-            self.input_amax = torch.fmax(self.input_amax, x2.detach().abs().amax())
-            y = torch.nn.functional.linear(x2, *self._float)  # [N, O]
-        elif self.activation == "static":
-            xn = torch.empty(n + 2, self.in_features, dtype=torch.float32, device=x2.device)  # [N + 2, I]
+        xn = torch.empty(n + 2, self.in_features, dtype=torch.float32)  # [N + 2, I]
+        if self.activation == "static":
             torch.clamp(x2, -self._amax, self._amax, out=xn[:n])
-            xn[n:] = self._sentinel
-            y = torch.ops.quantized.linear_dynamic(xn, self._packed, True)[:n]  # [N, O], bias included
-        elif self.activation == "per_row":
-            # row absolute maximum as max(max, -min): two reductions, no |x| copy
-            a = torch.maximum(x2.amax(dim=1, keepdim=True), x2.amin(dim=1, keepdim=True).neg_())  # [N, 1]
-            a = a.clamp_min_(1e-30)  # all-zero rows stay 0
-            xn = torch.empty(n + 2, self.in_features, dtype=torch.float32, device=x2.device)  # [N + 2, I]
-            torch.div(x2, a, out=xn[:n])  # rows in [-1, 1] exactly (|x| <= a, correctly rounded division)
-            xn[n:] = self._sentinel
-            y = torch.ops.quantized.linear_dynamic(xn, self._packed, True)[:n]  # [N, O]
-            y = torch.addcmul(self.bias, y, a, out=y) if self.bias is not None else y.mul_(a)  # one pass
-        else:
+            xn[n], xn[n + 1] = self._amax, -self._amax
+            return torch.ops.quantized.linear_dynamic(xn, self._packed, True)[:n]  # bias included
+        a = torch.maximum(x2.amax(dim=1, keepdim=True), x2.amin(dim=1, keepdim=True).neg_()).clamp_min_(_TINY)
+        torch.div(x2, a, out=xn[:n])  # rows in [-1, 1] exactly (correctly rounded division)
+        xn[n], xn[n + 1] = 1.0, -1.0
+        y = torch.ops.quantized.linear_dynamic(xn, self._packed, True)[:n]
+        return torch.addcmul(self.bias, y, a, out=y) if self.bias is not None else y.mul_(a)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        x2 = x.detach().reshape(-1, self.in_features)  # [N, I], a view when x is contiguous (no autograd here)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+            x = x2  # a fresh tensor: never matches another layer's memo
+        if self.calibrating:
+            self.input_amax = torch.fmax(self.input_amax, x2.abs().amax())
+            y = torch.nn.functional.linear(x2, *self._float)  # [N, O]
+        elif x2.shape[0] == 0:
+            y = x2.new_zeros(0, self.out_features)
+        elif self.kernel == "linear_dynamic":
             y = torch.ops.quantized.linear_dynamic(x2, self._packed, True)  # [N, O], bias included
-        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        elif self.kernel == "sentinel":
+            y = self._sentinel(x2)
+        elif self.activation == "per_row":
+            y = self._per_row(x, x2)
+        else:
+            y = self._static(x, x2)
+        return y.reshape(*shape[:-1], self.out_features).to(dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, activation={self.activation}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, activation={self.activation}, "
+                f"kernel={self.kernel}")
 
 
 @dataclass
@@ -131,15 +384,18 @@ class Int8DynamicQuantizer:
 
     Args:
         activation: ``"per_row"`` (batch-independent, default, no calibration), ``"static"``
-            (batch-independent, calibrated per-tensor range, faster) or ``"per_tensor"``
-            (torch.ao's scale over the whole input: a sample depends on its batch-mates).
+            (batch-independent, calibrated per-tensor range) or ``"per_tensor"`` (torch.ao's
+            scale over the whole input: a sample depends on its batch-mates).
         weight: ``"per_channel"`` (one scale per output feature) or ``"per_tensor"``.
         skip: fnmatch patterns of module names kept in full precision.
+        kernel: GEMM of ``per_row`` / ``static``: ``"auto"`` (the fastest that works here),
+            ``"onednn"``, ``"fbgemm"`` or ``"sentinel"`` (see :data:`KERNELS`).
     """
 
     activation: str = "per_row"
     weight: str = "per_channel"
     skip: tuple[str, ...] = DEFAULT_SKIP
+    kernel: str = "auto"
     name: ClassVar[str] = "int8-dynamic"
 
     @property
@@ -152,6 +408,8 @@ class Int8DynamicQuantizer:
             raise ValueError(f"int8-dynamic activation must be one of {ACTIVATION_MODES}, got {self.activation!r}")
         if self.weight not in WEIGHT_MODES:
             raise ValueError(f"int8-dynamic weight must be one of {WEIGHT_MODES}, got {self.weight!r}")
+        if self.kernel != "auto" and self.kernel not in KERNELS:
+            raise ValueError(f"int8-dynamic kernel must be 'auto' or one of {KERNELS}, got {self.kernel!r}")
         self.skip = tuple(self.skip)
 
     def unavailable_reason(self) -> Optional[str]:
@@ -168,10 +426,14 @@ class Int8DynamicQuantizer:
             raise RuntimeError(problem)
         dev = next(module.parameters()).device
         if dev.type != "cpu":
-            raise ValueError(f"int8-dynamic runs on the CPU only (fbgemm kernels) but the model is on {dev}; "
+            raise ValueError(f"int8-dynamic runs on the CPU only (oneDNN / fbgemm kernels) but the model is on {dev}; "
                              f"on a GPU use 'fp8' or 'nvfp4'")
+        kernel = "linear_dynamic" if self.activation == "per_tensor" else resolve_kernel(self.kernel)
         q = merged_copy(module)
-        done = replace_linears(q, lambda n, lin: DynamicInt8Linear(lin, self.activation, self.weight), self.skip)
+        shared = SharedInput()  # one per copy: scratch memory, and layers fed the same tensor prepare it once
+        done = replace_linears(q, lambda n, lin: DynamicInt8Linear(lin, self.activation, self.weight, shared,
+                                                                   "auto" if kernel == "linear_dynamic" else kernel),
+                               self.skip)
         if not done:
             raise ValueError(f"int8-dynamic found no nn.Linear outside the skip-list {self.skip}; nothing to quantize")
         if self.needs_calibration:
@@ -183,4 +445,10 @@ class Int8DynamicQuantizer:
             for m in q.modules():
                 if isinstance(m, DynamicInt8Linear):
                     m.finish_calibration()
-        return q
+        shared.release()  # calibration's scratch; sampling allocates it once and keeps it
+        try:
+            from .kernels import tag_kernel
+        except ImportError:  # pragma: no cover - older tree without the kernel tags
+            return q
+        gemm = {"onednn": "oneDNN", "fbgemm": "fbgemm", "sentinel": "fbgemm", "linear_dynamic": "fbgemm"}[kernel]
+        return tag_kernel(q, real=True, kernel=f"{gemm} int8 GEMMs (CPU), {self.activation} activations")

@@ -1,0 +1,203 @@
+"""``flowrl bench precision --pipeline sd35m-arch | sd35l-arch | flux-arch``: exploration backends on
+full-size architectures with random weights (no download), on a CUDA GPU.
+
+Per backend (``full`` = the bf16 policy, then each quantized copy, one at a time so only one copy
+is resident beside the policy), per resolution (default 512 and 1024 px):
+
+* ``images_per_second``: deterministic ODE sampling of ``batch`` images in ``steps`` steps (median
+  of ``repeats`` runs after warm-up, CUDA events), and ``speedup_vs_full``;
+* ``forward_ms``: one bare transformer forward at that batch (median, CUDA events), and its
+  speed-up: the model's own gain, without the sampler's host work;
+* ``peak_mb``: ``torch.cuda.max_memory_allocated`` while sampling (policy + copy + activations);
+* ``velocity_rel_error``: ``||v_q - v_full|| / ||v_full||`` on one fixed input (numerics check);
+* ``sync_seconds``: building the copy (merge, quantize, calibrate once), Sol-RL's per-update cost;
+* ``real_kernels`` / ``kernel`` / ``label``: simulated backends are labelled ``(simulated)`` and
+  their speed-ups carry a ``*``.
+
+Reward-ranking fidelity is off (random weights). ``compile`` wraps every module measured (``full``
+included, for a fair ratio) in ``torch.compile`` with that mode (``reduce-overhead``: CUDA graphs);
+off by default until measured. ``tiny=True`` shrinks the configs so the code path runs on a CPU
+in seconds (tests); without it a CPU gets a clear error. ``iteration_timing`` adds one Sol-RL and
+one flat-GRPO iteration (:mod:`flowrl.bench.precision_iteration`).
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from ..quant.common import BackendUnavailable, module_bytes
+from ..quant.kernels import display_label, kernel_info
+from ..quant.sync import swapped_transformer
+from ..rollout.ode import ode_sample
+from ..seeding import derive_seeds
+from .precision_arch_models import ARCH_PIPELINES, ARCHS, ArchPolicy
+from .precision_arch_report import format_arch_table, plot_arch
+from .precision_measure import PeakMemory, machine_info, sync_device, timed, write_outputs
+
+COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+PROMPTS = ["a photo of a cat on a sofa", "a red bicycle leaning on a brick wall"]
+ARCH_SEED = 20260410
+
+
+def check_arch_device(pipeline: str, device: torch.device, tiny: bool) -> None:
+    """Full-size architectures need CUDA; ``tiny`` runs anywhere."""
+    if pipeline not in ARCHS:
+        raise ValueError(f"unknown architecture pipeline {pipeline!r}; valid: {', '.join(ARCH_PIPELINES)}")
+    if device.type != "cuda" and not tiny:
+        why = "torch.cuda.is_available() is False" if not torch.cuda.is_available() else f"the device is {device}"
+        raise BackendUnavailable(f"--pipeline {pipeline} builds the full-size {ARCHS[pipeline].title} architecture and "
+                           f"times it with CUDA events: it needs a CUDA GPU ({why}). On this machine use --pipeline "
+                           f"sd3-mid (a 36M-parameter SD3 that times int8 on a CPU), or --tiny to run this code path "
+                           f"on shrunken configs")
+
+
+def compile_module(module: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """``torch.compile(module, mode=mode)``, or ``module`` itself when ``mode == "off"``."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
+    return module if mode == "off" else torch.compile(module, mode=None if mode == "default" else mode)
+
+
+def _velocity_input(policy: ArchPolicy, batch: int):
+    seeds = derive_seeds(ARCH_SEED + 7, batch)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+    x = policy.initial_noise(seeds)  # [B, 16, h, w]
+    sigma = torch.full((batch,), 0.75, device=policy.device)  # [B]
+    return x, sigma, policy.encode_prompts(prompts)
+
+
+def time_resolution(policy: ArchPolicy, module, batch: int, steps: int, repeats: int,
+                    warmups: int) -> tuple[dict, torch.Tensor]:
+    """Sampling and forward timings of ``module`` at the policy's current resolution -> (row, velocity [B, ...])."""
+    dev = policy.device
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+    seeds = derive_seeds(ARCH_SEED, batch)
+    x, sigma, cond = _velocity_input(policy, batch)
+    with torch.no_grad(), swapped_transformer(policy, module):
+        for _ in range(warmups):
+            ode_sample(policy, prompts, seeds, steps, batch)
+        runs, peak = [], None
+        for i in range(repeats):
+            with PeakMemory(dev) as mem:
+                runs.append(timed(lambda: ode_sample(policy, prompts, seeds, steps, batch), dev))
+            if i == 0 and mem.cuda:
+                peak = mem.peak / 2**20
+        for _ in range(warmups):
+            policy.velocity(x, sigma, cond)
+        fwd = [timed(lambda: policy.velocity(x, sigma, cond), dev) for _ in range(max(repeats, 3))]
+        v = policy.velocity(x, sigma, cond).float().cpu()  # [B, 16, h, w]
+    med = statistics.median(runs)
+    row = {"seconds_per_batch": med, "seconds_all": runs, "images_per_second": batch / med,
+           "forward_ms": 1000.0 * statistics.median(fwd), "peak_mb": peak}
+    return row, v
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def build_copy(policy: ArchPolicy, q, calibrate, device: torch.device) -> tuple[torch.nn.Module, float]:
+    """Quantize ``policy.transformer`` with ``q`` -> (copy, seconds)."""
+    sync_device(device)
+    t0 = time.perf_counter()
+    module = q.quantize(policy.transformer, calibrate if q.needs_calibration else None)
+    sync_device(device)
+    return module, time.perf_counter() - t0
+
+
+def measure_backend(policy: ArchPolicy, spec: str, module, resolutions, settings: dict, reference: dict,
+                    log) -> dict:
+    """Every resolution of one backend; ``reference`` (``px -> velocity``) is filled by ``full``."""
+    out = {}
+    mode, warm = settings["compile"], 1 + (settings["compile"] != "off")
+    runner = compile_module(module, mode)
+    for px in resolutions:
+        policy.set_resolution(px)
+        row, v = time_resolution(policy, runner, settings["batch"], settings["steps"], settings["repeats"], warm)
+        if spec == "full":
+            reference[px] = v
+        ref = reference[px]
+        row["velocity_rel_error"] = float((v - ref).norm() / ref.norm().clamp_min(1e-12))
+        out[str(px)] = row
+        log(f"[bench precision] {spec} @ {px}px: {row['images_per_second']:.3f} img/s, forward "
+            f"{row['forward_ms']:.1f} ms, rel. error {row['velocity_rel_error']:.2e}", flush=True)
+    return out
+
+
+def _speedups(results: dict, resolutions) -> None:
+    for r in results.values():
+        for px in resolutions:
+            row, full = r["resolutions"][str(px)], results["full"]["resolutions"][str(px)]
+            row["speedup_vs_full"] = full["seconds_per_batch"] / row["seconds_per_batch"]
+            row["forward_speedup_vs_full"] = full["forward_ms"] / row["forward_ms"]
+
+
+def bench_arch(pipeline: str = "sd35m-arch", backends: Optional[Sequence[str]] = None,
+               json_path: Optional[str | Path] = None, *, png_path: Optional[str | Path] = None,
+               resolutions: Sequence[int] = (512, 1024), batch: Optional[int] = None, steps: Optional[int] = None,
+               repeats: int = 3, compile: str = "off", device: Optional[str] = None, dtype: Optional[str] = None,
+               tiny: bool = False, iteration_timing: bool = False, iteration_options: Optional[dict] = None,
+               verbose: bool = True) -> dict:
+    """Run the architecture benchmark (module doc); returns the result dict (also written to
+    ``json_path``, a PNG chart beside it). ``backends``: as ``bench_precision`` (default ``full, fp8,
+    nvfp4`` on CUDA)."""
+    from .precision import build_quantizers, default_backends
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    check_arch_device(pipeline, dev, tiny)
+    compile_module(torch.nn.Identity(), compile)  # validates the mode before anything is built
+    dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
+    specs = list(backends) if backends else default_backends(dev)
+    specs = ["full"] + [s for s in specs if s != "full"]
+    quantizers = build_quantizers(specs)  # unavailable backends fail here, before the model is built
+    resolutions = [int(r) for r in resolutions]
+    settings = {"batch": int(batch or (2 if tiny else 4)), "steps": int(steps or 6), "repeats": int(repeats),
+                "resolutions": resolutions, "compile": compile, "calibration_prompts": len(PROMPTS)}
+    if min(settings["batch"], settings["steps"], settings["repeats"]) < 1 or not resolutions:
+        raise ValueError(f"batch, steps and repeats must be >= 1 and resolutions non-empty, got {settings}")
+    log = print if verbose else (lambda *a, **k: None)
+    log(f"[bench precision] building {pipeline} ({ARCHS[pipeline].title}{', tiny' if tiny else ''}) on {dev} in "
+        f"{dtype} ...", flush=True)
+    policy = ArchPolicy(pipeline, resolutions[0], dev, getattr(torch, dtype), tiny=tiny)
+
+    def calibrate(module: torch.nn.Module) -> None:
+        policy.set_resolution(resolutions[0])
+        with torch.no_grad(), swapped_transformer(policy, module):
+            ode_sample(policy, PROMPTS, derive_seeds(ARCH_SEED + 1, len(PROMPTS)), settings["steps"])
+
+    results: dict[str, dict] = {}
+    reference: dict[int, torch.Tensor] = {}
+    for spec in specs:
+        if spec == "full":
+            module, sync_s = policy.transformer, 0.0
+        else:
+            log(f"[bench precision] building {spec} copy ...", flush=True)
+            module, sync_s = build_copy(policy, quantizers[spec], calibrate, dev)
+        info = kernel_info(spec, module)
+        label = display_label(spec, info)
+        log(f"[bench precision] {label}: sync {sync_s:.2f}s, kernels: {info['kernel']}", flush=True)
+        results[spec] = {"backend": spec, "label": label, **info, "sync_seconds": sync_s,
+                         "model_mb": module_bytes(module) / 2**20,
+                         "resolutions": measure_backend(policy, spec, module, resolutions, settings, reference, log)}
+        if spec != "full":
+            del module
+            _release(dev)
+    _speedups(results, resolutions)
+    out = {"pipeline": pipeline, "tiny": tiny, "device": str(dev), "dtype": dtype,
+           "arch": {"title": ARCHS[pipeline].title, "family": policy.family, "config": policy.config,
+                    "config_source": ARCHS[pipeline].source, "parameters": policy.parameters_count(),
+                    "text_tokens": policy.text_tokens},
+           "settings": settings, "machine": machine_info(), "backends": results,
+           "fidelity_note": "fidelity off: random weights (speed, memory and numerics vs full precision only)"}
+    if iteration_timing:
+        from .precision_iteration import time_iterations
+
+        out["iteration_timing"] = time_iterations(policy, quantizers, log=log, **(iteration_options or {}))
+    return write_outputs(out, json_path, png_path, log, plot_arch, format_arch_table)

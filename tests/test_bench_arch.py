@@ -1,0 +1,90 @@
+"""The architecture benchmark (flowrl.bench.precision_arch): published configs, the CPU error, and the
+whole code path end to end on shrunken configs in fp32 (``tiny``), iteration timing included."""
+import argparse
+import json
+
+import pytest
+import torch
+
+from flowrl.bench.precision_arch import bench_arch
+from flowrl.bench.precision_arch_models import ARCHS, build_transformer
+from flowrl.bench.precision_cli import add_precision_parser
+from flowrl.quant.common import BackendUnavailable
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("pipeline,low,high", [("sd35m-arch", 2.2e9, 2.3e9), ("sd35l-arch", 8.0e9, 8.1e9),
+                                                ("flux-arch", 11.8e9, 12.0e9)])
+def test_published_configs_have_the_published_sizes(pipeline, low, high):
+    """Built on the meta device (no memory): 2.24B (+0.23B position table) / 8.06B / 11.9B parameters."""
+    spec = ARCHS[pipeline]
+    m = build_transformer(spec.family, spec.config, torch.device("meta"), torch.bfloat16)
+    n = sum(p.numel() for p in m.parameters())
+    assert low < n < high
+    assert all(p.dtype == torch.bfloat16 for p in m.parameters())
+    if pipeline == "sd35m-arch":
+        assert m.config.dual_attention_layers == list(range(13)) and m.config.qk_norm == "rms_norm"
+    if pipeline == "flux-arch":
+        assert m.config.guidance_embeds and m.config.num_single_layers == 38
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
+def test_full_size_architectures_need_cuda():
+    with pytest.raises(BackendUnavailable, match="needs a CUDA GPU.*--pipeline sd3-mid"):
+        bench_arch("sd35m-arch", ["full"], verbose=False)
+
+
+@pytest.mark.parametrize("pipeline", ["sd35m-arch", "flux-arch"])
+def test_arch_bench_end_to_end_tiny(tmp_path, pipeline):
+    out = bench_arch(pipeline, ["full", "fp8:simulate_on_cpu=true", "nvfp4-emulated:engine=torch"],
+                     tmp_path / "a.json", resolutions=(32, 48), batch=2, steps=2, repeats=1, device="cpu",
+                     tiny=True, iteration_timing=pipeline == "sd35m-arch", verbose=False,
+                     iteration_options=dict(resolution=32, pool_size=4, preview_steps=2, keep=2, train_steps=2,
+                                            minibatch=2, lora_rank=2))
+    saved = json.loads((tmp_path / "a.json").read_text())
+    assert (tmp_path / "a.png").is_file() and saved["tiny"] is True and saved["dtype"] == "float32"
+    assert saved["arch"]["config_source"].endswith("transformer/config.json") and saved["arch"]["parameters"] > 0
+    assert list(saved["backends"]) == ["full", "fp8:simulate_on_cpu=true", "nvfp4-emulated:engine=torch"]
+    full = saved["backends"]["full"]
+    assert full["real_kernels"] is True and full["label"] == "full"
+    for spec in ("fp8:simulate_on_cpu=true", "nvfp4-emulated:engine=torch"):
+        r = saved["backends"][spec]
+        assert r["real_kernels"] is False and r["label"] == f"{spec} (simulated)" and r["sync_seconds"] > 0
+        for px in ("32", "48"):
+            row = r["resolutions"][px]
+            assert 0 < row["velocity_rel_error"] < 0.2  # quantized, yet close to full precision
+            assert row["images_per_second"] > 0 and row["forward_ms"] > 0 and row["speedup_vs_full"] > 0
+    for px in ("32", "48"):
+        assert full["resolutions"][px]["speedup_vs_full"] == 1.0 and full["resolutions"][px]["velocity_rel_error"] == 0
+    assert "fidelity off" in saved["fidelity_note"]
+    if pipeline == "sd35m-arch":
+        it = saved["iteration_timing"]
+        assert it["settings"]["explore_backend"] == "fp8:simulate_on_cpu=true"
+        assert it["sol"]["explore_model_evals"] == 4 * 2 and it["sol"]["label"].endswith("(simulated)")
+        for name in ("sol", "grpo"):
+            r = it[name]
+            assert r["samples_trained"] == 2 and r["transitions_trained"] == 2 * 2
+            assert r["total_seconds"] >= r["update_seconds"] > 0
+            assert abs(r["first_ratio_mean"] - 1) < 1e-4  # the update rescores the rollout's own transitions
+        assert it["sol"]["sync_seconds"] > 0  # the update changed the LoRA: the copy was re-quantized
+
+
+def test_cli_routes_arch_pipelines_and_rejects_arch_flags_elsewhere():
+    parser = argparse.ArgumentParser()
+    add_precision_parser(parser.add_subparsers())
+    a = parser.parse_args(["precision", "--pipeline", "flux-arch", "--resolutions", "512,1024", "--compile",
+                           "reduce-overhead", "--iteration-timing", "--pool-size", "48", "--tiny"])
+    assert a.pipeline == "flux-arch" and a.compile == "reduce-overhead" and a.pool_size == 48 and a.tiny
+    b = parser.parse_args(["precision", "--pipeline", "sd3-mid", "--tiny"])
+    with pytest.raises(ValueError, match="--tiny apply to the architecture pipelines"):
+        b.fn(b)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["precision", "--pipeline", "sd35m-arch", "--compile", "fast"])
+
+
+def test_arch_bench_validates_before_building():
+    with pytest.raises(ValueError, match="compile must be one of"):
+        bench_arch("sd35m-arch", ["full"], tiny=True, device="cpu", compile="fast", verbose=False)
+    with pytest.raises(ValueError, match="unknown architecture"):
+        bench_arch("sd4-arch", ["full"], tiny=True, device="cpu", verbose=False)

@@ -1,0 +1,136 @@
+"""fp8 (flowrl.quant.fp8 / fp8_linear): torch._scaled_mm FP8-E4M3 numerics on the CPU, by hand and
+against a dequantized reference; static scales (batch independence); padding; errors and labels."""
+import importlib.util
+
+import pytest
+import torch
+
+from flowrl.quant import BackendUnavailable, get_quantizer
+from flowrl.quant.fp8_linear import E4M3, FP8Linear, scaled_mm_problem
+from flowrl.quant.kernels import display_label, kernel_info
+from flowrl.quant.sync import swapped_transformer
+from flowrl.rollout.ode import ode_sample
+from flowrl.seeding import derive_seeds
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+HAS_MODELOPT = importlib.util.find_spec("modelopt") is not None
+
+
+def _reference(x, lin, input_amax, per_channel: bool):
+    """Hand-computed FP8 linear: quantize x and W to E4M3 with their scales, fp32 matmul, rescale, + bias."""
+    w = lin.weight.detach().float()  # [N, K]
+    s_x = torch.tensor(input_amax / 448.0)
+    s_w = (w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax()) / 448.0  # [N, 1] or []
+    xq = (x / s_x).clamp(-448, 448).to(E4M3).float()  # [M, K]
+    wq = (w / s_w).clamp(-448, 448).to(E4M3).float()  # [N, K]
+    return (xq @ wq.t()) * s_x * s_w.reshape(1, -1) + lin.bias.detach()  # [M, N]
+
+
+def test_scaled_mm_runs_on_this_cpu():
+    assert scaled_mm_problem("cpu", "per_tensor") is None
+    assert scaled_mm_problem("cpu", "per_channel") is None
+
+
+def test_fp8_linear_hand_values():
+    """Input scale 1 (amax 448) and an identity weight: the output is x rounded to E4M3, saturating at 448."""
+    lin = torch.nn.Linear(16, 16, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.eye(16))
+    q = FP8Linear(lin, 448.0, weight="per_tensor")
+    x = torch.zeros(2, 16)
+    x[0, :4] = torch.tensor([1.0, 3.0, 0.3, -500.0])  # 0.3 = 1.2 * 2^-2 -> 1.25 * 2^-2; -500 -> -448
+    x[1, :2] = torch.tensor([17.0, 0.0137])  # 17 -> 16 (step 2 at [16, 32), tie to even); 0.0137 -> 7 * 2^-9
+    y = q(x)
+    assert torch.equal(y[0, :4], torch.tensor([1.0, 3.0, 0.3125, -448.0]))
+    assert torch.equal(y[1, :2], torch.tensor([16.0, 7 * 2.0**-9]))
+    assert torch.equal(y[:, 4:], torch.zeros(2, 12))
+
+
+@pytest.mark.parametrize("weight", ["per_channel", "per_tensor"])
+@pytest.mark.parametrize("k,n", [(64, 48), (40, 24)])  # 40 and 24 are not multiples of 16: padded
+def test_fp8_linear_equals_dequantized_reference(weight, k, n):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(k, n)
+    x = torch.randn(3, 5, k)  # [B, L, K]
+    amax = float(x.abs().max()) * 0.9  # a few inputs saturate
+    q = FP8Linear(lin, amax, weight=weight)
+    assert (q.pad_k, q.pad_n) == ((-k) % 16, (-n) % 16)
+    y = q(x)
+    ref = _reference(x.reshape(-1, k), lin, amax, weight == "per_channel").reshape(3, 5, n)
+    assert y.shape == (3, 5, n) and y.dtype == torch.float32
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
+    full = lin(x)
+    assert 0 < (y - full).norm() / full.norm() < 0.06  # E4M3: about 4% relative error on random data
+
+
+def test_fp8_linear_static_scale_is_batch_independent():
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(32, 16)
+    q = FP8Linear(lin, 4.0)
+    x = torch.randn(4, 32)
+    outlier = torch.cat([x[:2], 100 * torch.randn(2, 32)])  # other rows 25x larger: no effect on rows 0, 1
+    assert torch.equal(q(x)[:2], q(outlier)[:2])
+    assert torch.allclose(q(x[:1]), q(x)[:1], rtol=0, atol=1e-6)  # another M: fp32 GEMM blocking only
+
+
+def _calibrator(policy, prompts, seeds, steps=2):
+    def calibrate(module):
+        with torch.no_grad(), swapped_transformer(policy, module):
+            ode_sample(policy, prompts, seeds, steps)
+    return calibrate
+
+
+PROMPTS = [f"a handwritten digit {d}" for d in range(8)]
+SEEDS = derive_seeds(3, 8)
+
+
+def _x0(policy, module, idx, steps=3):
+    with torch.no_grad(), swapped_transformer(policy, module):
+        return ode_sample(policy, [PROMPTS[i] for i in idx], [SEEDS[i] for i in idx], steps)[0]
+
+
+def test_fp8_quantizer_on_cpu_copy_labels_and_batch_independence(tiny_digits_policy):
+    pol = tiny_digits_policy
+    before = {n: p.clone() for n, p in pol.transformer.named_parameters()}
+    q = get_quantizer("fp8", simulate_on_cpu=True).quantize(pol.transformer, _calibrator(pol, PROMPTS[:4], SEEDS[:4]))
+    layers = [m for m in q.modules() if isinstance(m, FP8Linear)]
+    assert layers and all(m.weight_scaling == "per_channel" for m in layers)  # auto: row-wise works on this CPU
+    assert not any(isinstance(m, FP8Linear) for n, m in q.named_modules() if "pos_embed" in n or n == "proj_out")
+    assert all(torch.equal(p, before[n]) for n, p in pol.transformer.named_parameters())  # policy untouched
+    info = kernel_info("fp8:simulate_on_cpu=true", q)
+    assert info["real_kernels"] is False and "simulated" in info["kernel"]
+    assert display_label("fp8", info) == "fp8 (simulated)"
+    a, b = _x0(pol, q, [0, 1, 2, 3]), _x0(pol, q, [0, 1, 6, 7])
+    assert torch.equal(a[:2], b[:2])
+    full = _x0(pol, pol.transformer, [0, 1, 2, 3])
+    assert 0 < (a - full).abs().max() < 0.1
+
+
+def test_fp8_errors_name_what_runs_here(tiny_digits_policy):
+    tr = tiny_digits_policy.transformer
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        get_quantizer("fp8", kernel="cutlass")
+    with pytest.raises(ValueError, match="weight must be one of"):
+        get_quantizer("fp8", weight="per_block")
+    with pytest.raises(ValueError, match="fast_accum must be true or false"):
+        get_quantizer("fp8", fast_accum="yes")
+    q = get_quantizer("fp8", simulate_on_cpu=True)
+    with pytest.raises(ValueError, match="pass calibrate"):
+        q.quantize(tr, None)
+    with pytest.raises(ValueError, match="saw no calibration data"):
+        q.quantize(tr, lambda m: None)
+    with pytest.raises(ValueError, match="nothing to quantize"):
+        get_quantizer("fp8", simulate_on_cpu=True, skip=("*",)).quantize(tr, lambda m: None)
+    if not torch.cuda.is_available():
+        with pytest.raises(BackendUnavailable, match="CUDA GPU.*int8-dynamic.*nvfp4-emulated"):
+            get_quantizer("fp8")
+
+
+@pytest.mark.skipif(not HAS_MODELOPT, reason="nvidia-modelopt is not installed")
+def test_fp8_modelopt_kernel_is_kept_and_labelled_simulated(tiny_digits_policy):
+    pol = tiny_digits_policy
+    q = get_quantizer("fp8", kernel="modelopt", simulate_on_cpu=True).quantize(
+        pol.transformer, _calibrator(pol, PROMPTS[:2], SEEDS[:2]))
+    assert not any(isinstance(m, FP8Linear) for m in q.modules())
+    assert any(n.endswith("input_quantizer") for n, _ in q.named_modules())
+    assert kernel_info("fp8:kernel=modelopt", q)["real_kernels"] is False
