@@ -167,11 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
     from flowrl.bench.offline import add_offline_parser
 
     add_offline_parser(bsub)
+    from flowrl.bench.host import add_host_parser
+
+    add_host_parser(bsub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     from flowrl.data.offline import DatasetError
+    from flowrl.quant.common import BackendUnavailable
     from flowrl.trainers.checkpoint import CheckpointError
     from flowrl.trainers.config import ConfigError
     from flowrl.trainers.online import TrainingStopped
@@ -179,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, CheckpointError, TrainingStopped, DatasetError, FileNotFoundError) as e:
+    except (ConfigError, CheckpointError, TrainingStopped, DatasetError, FileNotFoundError, BackendUnavailable) as e:
         print(f"flowrl {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -27,7 +27,7 @@ from torch import nn
 from flowrl.schedules import flow_sigmas
 from flowrl.seeding import seeded_randn
 
-from .common import cfg_combine
+from .common import cfg_combine, cfg_halves, transformer_dtype
 
 IMAGE_SIZE = 16
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -63,6 +63,14 @@ def tokenize(prompts: list[str], max_len: int) -> torch.Tensor:
     return out
 
 
+def _rowwise_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` computed row by row (broadcast multiply + sum over the input dim), so a prompt's
+    embedding does not depend on its batch-mates: a BLAS GEMM picks its blocking by the row count,
+    which changes the last bits with the batch size on some CPUs, and the text-embedding cache
+    promises bit-identical conditioning. x [..., in] -> [..., out]."""
+    return (x.unsqueeze(-2) * layer.weight).sum(-1) + layer.bias  # [..., out]
+
+
 class DigitTextEncoder(ModelMixin, ConfigMixin):
     """Token + position embeddings and a small MLP -> SD3-style conditioning.
 
@@ -83,9 +91,10 @@ class DigitTextEncoder(ModelMixin, ConfigMixin):
         ids = tokenize(prompts, self.config.max_len).to(self.pos.device)  # [B, L]
         mask = (ids != PAD).float().unsqueeze(-1)  # [B, L, 1]
         h = self.tok(ids) + self.pos  # [B, L, D]
-        h = h + self.mlp(h)
+        fc1, act, fc2 = self.mlp
+        h = h + _rowwise_linear(fc2, act(_rowwise_linear(fc1, h)))
         n = mask.sum(1)  # [B, 1]
-        pooled = self.pool((h * mask).sum(1) / n.clamp(min=1))  # [B, P]
+        pooled = _rowwise_linear(self.pool, (h * mask).sum(1) / n.clamp(min=1))  # [B, P]
         pooled = torch.where(n > 0, pooled, self.null_pooled.expand_as(pooled))
         return {"encoder_hidden_states": h * mask, "pooled_projections": pooled}
 
@@ -105,7 +114,6 @@ class DigitsPolicy:
         if guidance_scale < 1.0:
             raise ValueError(f"guidance_scale must be >= 1.0 (1.0 = no guidance), got {guidance_scale}")
         self.transformer = transformer.to(device)
-        self.dtype = transformer.dtype
         self.text_encoder = text_encoder.to(device).requires_grad_(False).eval()
         self.guidance_scale = float(guidance_scale)
         self.shift, self.schedule = float(shift), schedule
@@ -143,16 +151,20 @@ class DigitsPolicy:
         return self.transformer(hidden_states=x, encoder_hidden_states=ehs, pooled_projections=pooled,
                                 timestep=sigma * 1000.0, return_dict=False)[0]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The (current) transformer's parameter dtype, read in O(1) (``pipelines.common.transformer_dtype``)."""
+        return transformer_dtype(self.transformer)
+
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
-        """``v_theta(x_t, sigma)`` [B, 1, 16, 16]; with guidance, one doubled batch (uncond, cond)."""
-        x = latents.to(self.device, self.dtype)
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).expand(x.shape[0])
+        """``v_theta(x_t, sigma)`` [B, 1, 16, 16]; with guidance, ``pipelines.common.cfg_halves``
+        (one doubled batch (uncond, cond); the uncond half alone under ``no_grad`` when its gradient is off)."""
+        x = latents.to(self.device, self.dtype)  # [B, 1, 16, 16]
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).expand(x.shape[0])  # [B]
         if self.guidance_scale == 1.0:
             return self._forward(x, sigma, cond["encoder_hidden_states"], cond["pooled_projections"]).float()
-        out = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]),
-                            torch.cat([cond["neg_encoder_hidden_states"], cond["encoder_hidden_states"]]),
-                            torch.cat([cond["neg_pooled_projections"], cond["pooled_projections"]]))
-        u, c = out.chunk(2)
+        u, c = cfg_halves(self._forward, (x, sigma, cond["neg_encoder_hidden_states"], cond["neg_pooled_projections"]),
+                          (x, sigma, cond["encoder_hidden_states"], cond["pooled_projections"]))  # [B, 1, 16, 16] each
         return cfg_combine(u, c, self.guidance_scale)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -212,9 +224,14 @@ class PretrainConfig:
             raise ValueError(f"cond_dropout must be in [0, 1), got {self.cond_dropout}")
 
 
+@torch.inference_mode(False)
+@torch.enable_grad()
 def pretrain_digits(out_dir: str | os.PathLike, config: PretrainConfig = PretrainConfig(),
                     progress: bool = True) -> dict:
     """Rectified-flow pretraining (``v = eps - x0``, logit-normal t, MSE) of the digits base.
+
+    Gradients are on whatever the caller's mode (the base is pretrained on first use, which
+    may happen inside ``torch.no_grad()``).
 
     Writes ``out_dir/{transformer,text_encoder}`` and ``pretrain.json`` atomically (into a
     temporary sibling, then renamed), and returns the summary dict.

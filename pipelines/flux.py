@@ -24,7 +24,7 @@ import torch
 from flowrl.schedules import flow_sigmas, flux_sigmas, shift_sigmas
 from flowrl.seeding import seeded_randn
 
-from .common import (DTypeArg, cfg_combine, check_model_path, encode_with_negative, resolve_dtype,
+from .common import (DTypeArg, cfg_combine, cfg_halves, check_model_path, encode_with_negative, resolve_dtype,
                      transformer_dtype, vae_decode)
 from .sd3 import Resolution, resolve_resolution
 
@@ -55,10 +55,10 @@ def unpack_latents(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
 def latent_image_ids(h: int, w: int, device=None, dtype=torch.float32) -> torch.Tensor:
     """RoPE position ids of the packed image tokens ``[(h/2)(w/2), 3]``: (0, row, col)
     (``FluxPipeline._prepare_latent_image_ids``)."""
-    ids = torch.zeros(h // 2, w // 2, 3)
-    ids[..., 1] = torch.arange(h // 2)[:, None]
-    ids[..., 2] = torch.arange(w // 2)[None, :]
-    return ids.reshape(-1, 3).to(device=device, dtype=dtype)  # [(h/2)(w/2), 3]
+    ids = torch.zeros(h // 2, w // 2, 3, device=device)  # built on the device: no host-to-device copy
+    ids[..., 1] = torch.arange(h // 2, device=device)[:, None]
+    ids[..., 2] = torch.arange(w // 2, device=device)[None, :]
+    return ids.reshape(-1, 3).to(dtype=dtype)  # [(h/2)(w/2), 3]
 
 
 class FluxPolicy:
@@ -188,7 +188,9 @@ class FluxPolicy:
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
         """``v_theta(x_t, sigma)`` float32 ``[B, C, h, w]`` for unpacked latents; ``sigma`` in [0, 1].
 
-        Differentiable in the transformer's parameters (no ``no_grad`` here).
+        Differentiable in the transformer's parameters (no ``no_grad`` here); true CFG as in
+        ``pipelines.common.cfg_halves`` (doubled batch; the unconditional half alone under
+        ``no_grad`` in training with ``train.cfg_uncond_grad`` off).
         """
         x = latents.to(self.device)  # [B, C, h, w]
         b, _, h, w = x.shape
@@ -200,10 +202,10 @@ class FluxPolicy:
         if self.true_cfg_scale == 1.0:
             v = self._forward(packed, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"], img_ids)
             return unpack_latents(v.float(), h, w)  # [B, C, h, w]
-        out = self._forward(torch.cat([packed, packed]), torch.cat([sigma, sigma]),  # [2B, (h/2)(w/2), 4C]
-                            torch.cat([cond["negative_prompt_embeds"], cond["prompt_embeds"]]),
-                            torch.cat([cond["negative_pooled_prompt_embeds"], cond["pooled_prompt_embeds"]]), img_ids)
-        uncond, text = out.chunk(2)  # [B, (h/2)(w/2), 4C] each
+        fwd = lambda p, s, pe, pooled: self._forward(p, s, pe, pooled, img_ids)  # noqa: E731
+        uncond, text = cfg_halves(fwd, (packed, sigma, cond["negative_prompt_embeds"],  # [B, (h/2)(w/2), 4C] each
+                                        cond["negative_pooled_prompt_embeds"]),
+                                  (packed, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"]))
         return unpack_latents(cfg_combine(uncond, text, self.true_cfg_scale), h, w)  # [B, C, h, w]
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

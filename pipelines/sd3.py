@@ -2,8 +2,9 @@
 
 Latents are the VAE's ``[B, 16, H/8, W/8]``; the MMDiT (``SD3Transformer2DModel``) is the
 trainable part, the three text encoders and the VAE are frozen. Guidance is classifier-free
-(one doubled batch, uncond first, as the pipeline does). The model's time input is
-``timestep = sigma * 1000`` (the pipeline passes ``scheduler.timesteps``, which are that).
+(one doubled batch, uncond first, as the pipeline does; see ``SD3Policy.velocity`` for training).
+The model's time input is ``timestep = sigma * 1000`` (the pipeline passes ``scheduler.timesteps``,
+which are that).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from flowrl.schedules import flow_sigmas
 from flowrl.seeding import seeded_randn
 
-from .common import (DTypeArg, cfg_combine, check_model_path, encode_with_negative, resolve_dtype,
+from .common import (DTypeArg, cfg_combine, cfg_halves, check_model_path, encode_with_negative, resolve_dtype,
                      transformer_dtype, vae_decode)
 
 # Flow-GRPO's LoRA targets for SD3.5 (scripts/train_sd3.py: r=32, alpha=64, gaussian init): every
@@ -53,7 +54,7 @@ class SD3Policy:
         negative_prompt: the unconditional prompt for CFG.
         max_sequence_length: T5 tokens (the pipeline's default 256; Flow-GRPO uses 128).
         shift: the static timestep shift; None takes ``scheduler.config.shift`` (3.0 for SD3.x).
-        schedule: ``"diffusers"`` (the pipeline's own sigmas) or ``"linear"`` (SPEC section 1).
+        schedule: ``"diffusers"`` (the pipeline's own sigmas) or ``"linear"`` (docs/algorithms.md §1).
         resolution: image size in pixels, int or (H, W); None = the pipeline's default
             (``transformer.config.sample_size * vae_scale_factor``, 1024 for SD3.5-M).
         device: where the models and all returned tensors live.
@@ -158,18 +159,18 @@ class SD3Policy:
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
         """``v_theta(x_t, sigma)`` float32 ``[B, C, h, w]``; ``sigma`` in [0, 1] (float or [B]).
 
-        With guidance, one doubled batch ``[uncond; cond]`` and ``u + s (c - u)`` in float32.
-        Differentiable in the transformer's parameters (no ``no_grad`` here).
+        With guidance, ``u + s (c - u)`` in float32 (``pipelines.common.cfg_halves``: one doubled
+        batch ``[uncond; cond]``; in training with ``train.cfg_uncond_grad`` off, the unconditional
+        half alone under ``no_grad``). Differentiable in the transformer's parameters.
         """
         x = latents.to(self.device)  # [B, C, h, w]
         b = x.shape[0]
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(b)  # [B]
         if self.guidance_scale == 1.0:
             return self._forward(x, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"]).float()
-        out = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]),  # [2B, C, h, w]
-                            torch.cat([cond["negative_prompt_embeds"], cond["prompt_embeds"]]),
-                            torch.cat([cond["negative_pooled_prompt_embeds"], cond["pooled_prompt_embeds"]]))
-        uncond, text = out.chunk(2)  # [B, C, h, w] each
+        uncond, text = cfg_halves(self._forward,  # [B, C, h, w] each
+                                  (x, sigma, cond["negative_prompt_embeds"], cond["negative_pooled_prompt_embeds"]),
+                                  (x, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"]))
         return cfg_combine(uncond, text, self.guidance_scale)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """What every sampler returns: a flat set of stochastic transitions plus the finished samples.
 
-DESIGN.md: each method differs only in how its sampler fills these tensors and how
+docs/design.md: each method differs only in how its sampler fills these tensors and how
 ``flowrl.advantages`` turns rewards + structure into one advantage per transition; the
 GRPO-family update needs nothing else.
 """
@@ -16,7 +16,13 @@ from ..types import RewardFn
 
 @dataclass
 class Transitions:
-    """M stored stochastic transitions ``latents -> next_latents`` (the trained ones)."""
+    """M stored stochastic transitions ``latents -> next_latents`` (the trained ones).
+
+    The float fields stay where the sampler made them (the policy's device: no copy to the host
+    per step, none back per minibatch); the long index fields are small host-side metadata for
+    the advantage functions. :meth:`to` moves everything to one device (the trainer does, once
+    per update).
+    """
 
     latents: torch.Tensor        # [M, C, H, W] float32, x at sigma
     next_latents: torch.Tensor   # [M, C, H, W] float32, the sampled x at sigma_next
@@ -32,8 +38,19 @@ class Transitions:
         return self.latents.shape[0]
 
     def select(self, index: torch.Tensor) -> "Transitions":
-        """Rows ``index`` [K] of every field."""
-        return Transitions(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+        """Rows ``index`` [K] of every field (the index is moved once per device the fields live on)."""
+        on: dict[torch.device, torch.Tensor] = {}
+        out = {}
+        for f in fields(self):
+            t = getattr(self, f.name)
+            if t.device not in on:
+                on[t.device] = index.to(t.device)
+            out[f.name] = t[on[t.device]]
+        return Transitions(**out)
+
+    def to(self, device: torch.device | str) -> "Transitions":
+        """Every field on ``device`` (fields already there are shared, not copied)."""
+        return Transitions(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
     @staticmethod
     def concat(parts: list["Transitions"]) -> "Transitions":
@@ -54,6 +71,9 @@ class Rollout:
     ``structure`` names the advantage function of ``flowrl.advantages.ADVANTAGES`` that
     turns this rollout into one advantage per transition; ``extras`` holds what that
     function needs beyond the common fields (tree links for BranchGRPO, ...).
+
+    Devices: ``x0``, ``cond`` and the transitions' float fields may live on the policy's device
+    (a GPU); ``images``, ``rewards``, the index tensors and ``extras`` are on the CPU.
     """
 
     prompts: list[str]                 # the P distinct prompts
@@ -71,10 +91,20 @@ class Rollout:
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N]
     extras: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, float] = field(default_factory=dict)  # model_evals, seconds, ...
+    # the sampler's text conditioning of ``prompts`` (batch-first [P, ...]); None: not kept
+    cond: Optional[dict[str, torch.Tensor]] = None
 
     @property
     def num_samples(self) -> int:
         return self.x0.shape[0]
+
+    def conditioning(self, policy) -> dict[str, torch.Tensor]:
+        """Text conditioning of ``prompts`` [P, ...]: the one the rollout was sampled with (no second
+        ``encode_prompts``), or ``policy.encode_prompts(prompts)`` when it kept none."""
+        if self.cond is not None:
+            return dict(self.cond)
+        with torch.no_grad():
+            return dict(policy.encode_prompts(self.prompts))
 
 
 def score_images(reward: Optional[RewardFn], images: torch.Tensor, prompts: list[str],

@@ -1,4 +1,4 @@
-"""Tree rollouts (BranchGRPO, Li et al. 2025, arXiv 2509.06040; SPEC section 4).
+"""Tree rollouts (BranchGRPO, Li et al. 2025, arXiv 2509.06040; docs/algorithms.md §4).
 
 One tree per prompt: every active latent of a step gets one velocity evaluation, and at a
 split step each latent spawns ``K`` children from the same step mean. With ``n_0 = 1`` and
@@ -19,11 +19,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..seeding import derive_seeds, seeded_randn
+from ..seeding import derive_seeds, seeded_randn_rows
 from ..sde import DEFAULT_NOISE_LEVEL, STEPS, get_step, ode_step
 from ..types import FlowPolicy, RewardFn, index_cond
 from .base import Rollout, Transitions, score_images
-from .common import EvalCounter, step_sigmas, velocity_batched
+from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
 
 MODES = ("sde", "mix")
 _MAX_PATHS = 1 << 20  # active latents per tree and step, bounds the noise-stream encoding
@@ -52,10 +52,8 @@ def _stream(step: int, pos: torch.Tensor, kind: int) -> list[int]:
 
 
 def _path_noise(seeds: list[int], streams: list[int], shape: tuple[int, ...], device) -> torch.Tensor:
-    """Row r ~ N(0, 1) from (seeds[r], streams[r]) alone -> ``[R, *shape]`` float32."""
-    if not seeds:
-        return torch.zeros((0, *shape), device=device)
-    return torch.cat([seeded_randn([s], shape, stream=st, device=device) for s, st in zip(seeds, streams)])
+    """Row r ~ N(0, 1) from (seeds[r], streams[r]) alone -> ``[R, *shape]`` float32, drawn on ``device``."""
+    return seeded_randn_rows(seeds, streams, shape, device)  # [R, *shape]
 
 
 @dataclass
@@ -164,7 +162,7 @@ class BranchSampler:
         return sorted(set(self.split_steps) | set(range(start, start + self.window)))
 
     def evals_per_tree(self) -> int:
-        """Model evaluations per tree, ``sum_i n_i`` (SPEC section 4)."""
+        """Model evaluations per tree, ``sum_i n_i`` (docs/algorithms.md §4)."""
         return sum(self.active_counts()[:-1])
 
     def edges_per_tree(self, iteration: int = 0) -> int:
@@ -189,33 +187,35 @@ class BranchSampler:
         if len(tree_seeds) != p:
             raise ValueError(f"got {len(tree_seeds)} seeds for {p} prompts (one seed per tree)")
         cond = policy.encode_prompts(list(prompts))  # per prompt [P, ...]
-        x = policy.initial_noise(tree_seeds).float()  # [P, C, H, W]
+        x, sigmas, sig_dev = sampling_setup(policy, tree_seeds, self.num_steps)  # [P, C, H, W], [T + 1] CPU / device
         shape, dev = tuple(x.shape[1:]), x.device
-        sigmas = policy.sigmas(self.num_steps).float()  # [T + 1]
         splits, stoch = set(self.split_steps), set(self.sde_steps(iteration))
         step_fn = get_step(self.step)
         counter = EvalCounter()
 
         tree = torch.arange(p)            # [R] tree of each active latent (non-decreasing)
+        tree_d = torch.arange(p, device=dev)  # [R] the same on x's device (conditioning rows)
         pos = torch.zeros(p, dtype=torch.long)  # [R] index in its tree's active list (= path)
         node = torch.arange(p)            # [R] node id of each active latent
         parent, depth, node_tree = [torch.full((p,), -1)], [torch.zeros(p, dtype=torch.long)], [tree.clone()]
-        node_lp, node_edge = [torch.zeros(p)], [torch.full((p,), -1)]
+        node_lp, node_edge = [torch.zeros(p, device=dev)], [torch.full((p,), -1)]
         n_nodes, n_edges, parts = p, 0, []
         for i in range(self.num_steps):
             r = x.shape[0]
-            s, s_next = step_sigmas(sigmas, i, r)  # [R], [R]
-            v = velocity_batched(policy, x, s, index_cond(cond, tree), self.max_batch, counter)  # [R, C, H, W]
+            s, s_next = step_sigmas(sig_dev, i, r)  # [R], [R] on x's device
+            v = velocity_batched(policy, x, s, index_cond(cond, tree_d), self.max_batch, counter)  # [R, C, H, W]
             row_seeds = [tree_seeds[t] for t in tree.tolist()]
             if i in splits:
-                rep = torch.arange(r).repeat_interleave(k)  # [R*K] parent row of each child
+                rep = torch.arange(r).repeat_interleave(k)  # [R*K] parent row of each child (host index)
+                rep_d = torch.arange(r, device=dev).repeat_interleave(k)  # [R*K] the same, built on x's device
                 child_pos = pos[rep] * k + torch.arange(k).repeat(r)  # [R*K]
                 xi0 = _path_noise(row_seeds, _stream(i, pos, 0), shape, dev)  # [R, C, H, W]
                 eta = _path_noise([row_seeds[j] for j in rep.tolist()], _stream(i, child_pos, 1), shape, dev)
-                noise = branch_noise(xi0[rep], eta, self.branch_noise_mix)  # [R*K, C, H, W]
-                out = step_fn(v[rep], x[rep], s[rep], s_next[rep], noise_level=self.noise_level, noise=noise)
+                noise = branch_noise(xi0[rep_d], eta, self.branch_noise_mix)  # [R*K, C, H, W]
+                x_in, s_in, sn_in, tree_d = x[rep_d], s[rep_d], s_next[rep_d], tree_d[rep_d]  # [R*K, ...]
+                out = step_fn(v[rep_d], x_in, s_in, sn_in, noise_level=self.noise_level, noise=noise)
             else:
-                rep, child_pos = torch.arange(r), pos
+                rep, child_pos, x_in, s_in, sn_in = torch.arange(r), pos, x, s, s_next
                 if i in stoch:
                     noise = _path_noise(row_seeds, _stream(i, pos, 0), shape, dev)  # [R, C, H, W]
                     out = step_fn(v, x, s, s_next, noise_level=self.noise_level, noise=noise)
@@ -226,14 +226,14 @@ class BranchSampler:
             parent.append(node[rep])
             depth.append(torch.full((c,), i + 1, dtype=torch.long))
             node_tree.append(tree[rep])
-            node_lp.append(out.log_prob.cpu())
-            if i in stoch:
+            node_lp.append(out.log_prob)  # [C], on x's device until the tree is done
+            if i in stoch:  # stored where they were made: no per-step copy to the host
                 node_edge.append(torch.arange(n_edges, n_edges + c))
                 parts.append(Transitions(
-                    latents=x[rep].cpu(), next_latents=out.sample.cpu(), sigma=s[rep].cpu(),
-                    sigma_next=s_next[rep].cpu(), prompt_index=tree[rep].clone(),
-                    sample_index=torch.full((c,), -1), step=torch.full((c,), i, dtype=torch.long),
-                    old_log_prob=out.log_prob.cpu(), weight=torch.ones(c)))
+                    latents=x_in, next_latents=out.sample, sigma=s_in, sigma_next=sn_in,
+                    prompt_index=tree[rep].clone(), sample_index=torch.full((c,), -1),
+                    step=torch.full((c,), i, dtype=torch.long), old_log_prob=out.log_prob,
+                    weight=torch.ones(c, device=dev)))
                 n_edges += c
             else:
                 node_edge.append(torch.full((c,), -1))
@@ -243,7 +243,8 @@ class BranchSampler:
 
         images = policy.decode(x).float().cpu()  # [N, 3, H, W], leaves only, each once
         rewards, comps = score_images(reward, images, [prompts[t] for t in tree.tolist()])
-        extras = self._tree_extras(torch.cat(parent), torch.cat(depth), torch.cat(node_tree), torch.cat(node_lp),
+        extras = self._tree_extras(torch.cat(parent), torch.cat(depth), torch.cat(node_tree),
+                                   torch.cat(node_lp).cpu(),  # one copy to the host
                                    torch.cat(node_edge), node, n_edges, tree_seeds, iteration)
         trans = Transitions.concat(parts) if parts else Transitions.empty(shape)
         leaf_lo, leaf_hi = extras["node_leaf_start"], extras["node_leaf_end"]
@@ -253,9 +254,9 @@ class BranchSampler:
         return Rollout(
             prompts=list(prompts), prompt_index=tree.clone(),
             seeds=torch.tensor([tree_seeds[t] for t in tree.tolist()], dtype=torch.long),
-            group_index=tree.clone(), x0=x.cpu(), images=images, rewards=rewards, transitions=trans,
-            sigmas=sigmas.cpu(), step_type=self.step, noise_level=float(self.noise_level),
-            structure="branch", reward_components=comps, extras=extras,
+            group_index=tree.clone(), x0=x, images=images, rewards=rewards, transitions=trans,
+            sigmas=sigmas, step_type=self.step, noise_level=float(self.noise_level),
+            structure="branch", reward_components=comps, extras=extras, cond=cond,
             stats={"model_evals": counter.rows, "velocity_calls": counter.calls, "rollout_seconds": t_roll,
                    "reward_seconds": time.perf_counter() - t0 - t_roll, "tree_nodes": n_nodes,
                    "tree_edges": n_edges})

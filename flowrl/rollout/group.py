@@ -1,4 +1,4 @@
-"""Flat group rollouts (Flow-GRPO / DanceGRPO / MixGRPO, SPEC section 3)."""
+"""Flat group rollouts (Flow-GRPO / DanceGRPO / MixGRPO, docs/algorithms.md §3)."""
 from __future__ import annotations
 
 import time
@@ -12,7 +12,7 @@ from ..sde import DEFAULT_NOISE_LEVEL, get_step, ode_step
 from ..ode_solvers import SOLVERS, compressed_sigmas, data_prediction, dpmpp_2m_step, second_order
 from ..types import FlowPolicy, RewardFn, index_cond
 from .base import Rollout, Transitions, score_images
-from .common import EvalCounter, step_sigmas, velocity_batched
+from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
 
 
 @dataclass
@@ -120,16 +120,16 @@ class GroupSampler:
         seeds = list(seeds) if seeds is not None else derive_seeds(seed, n)
         if len(seeds) != n:
             raise ValueError(f"got {len(seeds)} seeds for {n} samples")
-        cond = index_cond(policy.encode_prompts(prompts), prompt_index)
-        x = policy.initial_noise(seeds).float()  # [N, C, H, W]
-        sigmas = policy.sigmas(self.num_steps).float()  # [T + 1]
+        cond_p = policy.encode_prompts(prompts)  # [P, ...]
+        cond = index_cond(cond_p, prompt_index)  # [N, ...]
+        x, sigmas, sig_dev = sampling_setup(policy, seeds, self.num_steps)  # [N, C, H, W], [T + 1] CPU / device
         stoch, trained = set(self.sde_steps(iteration)), set(self.trained_steps(iteration))
         step_fn = get_step(self.step)
         counter = EvalCounter()
         parts = []
         x0_prev = sig_prev = None  # the previous ODE step's data prediction (DPM-Solver++ 2M)
         for i, j in self.step_plan(iteration):
-            s, s_next = step_sigmas(sigmas, i, n, j)  # [N] each
+            s, s_next = step_sigmas(sig_dev, i, n, j)  # [N] each, on x's device
             v = velocity_batched(policy, x, s, cond, self.max_batch, counter)  # [N, C, H, W]
             if i in stoch:
                 noise = seeded_randn(seeds, tuple(x.shape[1:]), stream=1 + i, device=x.device)
@@ -143,21 +143,21 @@ class GroupSampler:
                 x0_prev, sig_prev = x0, si
             else:
                 out = ode_step(v, x, s, s_next)
-            if i in trained:
+            if i in trained:  # stored where they were made: no per-step copy to the host
                 parts.append(Transitions(
-                    latents=x.cpu(), next_latents=out.sample.cpu(), sigma=s.cpu(), sigma_next=s_next.cpu(),
+                    latents=x, next_latents=out.sample, sigma=s, sigma_next=s_next,
                     prompt_index=prompt_index.clone(), sample_index=torch.arange(n),
-                    step=torch.full((n,), i, dtype=torch.long), old_log_prob=out.log_prob.cpu(),
-                    weight=torch.ones(n)))
+                    step=torch.full((n,), i, dtype=torch.long), old_log_prob=out.log_prob,
+                    weight=torch.ones(n, device=x.device)))
             x = out.sample
         t_roll = time.perf_counter() - t0
         images = policy.decode(x).float().cpu()  # [N, 3, H, W]
         rewards, comps = score_images(reward, images, [prompts[i] for i in prompt_index.tolist()])
         return Rollout(
             prompts=list(prompts), prompt_index=prompt_index, seeds=torch.tensor(seeds, dtype=torch.long),
-            group_index=prompt_index.clone(), x0=x.cpu(), images=images, rewards=rewards,
+            group_index=prompt_index.clone(), x0=x, images=images, rewards=rewards,
             transitions=Transitions.concat(parts) if parts else Transitions.empty(tuple(x.shape[1:])),
-            sigmas=sigmas.cpu(), step_type=self.step, noise_level=float(self.noise_level),
-            structure="group", reward_components=comps,
+            sigmas=sigmas, step_type=self.step, noise_level=float(self.noise_level),
+            structure="group", reward_components=comps, cond=cond_p,
             stats={"model_evals": counter.rows, "rollout_seconds": t_roll,
                    "reward_seconds": time.perf_counter() - t0 - t_roll})

@@ -12,32 +12,48 @@ from ..sde import ode_step
 from ..seeding import derive_seeds
 from ..types import FlowPolicy, RewardFn, index_cond
 from .base import Rollout, Transitions, score_images
-from .common import EvalCounter, step_sigmas, velocity_batched
+from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
+
+
+def _unique_cond(policy: FlowPolicy, prompts: list[str]) -> tuple[list[str], torch.Tensor, dict]:
+    """``(distinct prompts, index [N] of each prompt among them, their conditioning [U, ...])``."""
+    uniq = list(dict.fromkeys(prompts))
+    pos = {p: i for i, p in enumerate(uniq)}
+    index = torch.tensor([pos[p] for p in prompts], dtype=torch.long)  # [N]
+    return uniq, index, policy.encode_prompts(uniq)
+
+
+@torch.no_grad()
+def ode_integrate(policy: FlowPolicy, cond, seeds: list[int], num_steps: int, max_batch: Optional[int] = None,
+                  counter: Optional[EvalCounter] = None) -> torch.Tensor:
+    """Euler-integrate one sample per seed under per-sample ``cond`` [N, ...] -> x0 [N, C, H, W]
+    on the policy's device."""
+    x, _, sigmas = sampling_setup(policy, seeds, num_steps)  # [N, C, H, W], [T + 1] on x's device
+    for i in range(num_steps):
+        s, s_next = step_sigmas(sigmas, i, x.shape[0])
+        v = velocity_batched(policy, x, s, cond, max_batch, counter)
+        x = ode_step(v, x, s, s_next).sample
+    return x  # [N, C, H, W]
 
 
 @torch.no_grad()
 def ode_sample(policy: FlowPolicy, prompts: list[str], seeds: list[int], num_steps: int,
                max_batch: Optional[int] = None, counter: Optional[EvalCounter] = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Euler-integrate ``len(prompts)`` samples (prompt i with seed i) -> (x0 [N, ...], images [N, 3, H, W])."""
+    """Euler-integrate ``len(prompts)`` samples (prompt i with seed i) -> (x0 [N, ...], images [N, 3, H, W]),
+    both on the CPU."""
     if len(prompts) != len(seeds):
         raise ValueError(f"ode_sample got {len(prompts)} prompts but {len(seeds)} seeds; pass one seed per prompt")
-    uniq = list(dict.fromkeys(prompts))
-    index = torch.tensor([uniq.index(p) for p in prompts])  # [N]
-    cond = index_cond(policy.encode_prompts(uniq), index)
-    x = policy.initial_noise(list(seeds)).float()  # [N, C, H, W]
-    sigmas = policy.sigmas(num_steps).float()
-    for i in range(num_steps):
-        s, s_next = step_sigmas(sigmas, i, x.shape[0])
-        v = velocity_batched(policy, x, s, cond, max_batch, counter)
-        x = ode_step(v, x, s, s_next).sample
+    _, index, cond_u = _unique_cond(policy, list(prompts))
+    x = ode_integrate(policy, index_cond(cond_u, index), list(seeds), num_steps, max_batch, counter)
     return x.cpu(), policy.decode(x).float().cpu()
 
 
 def ode_rollout(policy: FlowPolicy, prompts: list[str], seeds: list[int], num_steps: int,
                 reward: Optional[RewardFn] = None, max_batch: Optional[int] = None) -> Rollout:
     """``len(seeds) // len(prompts)`` ODE samples per prompt (prompt-major seeds) as a
-    :class:`Rollout` with no stochastic transitions (for DiffusionNFT)."""
+    :class:`Rollout` with no stochastic transitions (for DiffusionNFT); ``x0`` and the kept
+    conditioning stay on the policy's device."""
     t0 = time.perf_counter()
     if not prompts or len(seeds) % len(prompts):
         raise ValueError(f"need a positive multiple of {len(prompts)} prompts' seeds, got {len(seeds)} seeds")
@@ -45,14 +61,18 @@ def ode_rollout(policy: FlowPolicy, prompts: list[str], seeds: list[int], num_st
     prompt_index = torch.arange(len(prompts)).repeat_interleave(k)  # [N]
     per_sample = [prompts[i] for i in prompt_index.tolist()]
     counter = EvalCounter()
-    x0, images = ode_sample(policy, per_sample, list(seeds), num_steps, max_batch, counter)
+    uniq, index, cond_u = _unique_cond(policy, per_sample)
+    x0 = ode_integrate(policy, index_cond(cond_u, index), list(seeds), num_steps, max_batch, counter)
+    images = policy.decode(x0).float().cpu()  # [N, 3, H, W]
     t_roll = time.perf_counter() - t0
     rewards, comps = score_images(reward, images, per_sample)
+    pos = {p: i for i, p in enumerate(uniq)}
+    cond_p = index_cond(cond_u, torch.tensor([pos[p] for p in prompts], dtype=torch.long))  # [P, ...]
     return Rollout(
         prompts=list(prompts), prompt_index=prompt_index, seeds=torch.tensor(list(seeds), dtype=torch.long),
         group_index=prompt_index.clone(), x0=x0, images=images, rewards=rewards,
         transitions=Transitions.empty(tuple(x0.shape[1:])), sigmas=policy.sigmas(num_steps).float().cpu(),
-        step_type="ode", noise_level=0.0, structure="group", reward_components=comps,
+        step_type="ode", noise_level=0.0, structure="group", reward_components=comps, cond=cond_p,
         stats={"model_evals": counter.rows, "rollout_seconds": t_roll,
                "reward_seconds": time.perf_counter() - t0 - t_roll})
 

@@ -1,4 +1,4 @@
-"""TempFlow-GRPO rollouts: process rewards by branching off an ODE trajectory (SPEC section 5).
+"""TempFlow-GRPO rollouts: process rewards by branching off an ODE trajectory (docs/algorithms.md §5).
 
 TempFlow-GRPO (He et al. 2025, arXiv 2508.04324): for every (prompt, seed) a **main
 trajectory** runs pure ODE (Euler) from the seed's initial noise. At each branch step ``k``
@@ -19,8 +19,8 @@ Model evaluations (latent rows through ``policy.velocity``), per (prompt, seed):
 with ``T_main = T`` if ``finish_main`` else ``max(B) + 1`` (the main trajectory stops after
 the last branch step; its ``x0`` is not a sample). The child's SDE step from ``x_k``
 **reuses** the main trajectory's velocity at ``x_k`` (same latent, sigma and prompt, so the
-same value), so a child only costs its ODE completion steps ``k + 1 .. T - 1``. For SPEC's
-T = 10, B = 0..8, E = 6 with ``finish_main``: 10 + 6 * 45 = 280 (SPEC: "10 main + 6 *
+same value), so a child only costs its ODE completion steps ``k + 1 .. T - 1``. For docs/algorithms.md's
+T = 10, B = 0..8, E = 6 with ``finish_main``: 10 + 6 * 45 = 280 (docs/algorithms.md: "10 main + 6 *
 sum(9 - k)"); without: 9 + 270 = 279.
 """
 from __future__ import annotations
@@ -31,12 +31,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..advantages.tempflow import GROUP_BY, noise_aware_weights
+from ..advantages.tempflow import GROUP_BY, noise_aware_weights, prompt_text_ids
 from ..sde import ode_step, sde_step
 from ..seeding import derive_seeds, seeded_randn
 from ..types import FlowPolicy, RewardFn, index_cond
 from .base import Rollout, Transitions, score_images
-from .common import EvalCounter, step_sigmas, velocity_batched
+from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
 
 MAX_BRANCHES = 1000  # noise streams are 1 + 1000 k + b (unique per (k, b), see branch_noise_stream)
 
@@ -68,7 +68,10 @@ class TempFlowSampler:
         noise_aware: put the noise-aware weight ``w_k`` (flowrl.advantages.tempflow.
             noise_aware_weights over ``branch_steps``) in ``transitions.weight``; else 1.
         group_by: advantage groups: ``"seed"`` = (prompt, seed, step), E per group;
-            ``"prompt"`` = (prompt, step), ``seeds_per_prompt * E`` per group.
+            ``"prompt"`` = (prompt, step), ``seeds_per_prompt * E`` per group;
+            ``"seed_tracker"`` / ``"prompt_tracker"``: the same groups (prompt text for
+            ``prompt_tracker``) with the TempFlow-GRPO code's statistics
+            (:func:`flowrl.advantages.tempflow.tracker_advantages`).
         finish_main: run the main trajectory to x0 too (T evaluations instead of
             ``max(B) + 1``) and report its ODE reward in ``extras["main_rewards"]`` [P * S].
         max_batch: chunk velocity calls to at most this many rows (memory), None = all.
@@ -111,11 +114,12 @@ class TempFlowSampler:
             raise ValueError(f"seeds_per_prompt must be a positive integer, got {self.seeds_per_prompt!r}")
         if self.group_by not in GROUP_BY:
             raise ValueError(f"group_by must be one of {GROUP_BY}, got {self.group_by!r}")
-        group = self.branches * (self.seeds_per_prompt if self.group_by == "prompt" else 1)
+        per_prompt = self.group_by in ("prompt", "prompt_tracker")
+        group = self.branches * (self.seeds_per_prompt if per_prompt else 1)
         if group < 2:
             raise ValueError(f"an advantage group of group_by={self.group_by!r} holds {group} transition(s); "
                              f"it needs >= 2 (raise branches"
-                             f"{' or seeds_per_prompt' if self.group_by == 'prompt' else ''})")
+                             f"{' or seeds_per_prompt' if per_prompt else ''})")
         if not self.noise_level > 0:
             raise ValueError(f"noise_level must be > 0 (the branching SDE step must inject noise), got {self.noise_level}")
         if self.max_batch is not None and (not isinstance(self.max_batch, int) or self.max_batch < 1):
@@ -169,19 +173,20 @@ class TempFlowSampler:
         if len(seeds) != j:
             raise ValueError(f"got {len(seeds)} seeds for {p} prompts x {s_per} seeds_per_prompt = {j} trajectories")
         cond_p = policy.encode_prompts(list(prompts))  # P rows
-        sigmas = policy.sigmas(t).float()  # [T + 1]
+        main, sigmas, sig_dev = sampling_setup(policy, seeds, t)  # [J, C, H, W], [T + 1] CPU / device
         if sigmas.shape != (t + 1,):
             raise ValueError(f"policy.sigmas({t}) returned shape {tuple(sigmas.shape)}, expected ({t + 1},)")
         if self.noise_aware:
-            step_w = noise_aware_weights(sigmas.cpu(), self.noise_level, branch_steps)  # [T]
+            step_w = noise_aware_weights(sigmas, self.noise_level, branch_steps)  # [T]
         else:
             step_w = torch.zeros(t).index_fill_(0, torch.tensor(branch_steps), 1.0)  # [T]
 
-        main = policy.initial_noise(seeds).float()  # [J, C, H, W]
-        shape = tuple(main.shape[1:])
+        shape, dev = tuple(main.shape[1:]), main.device
         live = main.new_zeros((0, *shape))  # [L, C, H, W] completions, blocks of J * E per branch step
-        live_prompt = torch.zeros(0, dtype=torch.long)  # [L]
+        live_prompt = torch.zeros(0, dtype=torch.long, device=dev)  # [L] (conditioning rows, on x's device)
+        main_prompt_d = main_prompt.to(dev)  # [J]
         rep = torch.arange(j).repeat_interleave(e)  # [J * E] main row of each child, (row, branch) order
+        rep_d = rep.to(dev)  # [J * E]
         branch_of = torch.arange(e).repeat(j)  # [J * E]
         counter = EvalCounter()
         main_steps = self.main_evals()
@@ -189,30 +194,30 @@ class TempFlowSampler:
         for i in range(t):
             run_main = i < main_steps
             x = torch.cat([main, live]) if run_main else live  # [J + L or L, C, H, W]
-            rows = torch.cat([main_prompt, live_prompt]) if run_main else live_prompt  # [B]
+            rows = torch.cat([main_prompt_d, live_prompt]) if run_main else live_prompt  # [B]
             if x.shape[0] == 0:
                 continue
-            s, s_next = step_sigmas(sigmas, i, x.shape[0])  # [B], [B]
-            v = velocity_batched(policy, x, s.to(x.device), index_cond(cond_p, rows), self.max_batch, counter)
+            s, s_next = step_sigmas(sig_dev, i, x.shape[0])  # [B], [B] on x's device
+            v = velocity_batched(policy, x, s, index_cond(cond_p, rows), self.max_batch, counter)
             v = v.float()  # [B, C, H, W]
             nm = j if run_main else 0
             v_main, v_live = v[:nm], v[nm:]  # [J, ...], [L, ...]
             live = ode_step(v_live, live, s[nm:], s_next[nm:]).sample  # [L, C, H, W]
             if i in self.branch_steps:
                 # E children of each main latent from one SDE step; the main velocity is reused.
-                noise = torch.stack([seeded_randn(seeds, shape, stream=branch_noise_stream(i, b), device=x.device)
+                noise = torch.stack([seeded_randn(seeds, shape, stream=branch_noise_stream(i, b), device=dev)
                                      for b in range(e)], dim=1).reshape(j * e, *shape)  # [J * E, C, H, W]
-                x_k = main[rep]  # [J * E, C, H, W]
-                out = sde_step(v_main[rep], x_k, s[:1].expand(j * e), s_next[:1].expand(j * e),
+                x_k = main[rep_d]  # [J * E, C, H, W]
+                out = sde_step(v_main[rep_d], x_k, s[:1].expand(j * e), s_next[:1].expand(j * e),
                                noise_level=self.noise_level, noise=noise)
-                parts.append(Transitions(
-                    latents=x_k.cpu(), next_latents=out.sample.cpu(),
-                    sigma=s[:1].expand(j * e).cpu().clone(), sigma_next=s_next[:1].expand(j * e).cpu().clone(),
+                parts.append(Transitions(  # stored where they were made: no per-step copy to the host
+                    latents=x_k, next_latents=out.sample,
+                    sigma=s[:1].expand(j * e).clone(), sigma_next=s_next[:1].expand(j * e).clone(),
                     prompt_index=main_prompt[rep], sample_index=torch.zeros(j * e, dtype=torch.long),
-                    step=torch.full((j * e,), i, dtype=torch.long), old_log_prob=out.log_prob.cpu(),
-                    weight=torch.full((j * e,), float(step_w[i]))))
+                    step=torch.full((j * e,), i, dtype=torch.long), old_log_prob=out.log_prob,
+                    weight=torch.full((j * e,), float(step_w[i]), device=dev)))
                 live = torch.cat([live, out.sample])  # children join at sigma_{i+1}
-                live_prompt = torch.cat([live_prompt, main_prompt[rep]])
+                live_prompt = torch.cat([live_prompt, main_prompt_d[rep_d]])
             if run_main:
                 main = ode_step(v_main, main, s[:nm], s_next[:nm]).sample  # [J, C, H, W]
         t_roll = time.perf_counter() - t0
@@ -220,7 +225,7 @@ class TempFlowSampler:
         # live is in (step, row, branch) order; samples are (row, step, branch) = (prompt, seed, step, branch).
         n = j * nb * e
         perm = torch.arange(n).view(nb, j, e).permute(1, 0, 2).reshape(-1)  # [N]
-        x0 = live[perm.to(live.device)].cpu()  # [N, C, H, W]
+        x0 = live[perm.to(dev)]  # [N, C, H, W], on x's device
         trans = Transitions.concat(parts).select(perm)
         trans.sample_index = torch.arange(n)
         trajectory = rep.repeat(nb)[perm]  # [N] main row of each completion
@@ -236,16 +241,18 @@ class TempFlowSampler:
             main_rewards, _ = score_images(reward, policy.decode(main).float().cpu(),
                                            [prompts[q] for q in main_prompt.tolist()])
         t_score = time.perf_counter() - t0 - t_roll
-        if self.group_by == "seed":
+        if self.group_by in ("seed", "seed_tracker"):
             group_index = trajectory * t + step_of  # [N] (prompt, seed, step)
+        elif self.group_by == "prompt_tracker":
+            group_index = prompt_text_ids(prompts, prompt_index) * t + step_of  # [N] (prompt text, step)
         else:
             group_index = prompt_index * t + step_of  # [N] (prompt, step)
         _, group_index = torch.unique(group_index, return_inverse=True)  # [N] dense ids
         return Rollout(
             prompts=list(prompts), prompt_index=prompt_index, seeds=seed_t[trajectory], group_index=group_index,
-            x0=x0, images=images, rewards=rewards, transitions=trans, sigmas=sigmas.cpu(),
+            x0=x0, images=images, rewards=rewards, transitions=trans, sigmas=sigmas,
             step_type="sde", noise_level=float(self.noise_level), structure="tempflow",
-            reward_components=comps,
+            reward_components=comps, cond=cond_p,
             extras={"group_by": self.group_by, "branch_steps": branch_steps, "trajectory": trajectory,
                     "seed_slot": trajectory % s_per, "step": step_of, "branch": branch,
                     "step_weights": step_w, "main_rewards": main_rewards},

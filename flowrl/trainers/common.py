@@ -181,48 +181,86 @@ class TrainerBase:
             ok = self.acc.reduce(ok, reduction="sum") / self.acc.num_processes
         return bool(ok.item() == 1.0)
 
+    def _finite_everywhere(self, ok: torch.Tensor) -> torch.Tensor:
+        """0-dim bool tensor: ``ok`` holds on every process (a device-side reduction, no host read)."""
+        ok = ok.to(self.acc.device, torch.float32).reshape(1)
+        if self.acc.num_processes > 1:
+            ok = self.acc.reduce(ok, reduction="sum") / self.acc.num_processes
+        return ok[0] == 1.0
+
     def _accumulate(self, passes: list, loss_of: Callable[[Any], tuple[torch.Tensor, dict]], sums: dict,
                     after_step: Optional[Callable[[], None]] = None) -> int:
         """Forward/backward over ``passes`` in groups of ``train.grad_accum``, one optimizer step per
-        group (DDP syncs gradients on a group's last pass only). ``loss_of(pass) -> (loss, stats)``;
-        each pass's loss is divided by its group's size. A non-finite loss skips its backward and
-        makes its group's step a skipped one. Adds the stats, ``loss`` and ``grad_norm`` (weighted by
-        group size) into ``sums``; ``after_step()`` runs after every step. Returns passes counted."""
+        group (DDP syncs gradients on a group's last pass only). ``loss_of(pass) -> (loss, stats)``
+        (stats: floats or 0-dim tensors); each pass's loss is divided by its group's size. A group with
+        a non-finite loss skips its optimizer step (its gradients are dropped unused). Adds the stats
+        of finite passes, ``loss`` and ``grad_norm`` (weighted by group size) into ``sums``;
+        ``after_step()`` runs after every step. Returns passes counted.
+
+        Host syncs: the finite checks stay on the device until one read per optimizer step (the
+        step-or-skip decision); tensor stats are read once, at the end (:func:`flush_stats`).
+        """
         count, ga = 0, self.cfg.train.grad_accum
+        kept: list[tuple[str, Any]] = []  # (name, float or 0-dim tensor) of finite passes, in order
         for start in range(0, len(passes), ga):
             group = passes[start:start + ga]
-            finite = True
+            oks, group_stats = [], []
             for j, p in enumerate(group):
                 sync = j == len(group) - 1 or self.acc.num_processes == 1
                 with contextlib.nullcontext() if sync else self.acc.no_sync(self.model):
                     loss, stats = loss_of(p)
-                    if not self._all_finite(loss.detach()):
-                        finite = False
-                        continue
-                    self.acc.backward(loss / len(group))
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-                sums["loss"] = sums.get("loss", 0.0) + loss.item()
-                count += 1
-            for k, v in self._optimizer_step(finite).items():
-                sums[k] = sums.get(k, 0.0) + v * len(group)
+                    oks.append(torch.isfinite(loss.detach()))  # 0-dim bool, on the device
+                    self.acc.backward(loss / len(group))  # non-finite: the group's step is skipped below
+                group_stats.append({**stats, "loss": loss.detach()})
+            flags, norm = self._guarded_step(torch.stack(oks))
+            for ok, st in zip(flags, group_stats):
+                if ok:
+                    kept.extend(st.items())
+                    count += 1
+            kept.append(("grad_norm", norm * len(group)))
             if after_step is not None:
                 after_step()
+        flush_stats(kept, sums)
         return count
+
+    def _guarded_step(self, loss_ok: torch.Tensor) -> tuple[list[bool], torch.Tensor]:
+        """Clip, then step if every loss of the group (``loss_ok`` [G] bool) and the gradient norm are
+        finite on every process, else skip (:meth:`_take_step`); one host read. Returns the per-pass
+        flags and the norm (NaN when a loss was not finite), a 0-dim tensor."""
+        norm = torch.as_tensor(self.acc.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm),
+                               dtype=torch.float32, device=loss_ok.device)  # unscales fp16 gradients first
+        losses_ok = loss_ok.all()
+        ok = self._finite_everywhere(losses_ok & torch.isfinite(norm))
+        read = torch.cat([loss_ok.float(), ok.float().reshape(1).to(loss_ok.device)]).tolist()  # the one sync
+        self._take_step(read[-1] == 1.0, scaler_update_only=True)
+        norm = torch.where(losses_ok, norm, torch.full_like(norm, float("nan")))
+        return [v == 1.0 for v in read[:-1]], norm
 
     def _optimizer_step(self, finite: bool) -> dict:
         """Clip, step (or skip a non-finite step, stopping after ``train.max_consecutive_skips``), zero."""
         norm = self.acc.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm) if finite else torch.tensor(float("nan"))
         norm = torch.as_tensor(norm, dtype=torch.float32)
-        if finite and self._all_finite(norm):
+        self._take_step(finite and self._all_finite(norm), scaler_update_only=False, unscaled=finite)
+        return {"grad_norm": float(norm)}
+
+    def _take_step(self, ok: bool, scaler_update_only: bool, unscaled: bool = True) -> None:
+        """Step (``ok``) or count a skipped step, stopping after ``train.max_consecutive_skips`` in a
+        row; then zero the gradients. On a skip with fp16 loss scaling and unscaled gradients, the
+        GradScaler records it: ``scaler_update_only`` updates the scale without stepping, else the
+        optimizer's step runs through the scaler, which skips it on the inf it sees."""
+        if ok:
             self.opt.step()
             self.opt_steps += 1
             self.consecutive_skips = 0
             if self.ema is not None and self.opt_steps % self.cfg.train.ema_every == 0:
                 self.ema.update(self.unwrapped)
         else:
-            if finite and getattr(self.acc, "scaler", None) is not None:
-                self.opt.step()  # fp16: the GradScaler sees the inf, skips the update and lowers its scale
+            scaler = getattr(self.acc, "scaler", None)
+            if unscaled and scaler is not None:
+                if scaler_update_only:
+                    scaler.update()  # records the skip (lowers the scale if the gradients overflowed)
+                else:
+                    self.opt.step()  # fp16: the GradScaler sees the inf, skips the update and lowers its scale
             self.skipped += 1
             self.consecutive_skips += 1
             if self.consecutive_skips >= self.cfg.train.max_consecutive_skips:
@@ -232,7 +270,6 @@ class TrainerBase:
                     f"{self.stop_causes}a learning rate too high (train.lr={self.cfg.train.lr}), or fp16 overflow "
                     f"(train.mixed_precision={self.cfg.train.mixed_precision}).")
         self.opt.zero_grad(set_to_none=True)
-        return {"grad_norm": float(norm)}
 
     # ---------------------------------------------------------------- reporting
     def _real_data_reference(self) -> dict:
@@ -300,6 +337,19 @@ class TrainerBase:
         if self.acc.num_processes > 1 and torch.distributed.is_initialized():
             self.acc.wait_for_everyone()
             torch.distributed.destroy_process_group()  # else gloo/NCCL processes abort at exit
+
+
+def flush_stats(kept: list[tuple[str, Any]], sums: dict) -> None:
+    """Add ``(name, value)`` pairs into ``sums`` in order: floats as they are, 0-dim tensors read in one
+    host transfer per (device, dtype), giving the same float64 sums as adding ``float(value)`` one by one."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for _, v in kept:
+        if isinstance(v, torch.Tensor):
+            groups.setdefault((v.device, v.dtype), []).append(v.detach().reshape(()))
+    read = {key: iter(torch.stack(ts).tolist()) for key, ts in groups.items()}
+    for k, v in kept:
+        val = next(read[(v.device, v.dtype)]) if isinstance(v, torch.Tensor) else float(v)
+        sums[k] = sums.get(k, 0.0) + float(val)
 
 
 def side_by_side(before: Path, after: Path, out: Path) -> None:

@@ -1,4 +1,4 @@
-"""DiffusionNFT update (arXiv 2509.16117; Sol-RL's trainer, SPEC section 6): trains on finished
+"""DiffusionNFT update (arXiv 2509.16117; Sol-RL's trainer, docs/algorithms.md §7): trains on finished
 samples alone (``Rollout.x0`` and rewards), no log-probs, so any sampler works, ODE included.
 
 The old (sampling) policy is a second copy of the trained tensors (LoRA: a few MB), updated after
@@ -43,23 +43,23 @@ def nft_update(trainer, rollout, it: int) -> dict:
                                  clip=cfg.adv_clip_max)
     rows_all = torch.nonzero(~zero).flatten()
     dev = trainer.acc.device
-    with torch.no_grad():
-        cond_all = trainer.policy.encode_prompts(rollout.prompts)
+    cond_all = rollout.conditioning(trainer.policy)  # the rollout's own: prompts are not encoded again
+    x0_all, adv_d, prompt_d = rollout.x0.to(dev), adv.to(dev), rollout.prompt_index.to(dev)  # once per update
     sums, count = {}, 0
     trainer.model.train()
     for epoch in range(cfg.inner_epochs):
         seed = derive_seeds(cfg.seed * 7919 + it, epoch + 2)[-1]
         g = torch.Generator().manual_seed(int(seed))
-        rows = rows_all[torch.randperm(len(rows_all), generator=g)]
-        t_all = T_MIN + (1 - T_MIN) * torch.rand(rollout.num_samples, generator=g)  # [N]
-        eps_all = torch.randn(rollout.x0.shape, generator=g)  # [N, C, H, W]
+        rows = rows_all[torch.randperm(len(rows_all), generator=g)].to(dev)
+        t_all = (T_MIN + (1 - T_MIN) * torch.rand(rollout.num_samples, generator=g)).to(dev)  # [N]
+        eps_all = torch.randn(rollout.x0.shape, generator=g).to(dev)  # [N, C, H, W], one copy per epoch
         mbs = list(rows.split(cfg.minibatch_size)) if len(rows) else []
 
         def loss_of(mb: torch.Tensor, t_all=t_all, eps_all=eps_all) -> tuple[torch.Tensor, dict]:
-            x0 = rollout.x0[mb].to(dev)  # [m, C, H, W]
-            t = t_all[mb].to(dev)  # [m]
-            x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps_all[mb].to(dev)
-            c = index_cond(cond_all, rollout.prompt_index[mb])
+            x0 = x0_all[mb]  # [m, C, H, W]
+            t = t_all[mb]  # [m]
+            x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps_all[mb]
+            c = index_cond(cond_all, prompt_d[mb])
             with torch.no_grad(), trainer.old_policy.applied(trainer.unwrapped):
                 v_old = trainer.policy.velocity(x_t, t, c)
             v_ref = None
@@ -68,7 +68,7 @@ def nft_update(trainer, rollout, it: int) -> dict:
                     v_ref = trainer.policy.velocity(x_t, t, c)
             with trainer.acc.autocast():
                 v = trainer.policy.velocity(x_t, t, c)
-            return nft_loss(v, v_old, x_t, x0, t, adv[mb].to(dev), beta=cfg.nft_beta,
+            return nft_loss(v, v_old, x_t, x0, t, adv_d[mb], beta=cfg.nft_beta,
                             adv_clip_max=cfg.adv_clip_max, v_ref=v_ref, beta_kl=cfg.beta_kl)
 
         count += trainer._accumulate(mbs, loss_of, sums,

@@ -2,7 +2,7 @@
 
 One loop for every sampler (group, branch, tempflow, sol): a rollout is a flat set of
 stochastic transitions, the rollout's structure picks the advantage function, and the update
-recomputes each transition's log-prob under the current weights (DESIGN.md).
+recomputes each transition's log-prob under the current weights (docs/design.md).
 
 Accounting: each iteration trains ``inner_epochs`` passes over the transitions that carry
 signal (zero-variance groups and pruned edges are dropped), shuffled into minibatches of
@@ -18,6 +18,7 @@ import os
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Optional
 
 import numpy as np
 import torch
@@ -26,8 +27,9 @@ from ..advantages import transition_advantages
 from ..data.embeddings import attach_text_cache
 from ..diagnostics import high_frequency_energy, within_group_diversity
 from ..faults import maybe_fault
-from ..losses import grpo_clipped_loss, kl_to_reference
-from ..rollout.base import Rollout, score_images
+from ..losses import grpo_clipped_loss, kl_form_for_step, kl_to_reference
+from ..pipelines.common import cfg_uncond_gradient
+from ..rollout.base import Rollout, Transitions, score_images
 from ..rollout.ode import ode_sample
 from ..sde import get_step
 from ..seeding import derive_seeds
@@ -156,6 +158,7 @@ class OnlineTrainer(TrainerBase):
     def _advantages(self, rollout: Rollout, it: int) -> tuple[torch.Tensor, dict]:
         opts = dict(self.cfg.train.advantage_options)
         opts.setdefault("global_std", self.cfg.train.global_std)
+        opts.setdefault("adv_clip", self.cfg.train.adv_clip_max)
         if self.cfg.reward.aggregate == "per_reward":
             opts.setdefault("per_reward_weights", self.cfg.reward.weights)
         view = rollout
@@ -171,8 +174,12 @@ class OnlineTrainer(TrainerBase):
         adv, info = transition_advantages(view, iteration=it, **opts)
         return adv.clamp(-self.cfg.train.adv_clip_max, self.cfg.train.adv_clip_max), info
 
-    def _minibatch_loss(self, rollout: Rollout, cond, rows: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        tr = rollout.transitions.select(rows)
+    def _minibatch_loss(self, rollout: Rollout, cond, rows: torch.Tensor, adv: torch.Tensor,
+                        transitions: Optional[Transitions] = None) -> tuple[torch.Tensor, dict]:
+        """Clipped-ratio loss of transitions ``rows`` [m] (of ``transitions``, default the rollout's)
+        -> (loss, stats as 0-dim tensors: no host read here). With everything on the device already
+        (``_update`` moves it once), the ``.to(dev)`` calls below copy nothing."""
+        tr = (rollout.transitions if transitions is None else transitions).select(rows)
         dev = self.acc.device
         c = index_cond(cond, tr.prompt_index)
         lat, nxt = tr.latents.to(dev), tr.next_latents.to(dev)  # [m, C, H, W]
@@ -180,16 +187,17 @@ class OnlineTrainer(TrainerBase):
         with self.acc.autocast():
             v = self.policy.velocity(lat, sig, c)  # [m, C, H, W]
         out = self.step_fn(v, lat, sig, sig_n, noise_level=rollout.noise_level, prev_sample=nxt)
-        loss, stats = grpo_clipped_loss(out.log_prob, tr.old_log_prob.to(dev), adv[rows].to(dev),
-                                        self.cfg.train.clip_range, tr.weight.to(dev))
-        stats["policy_loss"] = loss.item()
+        loss, stats = grpo_clipped_loss(out.log_prob, tr.old_log_prob.to(dev), adv[rows.to(adv.device)].to(dev),
+                                        self.cfg.train.clip_range, tr.weight.to(dev), host_stats=False)
+        stats["policy_loss"] = loss.detach()
         if self.cfg.train.beta_kl > 0:
             with torch.no_grad(), self.ref.active(self.policy), self.acc.autocast():
                 v_ref = self.policy.velocity(lat, sig, c)
             ref = self.step_fn(v_ref, lat, sig, sig_n, noise_level=rollout.noise_level, prev_sample=nxt)
-            kl = kl_to_reference(out.mean, ref.mean, out.std).mean()
+            kl = kl_to_reference(out.mean, ref.mean, out.std, dt=sig_n - sig,
+                                 form=kl_form_for_step(self.cfg.train.kl_form, rollout.step_type)).mean()
             loss = loss + self.cfg.train.beta_kl * kl
-            stats["kl"] = kl.item()
+            stats["kl"] = kl.detach()
         return loss, stats
 
     def _grpo_update(self, rollout: Rollout, it: int) -> tuple[dict, dict]:
@@ -214,16 +222,18 @@ class OnlineTrainer(TrainerBase):
             t = torch.tensor([n_rows], device=self.acc.device)
             n_rows = int(self.acc.gather(t).min().item())
         self.step_fn = get_step(rollout.step_type)
-        with torch.no_grad():
-            cond = self.policy.encode_prompts(rollout.prompts)
+        dev = self.acc.device
+        cond = rollout.conditioning(self.policy)  # the rollout's own: prompts are not encoded again
+        trans = rollout.transitions.to(dev)  # once per update (a no-op for what the sampler left there)
+        adv_d = adv.to(dev)  # [M]
         sums: dict[str, float] = {}
         count = 0
         self.model.train()
         for epoch in range(self.cfg.train.inner_epochs):
             g = torch.Generator().manual_seed(int(derive_seeds(self.cfg.train.seed * 7919 + it, epoch + 1)[-1]))
-            rows = rows_all[torch.randperm(len(rows_all), generator=g)][:n_rows]
+            rows = rows_all[torch.randperm(len(rows_all), generator=g)][:n_rows].to(dev)  # one copy per epoch
             mbs = list(rows.split(self.cfg.train.minibatch_size)) if n_rows else []  # no signal: no update
-            count += self._accumulate(mbs, lambda mb: self._minibatch_loss(rollout, cond, mb, adv), sums)
+            count += self._accumulate(mbs, lambda mb: self._minibatch_loss(rollout, cond, mb, adv_d, trans), sums)
         self.model.eval()
         out = {k: v / count for k, v in sums.items()} if count else {}
         out["transitions_trained"] = n_rows * self.cfg.train.inner_epochs
@@ -236,7 +246,8 @@ class OnlineTrainer(TrainerBase):
         rollout = self.sampler(self.policy, prompts, self.reward, seed=self._rollout_seed(it), iteration=it)
         t1 = time.perf_counter()
         maybe_fault("after_rollout", it)
-        upd, info = UPDATES[self.cfg.train.loss](self, rollout, it)
+        with cfg_uncond_gradient(self.cfg.train.cfg_uncond_grad):
+            upd, info = UPDATES[self.cfg.train.loss](self, rollout, it)
         maybe_fault("after_update", it)
         t2 = time.perf_counter()
         r_all = self._gather(rollout.rewards)

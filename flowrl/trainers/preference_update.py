@@ -45,29 +45,30 @@ def preference_update(trainer, rollout, it: int, pairwise: bool) -> dict:
         r = rollout.rewards[rows].float()  # [G, 2]
     g_all, k = rows.shape
     dev = trainer.acc.device
-    with torch.no_grad():
-        cond_all = trainer.policy.encode_prompts(rollout.prompts)
-    group_prompt = rollout.prompt_index[rows[:, 0]]  # [G]
+    cond_all = rollout.conditioning(trainer.policy)  # the rollout's own: prompts are not encoded again
+    x0_all, r_d = rollout.x0.to(dev), r.to(dev)  # once per update
+    group_prompt = rollout.prompt_index[rows[:, 0]].to(dev)  # [G]
+    rows_d = rows.to(dev)  # [G, k]
     per_pass = max(1, cfg.minibatch_size // k)  # groups per forward/backward pass
     sums, count = {}, 0
     trainer.model.train()
     for epoch in range(cfg.inner_epochs):
         g = torch.Generator().manual_seed(int(derive_seeds(cfg.seed * 7919 + it, epoch + 3)[-1]))
-        order = usable[torch.randperm(len(usable), generator=g)]
-        t_all = T_MIN + (1 - 2 * T_MIN) * torch.rand(g_all, generator=g)  # [G]
-        eps_all = torch.randn((g_all, *rollout.x0.shape[1:]), generator=g)  # [G, C, H, W]
+        order = usable[torch.randperm(len(usable), generator=g)].to(dev)
+        t_all = (T_MIN + (1 - 2 * T_MIN) * torch.rand(g_all, generator=g)).to(dev)  # [G]
+        eps_all = torch.randn((g_all, *rollout.x0.shape[1:]), generator=g).to(dev)  # [G, C, H, W], one copy
         passes = list(order.split(per_pass)) if len(order) else []
 
         def loss_of(mb: torch.Tensor, t_all=t_all, eps_all=eps_all) -> tuple[torch.Tensor, dict]:
-            x0 = rollout.x0[rows[mb]].to(dev)  # [m, k, C, H, W]
+            x0 = x0_all[rows_d[mb]]  # [m, k, C, H, W]
             err, err_ref = group_velocity_errors(
                 trainer.policy, lambda: trainer.ref.active(trainer.policy), x0,
-                index_cond(cond_all, group_prompt[mb]), t_all[mb].to(dev), eps_all[mb].to(dev),
+                index_cond(cond_all, group_prompt[mb]), t_all[mb], eps_all[mb],
                 autocast=trainer.acc.autocast)  # [m, k] each
             s = implicit_rewards(err, err_ref, cfg.pref_beta)  # [m, k]
-            rr = r[mb].to(dev)  # [m, k]
+            rr = r_d[mb]  # [m, k]
             loss = dpo_loss(s[:, 0], s[:, 1]) if pairwise else gdro_loss(s, rr, cfg.pref_tau)
-            return loss, {"pref_loss": loss.item(), **ranking_stats(s.detach(), rr)}
+            return loss, {"pref_loss": loss.detach(), **ranking_stats(s.detach(), rr)}
 
         count += trainer._accumulate(passes, loss_of, sums)
     trainer.model.eval()
