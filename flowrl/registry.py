@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from typing import Any, Callable, Union
+from typing import Any, Union
 
 
 class Registry:

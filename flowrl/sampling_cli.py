@@ -1,7 +1,6 @@
 """``flowrl sample`` and ``flowrl eval``: a base model (from a recipe) or a trained run."""
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from .trainers.config import ConfigError, load_config
 
 def load_policy(config_path, run_dir, overrides):
     """(config, policy) with a run's latest trained weights applied when ``run_dir`` is given."""
-    from .trainers.online import build_policy_from_config
+    from .builders import build_policy_from_config
     from .trainers.weights import add_lora, load_trainable_state
 
     if bool(config_path) == bool(run_dir):
@@ -66,7 +65,7 @@ def sample_command(a) -> int:
 
 
 def eval_command(a) -> int:
-    from .trainers.online import build_reward
+    from .builders import build_reward
 
     cfg, rows, images = _generate(a)
     r, comps = score_images(build_reward(cfg), images, rows)

@@ -4,7 +4,7 @@ update through implicit rewards; no sampler in the loop.
 ``flowrl generate-offline`` writes the dataset (:func:`generate_offline`), ``flowrl train`` with
 ``train.mode: offline`` trains on it (:class:`OfflineTrainer`). The run directory, checkpoints,
 resume, metrics and evaluation are the online trainer's (``checkpoint.py``, ``reporting.py``,
-``online.evaluate_policy``), so runs of both kinds compare point for point.
+``flowrl.builders.evaluate_policy``), so runs of both kinds compare point for point.
 
 Accounting: one *step* is one optimizer step. Each step takes ``offline.batch_groups`` groups
 per process per forward/backward pass, ``train.grad_accum`` passes per step, from the epoch's
@@ -32,7 +32,7 @@ from ..losses.gdro import gdro_loss, group_velocity_errors, implicit_rewards, ra
 from ..rollout.base import score_images
 from .config import Config, ConfigError
 from .common import TrainerBase
-from .online import build_policy_from_config, build_reward, evaluate_policy
+from ..builders import build_policy_from_config, build_reward, evaluate_policy
 from .reporting import save_grid
 
 # keys that may change between a run and its resume without changing its trajectory

@@ -25,12 +25,10 @@ import torch
 
 from ..advantages import transition_advantages
 from ..data.embeddings import attach_text_cache
-from ..diagnostics import high_frequency_energy, within_group_diversity
 from ..faults import maybe_fault
 from ..losses import grpo_clipped_loss, kl_form_for_step, kl_to_reference
 from ..pipelines.common import cfg_uncond_gradient
-from ..rollout.base import Rollout, Transitions, score_images
-from ..rollout.ode import ode_sample
+from ..rollout.base import Rollout, Transitions
 from ..sde import get_step
 from ..seeding import derive_seeds
 from ..types import index_cond
@@ -38,50 +36,12 @@ from .common import TrainerBase, TrainingStopped  # noqa: F401 (TrainingStopped:
 from .config import LOSSES, Config, ConfigError
 from .reporting import save_grid
 from .nft_update import OldPolicy, nft_update
+from ..builders import EVAL_SEED, build_policy_from_config, build_reward, evaluate_policy  # noqa: F401 (public here too)
 from .preference_update import preference_update
 
-EVAL_SEED = 20251121  # evaluation seeds are fixed, independent of the training seed
 # keys that may change between a run and its resume without changing its trajectory
 RESUME_FREE = {"train.iterations", "train.checkpoint_every", "train.keep_checkpoints", "logging", "model.device",
                "model.path", "train.max_consecutive_skips", "model.text_embedding_cache", "model.drop_text_encoders"}
-
-
-def build_reward(cfg: Config):
-    from flowrl.rewards import MultiReward, build
-
-    return MultiReward({k: build(k, **cfg.reward.options.get(k, {})) for k in cfg.reward.weights}, cfg.reward.weights)
-
-
-def build_policy_from_config(cfg: Config, device):
-    from flowrl.pipelines import build_policy
-
-    return build_policy(cfg.model.pipeline, cfg.model.path, guidance_scale=cfg.model.guidance_scale,
-                        device=device, **cfg.model.options)
-
-
-@torch.no_grad()
-def evaluate_policy(policy, reward, heldout: dict, eval_prompts: list[str], seeds_per_prompt: int, num_steps: int,
-                    it: int) -> tuple[dict, torch.Tensor]:
-    """Fixed prompts x fixed seeds (``EVAL_SEED``), deterministic ODE: trained reward, held-out
-    rewards, within-prompt diversity and high-frequency energy (reward-hacking watch).
-    Shared by the online and offline (GDRO) trainers, so their curves compare point for point.
-    Returns (metrics, images [len(eval_prompts) * seeds_per_prompt, 3, H, W])."""
-    k = seeds_per_prompt
-    prompts = [p for p in eval_prompts for _ in range(k)]
-    seeds = derive_seeds(EVAL_SEED, len(prompts))
-    groups = torch.arange(len(eval_prompts)).repeat_interleave(k)
-    _, images = ode_sample(policy, prompts, seeds, num_steps)
-    r, comps = score_images(reward, images, prompts)
-    fin = r[torch.isfinite(r)]
-    met = {"iteration": it, "eval/reward": float(fin.mean()) if fin.numel() else float("nan"),
-           "eval/reward_std": float(fin.std()) if fin.numel() > 1 else float("nan"),
-           "eval/diversity": within_group_diversity(images, groups), "eval/hf_energy": high_frequency_energy(images)}
-    for name, v in comps.items():
-        met[f"eval/reward/{name}"] = float(v[torch.isfinite(v)].mean())
-    for name, rew in heldout.items():
-        hv, _ = score_images(rew, images, prompts)
-        met[f"eval/heldout/{name}"] = float(hv[torch.isfinite(hv)].mean())
-    return met, images
 
 
 @dataclass
