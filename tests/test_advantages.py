@@ -18,8 +18,16 @@ def test_global_std_and_clip():
     a, _ = group_advantages(r, g, global_std=True)
     gstd = r.std(unbiased=False)
     assert torch.allclose(a[:2], torch.tensor([-0.5, 0.5]) / (gstd + 1e-4))
+    # one outlier among 50: unclipped advantages +7 (= sqrt(49)) and -7, beyond the clip of 5
+    r = torch.zeros(100)
+    r[0], r[50:] = 1.0, 1.0
+    r[99] = 0.0
+    g = torch.tensor([0] * 50 + [1] * 50)
     a2, _ = group_advantages(r, g)
-    assert a2.abs().max() <= 5.0
+    assert a2[0].item() == 5.0 and a2[99].item() == -5.0  # clipped exactly
+    assert torch.allclose(a2[1:50], torch.full((49,), -1 / 7), atol=1e-3)  # the others untouched
+    assert group_advantages(r, g, clip=3.0)[0][[0, 99]].tolist() == [3.0, -3.0]
+    assert 6.9 < group_advantages(r, g, clip=10.0)[0][0] < 7.0  # a clip above 5 is honoured
 
 
 def test_nan_rewards_ignored():
