@@ -70,17 +70,44 @@ def test_kill_points_then_resume_equals_uninterrupted(tiny_digits_dir, tmp_path,
     assert its == list(range(N_ITER))  # redone iterations are not logged twice
 
 
+def _checkpoint_iterations(run):
+    ck = run / "checkpoints"
+    return [int(c.name.split("_")[1]) for c in list_checkpoints(ck)] if ck.exists() else []
+
+
+def _wait_for_new_checkpoint(run, p, seen, timeout=300.0):
+    """Poll until a checkpoint newer than ``seen`` is visible; False if ``p`` ended or time ran out."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and p.poll() is None:
+        if max(_checkpoint_iterations(run), default=0) > seen:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_random_sigkill_then_resume(tiny_digits_dir, tmp_path, reference_weights):
+    """Two SIGKILLs, each a random moment (0-0.5 s) after a new checkpoint appears: the kill lands in
+    the next iteration's rollout, update or checkpoint write, never after the run has finished."""
     run = tmp_path / "run"
     rng = random.Random(1234)
     for _ in range(2):
+        seen = max(_checkpoint_iterations(run), default=0)
         p = subprocess.Popen(_cmd(run, tiny_digits_dir, resume=True), stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, env=_env())
-        time.sleep(rng.uniform(4.0, 14.0))  # somewhere in start-up, rollout, update or a checkpoint write
-        p.send_signal(signal.SIGKILL)
-        p.wait(timeout=60)
-        if (run / "checkpoints").exists():
-            _assert_no_half_written(run)
+        try:
+            assert _wait_for_new_checkpoint(run, p, seen), f"no checkpoint after {seen} (exit code {p.poll()})"
+            time.sleep(rng.uniform(0.0, 0.5))
+            assert p.poll() is None, "the run finished before the kill: nothing was tested"
+            p.send_signal(signal.SIGKILL)
+            p.wait(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=60)
+        assert p.returncode == -signal.SIGKILL
+        assert not (run / "summary.json").exists()  # killed before the end of training
+        assert seen < max(_checkpoint_iterations(run)) < N_ITER
+        _assert_no_half_written(run)
     r = subprocess.run(_cmd(run, tiny_digits_dir, resume=True), capture_output=True, text=True, env=_env(), timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert _equal(_final_weights(run), reference_weights)
