@@ -2,18 +2,24 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.trainers.config import Config, ConfigError, load_config, parse_override, shipped_recipes
+from flowrl.trainers.config import (Config, ConfigError, dump_config, load_config, parse_override, samples_per_prompt,
+                                   shipped_recipes)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_every_shipped_recipe_loads():
+def test_every_shipped_recipe_loads(tmp_path):
     recipes = shipped_recipes()
     assert ROOT / "recipes" / "digits.yaml" in recipes
     for r in recipes:
         cfg = load_config(r)
         assert isinstance(cfg, Config)
-        assert cfg.train.batch_size % cfg.prompts_per_iteration == 0
+        # whole prompts per iteration: batch = prompts x the sampler's samples per prompt, at least one prompt
+        spp = samples_per_prompt(cfg.sampler.build())
+        assert cfg.prompts_per_iteration >= 1 and cfg.prompts_per_iteration * spp == cfg.train.batch_size, r
+        dumped = tmp_path / r.name  # the dumped YAML (what a run writes next to its outputs) loads back the same
+        dumped.write_text(dump_config(cfg))
+        assert load_config(dumped).to_dict() == cfg.to_dict(), r
 
 
 def test_overrides_apply_with_types():
