@@ -47,17 +47,16 @@ def corrupt_checkpoint(tmp):
     return load_checkpoint(ck)
 
 
-def disk_full_checkpoint(tmp, monkeypatch=None):
+def disk_full_checkpoint(tmp):
     import flowrl.trainers.checkpoint as C
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
-    orig = C.torch.save
-    C.torch.save = full
     try:
-        save_checkpoint(tmp / "ck", 2, trainable={"w": torch.ones(2)}, optimizer={}, scheduler={}, state={})
+        with pytest.MonkeyPatch.context() as mp:  # torch.save is global: always restored
+            mp.setattr(C.torch, "save", full)
+            save_checkpoint(tmp / "ck", 2, trainable={"w": torch.ones(2)}, optimizer={}, scheduler={}, state={})
     finally:
-        C.torch.save = orig
         assert list_checkpoints(tmp / "ck") == [] and not any((tmp / "ck").iterdir())  # nothing half-written
 
 

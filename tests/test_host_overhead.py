@@ -213,14 +213,14 @@ def _digits_trainer(pol, tmp_path, *overrides, minibatch=4, grad_accum=2):
     return bench_trainer(pol, o, tmp_path, overrides)
 
 
-def _encode_spy(pol):
+def _encode_spy(pol, monkeypatch):
     calls, orig = [], pol.encode_prompts
-    pol.encode_prompts = lambda prompts: calls.append(list(prompts)) or orig(prompts)
+    monkeypatch.setattr(pol, "encode_prompts", lambda prompts: calls.append(list(prompts)) or orig(prompts))
     return calls
 
 
 @pytest.mark.parametrize("loss", ["grpo", "nft", "dpo"])
-def test_update_reuses_the_rollout_conditioning(tiny_digits_policy, tmp_path, loss):
+def test_update_reuses_the_rollout_conditioning(tiny_digits_policy, tmp_path, loss, monkeypatch):
     from flowrl.trainers.online import UPDATES
 
     pol = tiny_digits_policy
@@ -230,7 +230,7 @@ def test_update_reuses_the_rollout_conditioning(tiny_digits_policy, tmp_path, lo
     with torch.no_grad():
         want = pol.encode_prompts(ro.prompts)
     assert all(torch.equal(ro.cond[k], want[k]) for k in want)  # encoded in the same batch: bit for bit
-    calls = _encode_spy(pol)
+    calls = _encode_spy(pol, monkeypatch)
     UPDATES[loss](tr, ro, 0)
     assert calls == []  # before: one encode_prompts(rollout.prompts) per update
     ro.cond = None  # a rollout that kept none: encoded once, as before

@@ -193,10 +193,19 @@ def test_aesthetic_head_errors(tiny_clip_dir, tmp_path):
 # ---------------------------------------------------------------- HPS-v2.1 (open_clip)
 @pytest.fixture(scope="module")
 def tiny_hps(tmp_path_factory):
-    """A toy open_clip config registered by name, and an HPS-style checkpoint {'state_dict': ...}."""
-    import json
-
+    """A toy open_clip config registered by name (for this module only: open_clip's registry is
+    restored afterwards), and an HPS-style checkpoint {'state_dict': ...}."""
     import open_clip
+    import open_clip.factory as factory
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(factory, "_MODEL_CONFIGS", dict(factory._MODEL_CONFIGS))  # add_model_config writes and rebinds
+        mp.setattr(factory, "_MODEL_CONFIG_PATHS", list(factory._MODEL_CONFIG_PATHS))  # and appends here
+        yield _tiny_hps_files(open_clip, tmp_path_factory)
+
+
+def _tiny_hps_files(open_clip, tmp_path_factory):
+    import json
 
     d = tmp_path_factory.mktemp("hps")
     cfg = {"embed_dim": 16,
@@ -384,3 +393,4 @@ def test_imagereward_checkpoint_errors(tiny_imagereward, tmp_path):
 def test_registry_lists_the_zoo():
     names = set(rewards.available())
     assert {"pickscore", "hps", "imagereward", "clipscore", "aesthetic", "ocr", "vlm_judge"} <= names
+

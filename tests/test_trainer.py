@@ -63,7 +63,7 @@ def test_output_dir_holding_another_run(tiny_digits_dir, tmp_path):
         OnlineTrainer(_cfg(tiny_digits_dir, **{"train.lr": 0.5}), run, resume=True)
 
 
-def test_nan_reward_does_not_touch_weights(tiny_digits_dir, tmp_path):
+def test_nan_reward_does_not_touch_weights(tiny_digits_dir, tmp_path, monkeypatch):
     from flowrl import rewards
 
     class NaNReward:
@@ -75,7 +75,7 @@ def test_nan_reward_does_not_touch_weights(tiny_digits_dir, tmp_path):
         def __call__(self, images, prompts, **meta):
             return torch.full((images.shape[0],), float("nan"))
 
-    rewards.register("nan_reward", NaNReward)
+    monkeypatch.setitem(rewards.REGISTRY, "nan_reward", NaNReward)  # removed again after the test
     run = tmp_path / "run"
     train(_cfg(tiny_digits_dir, **{"reward.weights": "{nan_reward: 1.0}", "train.iterations": 2}), run)
     w = _weights(run)
