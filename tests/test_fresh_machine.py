@@ -6,7 +6,6 @@ directories: the digits base, its report and the reward's classifier are all bui
 """
 import json
 import os
-import shutil
 import subprocess
 import sys
 import zipfile

@@ -47,7 +47,7 @@ def test_online_dpo_trains_and_resumes_exactly(tiny_digits_dir, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in a.items())
     recs = [json.loads(l) for l in (full / "metrics.jsonl").read_text().splitlines() if "reward_mean" in l]
-    assert all("pref_loss" in r and "top1_accuracy" in r for r in recs)
+    assert len(recs) == 3 and all("pref_loss" in r and "top1_accuracy" in r for r in recs)
 
 
 def test_unequal_groups_are_refused():

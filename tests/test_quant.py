@@ -376,7 +376,8 @@ def test_modelopt_nvfp4_config_skips_embedders_and_output(tiny_digits_policy):
     assert "transformer_blocks.0.attn.to_q" in on and "transformer_blocks.0.ff.net.2" in on
     assert not any(k in n for n in on for k in ("pos_embed", "time_text_embed", "context_embedder", "norm_out"))
     assert "proj_out" not in on and not any(n.endswith("norm") or ".norm2" in n for n in on)
-    assert all(m.num_bits == (2, 1) for n, m in q.named_modules() if n.endswith("weight_quantizer") and m.is_enabled)
+    wq = [m for n, m in q.named_modules() if n.endswith("weight_quantizer") and m.is_enabled]
+    assert wq and all(m.num_bits == (2, 1) for m in wq)
 
 
 @needs_modelopt
