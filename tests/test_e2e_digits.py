@@ -13,4 +13,6 @@ def test_grpo_raises_digits_reward(pretrained_digits_base, tmp_path):
     before, after = summary["eval_reward_before"], summary["eval_reward_after"]
     assert after > before + 0.03, (before, after)
     recs = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert all(r.get("skipped_steps", 0) == 0 for r in recs)
+    train_recs = [r for r in recs if "reward_mean" in r]
+    assert len(train_recs) == 12 and all(r["skipped_steps"] == 0 for r in train_recs)
+    assert summary["skipped_steps"] == 0
