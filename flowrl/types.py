@@ -1,10 +1,12 @@
 """The seams of flowrl: Protocols for a policy, a sampler, a reward and a quantizer.
 
-Nothing inherits from these; anything with the right methods fits (docs/design.md).
+Nothing inherits from these; anything with the right methods fits (docs/design.md). Also the
+one context manager that swaps a policy's transformer (:func:`swapped_transformer`).
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional, Protocol, runtime_checkable
+import contextlib
+from typing import Callable, Iterator, Mapping, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -40,7 +42,47 @@ RewardFn = Callable[..., torch.Tensor]
 
 @runtime_checkable
 class Sampler(Protocol):
-    def __call__(self, policy: FlowPolicy, prompts: list[str], reward: Optional[RewardFn], seed: int = 0): ...
+    """What the trainers call on a sampler (every entry of ``flowrl.registry.SAMPLERS`` has all of it).
+
+    ``__call__`` returns a :class:`flowrl.rollout.Rollout`; ``seeds`` overrides the seeds derived
+    from ``seed`` (how many depends on the sampler: per sample, per tree, per pool entry);
+    ``iteration`` drives iteration-dependent schedules (sliding windows), unused by the others.
+    """
+
+    samples_per_prompt: int   # finished samples per prompt: the trainer's batch unit
+    stores_transitions: bool  # whether rollouts hold stochastic transitions (the GRPO loss needs them)
+    num_steps: int            # denoising steps (also the evaluation's)
+
+    def __call__(self, policy: FlowPolicy, prompts: list[str], reward: Optional[RewardFn] = None, seed: int = 0, *,
+                 iteration: int = 0, seeds: Optional[list[int]] = None): ...
+
+    def check_available(self) -> None:
+        """Raise ValueError naming what is missing if the sampler cannot run on this machine."""
+
+
+SAMPLER_MEMBERS = ("__call__", "samples_per_prompt", "stores_transitions", "num_steps", "check_available")
+
+
+def check_sampler(sampler) -> None:
+    """Raise a TypeError naming the :class:`Sampler` members ``sampler`` lacks (None if it has all)."""
+    missing = [m for m in SAMPLER_MEMBERS if not hasattr(sampler, m)]
+    if missing:
+        raise TypeError(f"{type(sampler).__name__} is not a flowrl Sampler: it lacks {missing}; see flowrl.types.Sampler")
+
+
+@contextlib.contextmanager
+def swapped_transformer(policy, module: nn.Module) -> Iterator[None]:
+    """Inside, ``policy.transformer`` is ``module`` (so ``policy.velocity`` runs it); restored after.
+
+    The one way to run a policy with another denoiser temporarily: the frozen reference copy, the
+    Sol-RL quantized copy, a benchmark's variant. ``policy`` may be a wrapper that forwards the
+    attribute (``flowrl.data.embeddings.CachedTextPolicy``)."""
+    trained = policy.transformer
+    policy.transformer = module
+    try:
+        yield
+    finally:
+        policy.transformer = trained
 
 
 @runtime_checkable

@@ -30,7 +30,8 @@ def test_default_tree_counts_evals_edges_and_width_pruning(tiny_digits_policy, c
     ro = sampler(pol, [P3], brightness, seed=3)
     assert pol.rows == 203 and ro.stats["model_evals"] == 203 and pol.calls == 20
     assert len(ro.transitions) == 218 and ro.num_samples == 16 and ro.structure == "branch"
-    assert ro.extras["node_parent"].numel() == 219  # root + one node per edge
+    assert ro.layout.node_parent.numel() == 219  # root + one node per edge
+    assert ro.extras["node_parent"] is ro.layout.node_parent and ro.extras["split_steps"] == [0, 3, 6, 9]  # old view
 
     flat = counting(tiny_digits_policy)
     GroupSampler(group_size=16, num_steps=20, step="dance")(flat, [P3], brightness, seed=3)
@@ -54,18 +55,18 @@ def test_default_tree_counts_evals_edges_and_width_pruning(tiny_digits_policy, c
 
 def test_tree_links_and_transition_chain(tiny_digits_policy):
     ro = BranchSampler(**SMALL)(tiny_digits_policy, [P3, P7], brightness, seed=0)
-    ex, tr = ro.extras, ro.transitions
+    ex, tr = ro.layout, ro.transitions
     assert len(tr) == 2 * 20 and ro.num_samples == 8
-    par, en = ex["node_parent"], ex["edge_node"]
-    assert (par[en] == ex["edge_parent_node"]).all() and (ex["node_edge"][en] == torch.arange(len(tr))).all()
-    assert (ex["node_depth"][en] == tr.step + 1).all() and (ex["node_tree"][en] == tr.prompt_index).all()
+    par, en = ex.node_parent, ex.edge_node
+    assert (par[en] == ex.edge_parent_node).all() and (ex.node_edge[en] == torch.arange(len(tr))).all()
+    assert (ex.node_depth[en] == tr.step + 1).all() and (ex.node_tree[en] == tr.prompt_index).all()
     # every edge starts where the edge into its parent ended
-    into_parent = ex["node_edge"][par[en]]  # [M]
+    into_parent = ex.node_edge[par[en]]  # [M]
     has = into_parent >= 0
     assert torch.equal(tr.latents[has], tr.next_latents[into_parent[has]])
-    assert torch.equal(tr.next_latents[ex["node_edge"][ex["leaf_node"]]], ro.x0)
+    assert torch.equal(tr.next_latents[ex.node_edge[ex.leaf_node]], ro.x0)
     # leaf ranges: tree 1's root owns samples 4..7; a leaf-chain edge names its sample
-    assert ex["node_leaf_start"][1] == 4 and ex["node_leaf_end"][1] == 8
+    assert ex.node_leaf_start[1] == 4 and ex.node_leaf_end[1] == 8
     late = tr.step >= 2  # children of the last split lead to one leaf each
     assert (tr.sample_index[late] >= 0).all() and (tr.sample_index[~late] == -1).all()
     assert (ro.prompt_index[tr.sample_index[late]] == tr.prompt_index[late]).all()
@@ -131,12 +132,12 @@ def test_mix_mode_stores_only_sde_edges(tiny_digits_policy, counting):
     assert s.sde_steps(0) == [0, 3, 5, 6] and s.sde_steps(2) == [0, 3, 6, 7]
     pol = counting(tiny_digits_policy)
     ro = s(pol, [P3], brightness, seed=0)
-    tr, ex = ro.transitions, ro.extras
+    tr, ex = ro.transitions, ro.layout
     assert pol.rows == s.evals_per_tree() == 1 + 2 * 3 + 4 * 6  # ODE steps still evaluate every latent
     assert sorted(set(tr.step.tolist())) == [0, 3, 5, 6] and len(tr) == 2 + 4 + 4 + 4 == s.edges_per_tree()
-    ode_nodes = ex["node_edge"] == -1
+    ode_nodes = ex.node_edge == -1
     assert int(ode_nodes.sum()) == 1 + (2 * 2 + 4 * 4)  # root + nodes of the 6 ODE steps
-    assert (ex["node_log_prob"][ode_nodes] == 0).all() and (tr.old_log_prob != 0).all()
+    assert (ex.node_log_prob[ode_nodes] == 0).all() and (tr.old_log_prob != 0).all()
     adv, info = transition_advantages(ro, fusion="softmax")
     assert adv.shape == (len(tr),) and torch.isfinite(adv).all()
     ro2 = s(tiny_digits_policy, [P3], brightness, seed=0, iteration=2)

@@ -15,6 +15,7 @@ import torch
 from flowrl.advantages.tree import branch_structure, depth_window_mask, fuse_rewards, fuse_rewards_children
 from flowrl.advantages.tree_pruning import exclude_window, peer_width_mask, preorder_key
 from flowrl.rollout import BranchSampler
+from flowrl.structures import TreeStructure
 from flowrl.trainers.config import load_config, shipped_recipes
 
 SPLITS = (0, 3, 6, 9)
@@ -44,11 +45,14 @@ def fake_rollout(seed=0, trees=1, num_steps=20, splits=SPLITS, rewards=None):
     lp[:trees] = 0.0
     r = torch.rand(len(leaves), generator=g) if rewards is None else torch.tensor(rewards)
     p = torch.tensor(parent)
-    ex = {"node_parent": p, "node_depth": torch.tensor(depth), "node_tree": torch.tensor(tree),
-          "node_log_prob": lp, "leaf_node": torch.tensor(leaves), "edge_node": torch.arange(trees, len(parent)),
-          "split_steps": list(splits), "num_steps": num_steps}
+    m = len(parent) - trees  # every non-root node has a stored edge into it
+    node_edge = torch.cat([torch.full((trees,), -1), torch.arange(m)])  # [nodes]
+    layout = TreeStructure.from_tree(p, torch.tensor(depth), torch.tensor(tree), lp, node_edge, torch.tensor(leaves),
+                                     m, tree_seeds=range(trees), split_steps=splits, branch_factor=2,
+                                     num_steps=num_steps, sde_steps=range(num_steps))
+    assert torch.equal(layout.edge_node, torch.arange(trees, len(parent)))
     step = torch.tensor(depth[trees:]) - 1  # [M]
-    return SimpleNamespace(rewards=r, extras=ex, transitions=SimpleNamespace(step=step))
+    return SimpleNamespace(rewards=r, layout=layout, transitions=SimpleNamespace(step=step))
 
 
 # --- the peer's formulas, transcribed as plain loops ----------------------------------------
@@ -91,9 +95,9 @@ def ref_depth_adv(val, depth, tree):
 
 def ref_trained(ro, *, weighted=False, iteration=0, window=None, start=15, stop=9, every=30, mode=None, ratio=0.5):
     """-> (edge advantage per child node, set of trained child nodes), the peer's way."""
-    ex = ro.extras
-    parent, depth, tree = ex["node_parent"].tolist(), ex["node_depth"].tolist(), ex["node_tree"].tolist()
-    val, kids = ref_node_values(parent, depth, ex["node_log_prob"].tolist(), ex["leaf_node"].tolist(),
+    ex = ro.layout
+    parent, depth, tree = ex.node_parent.tolist(), ex.node_depth.tolist(), ex.node_tree.tolist()
+    val, kids = ref_node_values(parent, depth, ex.node_log_prob.tolist(), ex.leaf_node.tolist(),
                                 ro.rewards.tolist(), weighted)
     adv = ref_depth_adv(val, depth, tree)
     samples = []
@@ -110,7 +114,7 @@ def ref_trained(ro, *, weighted=False, iteration=0, window=None, start=15, stop=
         pruned = {start - shift + j for j in range(window)}
         samples = [s for s in samples if s["depth"] not in pruned]
     if mode is not None:
-        last = max(ex["split_steps"])
+        last = max(ex.split_steps)
         tail = [s for s in samples if s["step"] > last]
         rest = [s for s in samples if s["step"] <= last]
         if mode == 2:
@@ -133,7 +137,7 @@ def ref_trained(ro, *, weighted=False, iteration=0, window=None, start=15, stop=
 
 
 def trained_nodes(ro, info):
-    return set(ro.extras["edge_node"][info["train_mask"]].tolist())
+    return set(ro.layout.edge_node[info["train_mask"]].tolist())
 
 
 # --- 1. depth pruning ------------------------------------------------------------------------
@@ -143,8 +147,8 @@ def test_builder_matches_branch_sampler_and_default_edge_counts(tiny_digits_poli
 
     ro = BranchSampler()(tiny_digits_policy, ["a handwritten digit 3"], brightness, seed=3)
     parent, depth, _, leaves = build_tree()
-    assert ro.extras["node_parent"].tolist() == parent and ro.extras["node_depth"].tolist() == depth
-    assert ro.extras["leaf_node"].tolist() == leaves and len(ro.transitions) == 218
+    assert ro.layout.node_parent.tolist() == parent and ro.layout.node_depth.tolist() == depth
+    assert ro.layout.leaf_node.tolist() == leaves and len(ro.transitions) == 218
     # the peer removes depths 15-18 (steps 14-17, 4 x 16 edges) at first, 9-12 (8 + 3 x 16) at the end
     assert branch_structure(ro, compat="branchgrpo", depth_window=4, iteration=0)[1]["trained_edges"] == 154
     assert branch_structure(ro, compat="branchgrpo", depth_window=4, iteration=299)[1]["trained_edges"] == 162
@@ -159,7 +163,7 @@ def test_exclude_window_schedule_on_default_tree(iteration, first, trained):
     ro = fake_rollout()
     _, info = branch_structure(ro, depth_mode="exclude_window", depth_window=4, iteration=iteration)
     assert info["depth_window_start"] == first and info["trained_edges"] == trained
-    d = ro.extras["node_depth"][ro.extras["edge_node"]]  # [M]
+    d = ro.layout.node_depth[ro.layout.edge_node]  # [M]
     assert set(d[~info["train_mask"]].tolist()) == set(range(first, first + 4))
     _, ref = ref_trained(ro, iteration=iteration, window=4)
     assert trained_nodes(ro, info) == ref
@@ -200,16 +204,16 @@ def test_children_softmax_fusion_by_hand():
 @pytest.mark.parametrize("seed", [0, 1])
 def test_children_softmax_fusion_matches_reference_on_default_tree(seed):
     ro = fake_rollout(seed, trees=2)
-    ex = ro.extras
-    v = fuse_rewards_children(ro.rewards, ex["node_parent"], ex["node_depth"], ex["leaf_node"], ex["node_log_prob"])
-    ref, _ = ref_node_values(ex["node_parent"].tolist(), ex["node_depth"].tolist(), ex["node_log_prob"].tolist(),
-                             ex["leaf_node"].tolist(), ro.rewards.tolist(), weighted=True)
+    ex = ro.layout
+    v = fuse_rewards_children(ro.rewards, ex.node_parent, ex.node_depth, ex.leaf_node, ex.node_log_prob)
+    ref, _ = ref_node_values(ex.node_parent.tolist(), ex.node_depth.tolist(), ex.node_log_prob.tolist(),
+                             ex.leaf_node.tolist(), ro.rewards.tolist(), weighted=True)
     assert torch.allclose(v, torch.tensor([ref[n] for n in range(len(v))]), atol=1e-5)
-    path = fuse_rewards(ro.rewards, ex["node_parent"], ex["leaf_node"], ex["node_log_prob"], 1.0)
+    path = fuse_rewards(ro.rewards, ex.node_parent, ex.leaf_node, ex.node_log_prob, 1.0)
     assert (path - v).abs().max() > 1e-3  # flowrl's one-softmax-over-leaves is a different estimator
     adv, _ = branch_structure(ro, compat="branchgrpo", fusion="softmax_children")
     ref_adv, _ = ref_trained(ro, weighted=True)
-    assert torch.allclose(adv, torch.tensor([ref_adv[n] for n in ex["edge_node"].tolist()]), atol=1e-4)
+    assert torch.allclose(adv, torch.tensor([ref_adv[n] for n in ex.edge_node.tolist()]), atol=1e-4)
 
 
 # --- 3. width pruning -------------------------------------------------------------------------

@@ -77,7 +77,8 @@ def test_regenerated_samples_equal_full_precision_rollout(tiny_digits_policy, ba
     sol = _sol(explore_backend=backend)
     out = sol(pol, PROMPTS, reward, seed=11)
     pool = derive_seeds(11, 2 * 8)
-    chosen = out.extras["sol"]["selected"]
+    chosen = out.layout.selected
+    assert out.structure == "group" and torch.equal(out.extras["sol"]["selected"], chosen)  # the old dict view
     assert out.seeds.tolist() == [pool[i] for i in chosen.tolist()]
     assert all(i // 8 == p for i, p in zip(chosen.tolist(), out.prompt_index.tolist()))  # within its prompt
     ref = GroupSampler(group_size=4, num_steps=4)(pol, PROMPTS, reward, seeds=out.seeds.tolist())
@@ -92,7 +93,7 @@ def test_ode_regen_with_none_backend_reproduces_exploration(tiny_digits_policy):
     pol, reward = tiny_digits_policy, BrightnessReward()
     sol = _sol(regen="ode", regen_options={"num_steps": 3}, audit_every=1)
     out = sol(pol, PROMPTS, reward, seed=2)
-    r_explore = out.extras["sol"]["explore_rewards"][out.extras["sol"]["selected"]]
+    r_explore = out.layout.explore_rewards[out.layout.selected]
     # same policy, same ODE, same seeds; only the batch size differs (16 explored, 8 regenerated),
     # which changes fp32 GEMM blocking in the last bits
     assert torch.allclose(out.rewards, r_explore, atol=1e-5, rtol=0)
@@ -102,7 +103,7 @@ def test_ode_regen_with_none_backend_reproduces_exploration(tiny_digits_policy):
     assert len(out.transitions) == 0 and out.step_type == "ode" and out.x0.shape == (8, 1, 16, 16)
     # best_worst: the 2 best and 2 worst exploration rewards of each prompt's pool
     for p in range(2):
-        pool_r = out.extras["sol"]["explore_rewards"][p * 8:(p + 1) * 8]
+        pool_r = out.layout.explore_rewards[p * 8:(p + 1) * 8]
         kept = r_explore[p * 4:(p + 1) * 4]
         order = pool_r.sort(descending=True).values
         assert sorted(kept.tolist()) == sorted(order[:2].tolist() + order[-2:].tolist())
@@ -119,7 +120,7 @@ def test_exploration_copy_follows_updates(tiny_digits_policy):
     assert first.stats["sol/syncs"] == 1 and first.stats["sol/sync_seconds"] > 0
     again = sol(pol, PROMPTS, reward, seed=1)
     assert again.stats["sol/syncs"] == 1 and again.stats["sol/sync_seconds"] == 0.0
-    assert torch.equal(again.extras["sol"]["explore_rewards"], first.extras["sol"]["explore_rewards"])
+    assert torch.equal(again.layout.explore_rewards, first.layout.explore_rewards)
     params = [p for p in pol.transformer.parameters() if p.requires_grad]
     with torch.no_grad():
         for p in params:
@@ -128,7 +129,7 @@ def test_exploration_copy_follows_updates(tiny_digits_policy):
             p.normal_(0, 0.5)  # lora_B: a large "update"
     after = sol(pol, PROMPTS, reward, seed=1)
     assert after.stats["sol/syncs"] == 2 and after.stats["sol/sync_seconds"] > 0
-    assert not torch.equal(after.extras["sol"]["explore_rewards"], first.extras["sol"]["explore_rewards"])
+    assert not torch.equal(after.layout.explore_rewards, first.layout.explore_rewards)
     # the quantized copy holds no LoRA and shares no tensor with the trained model
     copy = sol.exploration_copy.module
     assert not any("lora" in n for n, _ in copy.named_parameters())

@@ -61,13 +61,15 @@ def test_one_transition_per_completion(small_rollout, tiny_digits_policy):
     sampler, r = small_rollout
     p, s, e, nb, t = 2, 2, 3, 3, 4
     n = p * s * e * nb
-    tr, ex = r.transitions, r.extras
+    tr, ex = r.transitions, r.layout
     assert r.structure == "tempflow" and r.step_type == "sde" and r.noise_level == 0.7
     assert r.num_samples == n == len(tr) == sampler.num_completions(p)
     assert torch.equal(tr.sample_index, torch.arange(n))
-    keys = set(zip(tr.prompt_index.tolist(), ex["seed_slot"].tolist(), ex["step"].tolist(), ex["branch"].tolist()))
+    keys = set(zip(tr.prompt_index.tolist(), ex.seed_slot.tolist(), ex.step.tolist(), ex.branch.tolist()))
     assert len(keys) == n and keys == {(a, b, c, d) for a in range(p) for b in range(s) for c in range(nb) for d in range(e)}
-    assert torch.equal(tr.step, ex["step"]) and torch.equal(r.prompt_index, tr.prompt_index)
+    assert torch.equal(tr.step, ex.step) and torch.equal(r.prompt_index, tr.prompt_index)
+    assert set(r.extras) == {"trajectory", "seed_slot", "step", "branch", "group_by", "branch_steps", "step_weights",
+                             "main_rewards"}  # the old dict view of the layout
     assert torch.equal(tr.sigma, r.sigmas[tr.step]) and torch.equal(tr.sigma_next, r.sigmas[tr.step + 1])
     assert torch.all(tr.old_log_prob != 0) and torch.isfinite(tr.old_log_prob).all()
     assert torch.allclose(r.rewards, mean_reward(r.images, None)) and r.images.shape == (n, 3, 16, 16)
@@ -75,7 +77,7 @@ def test_one_transition_per_completion(small_rollout, tiny_digits_policy):
     # transitions start on the main ODE trajectory (recomputed here one row at a time)
     pol = tiny_digits_policy
     cond = pol.encode_prompts(PROMPTS)
-    seeds = r.seeds[ex["trajectory"].argsort(stable=True)][:: e * nb].tolist()  # [P * S] per main row
+    seeds = r.seeds[ex.trajectory.argsort(stable=True)][:: e * nb].tolist()  # [P * S] per main row
     x = pol.initial_noise(seeds)  # [J, 1, 16, 16]
     rows = torch.arange(p).repeat_interleave(s)
     main = [x]
@@ -84,9 +86,9 @@ def test_one_transition_per_completion(small_rollout, tiny_digits_policy):
         x = ode_step(v, x, r.sigmas[i], r.sigmas[i + 1]).sample
         main.append(x)
     for m in range(n):
-        assert torch.allclose(tr.latents[m], main[int(tr.step[m])][int(ex["trajectory"][m])], atol=1e-5)
+        assert torch.allclose(tr.latents[m], main[int(tr.step[m])][int(ex.trajectory[m])], atol=1e-5)
     # ...and each completion is the ODE continuation of its child
-    m = int(((ex["step"] == 0) & (ex["branch"] == 1)).nonzero()[0])
+    m = int(((ex.step == 0) & (ex.branch == 1)).nonzero()[0])
     y = tr.next_latents[m : m + 1]
     for i in range(1, t):
         v = pol.velocity(y, r.sigmas[i].expand(1), index_cond(cond, tr.prompt_index[m : m + 1]))
@@ -112,7 +114,7 @@ def test_model_evals_closed_form(tiny_digits_policy, counting, cfg, num_prompts)
     assert pol.rows == r.stats["model_evals"] == sampler.model_evals(num_prompts) == expected
     if sampler.max_batch is None:
         assert pol.calls == t  # every live latent of a step goes through the model in one call
-    assert torch.isnan(r.extras["main_rewards"]).all() != sampler.finish_main
+    assert torch.isnan(r.layout.main_rewards).all() != sampler.finish_main
 
 
 def test_spec_cost_figure():
@@ -146,10 +148,10 @@ def test_transition_weights(small_rollout, tiny_digits_policy):
 @pytest.mark.parametrize("group_by, size", [("seed", 3), ("prompt", 6)])
 def test_grouping(small_rollout, group_by, size):
     _, r = small_rollout
-    tr, ex = r.transitions, r.extras
+    tr, ex = r.transitions, r.layout
     adv, info = tempflow_structure(r, group_by=group_by)
     assert adv.dtype == torch.float32 and adv.shape == (len(tr),) and not info["zero_var"].any()
-    key = ex["trajectory"] if group_by == "seed" else tr.prompt_index
+    key = ex.trajectory if group_by == "seed" else tr.prompt_index
     groups = {}
     for m in range(len(tr)):
         groups.setdefault((int(key[m]), int(tr.step[m])), []).append(m)
@@ -159,10 +161,10 @@ def test_grouping(small_rollout, group_by, size):
         assert len(members) == size and (tr.step[idx] == k).all()
         assert len(set(tr.prompt_index[idx].tolist())) == 1
         if group_by == "seed":
-            assert len(set(ex["seed_slot"][idx].tolist())) == 1 and len(set(r.seeds[idx].tolist())) == 1
+            assert len(set(ex.seed_slot[idx].tolist())) == 1 and len(set(r.seeds[idx].tolist())) == 1
             assert (tr.latents[idx] == tr.latents[idx[0]]).all()  # E children of one ODE latent x_k
         else:
-            assert set(ex["seed_slot"][idx].tolist()) == {0, 1}
+            assert set(ex.seed_slot[idx].tolist()) == {0, 1}
         rw = r.rewards[tr.sample_index[idx]]
         expect = (rw - rw.mean()) / (rw.std(unbiased=False) + 1e-4)
         assert torch.allclose(adv[idx], expect, atol=1e-5)
@@ -194,8 +196,8 @@ def test_child_noise_depends_on_seed_step_branch_only(tiny_digits_policy):
     big = TempFlowSampler(num_steps=4, branches=3, seeds_per_prompt=2)(pol, PROMPTS[:1], seeds=[11, 22])
     small = TempFlowSampler(num_steps=4, branch_steps=[1], branches=2, seeds_per_prompt=1)(pol, PROMPTS[:1], seeds=[22])
     for m in range(len(small.transitions)):
-        k, b = int(small.extras["step"][m]), int(small.extras["branch"][m])
-        sel = (big.seeds == 22) & (big.extras["step"] == k) & (big.extras["branch"] == b)
+        k, b = int(small.layout.step[m]), int(small.layout.branch[m])
+        sel = (big.seeds == 22) & (big.layout.step == k) & (big.layout.branch == b)
         j = int(sel.nonzero()[0])
         assert torch.allclose(small.transitions.next_latents[m], big.transitions.next_latents[j], atol=1e-5)
         assert torch.allclose(small.transitions.old_log_prob[m], big.transitions.old_log_prob[j], atol=1e-5)

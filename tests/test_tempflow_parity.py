@@ -16,6 +16,7 @@ from flowrl.advantages import transition_advantages
 from flowrl.advantages.tempflow import (GROUP_BY, tempflow_groups, tempflow_structure, tracker_advantages,
                                         zero_rows)
 from flowrl.rollout import TempFlowSampler
+from flowrl.structures import TempFlowStructure
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
 
@@ -34,8 +35,9 @@ def table_rollout(reward_of, prompts=PROMPTS, seeds=SEEDS, branches=BRANCHES, st
     return SimpleNamespace(
         structure="tempflow", prompts=list(prompts), rewards=rewards, reward_components={"r": rewards.clone()},
         transitions=SimpleNamespace(prompt_index=long([r[0] for r in rows]), sample_index=torch.arange(len(rows))),
-        extras={"trajectory": long([r[0] * seeds + r[1] for r in rows]), "step": long([r[2] for r in rows]),
-                "branch": long([r[3] for r in rows]), "group_by": "seed"}), rows
+        layout=TempFlowStructure(trajectory=long([r[0] * seeds + r[1] for r in rows]),
+                                 seed_slot=long([r[1] for r in rows]), step=long([r[2] for r in rows]),
+                                 branch=long([r[3] for r in rows]), group_by="seed", branch_steps=list(steps))), rows
 
 
 def irregular(p, s, k, b):
@@ -127,13 +129,13 @@ def test_constant_cells_and_rows():
         ref, ref_skip = reference_tracker(rows, r.rewards.double().tolist(), key)
         assert torch.allclose(adv, torch.tensor(ref, dtype=torch.float32), atol=1e-5)
         assert info["zero_var"].tolist() == ref_skip
-        cell = (r.extras["step"] == 1) & (r.transitions.prompt_index != 1)  # constant cells
+        cell = (r.layout.step == 1) & (r.transitions.prompt_index != 1)  # constant cells
         assert (adv[cell] == 0).all() and not info["zero_var"][cell].any()
-    own = (r.transitions.prompt_index == 1) & (r.extras["trajectory"] == 1 * SEEDS + 0)
+    own = (r.transitions.prompt_index == 1) & (r.layout.trajectory == 1 * SEEDS + 0)
     _, info = tempflow_structure(r, group_by="seed_tracker")
     assert torch.equal(info["zero_var"], own)  # the only all-zero rows: prompt 1, seed 0
     _, info_seed = tempflow_structure(r, group_by="seed")  # flowrl skips every constant cell instead
-    assert info_seed["zero_var"][r.extras["step"] == 1].all() and info_seed["zero_var"].sum() > own.sum()
+    assert info_seed["zero_var"][r.layout.step == 1].all() and info_seed["zero_var"].sum() > own.sum()
 
 
 def test_clip_and_reward_components():
@@ -166,10 +168,10 @@ def test_sampler_tracker_groupings(tiny_digits_policy):
     prompts = ["a handwritten digit 3", "a handwritten digit 3", "a handwritten digit 7"]
     reward = lambda im, p, **_: im.mean(dim=(1, 2, 3))  # noqa: E731
     r = TempFlowSampler(**cfg, group_by="prompt_tracker")(tiny_digits_policy, prompts, reward, seed=1)
-    assert r.extras["group_by"] == "prompt_tracker"
+    assert r.layout.group_by == "prompt_tracker"
     assert torch.unique(r.group_index).numel() == 2 * 2  # 2 prompt texts x 2 branch steps
-    ex, tr = r.extras, r.transitions
-    rows = list(zip(tr.prompt_index.tolist(), ex["seed_slot"].tolist(), ex["step"].tolist(), ex["branch"].tolist()))
+    lay, tr = r.layout, r.transitions
+    rows = list(zip(tr.prompt_index.tolist(), lay.seed_slot.tolist(), lay.step.tolist(), lay.branch.tolist()))
     ref, _ = reference_tracker(rows, r.rewards.double().tolist(), lambda p, s: prompts[p])
     adv, _ = transition_advantages(r)  # the sampler's group_by is the default
     assert torch.allclose(adv, torch.tensor(ref, dtype=torch.float32), atol=1e-5)

@@ -2,6 +2,7 @@
 batch it was encoded in; SD3's encoders vary by ~1e-7 with batch composition), directory round
 trip and extension, fingerprint check, dropped encoders, and a training run with the cache +
 dropped encoders ending on the same weights as one without."""
+import copy
 import json
 
 import pytest
@@ -9,10 +10,11 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_train_overrides
-from flowrl.data.embeddings import INDEX, TextCacheError, TextEmbeddingCache, model_fingerprint
+from flowrl.data.embeddings import INDEX, CachedTextPolicy, TextCacheError, TextEmbeddingCache, model_fingerprint
 from flowrl.trainers.checkpoint import list_checkpoints
 from flowrl.trainers.config import ConfigError, load_config
 from flowrl.trainers.online import train
+from flowrl.types import FlowPolicy, swapped_transformer
 
 PROMPTS = [f"a handwritten digit {d}" for d in range(10)]
 
@@ -62,25 +64,59 @@ def test_fingerprint_follows_the_settings_that_change_embeddings():
     assert model_fingerprint(base) != model_fingerprint({**base, "guidance_scale": 1.0})
 
 
-def test_attach_drops_encoders_and_names_unknown_prompts(tiny_digits_policy):
-    pol = tiny_digits_policy
-    want = pol.encode_prompts(PROMPTS[:3])
-    cache = TextEmbeddingCache.build(pol, PROMPTS[:3])
-    freed = cache.attach(pol, drop_encoders=True)
-    assert pol.text_encoder is None and freed > 0
+def test_wrap_drops_encoders_and_names_unknown_prompts(tiny_digits_policy):
+    base = tiny_digits_policy
+    want = base.encode_prompts(PROMPTS[:3])
+    cache = TextEmbeddingCache.build(base, PROMPTS[:3])
+    pol = cache.wrap(base, drop_encoders=True)
+    assert isinstance(pol, CachedTextPolicy) and pol.wrapped is base and pol.text_embedding_cache is cache
+    assert "encode_prompts" not in vars(base)  # the policy object is not patched
+    assert base.text_encoder is None and pol.text_encoder is None and pol.freed_parameters > 0
     _assert_same(pol.encode_prompts(PROMPTS[:3]), want)
     with pytest.raises(TextCacheError, match="'a handwritten digit 9' is not in the text-embedding cache"):
         pol.encode_prompts([PROMPTS[9]])
 
 
-def test_attach_without_dropping_encodes_new_prompts(tiny_digits_policy):
-    pol = tiny_digits_policy
-    want = pol.encode_prompts([PROMPTS[9]])
-    cache = TextEmbeddingCache.build(pol, PROMPTS[:3])
-    cache.attach(pol)
+def test_wrap_without_dropping_encodes_new_prompts(tiny_digits_policy):
+    base = tiny_digits_policy
+    want = base.encode_prompts([PROMPTS[9]])
+    cache = TextEmbeddingCache.build(base, PROMPTS[:3])
+    pol = cache.wrap(base)
     got = pol.encode_prompts([PROMPTS[9], PROMPTS[0]])
     assert torch.equal(got["encoder_hidden_states"][:1], want["encoder_hidden_states"])
     assert PROMPTS[9] in cache and len(cache) == 4
+
+
+def test_legacy_attach_patches_in_place(tiny_digits_policy):
+    pol = tiny_digits_policy
+    want = pol.encode_prompts(PROMPTS[:3] + [PROMPTS[9]])
+    cache = TextEmbeddingCache.build(pol, PROMPTS[:3])
+    assert cache.attach(pol) == 0 and pol.text_embedding_cache is cache
+    _assert_same(pol.encode_prompts(PROMPTS[:3]), {k: v[:3] for k, v in want.items()})
+    got = pol.encode_prompts([PROMPTS[9]])  # encoded by the original encoder, not the patched one
+    assert torch.equal(got["encoder_hidden_states"], want["encoder_hidden_states"][3:])
+
+
+def test_wrapper_forwards_transformer_swaps_and_velocity(tiny_digits_policy):
+    base = tiny_digits_policy
+    pol = TextEmbeddingCache.build(base, PROMPTS[:2]).wrap(base)
+    assert isinstance(pol, FlowPolicy)
+    x, sigma = base.initial_noise([1, 2]), torch.full((2,), 0.5)
+    cond = pol.encode_prompts(PROMPTS[:2])
+    v = pol.velocity(x, sigma, cond)
+    assert torch.equal(v, base.velocity(x, sigma, cond))
+    other = copy.deepcopy(base.transformer)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.1)
+    trained = base.transformer
+    with swapped_transformer(pol, other):  # set on the wrapper -> the wrapped policy runs `other`
+        assert base.transformer is other and pol.transformer is other
+        assert not torch.equal(pol.velocity(x, sigma, cond), v)
+    assert base.transformer is trained and torch.equal(pol.velocity(x, sigma, cond), v)
+    pol.guidance_scale = 2.5
+    assert base.guidance_scale == 2.5 and "guidance_scale" not in vars(pol)
+    assert CachedTextPolicy(pol, pol.text_embedding_cache).wrapped is base  # one cache layer, not two
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
@@ -95,8 +131,8 @@ def test_tiny_sd3_flux_cache_with_cfg(tmp_path, kind):
     want, want_rev = pol.encode_prompts(prompts), pol.encode_prompts(prompts[::-1])
     cache = TextEmbeddingCache.build(pol, prompts)
     assert cache.shared and all(k.startswith("negative_") for k in cache.shared)  # CFG's negative prompt: once
-    freed = cache.attach(pol, drop_encoders=True)
-    assert freed > 0 and pol.pipe.text_encoder is None and pol.pipe.text_encoder_2 is None
+    pol = cache.wrap(pol, drop_encoders=True)
+    assert pol.freed_parameters > 0 and pol.pipe.text_encoder is None and pol.pipe.text_encoder_2 is None
     _assert_same(pol.encode_prompts(prompts), want)  # the batch it was encoded in: bit for bit
     got = pol.encode_prompts(prompts[::-1])  # another batch: the encoders themselves differ by ~1e-7 (SD3's CLIP)
     for k in want_rev:

@@ -1,9 +1,12 @@
 """Advantages: rewards + rollout structure -> one advantage per transition.
 
 ``ADVANTAGES[rollout.structure](rollout, **options) -> (advantages [M], info)`` is the only
-thing a new sampler adds for the trainer to train on it (docs/design.md). ``info`` may hold
-``zero_var`` ([M] bool: no signal, skipped), ``train_mask`` ([M] bool: pruned transitions
-are False) and scalars to log. One module per structure; the math is pure functions.
+thing a new sampler adds for the trainer to train on it (docs/design.md). ``rollout.structure``
+is the ``name`` of the rollout's typed record ``rollout.layout`` (:mod:`flowrl.structures`:
+``GroupStructure``, ``TreeStructure``, ``TempFlowStructure``, ...), which the function reads with
+:func:`flowrl.structures.layout_of`. ``info`` may hold ``zero_var`` ([M] bool: no signal,
+skipped), ``train_mask`` ([M] bool: pruned transitions are False) and scalars to log. One module
+per structure; the math is pure functions.
 """
 from __future__ import annotations
 
@@ -24,11 +27,15 @@ __all__ = ["ADVANTAGES", "ADV_CLIP", "GROUP_EPS", "register", "transition_advant
 
 
 def register(structure: str, fn: AdvantageFn) -> None:
+    """Serve rollouts whose ``layout.name`` is ``structure`` with ``fn(rollout, **options)``."""
     ADVANTAGES[structure] = fn
 
 
 def transition_advantages(rollout, **options) -> tuple[torch.Tensor, dict]:
-    """One advantage per transition of ``rollout`` [M], and info (see module docstring)."""
+    """One advantage per transition of ``rollout`` [M], and info (see module docstring).
+
+    Dispatches on ``rollout.structure`` (``rollout.layout.name`` for a :class:`flowrl.rollout.Rollout`;
+    a duck-typed view of group rewards may carry the name alone)."""
     try:
         fn = ADVANTAGES[rollout.structure]
     except KeyError:

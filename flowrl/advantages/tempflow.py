@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..sde import sde_step
+from ..structures import TempFlowStructure, layout_of
 from .group import ADV_CLIP, GROUP_EPS, combine_component_advantages, group_advantages
 
 # Advantage groupings of a TempFlow rollout (``TempFlowSampler.group_by`` /
@@ -98,18 +99,14 @@ def tempflow_groups(rollout, group_by: str) -> torch.Tensor:
     """
     if group_by not in GROUP_BY:
         raise ValueError(f"group_by must be one of {GROUP_BY}, got {group_by!r}")
-    ex = rollout.extras
-    missing = [k for k in ("trajectory", "step") if k not in ex]
-    if missing:
-        raise ValueError(f"rollout.extras lacks {missing}: not a TempFlowSampler rollout "
-                         f"(structure {rollout.structure!r})")
+    layout = layout_of(rollout, TempFlowStructure)
     if group_by in ("seed", "seed_tracker"):
-        row = ex["trajectory"]  # [M] long
+        row = layout.trajectory  # [M] long
     elif group_by == "prompt_tracker":
         row = prompt_text_ids(rollout.prompts, rollout.transitions.prompt_index)  # [M] long
     else:
         row = rollout.transitions.prompt_index  # [M] long
-    step = ex["step"].long()  # [M]
+    step = layout.step.long()  # [M]
     t = int(step.max().item()) + 1 if step.numel() else 1
     return row.long() * t + step  # [M] long, unique per (row, step)
 
@@ -174,11 +171,8 @@ def zero_rows(adv: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 def tempflow_rows(rollout) -> torch.Tensor:
     """Table row of every transition ``[M]`` long: (seed trajectory, branch), the TempFlow-GRPO
     code's sample, which holds child ``b`` of every branch step of one initial noise."""
-    ex = rollout.extras
-    if "branch" not in ex:
-        raise ValueError("rollout.extras lacks 'branch': not a TempFlowSampler rollout "
-                         f"(structure {rollout.structure!r})")
-    return ex["trajectory"].long() * (int(ex["branch"].max().item()) + 1) + ex["branch"].long()  # [M]
+    layout = layout_of(rollout, TempFlowStructure)
+    return layout.trajectory.long() * (int(layout.branch.max().item()) + 1) + layout.branch.long()  # [M]
 
 
 def tempflow_structure(rollout, *, group_by: Optional[str] = None, global_std: bool = False,
@@ -192,7 +186,7 @@ def tempflow_structure(rollout, *, group_by: Optional[str] = None, global_std: b
 
     Args:
         rollout: from :class:`flowrl.rollout.TempFlowSampler` (``structure="tempflow"``).
-        group_by: one of :data:`GROUP_BY`; None takes the sampler's (``rollout.extras["group_by"]``).
+        group_by: one of :data:`GROUP_BY`; None takes the sampler's (``rollout.layout.group_by``).
             ``"seed"`` / ``"prompt"``: :func:`flowrl.advantages.group_advantages` per cell
             (constant cells skipped). ``"seed_tracker"`` / ``"prompt_tracker"``: the
             TempFlow-GRPO code's statistics (:func:`tracker_advantages`); ``"prompt_tracker"``
@@ -209,13 +203,14 @@ def tempflow_structure(rollout, *, group_by: Optional[str] = None, global_std: b
         with A = 0 at every step; ``info["zero_var_fraction"]`` and ``info["num_groups"]`` are
         floats to log. The noise-aware weight is not applied here: it is ``rollout.transitions.weight``.
     """
-    group_by = group_by or rollout.extras.get("group_by", "seed")
+    layout = layout_of(rollout, TempFlowStructure)
+    group_by = group_by or layout.group_by
     groups = tempflow_groups(rollout, group_by)  # [M]
     idx = rollout.transitions.sample_index  # [M]
     if bool((idx < 0).any()):
         raise ValueError("every TempFlow transition must lead to exactly one completion (sample_index >= 0)")
     if group_by in TRACKER_GROUP_BY:
-        steps, rows = rollout.extras["step"].long(), tempflow_rows(rollout)  # [M], [M]
+        steps, rows = layout.step.long(), tempflow_rows(rollout)  # [M], [M]
         comps = ({k: v[idx] for k, v in rollout.reward_components.items()} if per_reward_weights
                  else {"reward": rollout.rewards[idx]})  # name -> [M]
         weights = per_reward_weights or {"reward": 1.0}

@@ -4,7 +4,7 @@ A tree is given by per-node tensors: ``parent`` [nodes] (-1 for a root), ``depth
 ``tree`` [nodes] (which prompt tree), ``edge_log_prob`` [nodes] (log-prob of the edge into
 the node, 0 for roots and deterministic edges) and ``leaf_node`` [L] (node of each leaf, leaf
 ``l`` owns reward ``r_l``). :class:`flowrl.rollout.branch.BranchSampler` stores these in
-``Rollout.extras``; :func:`branch_structure` is the entry point of
+``Rollout.layout``, a :class:`flowrl.structures.TreeStructure`; :func:`branch_structure` is the entry point of
 ``flowrl.advantages.ADVANTAGES["branch"]``.
 
 Log-probs are the step functions' per-element means (``flowrl.sde``), so path sums are in
@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from ..structures import TreeStructure, layout_of
 from .group import ADV_CLIP
 from .tree_pruning import PEER_WIDTH_MODES, exclude_window, peer_width_mask, preorder_key
 
@@ -311,39 +312,36 @@ def branch_structure(rollout, *, iteration: int = 0, fusion: Optional[str] = Non
     if depth_mode == "train_window" and (depth_start is not None or depth_stop is not None):
         raise ValueError("depth_start / depth_stop apply to depth_mode='exclude_window' only; "
                          f"choose depth_mode from {DEPTH_MODES}")
-    ex = rollout.extras
-    missing = {"node_parent", "node_depth", "node_tree", "node_log_prob", "leaf_node", "edge_node"} - set(ex)
-    if missing:
-        raise ValueError(f"rollout.extras lacks {sorted(missing)}: structure 'branch' needs a BranchSampler rollout")
-    parent, depth, edge_node = ex["node_parent"], ex["node_depth"], ex["edge_node"]
+    tree = layout_of(rollout, TreeStructure)
+    parent, depth, edge_node = tree.node_parent, tree.node_depth, tree.edge_node  # [nodes], [nodes], [M]
     if fusion == "softmax_children":
-        rbar = fuse_rewards_children(rollout.rewards, parent, depth, ex["leaf_node"], ex["node_log_prob"], beta)
+        rbar = fuse_rewards_children(rollout.rewards, parent, depth, tree.leaf_node, tree.node_log_prob, beta)
     else:
-        rbar = fuse_rewards(rollout.rewards, parent, ex["leaf_node"], ex["node_log_prob"], beta)  # [nodes]
-    node_adv, degenerate = depthwise_advantages(rbar, depth, ex["node_tree"])  # [nodes]
+        rbar = fuse_rewards(rollout.rewards, parent, tree.leaf_node, tree.node_log_prob, beta)  # [nodes]
+    node_adv, degenerate = depthwise_advantages(rbar, depth, tree.node_tree)  # [nodes]
     adv = edge_advantages(node_adv, edge_node, adv_clip)  # [M]
     zero_var = degenerate[edge_node]  # [M]
     step = rollout.transitions.step  # [M]
     mask = torch.ones(adv.shape[0], dtype=torch.bool)
     start = 0
     if depth_window is not None:
-        edge_depth, num_depths = depth[edge_node], int(ex["num_steps"])  # [M]
+        edge_depth, num_depths = depth[edge_node], int(tree.num_steps)  # [M]
         if depth_mode == "train_window":
             dmask, start = depth_window_mask(edge_depth, num_depths, depth_window, iteration, depth_slide_every)
         else:
-            stop = max(ex["split_steps"]) if depth_stop is None else depth_stop
+            stop = max(tree.split_steps) if depth_stop is None else depth_stop
             start = exclude_window(num_depths, depth_window, depth_start, stop, iteration, depth_slide_every)
             dmask = (edge_depth < start) | (edge_depth >= start + depth_window)  # [M]
         mask &= dmask
     if width_keep_ratio is not None:
-        last = max(ex["split_steps"])
+        last = max(tree.split_steps)
         if width_mode in PEER_WIDTH_MODES:
-            order = preorder_key(parent, depth, ex["leaf_node"])[edge_node]  # [M] the peer's walk order
+            order = preorder_key(parent, depth, tree.leaf_node)[edge_node]  # [M] the peer's walk order
             group = ancestor_at_depth(parent, depth, edge_node, last + 1)  # [M] child of the last split
             mask &= peer_width_mask(node_adv.float()[edge_node], step, group, order, last, float(width_keep_ratio),
                                     width_mode, eligible=mask)
         else:
-            group = ex["node_tree"][edge_node]
+            group = tree.node_tree[edge_node]
             if width_mode == "parent_top1":
                 group = ancestor_at_depth(parent, depth, edge_node, last)
             mask &= width_prune_mask(adv, step, group, last, float(width_keep_ratio), width_mode)

@@ -42,8 +42,8 @@ def model_fingerprint(model_cfg: dict) -> str:
 class TextEmbeddingCache:
     """Per-prompt text conditioning, served in ``policy.encode_prompts``'s format.
 
-    Build with :meth:`build` (or :meth:`open_or_build` for a directory), then :meth:`attach` it to
-    the policy. ``encode(prompts)`` returns batch-first tensors on ``device``.
+    Build with :meth:`build` (or :meth:`open_or_build` for a directory), then :meth:`wrap` the
+    policy with it. ``encode(prompts)`` returns batch-first tensors on ``device``.
     """
 
     def __init__(self, fingerprint: str = "", directory: Optional[Path] = None):
@@ -157,36 +157,32 @@ class TextEmbeddingCache:
         return cond
 
     # ---------------------------------------------------------------- policy
-    def attach(self, policy, drop_encoders: bool = False) -> int:
-        """Serve ``policy.encode_prompts`` from this cache. Cached prompts come from the cache; others
-        are encoded and added (kept in memory) while the encoders exist. ``drop_encoders`` removes the
-        text encoders from the policy (and its diffusers pipeline) to free their memory; returns the
-        number of parameters freed."""
+    def wrap(self, policy, drop_encoders: bool = False) -> "CachedTextPolicy":
+        """``policy`` with ``encode_prompts`` served from this cache (a :class:`CachedTextPolicy`;
+        the policy object itself is not patched). Cached prompts come from the cache; others are
+        encoded and added (kept in memory) while the encoders exist. ``drop_encoders`` removes the
+        text encoders from the policy (and its diffusers pipeline) to free their memory; the number
+        of parameters freed is the wrapper's ``freed_parameters``."""
         self.device = getattr(policy, "device", self.device)
-        original = policy.encode_prompts
-        freed = 0
-        if drop_encoders:
-            for obj in (policy, getattr(policy, "pipe", None)):
-                for name in TEXT_ENCODER_NAMES:
-                    mod = getattr(obj, name, None) if obj is not None else None
-                    if isinstance(mod, torch.nn.Module):
-                        freed += sum(p.numel() for p in mod.parameters())
-                        setattr(obj, name, None)
-            import gc
+        freed = drop_text_encoders(policy) if drop_encoders else 0
+        return CachedTextPolicy(policy, self, encode_missing=not drop_encoders, freed_parameters=freed)
 
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-
-        def encode_prompts(prompts: list[str]):
-            missing = [p for p in dict.fromkeys(prompts) if p not in self._where]
-            if missing and not drop_encoders:
-                self.extend(original, missing, persist=False)  # late additions stay in memory
-            return self.encode(prompts)
-
-        policy.encode_prompts = encode_prompts
+    def attach(self, policy, drop_encoders: bool = False) -> int:
+        """Older in-place form of :meth:`wrap`: sets ``policy.encode_prompts`` (and
+        ``policy.text_embedding_cache``) on the policy object itself; returns the parameters freed.
+        Prefer :meth:`wrap`, which leaves the policy unpatched."""
+        wrapped = self.wrap(policy, drop_encoders)
+        policy.encode_prompts = wrapped.encode_prompts
         policy.text_embedding_cache = self
-        return freed
+        return wrapped.freed_parameters
+
+    def serve(self, prompts: list[str], encode: Optional[Callable] = None) -> dict[str, torch.Tensor]:
+        """``encode(prompts)``'s conditioning from the cache; prompts not cached yet are first encoded
+        with ``encode`` and kept in memory (None: they are a :class:`TextCacheError`)."""
+        missing = [p for p in dict.fromkeys(prompts) if p not in self._where]
+        if missing and encode is not None:
+            self.extend(encode, missing, persist=False)  # late additions stay in memory
+        return self.encode(prompts)
 
     # ---------------------------------------------------------------- files
     def _write_shard(self, idx: int, rows: dict[str, torch.Tensor]) -> str:
@@ -251,16 +247,80 @@ class TextEmbeddingCache:
         return cls.build(policy, prompts, fingerprint, directory, progress=progress)
 
 
+def drop_text_encoders(policy) -> int:
+    """Remove the text encoders from ``policy`` (and its diffusers ``pipe``) to free their memory;
+    returns the number of parameters freed."""
+    freed = 0
+    for obj in (policy, getattr(policy, "pipe", None)):
+        for name in TEXT_ENCODER_NAMES:
+            mod = getattr(obj, name, None) if obj is not None else None
+            if isinstance(mod, torch.nn.Module):
+                freed += sum(p.numel() for p in mod.parameters())
+                setattr(obj, name, None)
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return freed
+
+
+class CachedTextPolicy:
+    """A policy whose ``encode_prompts`` is served by a :class:`TextEmbeddingCache`.
+
+    Everything else is the wrapped policy's: attribute reads fall through to it and attribute
+    writes go to it (so ``policy.transformer = model`` and
+    ``flowrl.types.swapped_transformer(policy, module)`` change what ``policy.velocity`` runs).
+    ``wrapped`` is the policy itself, ``text_embedding_cache`` the cache.
+    """
+
+    _OWN = ("wrapped", "text_embedding_cache", "freed_parameters", "_encode_uncached")
+
+    def __init__(self, policy, cache: TextEmbeddingCache, encode_missing: bool = True, freed_parameters: int = 0):
+        if isinstance(policy, CachedTextPolicy):  # one cache layer: the new cache replaces the old
+            policy = policy.wrapped
+        object.__setattr__(self, "wrapped", policy)
+        object.__setattr__(self, "text_embedding_cache", cache)
+        # the policy's own encoder, for prompts not cached yet (None: they are an error)
+        object.__setattr__(self, "_encode_uncached", policy.encode_prompts if encode_missing else None)
+        object.__setattr__(self, "freed_parameters", int(freed_parameters))
+
+    def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """Batch-first conditioning of ``prompts`` from the cache (see :meth:`TextEmbeddingCache.serve`)."""
+        return self.text_embedding_cache.serve(list(prompts), self._encode_uncached)
+
+    def __getattr__(self, name: str):
+        if name in CachedTextPolicy._OWN:  # not set yet (copy / unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.wrapped, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.wrapped, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in self._OWN:
+            raise AttributeError(f"cannot delete {name!r} of a CachedTextPolicy")
+        delattr(self.wrapped, name)
+
+    def __repr__(self) -> str:
+        return f"CachedTextPolicy({self.wrapped!r}, {len(self.text_embedding_cache)} prompts cached)"
+
+
 def attach_text_cache(policy, model_cfg, prompts: list[str], is_main: bool = True,
-                      barrier: Optional[Callable[[], None]] = None, progress: bool = False) -> Optional[TextEmbeddingCache]:
+                      barrier: Optional[Callable[[], None]] = None, progress: bool = False):
     """Apply ``model.text_embedding_cache`` / ``model.drop_text_encoders`` to a freshly loaded policy.
 
     ``"memory"``: every process encodes ``prompts`` once into RAM. A directory: the main process
-    builds (or extends) it, the others wait at ``barrier`` and then read it. Returns the cache or None.
+    builds (or extends) it, the others wait at ``barrier`` and then read it. Returns the policy to
+    use: a :class:`CachedTextPolicy` around ``policy`` (its ``text_embedding_cache`` is the cache),
+    or ``policy`` itself when no cache is configured.
     """
     where = model_cfg.text_embedding_cache
     if not where:
-        return None
+        return policy
     fp = model_fingerprint({"pipeline": model_cfg.pipeline, "path": model_cfg.path,
                             "guidance_scale": model_cfg.guidance_scale, "options": model_cfg.options})
     if where == "memory":
@@ -271,7 +331,8 @@ def attach_text_cache(policy, model_cfg, prompts: list[str], is_main: bool = Tru
             barrier()
         if cache is None:  # the other processes read what the main one wrote
             cache = TextEmbeddingCache.load(where, fp)
-    freed = cache.attach(policy, drop_encoders=model_cfg.drop_text_encoders)
-    if progress and freed:
-        print(f"text encoders dropped: {freed / 1e6:.1f}M parameters freed; {len(cache)} prompts cached")
-    return cache
+    cached = cache.wrap(policy, drop_encoders=model_cfg.drop_text_encoders)
+    if progress and cached.freed_parameters:
+        print(f"text encoders dropped: {cached.freed_parameters / 1e6:.1f}M parameters freed; "
+              f"{len(cache)} prompts cached")
+    return cached

@@ -15,7 +15,10 @@ from typing import Callable, Iterator, Optional
 
 from torch import nn
 
+from ..types import swapped_transformer  # re-exported: the one transformer swap lives in flowrl.types
 from .common import unwrap_model
+
+__all__ = ["QuantizedCopy", "fingerprint", "swapped_transformer"]
 
 
 def fingerprint(module: nn.Module) -> tuple:
@@ -27,17 +30,6 @@ def fingerprint(module: nn.Module) -> tuple:
     adapters = tuple((n, bool(getattr(s, "disable_adapters", False)), tuple(getattr(s, "active_adapters", ()) or ()))
                      for n, s in m.named_modules() if hasattr(s, "lora_A"))
     return tensors + adapters
-
-
-@contextlib.contextmanager
-def swapped_transformer(policy, module: nn.Module) -> Iterator[None]:
-    """Inside, ``policy.transformer`` is ``module`` (so ``policy.velocity`` runs it); restored after."""
-    trained = policy.transformer
-    policy.transformer = module
-    try:
-        yield
-    finally:
-        policy.transformer = trained
 
 
 class QuantizedCopy:

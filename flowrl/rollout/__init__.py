@@ -1,8 +1,10 @@
 """Samplers: each returns a :class:`Rollout` of finished samples and trained transitions."""
+from ..structures import GroupStructure, SolStructure, Structure, TempFlowStructure, TreeStructure
 from .base import Rollout, Transitions, score_images
 from .branch import BranchSampler
 from .group import GroupSampler
 from .sol import SolSampler
 from .tempflow import TempFlowSampler
 
-__all__ = ["Rollout", "Transitions", "score_images", "GroupSampler", "TempFlowSampler", "BranchSampler", "SolSampler"]
+__all__ = ["Rollout", "Transitions", "score_images", "GroupSampler", "TempFlowSampler", "BranchSampler", "SolSampler",
+           "Structure", "GroupStructure", "TreeStructure", "TempFlowStructure", "SolStructure"]

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..structures import GroupStructure, Structure
 from ..types import RewardFn
 
 
@@ -68,12 +69,12 @@ class Transitions:
 class Rollout:
     """Finished samples, their rewards, and the transitions to train on.
 
-    ``structure`` names the advantage function of ``flowrl.advantages.ADVANTAGES`` that
-    turns this rollout into one advantage per transition; ``extras`` holds what that
-    function needs beyond the common fields (tree links for BranchGRPO, ...).
+    ``layout`` is the typed structure record (:mod:`flowrl.structures`): what the advantage
+    function needs beyond the common fields (tree links for BranchGRPO, ...); its ``name``,
+    also ``rollout.structure``, keys ``flowrl.advantages.ADVANTAGES``.
 
     Devices: ``x0``, ``cond`` and the transitions' float fields may live on the policy's device
-    (a GPU); ``images``, ``rewards``, the index tensors and ``extras`` are on the CPU.
+    (a GPU); ``images``, ``rewards``, the index tensors and ``layout`` are on the CPU.
     """
 
     prompts: list[str]                 # the P distinct prompts
@@ -87,12 +88,21 @@ class Rollout:
     sigmas: torch.Tensor               # [T + 1] schedule used
     step_type: str                     # name in flowrl.sde.STEPS used for the stored transitions
     noise_level: float
-    structure: str = "group"
+    layout: Structure = field(default_factory=GroupStructure)  # the structure record
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N]
-    extras: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, float] = field(default_factory=dict)  # model_evals, seconds, ...
     # the sampler's text conditioning of ``prompts`` (batch-first [P, ...]); None: not kept
     cond: Optional[dict[str, torch.Tensor]] = None
+
+    @property
+    def structure(self) -> str:
+        """Key of ``flowrl.advantages.ADVANTAGES`` for this rollout (``layout.name``)."""
+        return self.layout.name
+
+    @property
+    def extras(self) -> dict[str, Any]:
+        """Backward-compatible untyped view of ``layout`` (a fresh dict; read ``layout`` instead)."""
+        return self.layout.as_extras()
 
     @property
     def num_samples(self) -> int:

@@ -15,12 +15,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import ClassVar, Optional, Sequence
 
 import torch
 
 from ..seeding import derive_seeds, seeded_randn_rows
 from ..sde import DEFAULT_NOISE_LEVEL, STEPS, get_step, ode_step
+from ..structures import TreeStructure
 from ..types import FlowPolicy, RewardFn, index_cond
 from .base import Rollout, Transitions, score_images
 from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
@@ -89,6 +90,7 @@ class BranchSampler:
     window_start: int = 0
     window_shift_every: Optional[int] = None
     max_batch: Optional[int] = None
+    stores_transitions: ClassVar[bool] = True  # every tree edge of a stochastic step
 
     def __post_init__(self) -> None:
         get_step(self.step)
@@ -151,6 +153,9 @@ class BranchSampler:
     def samples_per_prompt(self) -> int:
         """Finished samples (leaves) per prompt: the trainer's batch unit."""
         return self.num_leaves
+
+    def check_available(self) -> None:
+        """Nothing to check: this sampler runs wherever the policy runs (the Sampler protocol)."""
 
     def sde_steps(self, iteration: int = 0) -> list[int]:
         """Stochastic (stored) steps at this iteration: all in mode "sde"; splits + window in "mix"."""
@@ -243,57 +248,22 @@ class BranchSampler:
 
         images = policy.decode(x).float().cpu()  # [N, 3, H, W], leaves only, each once
         rewards, comps = score_images(reward, images, [prompts[t] for t in tree.tolist()])
-        extras = self._tree_extras(torch.cat(parent), torch.cat(depth), torch.cat(node_tree),
-                                   torch.cat(node_lp).cpu(),  # one copy to the host
-                                   torch.cat(node_edge), node, n_edges, tree_seeds, iteration)
+        layout = TreeStructure.from_tree(
+            torch.cat(parent), torch.cat(depth), torch.cat(node_tree), torch.cat(node_lp).cpu(),  # one copy to the host
+            torch.cat(node_edge), node, n_edges, tree_seeds=tree_seeds, split_steps=self.split_steps,
+            branch_factor=self.branch_factor, num_steps=self.num_steps, sde_steps=self.sde_steps(iteration),
+            mode=self.mode)
         trans = Transitions.concat(parts) if parts else Transitions.empty(shape)
-        leaf_lo, leaf_hi = extras["node_leaf_start"], extras["node_leaf_end"]
+        leaf_lo, leaf_hi = layout.node_leaf_start, layout.node_leaf_end  # [nodes]
         single = (leaf_hi - leaf_lo) == 1  # [nodes] node leads to exactly one leaf
-        en = extras["edge_node"]
+        en = layout.edge_node  # [M]
         trans.sample_index = torch.where(single[en], leaf_lo[en], torch.full_like(en, -1))  # [M]
         return Rollout(
             prompts=list(prompts), prompt_index=tree.clone(),
             seeds=torch.tensor([tree_seeds[t] for t in tree.tolist()], dtype=torch.long),
             group_index=tree.clone(), x0=x, images=images, rewards=rewards, transitions=trans,
             sigmas=sigmas, step_type=self.step, noise_level=float(self.noise_level),
-            structure="branch", reward_components=comps, extras=extras, cond=cond,
+            layout=layout, reward_components=comps, cond=cond,
             stats={"model_evals": counter.rows, "velocity_calls": counter.calls, "rollout_seconds": t_roll,
                    "reward_seconds": time.perf_counter() - t0 - t_roll, "tree_nodes": n_nodes,
                    "tree_edges": n_edges})
-
-    def _tree_extras(self, parent, depth, node_tree, node_lp, node_edge, leaf_node, n_edges, tree_seeds,
-                     iteration) -> dict:
-        """The tree for ``flowrl.advantages.tree``: per-node tensors, edge<->node maps, leaf ranges."""
-        n = parent.numel()
-        leaves = torch.arange(leaf_node.numel())
-        lo = torch.full((n,), leaf_node.numel(), dtype=torch.long)
-        hi = torch.zeros(n, dtype=torch.long)
-        cur, lid = leaf_node.clone(), leaves
-        while cur.numel():  # walk every leaf up to its root: subtree leaf ranges [lo, hi)
-            lo.scatter_reduce_(0, cur, lid, reduce="amin")
-            hi.scatter_reduce_(0, cur, lid + 1, reduce="amax")
-            up = parent[cur]
-            keep = up >= 0
-            cur, lid = up[keep], lid[keep]
-        edge_node = torch.full((n_edges,), -1, dtype=torch.long)
-        has = node_edge >= 0
-        edge_node[node_edge[has]] = torch.arange(n)[has]
-        is_leaf = torch.zeros(n, dtype=torch.bool)
-        is_leaf[leaf_node] = True
-        return {
-            "node_parent": parent,          # [nodes] long, -1 for the roots
-            "node_depth": depth,            # [nodes] long, 0 root; a child of step i has depth i + 1
-            "node_step": depth - 1,         # [nodes] long, step that created the node (-1 root)
-            "node_tree": node_tree,         # [nodes] long, tree (= prompt row)
-            "node_log_prob": node_lp,       # [nodes] float32, log-prob of the edge into the node (0: root/ODE)
-            "node_edge": node_edge,         # [nodes] long, stored transition into the node (-1: root/ODE)
-            "node_is_leaf": is_leaf,        # [nodes] bool
-            "node_leaf_start": lo,          # [nodes] long, the node's leaves are samples [start, end)
-            "node_leaf_end": hi,            # [nodes] long
-            "leaf_node": leaf_node.clone(),  # [N] long, node of each finished sample
-            "edge_node": edge_node,         # [M] long, child node of each stored transition
-            "edge_parent_node": parent[edge_node],  # [M] long
-            "tree_seeds": torch.tensor(tree_seeds, dtype=torch.long),  # [P]
-            "split_steps": list(self.split_steps), "branch_factor": self.branch_factor,
-            "num_steps": self.num_steps, "sde_steps": self.sde_steps(iteration), "mode": self.mode,
-        }

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
 from ..seeding import derive_seeds, seeded_randn
 from ..sde import DEFAULT_NOISE_LEVEL, get_step, ode_step
 from ..ode_solvers import SOLVERS, compressed_sigmas, data_prediction, dpmpp_2m_step, second_order
+from ..structures import GroupStructure
 from ..types import FlowPolicy, RewardFn, index_cond
 from .base import Rollout, Transitions, score_images
 from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
@@ -49,6 +50,7 @@ class GroupSampler:
     max_batch: Optional[int] = None
     ode_solver: str = "euler"
     post_window_steps: Optional[int] = None
+    stores_transitions: ClassVar[bool] = True  # every stochastic step it trains on is stored
 
     def __post_init__(self) -> None:
         get_step(self.step)
@@ -83,6 +85,9 @@ class GroupSampler:
     def samples_per_prompt(self) -> int:
         """Finished samples per prompt: the trainer's batch unit."""
         return self.group_size
+
+    def check_available(self) -> None:
+        """Nothing to check: this sampler runs wherever the policy runs (the Sampler protocol)."""
 
     def sde_steps(self, iteration: int = 0) -> list[int]:
         """Steps that inject noise at this training iteration."""
@@ -158,6 +163,6 @@ class GroupSampler:
             group_index=prompt_index.clone(), x0=x, images=images, rewards=rewards,
             transitions=Transitions.concat(parts) if parts else Transitions.empty(tuple(x.shape[1:])),
             sigmas=sigmas, step_type=self.step, noise_level=float(self.noise_level),
-            structure="group", reward_components=comps, cond=cond_p,
+            layout=GroupStructure(), reward_components=comps, cond=cond_p,
             stats={"model_evals": counter.rows, "rollout_seconds": t_roll,
                    "reward_seconds": time.perf_counter() - t0 - t_roll})

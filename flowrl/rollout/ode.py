@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
 from ..sde import ode_step
 from ..seeding import derive_seeds
+from ..structures import GroupStructure
 from ..types import FlowPolicy, RewardFn, index_cond
 from .base import Rollout, Transitions, score_images
 from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
@@ -72,7 +73,7 @@ def ode_rollout(policy: FlowPolicy, prompts: list[str], seeds: list[int], num_st
         prompts=list(prompts), prompt_index=prompt_index, seeds=torch.tensor(list(seeds), dtype=torch.long),
         group_index=prompt_index.clone(), x0=x0, images=images, rewards=rewards,
         transitions=Transitions.empty(tuple(x0.shape[1:])), sigmas=policy.sigmas(num_steps).float().cpu(),
-        step_type="ode", noise_level=0.0, structure="group", reward_components=comps, cond=cond_p,
+        step_type="ode", noise_level=0.0, layout=GroupStructure(), reward_components=comps, cond=cond_p,
         stats={"model_evals": counter.rows, "rollout_seconds": t_roll,
                "reward_seconds": time.perf_counter() - t0 - t_roll})
 
@@ -86,7 +87,7 @@ class ODEGroupSampler:
     group_size: int = 8
     num_steps: int = 10
     max_batch: Optional[int] = None
-    stores_transitions = False  # class constant: the trainer's GRPO loss cannot use this sampler
+    stores_transitions: ClassVar[bool] = False  # class constant: the trainer's GRPO loss cannot use this sampler
 
     def __post_init__(self) -> None:
         if not isinstance(self.group_size, int) or self.group_size < 2:
@@ -100,6 +101,9 @@ class ODEGroupSampler:
     @property
     def samples_per_prompt(self) -> int:
         return self.group_size
+
+    def check_available(self) -> None:
+        """Nothing to check: this sampler runs wherever the policy runs (the Sampler protocol)."""
 
     @torch.no_grad()
     def __call__(self, policy: FlowPolicy, prompts: list[str], reward: Optional[RewardFn] = None, seed: int = 0, *,

@@ -36,6 +36,7 @@ from ..quant import check_available, get_quantizer, parse_backend_spec
 from ..quant.fidelity import ranking_fidelity
 from ..quant.sync import QuantizedCopy, swapped_transformer
 from ..seeding import derive_seeds
+from ..structures import SolStructure
 from ..types import FlowPolicy, RewardFn
 from .base import Rollout, score_images
 from .common import EvalCounter
@@ -289,10 +290,9 @@ class SolSampler:
             stats.update(self._audit(policy, pool_prompts, pool, r_explore, reward, p))
         stats["sol/seconds"] = time.perf_counter() - t0
         rollout.stats = stats
-        rollout.extras["sol"] = {"pool_seeds": torch.tensor(pool, dtype=torch.long),  # [P * n]
-                                 "explore_rewards": r_explore,  # [P * n]
-                                 "selected": chosen,  # [P * keep] rows of the pool
-                                 "backend": self._quantizer.name}
+        # the regeneration samplers (group, ode) return flat groups; Sol's record keeps that structure
+        rollout.layout = SolStructure(pool_seeds=torch.tensor(pool, dtype=torch.long), explore_rewards=r_explore,
+                                      selected=chosen, backend=self._quantizer.name)  # [P * n], [P * n], [P * keep]
         return rollout
 
     def _audit(self, policy, pool_prompts, pool, r_explore, reward, p) -> dict[str, float]:

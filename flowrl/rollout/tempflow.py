@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import ClassVar, Optional, Sequence
 
 import torch
 
 from ..advantages.tempflow import GROUP_BY, noise_aware_weights, prompt_text_ids
 from ..sde import ode_step, sde_step
 from ..seeding import derive_seeds, seeded_randn
+from ..structures import TempFlowStructure
 from ..types import FlowPolicy, RewardFn, index_cond
 from .base import Rollout, Transitions, score_images
 from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
@@ -73,7 +74,7 @@ class TempFlowSampler:
             ``prompt_tracker``) with the TempFlow-GRPO code's statistics
             (:func:`flowrl.advantages.tempflow.tracker_advantages`).
         finish_main: run the main trajectory to x0 too (T evaluations instead of
-            ``max(B) + 1``) and report its ODE reward in ``extras["main_rewards"]`` [P * S].
+            ``max(B) + 1``) and report its ODE reward in ``layout.main_rewards`` [P * S].
         max_batch: chunk velocity calls to at most this many rows (memory), None = all.
     """
 
@@ -86,6 +87,7 @@ class TempFlowSampler:
     group_by: str = "seed"
     finish_main: bool = False
     max_batch: Optional[int] = None
+    stores_transitions: ClassVar[bool] = True  # one branching SDE step per completion
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_steps, int) or self.num_steps < 1:
@@ -145,6 +147,9 @@ class TempFlowSampler:
         """Finished samples (completions) per prompt: the trainer's batch unit."""
         return self.num_completions(1)
 
+    def check_available(self) -> None:
+        """Nothing to check: this sampler runs wherever the policy runs (the Sampler protocol)."""
+
     # --- sampling --------------------------------------------------------------------------
     @torch.no_grad()
     def __call__(self, policy: FlowPolicy, prompts: list[str], reward: Optional[RewardFn] = None,
@@ -156,10 +161,11 @@ class TempFlowSampler:
 
         Samples (``x0``, ``images``, ``rewards`` [N], N = P S E |B|) are the completions, in
         (prompt, seed, step, branch) order; transition ``m`` is the branching step of
-        completion ``m`` (``sample_index = arange(N)``). ``extras`` holds per transition
-        ``trajectory`` (main row p * S + s), ``seed_slot`` (s), ``step`` (k), ``branch`` (b),
-        all ``[M]`` long, plus ``group_by``, ``branch_steps``, ``step_weights`` [T] and
-        ``main_rewards`` [P * S] (NaN unless ``finish_main``).
+        completion ``m`` (``sample_index = arange(N)``). ``layout`` is a
+        :class:`flowrl.structures.TempFlowStructure`: per transition ``trajectory`` (main row
+        p * S + s), ``seed_slot`` (s), ``step`` (k), ``branch`` (b), all ``[M]`` long, plus
+        ``group_by``, ``branch_steps``, ``step_weights`` [T] and ``main_rewards`` [P * S] (NaN
+        unless ``finish_main``).
         """
         if not prompts:
             raise ValueError("prompts is empty: pass at least one prompt")
@@ -251,10 +257,9 @@ class TempFlowSampler:
         return Rollout(
             prompts=list(prompts), prompt_index=prompt_index, seeds=seed_t[trajectory], group_index=group_index,
             x0=x0, images=images, rewards=rewards, transitions=trans, sigmas=sigmas,
-            step_type="sde", noise_level=float(self.noise_level), structure="tempflow",
-            reward_components=comps, cond=cond_p,
-            extras={"group_by": self.group_by, "branch_steps": branch_steps, "trajectory": trajectory,
-                    "seed_slot": trajectory % s_per, "step": step_of, "branch": branch,
-                    "step_weights": step_w, "main_rewards": main_rewards},
+            step_type="sde", noise_level=float(self.noise_level), reward_components=comps, cond=cond_p,
+            layout=TempFlowStructure(trajectory=trajectory, seed_slot=trajectory % s_per, step=step_of, branch=branch,
+                                     group_by=self.group_by, branch_steps=branch_steps, step_weights=step_w,
+                                     main_rewards=main_rewards),
             stats={"model_evals": counter.rows, "velocity_calls": counter.calls,
                    "num_completions": float(n), "rollout_seconds": t_roll, "reward_seconds": t_score})

@@ -87,7 +87,7 @@ def generate_offline(cfg: Config, out: Optional[str] = None, max_new_shards: Opt
     rewards = rewards if rewards is not None else dataset_rewards(cfg)
     if policy is None:
         policy = build_policy_from_config(cfg, _device(cfg))
-        attach_text_cache(policy, cfg.model, prompts, progress=progress)  # model.text_embedding_cache, if set
+        policy = attach_text_cache(policy, cfg.model, prompts, progress=progress)  # model.text_embedding_cache, if set
     policy.transformer.requires_grad_(False)
     idx = generate_dataset(out, policy, prompts, rewards, settings, model=model_description(cfg),
                            max_new_shards=max_new_shards, progress=progress)
@@ -228,9 +228,9 @@ class OfflineTrainer(TrainerBase):
         self.heldout = {k: build(k, **(v or {})) for k, v in cfg.reward.heldout.items()}
         self.judge = {k: build(k, **(v or {})) for k, v in cfg.offline.judge.items()}
         self.policy = build_policy_from_config(cfg, device)
-        self.text_cache = attach_text_cache(self.policy, cfg.model, list(self.ds.prompts) + self.eval_prompts,
-                                            is_main=self.acc.is_main_process, barrier=self.acc.wait_for_everyone,
-                                            progress=cfg.logging.progress and self.acc.is_main_process)
+        self.policy = attach_text_cache(self.policy, cfg.model, list(self.ds.prompts) + self.eval_prompts,
+                                        is_main=self.acc.is_main_process, barrier=self.acc.wait_for_everyone,
+                                        progress=cfg.logging.progress and self.acc.is_main_process)
         self._prepare_model(need_reference=True)  # GDRO's implicit reward always needs the reference
         self.start_step = 0
         self.train_seconds = 0.0

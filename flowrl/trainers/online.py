@@ -74,9 +74,9 @@ class OnlineTrainer(TrainerBase):
             except ValueError as e:
                 raise ConfigError(f"sampler.explore_backend: {e}") from None
         self.policy = build_policy_from_config(cfg, device)  # before the rewards: a bad model path fails fast
-        self.text_cache = attach_text_cache(self.policy, cfg.model, self.prompts + self.eval_prompts,
-                                            is_main=self.acc.is_main_process, barrier=self.acc.wait_for_everyone,
-                                            progress=cfg.logging.progress and self.acc.is_main_process)
+        self.policy = attach_text_cache(self.policy, cfg.model, self.prompts + self.eval_prompts,
+                                        is_main=self.acc.is_main_process, barrier=self.acc.wait_for_everyone,
+                                        progress=cfg.logging.progress and self.acc.is_main_process)
         self.reward = build_reward(cfg)
         self.heldout = {}
         if cfg.reward.heldout:

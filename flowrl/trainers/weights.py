@@ -8,6 +8,8 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
+from ..types import swapped_transformer
+
 DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 
 
@@ -69,12 +71,9 @@ class Reference:
     def active(self, policy) -> Iterator[None]:
         """Inside, ``policy.velocity`` evaluates the reference model."""
         if self.copy is not None:
-            trained, policy.transformer = policy.transformer, self.copy
-            try:
+            with swapped_transformer(policy, self.copy):
                 yield
-            finally:
-                policy.transformer = trained
-        else:
+        else:  # LoRA: the same module with its adapters off (a toggle, not a swap)
             self.transformer.disable_adapters()
             try:
                 yield
@@ -98,7 +97,8 @@ class EMA:
 
     @contextlib.contextmanager
     def applied(self, transformer: nn.Module) -> Iterator[None]:
-        """Swap the EMA weights in for the duration (evaluation), then restore."""
+        """Load the EMA weights into ``transformer`` for the duration (evaluation), then restore them
+        (the module stays the same object: no transformer swap)."""
         backup = trainable_state(transformer)
         load_trainable_state(transformer, self.shadow)
         try:
