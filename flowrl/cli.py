@@ -42,7 +42,8 @@ def _rescore_offline(a) -> int:
 
 
 def _pretrain(a) -> int:
-    from flowrl.pipelines.digits import PretrainConfig, default_base_path, pretrain_digits, sample_grid_report
+    from flowrl.digits_report import sample_grid_report
+    from flowrl.pipelines.digits import PretrainConfig, default_base_path, pretrain_digits
 
     out = Path(a.out) if a.out else default_base_path()
     if (out / "transformer").is_dir() and not a.force:

@@ -11,6 +11,9 @@ from .rollout.ode import ode_sample
 from .seeding import derive_seeds
 from .trainers.checkpoint import list_checkpoints, load_checkpoint
 from .trainers.config import ConfigError, load_config
+from .utils.images import save_grid
+from .utils.io import write_json
+from .utils.paths import resolve_device
 
 
 def load_policy(config_path, run_dir, overrides):
@@ -27,8 +30,7 @@ def load_policy(config_path, run_dir, overrides):
         cfg = load_config(run / "config.yaml", overrides)
     else:
         cfg = load_config(config_path, overrides)
-    policy = build_policy_from_config(cfg, "cpu" if cfg.model.device == "auto" and not torch.cuda.is_available()
-                                      else ("cuda" if cfg.model.device == "auto" else cfg.model.device))
+    policy = build_policy_from_config(cfg, str(resolve_device(cfg.model.device)))
     if run_dir:
         ckpts = list_checkpoints(Path(run_dir) / "checkpoints")
         if not ckpts:
@@ -56,8 +58,6 @@ def _generate(a):
 
 
 def sample_command(a) -> int:
-    from .trainers.reporting import save_grid
-
     _, rows, images = _generate(a)
     save_grid(images, Path(a.out), nrow=a.per_prompt, scale=max(1, 64 // images.shape[-1]))
     print(f"wrote {len(rows)} samples to {a.out}")
@@ -73,5 +73,5 @@ def eval_command(a) -> int:
            **{f"reward/{k}": float(v.nanmean()) for k, v in comps.items()}}
     print(json.dumps(out, indent=2))
     if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=2))
+        write_json(out, Path(a.json))
     return 0

@@ -8,7 +8,6 @@ but imperfect, so RL has room to improve (like CFG-free SD3).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -24,28 +23,21 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
+from flowrl.data.digits import DIGIT_WORDS, IMAGE_SIZE, default_cache_dir, digit_prompt, digits_dataset, parse_digit
 from flowrl.schedules import flow_sigmas
 from flowrl.seeding import seeded_randn
+from flowrl.utils.io import write_json
 
 from .common import cfg_combine, cfg_halves, transformer_dtype
 
-IMAGE_SIZE = 16
-DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 PAD, OTHER = 0, 11  # token ids; digits are 1..10
 
-
-def digit_prompt(d: int) -> str:
-    return f"a handwritten digit {d}"
-
-
-def parse_digit(prompt: str) -> Optional[int]:
-    """The digit a prompt names (numeral or word), or None."""
-    for tok in re.findall(r"[a-z0-9]+", prompt.lower()):
-        if tok.isdigit() and len(tok) == 1:
-            return int(tok)
-        if tok in DIGIT_WORDS:
-            return DIGIT_WORDS.index(tok)
-    return None
+# The digits data and prompts live in flowrl.data.digits (shared with the digits reward);
+# the data names are re-exported here. The sample report (sample_grid_report) moved to
+# flowrl.digits_report: it samples with flowrl.rollout, a layer above the models.
+__all__ = ["IMAGE_SIZE", "DIGIT_WORDS", "digit_prompt", "parse_digit", "digits_dataset", "default_cache_dir",
+           "default_base_path", "tokenize", "DigitTextEncoder", "DigitsPolicy", "PretrainConfig", "pretrain_digits",
+           "tiny_transformer_config", "load_digits_policy"]
 
 
 def tokenize(prompts: list[str], max_len: int) -> torch.Tensor:
@@ -190,24 +182,7 @@ class DigitsPolicy:
         return self.decode(torch.cat(out))
 
 
-# --- data and pretraining ----------------------------------------------------------------
-def digits_dataset(split: str = "all") -> tuple[torch.Tensor, torch.Tensor]:
-    """scikit-learn's bundled digits as ``([N, 1, 16, 16] in [-1, 1], labels [N])``.
-
-    ``split``: ``"train"`` (first 80% in a fixed shuffle), ``"test"`` (the rest) or ``"all"``.
-    """
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0  # [N, 1, 8, 8] in [0, 1]
-    x = F.interpolate(x, size=(IMAGE_SIZE, IMAGE_SIZE), mode="bilinear", align_corners=False)
-    y = torch.tensor(d.target, dtype=torch.long)
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-    cut = int(0.8 * len(y))
-    idx = {"train": perm[:cut], "test": perm[cut:], "all": torch.arange(len(y))}[split]
-    return x[idx] * 2 - 1, y[idx]
-
-
+# --- pretraining ---------------------------------------------------------------------------
 @dataclass
 class PretrainConfig:
     steps: int = 600
@@ -278,16 +253,12 @@ def pretrain_digits(out_dir: str | os.PathLike, config: PretrainConfig = Pretrai
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     policy = DigitsPolicy(tr.eval(), te.eval())
     policy.save_pretrained(tmp)
-    (tmp / "pretrain.json").write_text(json.dumps(summary, indent=2))
+    write_json(summary, tmp / "pretrain.json")
     if out.exists():
         import shutil
         shutil.rmtree(out)
     os.replace(tmp, out)
     return summary
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("FLOWRL_HOME", Path.home() / ".cache" / "flowrl"))
 
 
 def default_base_path() -> Path:
@@ -301,31 +272,3 @@ def load_digits_policy(path: Optional[str] = None, pretrain_if_missing: bool = T
         print(f"[flowrl] no digits base model at {p}: pretraining one now (cached for later runs)")
         pretrain_digits(p)
     return DigitsPolicy.from_pretrained(p, **kwargs)
-
-
-@torch.no_grad()
-def sample_grid_report(path: str | os.PathLike, grid_png: str | os.PathLike, per_digit: int = 16,
-                       num_steps: int = 20, guidances: tuple[float, ...] = (1.0, 3.0)) -> dict:
-    """Sample every digit at each guidance scale (ODE, fixed seeds), save one grid PNG (a block
-    per guidance, a row per digit) and return the digit classifier's accuracy and mean reward."""
-    from flowrl.rewards.digits import DigitsReward
-    from flowrl.rollout.ode import ode_sample
-    from flowrl.seeding import derive_seeds
-    from flowrl.trainers.reporting import image_grid, save_png
-    import numpy as np
-
-    reward = DigitsReward()
-    prompts = [digit_prompt(d) for d in range(10) for _ in range(per_digit)]
-    labels = torch.tensor([d for d in range(10) for _ in range(per_digit)])
-    seeds = derive_seeds(777, len(prompts))
-    report, blocks = {}, []
-    for g in guidances:
-        pol = DigitsPolicy.from_pretrained(path, guidance_scale=g)
-        _, images = ode_sample(pol, prompts, seeds, num_steps)
-        acc = (reward.probs(images).argmax(1) == labels).float().mean().item()
-        report[f"guidance_{g:g}"] = {"accuracy": acc, "reward": reward(images, prompts).mean().item()}
-        blocks.append(image_grid(images, nrow=per_digit, scale=3))
-        blocks.append(np.full((blocks[-1].shape[0], 12, 3), 255, np.uint8))
-    save_png(np.concatenate(blocks[:-1], axis=1), Path(grid_png))
-    report["grid"] = str(grid_png)
-    return report

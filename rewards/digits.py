@@ -7,13 +7,15 @@ high-frequency energy (reward-hacking watch). Prompts naming no digit score NaN.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from flowrl.data.digits import default_cache_dir, digits_dataset, parse_digit
+from flowrl.utils.io import atomic_write
 
 CLASSIFIER_FILE = "digits-classifier-v1.safetensors"
 
@@ -39,8 +41,6 @@ def train_classifier(seed: int = 0, epochs: int = 400) -> tuple[nn.Module, float
 
 
 def _train_classifier(seed: int, epochs: int) -> tuple[nn.Module, float]:
-    from flowrl.pipelines.digits import digits_dataset
-
     torch.manual_seed(seed)
     xtr, ytr = digits_dataset("train")
     xte, yte = digits_dataset("test")
@@ -65,18 +65,14 @@ def _train_classifier(seed: int, epochs: int) -> tuple[nn.Module, float]:
 def load_classifier(cache_dir: Optional[Path] = None) -> nn.Module:
     from safetensors.torch import load_file, save_file
 
-    from flowrl.pipelines.digits import default_cache_dir
-
     path = Path(cache_dir or default_cache_dir()) / CLASSIFIER_FILE
     model = _classifier()
     if path.is_file():
         model.load_state_dict(load_file(str(path)))
     else:
         model, _ = train_classifier()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp))
-        os.replace(tmp, path)
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        atomic_write(path, lambda tmp: save_file(state, str(tmp)))
     return model.eval().requires_grad_(False)
 
 
@@ -95,8 +91,6 @@ class DigitsReward:
         return self.model(to_8x8(images.to(self.device))).softmax(-1).cpu()
 
     def __call__(self, images: torch.Tensor, prompts: list[str], **meta) -> torch.Tensor:
-        from flowrl.pipelines.digits import parse_digit
-
         if len(prompts) != images.shape[0]:
             raise ValueError(f"digits reward got {images.shape[0]} images but {len(prompts)} prompts")
         p = self.probs(images)  # [B, 10]

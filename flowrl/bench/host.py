@@ -34,6 +34,7 @@ from typing import Iterator, Optional
 import torch
 
 from ..rollout.group import GroupSampler
+from ..utils.paths import resolve_device
 
 PIPELINES = ("digits", "sd3", "flux", "sd35m")
 RECIPES = {"digits": "digits", "sd3": "sd3_group_pickscore", "sd35m": "sd3_group_pickscore",
@@ -69,7 +70,7 @@ class HostOptions:
     def __post_init__(self) -> None:
         if self.pipeline not in PIPELINES:
             raise ValueError(f"pipeline must be one of {PIPELINES}, got {self.pipeline!r}")
-        self.device = ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
+        self.device = str(resolve_device("auto")) if self.device == "auto" else self.device
 
 
 # ---------------------------------------------------------------- counters
@@ -368,7 +369,7 @@ def table(report: dict) -> str:
 
 
 def _run(a) -> int:
-    from ..trainers.reporting import write_json
+    from ..utils.io import write_json
 
     keys = set(HostOptions.__dataclass_fields__) - {"update"}
     o = HostOptions(**{k: v for k, v in vars(a).items() if k in keys}, update=not a.no_update)

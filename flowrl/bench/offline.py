@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..trainers.reporting import save_figure, write_json
+from ..utils.io import save_figure, write_json
 
 QUIET = ["logging.trackers=[]", "logging.progress=false"]
 

@@ -40,6 +40,7 @@ from ..quant.sync import swapped_transformer
 from ..rollout.base import score_images
 from ..rollout.ode import ode_sample
 from ..seeding import derive_seeds
+from ..utils.paths import resolve_device
 from .precision_measure import PeakMemory, machine_info, sync_device, timed, write_outputs
 from .precision_policy import PIPELINES, SD3MidPolicy, build_bench_policy, build_reward, sd3_mid_config
 from .precision_report import format_table, plot_precision
@@ -193,7 +194,7 @@ def bench_precision(pipeline: str = "digits", backends: Optional[Sequence[str]] 
         raise ValueError(f"unknown pipeline {pipeline!r}; valid: {', '.join(PIPELINES)} (full-size architectures "
                          f"without weights: flowrl.bench.precision_arch.bench_arch)")
     dflt = DEFAULTS[pipeline]
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = resolve_device(device or None)
     dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     specs = list(backends) if backends else default_backends(dev)
     if "full" not in specs:

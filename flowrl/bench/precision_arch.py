@@ -38,6 +38,7 @@ from ..seeding import derive_seeds
 from .precision_arch_models import ARCH_PIPELINES, ARCHS, ArchPolicy
 from .precision_arch_report import format_arch_table, plot_arch
 from .precision_measure import PeakMemory, machine_info, sync_device, timed, write_outputs
+from ..utils.paths import resolve_device
 
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 PROMPTS = ["a photo of a cat on a sofa", "a red bicycle leaning on a brick wall"]
@@ -150,7 +151,7 @@ def bench_arch(pipeline: str = "sd35m-arch", backends: Optional[Sequence[str]] =
     nvfp4`` on CUDA)."""
     from .precision import build_quantizers, default_backends
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = resolve_device(device or None)
     check_arch_device(pipeline, dev, tiny)
     compile_module(torch.nn.Identity(), compile)  # validates the mode before anything is built
     dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")

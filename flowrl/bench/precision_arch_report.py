@@ -67,7 +67,7 @@ def plot_arch(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..trainers.reporting import save_figure
+    from ..utils.io import save_figure
 
     specs = list(res["backends"])
     pxs = list(res["settings"]["resolutions"])

@@ -128,7 +128,7 @@ def machine_info() -> dict:
 def write_outputs(out: dict, json_path, png_path, log: Callable[[str], None], plot: Callable[[dict, Path], None],
                   table: Callable[[dict], str]) -> dict:
     """Write a benchmark result: JSON (atomic), its plot (beside the JSON unless ``png_path``), the table to ``log``."""
-    from ..trainers.reporting import write_json
+    from ..utils.io import write_json
 
     if json_path:
         jp = Path(json_path)

@@ -73,7 +73,7 @@ def plot_precision(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..trainers.reporting import save_figure
+    from ..utils.io import save_figure
 
     specs = list(res["backends"])
     rs = [res["backends"][s] for s in specs]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..trainers.config import recipes_dir
-from ..trainers.reporting import write_json
+from ..utils.io import write_json
 from .training import Variant, compare, table, time_to_reach
 
 

@@ -20,7 +20,7 @@ import yaml
 
 from ..trainers.config import Config, apply_overrides
 from ..trainers.online import OnlineTrainer
-from ..trainers.reporting import save_figure, write_json
+from ..utils.io import save_figure, write_json
 
 
 @dataclass

@@ -31,7 +31,8 @@ from typing import ClassVar, Optional, Sequence
 
 import torch
 
-from ..advantages.tempflow import GROUP_BY, noise_aware_weights, prompt_text_ids
+from ..advantages.tempflow import GROUP_BY, prompt_text_ids
+from ..noise import noise_aware_weights
 from ..sde import ode_step, sde_step
 from ..seeding import derive_seeds, seeded_randn
 from ..structures import TempFlowStructure

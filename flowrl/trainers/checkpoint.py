@@ -17,6 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..faults import maybe_fault
+from ..utils.io import fsync_dir, fsync_file
+
+__all__ = ["CheckpointError", "save_checkpoint", "list_checkpoints", "load_checkpoint", "fsync_dir", "PATTERN",
+           "STATE_FILE"]  # fsync_dir lives in flowrl.utils.io (re-exported here)
 
 PATTERN = re.compile(r"^iter_(\d{6,})$")
 STATE_FILE = "trainer_state.json"
@@ -26,19 +30,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; the message says how to recover."""
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(path: Path) -> None:
     for f in path.iterdir():
         if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+            fsync_file(f)
     fsync_dir(path)
 
 

@@ -18,6 +18,7 @@ from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save
 from .config import Config, ConfigError, dump_config, load_config
 from .reporting import MetricsLog, plot_curves, read_metrics
 from .weights import EMA, Reference, add_lora, load_trainable_state, trainable_state
+from ..utils.io import write_text
 
 
 class TrainingStopped(RuntimeError):
@@ -125,9 +126,7 @@ class TrainerBase:
             return
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.run_dir / "config.yaml.tmp"
-        tmp.write_text(dump_config(cfg))
-        os.replace(tmp, self.run_dir / "config.yaml")
+        write_text(self.run_dir / "config.yaml", dump_config(cfg))
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", resume_from=start)
         if cfg.logging.trackers:
             self.acc.init_trackers(cfg.logging.project, config={k: str(v) for k, v in flat_config(cfg.to_dict()).items()})

@@ -9,27 +9,23 @@ import dataclasses
 import difflib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import yaml
 
 from ..registry import SAMPLERS
+from .config_base import SECTION_NAMES, ConfigError, _h
+from .config_text import _fix_floats, apply_overrides, parse_override, recipes_dir, resolve_recipe, shipped_recipes
 from .offline_config import OfflineConfig
+
+# ConfigError, the override parser and the recipe lookup live in config_base / config_text (re-exported here)
+__all__ = ["Config", "ConfigError", "ModelConfig", "SamplerConfig", "RewardConfig", "TrainConfig", "DataConfig",
+           "LoggingConfig", "OfflineConfig", "SECTIONS", "LOSSES", "load_config", "dump_config", "parse_override",
+           "apply_overrides", "recipes_dir", "shipped_recipes", "resolve_recipe", "samples_per_prompt"]
 
 
 # train.loss values (flowrl.trainers.online.UPDATES maps each to its update)
 LOSSES = ("grpo", "nft", "dpo", "gdro")
-
-
-class ConfigError(ValueError):
-    """A recipe or override is invalid; the message says which key and how to fix it."""
-
-
-def _h(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING):
-    kw = {"metadata": {"help": text}}
-    if factory is not dataclasses.MISSING:
-        return field(default_factory=factory, **kw)
-    return field(default=default, **kw)
 
 
 @dataclass
@@ -259,6 +255,8 @@ class LoggingConfig:
 
 SECTIONS = {"model": ModelConfig, "sampler": SamplerConfig, "reward": RewardConfig, "train": TrainConfig,
             "data": DataConfig, "logging": LoggingConfig, "offline": OfflineConfig}
+if tuple(SECTIONS) != SECTION_NAMES:
+    raise RuntimeError("flowrl.trainers.config_base.SECTION_NAMES must list the sections of Config, in order")
 
 
 @dataclass
@@ -345,49 +343,6 @@ def _check_types(section: str, cls, raw: dict) -> None:
                 raise ConfigError(f"{section}.{k} must be {t.__name__}, got {v!r} ({type(v).__name__})")
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``"train.lr=3e-4"`` -> (["train", "lr"], 3e-4); values parse as YAML. A whole section may be
-    replaced by a mapping: ``"sampler={name: ode, group_size: 8}"`` -> (["sampler"], {...})."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} must look like section.key=value, e.g. train.lr=3e-4")
-    key, val = text.split("=", 1)
-    parts = key.strip().split(".")
-    value = yaml.safe_load(val) if val.strip() else ""
-    if len(parts) == 1 and parts[0] in SECTIONS and isinstance(value, dict):
-        return parts, value
-    if len(parts) < 2 or not all(parts):
-        raise ConfigError(f"override key {key!r} must be dotted, like train.lr or sampler.group_size (or a whole "
-                          f"section given a mapping, like sampler={{name: ode, group_size: 8}})")
-    return parts, value
-
-
-def apply_overrides(d: dict, overrides: list[str]) -> dict:
-    d = yaml.safe_load(yaml.safe_dump(d))  # deep copy
-    for o in overrides:
-        parts, v = parse_override(o)
-        cur = d
-        for p in parts[:-1]:
-            cur = cur.setdefault(p, {})
-            if not isinstance(cur, dict):
-                raise ConfigError(f"override {o!r}: {p} is not a section")
-        cur[parts[-1]] = v
-    return d
-
-
-def _fix_floats(d):
-    """PyYAML reads ``3e-4`` (no dot) as a string; turn such strings into floats."""
-    if isinstance(d, dict):
-        return {k: _fix_floats(v) for k, v in d.items()}
-    if isinstance(d, list):
-        return [_fix_floats(v) for v in d]
-    if isinstance(d, str):
-        try:
-            return float(d) if any(c in d for c in "eE") and d.strip()[0] in "0123456789-+." else d
-        except ValueError:
-            return d
-    return d
-
-
 def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[list[str]] = None) -> Config:
     """Recipe YAML (or defaults when ``path`` is None) + dotted overrides -> validated Config.
 
@@ -403,30 +358,6 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[lis
             raise ConfigError(f"recipe {path} is not valid YAML: {e}") from None
     d = _fix_floats(apply_overrides(d, overrides or []))
     return Config.from_dict(d)
-
-
-def recipes_dir() -> Path:
-    """The shipped recipes: ``flowrl/recipes`` in an installed wheel, ``recipes/`` in a checkout."""
-    installed = Path(__file__).resolve().parents[1] / "recipes"
-    return installed if installed.is_dir() else Path(__file__).resolve().parents[2] / "recipes"
-
-
-def shipped_recipes() -> list[Path]:
-    root = recipes_dir()
-    return sorted(root.glob("*.yaml")) if root.is_dir() else []
-
-
-def resolve_recipe(path: Union[str, Path]) -> Path:
-    """A recipe file: ``path`` itself if it exists, else the shipped recipe of that file name."""
-    p = Path(path)
-    if p.is_file():
-        return p
-    name = p.name if p.suffix in (".yaml", ".yml") else p.name + ".yaml"
-    shipped = recipes_dir() / name
-    if shipped.is_file() and (len(p.parts) == 1 or p.parent.name == "recipes"):
-        return shipped
-    raise ConfigError(f"recipe {str(path)!r} not found. Shipped recipes (give a name or a path): "
-                      f"{', '.join(r.name for r in shipped_recipes()) or '(none)'}")
 
 
 def dump_config(cfg: Config) -> str:

@@ -17,7 +17,6 @@ Every random draw (data order, the shared ``(t, eps)`` of each group) depends on
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from typing import Optional
@@ -34,6 +33,7 @@ from .config import Config, ConfigError
 from .common import TrainerBase
 from ..builders import build_policy_from_config, build_reward, evaluate_policy
 from .reporting import save_grid
+from ..utils.io import write_json
 
 # keys that may change between a run and its resume without changing its trajectory
 RESUME_FREE = {"train.iterations", "train.checkpoint_every", "train.keep_checkpoints", "logging", "model.device",
@@ -401,9 +401,7 @@ class OfflineTrainer(TrainerBase):
                    **self._report(last, title=f"{self.cfg.model.pipeline} / GDRO (offline)"),
                    "generation_seconds": gen, "train_seconds": self.train_seconds,
                    "compute_seconds": gen + self.train_seconds}
-        tmp = self.run_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2))
-        os.replace(tmp, self.run_dir / "summary.json")
+        write_json(summary, self.run_dir / "summary.json")
         return summary
 
 

@@ -6,29 +6,22 @@ the recipe is shared with online training: ``model`` (the reference model and Lo
 ``reward`` (the ranking reward: ``reward.weights`` over the dataset's reward columns),
 ``train`` (lr, LoRA, grad_accum, checkpoints, seed), ``data.eval_prompts`` and ``logging``.
 
-This module imports nothing from ``config.py`` at import time (``config.py`` imports it).
+It imports the shared ``ConfigError`` and field helper from ``config_base.py``, never ``config.py``
+(which imports it).
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Optional
+
+from .config_base import ConfigError, _h
 
 SAMPLERS = ("euler", "heun")
 T_SAMPLING = ("uniform", "logit_normal")
 LATENT_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _h(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING):
-    kw = {"metadata": {"help": text}}
-    if factory is not dataclasses.MISSING:
-        return field(default_factory=factory, **kw)
-    return field(default=default, **kw)
-
-
 def _error(msg: str) -> Exception:
-    from .config import ConfigError  # lazy: config.py imports this module
-
     return ConfigError(msg)
 
 

@@ -13,7 +13,6 @@ of a minibatch, divided by the number of minibatches in its accumulation group.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from .reporting import save_grid
 from .nft_update import OldPolicy, nft_update
 from ..builders import EVAL_SEED, build_policy_from_config, build_reward, evaluate_policy  # noqa: F401 (public here too)
 from .preference_update import preference_update
+from ..utils.io import write_json
 
 # keys that may change between a run and its resume without changing its trajectory
 RESUME_FREE = {"train.iterations", "train.checkpoint_every", "train.keep_checkpoints", "logging", "model.device",
@@ -277,7 +277,7 @@ class OnlineTrainer(TrainerBase):
         summary = self._finish(last)
         if summary:
             summary["ranks_in_sync"] = in_sync
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            write_json(summary, self.run_dir / "summary.json")
         self._shutdown()
         return summary
 

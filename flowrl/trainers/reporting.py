@@ -2,41 +2,15 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Iterable, Optional
 
-import numpy as np
-import torch
+from ..utils.images import image_grid, save_grid
+from ..utils.io import save_figure, save_png, write_json, write_text
 
-
-def image_grid(images: torch.Tensor, nrow: int, pad: int = 1, scale: int = 1) -> np.ndarray:
-    """``[N, 3, H, W]`` in [0, 1] -> ``[rows*(H+pad), nrow*(W+pad), 3]`` uint8 (``scale``x nearest)."""
-    x = images.detach().float().clamp(0, 1).cpu()
-    if scale > 1:
-        x = x.repeat_interleave(scale, 2).repeat_interleave(scale, 3)
-    n, c, h, w = x.shape
-    rows = math.ceil(n / nrow)
-    grid = torch.ones(c, rows * (h + pad) + pad, nrow * (w + pad) + pad) * 0.5
-    for i in range(n):
-        r, col = divmod(i, nrow)
-        grid[:, pad + r * (h + pad): pad + r * (h + pad) + h, pad + col * (w + pad): pad + col * (w + pad) + w] = x[i]
-    return (grid.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
-
-
-def save_png(array: np.ndarray, path: Path) -> None:
-    """Write a PNG atomically (temporary name, then rename)."""
-    from PIL import Image
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    Image.fromarray(array).save(tmp, format="PNG")
-    os.replace(tmp, path)
-
-
-def save_grid(images: torch.Tensor, path: Path, nrow: int, scale: int = 1) -> None:
-    save_png(image_grid(images, nrow, scale=scale), path)
+__all__ = ["MetricsLog", "read_metrics", "plot_curves", "image_grid", "save_grid", "save_png", "save_figure",
+           "write_json"]  # the last five live in flowrl.utils (re-exported here)
 
 
 class MetricsLog:
@@ -47,9 +21,7 @@ class MetricsLog:
         if resume_from is not None and path.exists():
             keep = [ln for ln in path.read_text().splitlines()
                     if ln.strip() and json.loads(ln).get("iteration", -1) < resume_from]
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(k + "\n" for k in keep))
-            os.replace(tmp, path)
+            write_text(path, "".join(k + "\n" for k in keep))
 
     def write(self, record: dict) -> None:
         with open(self.path, "a") as f:
@@ -98,25 +70,3 @@ def plot_curves(records: Iterable[dict], path: Path, title: str = "") -> None:
                 ax.axhline(real, color="k", ls="--", label="real data")
         ax.set_xlabel("iteration"), ax.set_title(name), ax.legend(fontsize=8)
     save_figure(fig, path)
-
-
-def save_figure(fig, path: Path, dpi: int = 110) -> None:
-    """Lay out, write a matplotlib figure as PNG atomically (temporary name, then rename), close it."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=dpi)
-    plt.close(fig)
-    os.replace(tmp, path)
-
-
-def write_json(obj, path: Path) -> None:
-    """Write ``obj`` as indented JSON atomically (temporary name, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)

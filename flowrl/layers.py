@@ -1,0 +1,133 @@
+"""The layer order of flowrl: a module may import only from its own layer or a layer below.
+
+``LAYERS`` lists the layers bottom to top; each is a name and the module-name prefixes it owns.
+A module belongs to the layer of its most specific (longest) matching prefix, so
+``flowrl.data.offline`` sits above ``flowrl.data``. ``tests/test_layers.py`` walks every module's
+imports (module level and inside functions) and fails on any import from a higher layer.
+Registry targets (``"module:attr"`` strings) are data, not imports, and are not checked.
+
+Why this order: the bottom layers are pure helpers and math that any part may use; components
+(models, rewards, data) implement the seams; samplers drive components; builders and updates
+assemble them from a config; the offline dataset generator samples with the rollout code; the
+trainers run everything; the application layer is the command line and the benchmarks.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("utils", ("flowrl.utils", "flowrl.faults", "flowrl.registry", "flowrl.seeding", "flowrl.layers")),
+    ("math", ("flowrl.schedules", "flowrl.sde", "flowrl.noise", "flowrl.ode_solvers", "flowrl.types",
+              "flowrl.diagnostics", "flowrl.losses", "flowrl.advantages")),
+    ("components", ("flowrl.pipelines", "flowrl.rewards", "flowrl.data", "flowrl.quant", "flowrl.recipes")),
+    ("rollout", ("flowrl.rollout",)),
+    ("builders", ("flowrl.builders", "flowrl.updates")),
+    ("data.offline", ("flowrl.data.offline",)),
+    ("trainers", ("flowrl.trainers",)),
+    ("application", ("flowrl.cli", "flowrl.sampling_cli", "flowrl.export", "flowrl.bench", "flowrl.digits_report",
+                     "flowrl.__main__")),
+]
+ROOT = "flowrl"  # the bare package (only __version__): importable from every layer
+
+
+def _matches(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def layer_of(module: str) -> Optional[int]:
+    """Index in ``LAYERS`` of the layer owning ``module`` (most specific prefix wins), or None
+    for modules outside flowrl (stdlib, torch, ...)."""
+    if module == ROOT:
+        return 0
+    best, best_len = None, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if _matches(module, p) and len(p) > best_len:
+                best, best_len = i, len(p)
+    return best
+
+
+def layer_name(index: int) -> str:
+    return LAYERS[index][0]
+
+
+# ---------------------------------------------------------------- the import walker (used by tests/test_layers.py)
+# source folder (relative to the repository root) -> the package it is installed as
+SOURCE_ROOTS = {"flowrl": "flowrl", "pipelines": "flowrl.pipelines", "rewards": "flowrl.rewards"}
+
+
+@dataclass(frozen=True)
+class Edge:
+    """``module`` imports ``target`` at ``line``."""
+
+    module: str
+    target: str
+    line: int
+
+
+def discover(repo_root: Path) -> dict[str, tuple[Path, bool]]:
+    """Every module under the source roots: dotted name -> (file, is_package)."""
+    out: dict[str, tuple[Path, bool]] = {}
+    for folder, package in SOURCE_ROOTS.items():
+        base = Path(repo_root) / folder
+        for f in sorted(base.rglob("*.py")):
+            rel = f.relative_to(base).with_suffix("").parts
+            is_pkg = rel[-1] == "__init__"
+            parts = rel[:-1] if is_pkg else rel
+            out[".".join((package, *parts))] = (f, is_pkg)
+    return out
+
+
+def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute module an ``ImportFrom`` names (relative imports resolved against ``module``)."""
+    if not node.level:
+        return node.module or ""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(source: str, module: str, is_package: bool = False,
+               known: Optional[set[str]] = None) -> Iterator[Edge]:
+    """All imports in ``source`` (module level, in functions, in ``if`` / ``try`` blocks) as edges.
+
+    ``from pkg import name`` counts as an import of ``pkg.name`` when that is a known module
+    (``known``), else of ``pkg``."""
+    known = known or set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield Edge(module, alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, is_package, node)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                yield Edge(module, sub if sub in known else base, node.lineno)
+
+
+def upward_imports(edges: Iterator[Edge]) -> list[str]:
+    """One message per edge that goes from a layer to a higher one (or touches an unlayered flowrl module)."""
+    bad = []
+    for e in edges:
+        src, dst = layer_of(e.module), layer_of(e.target)
+        if src is None:
+            bad.append(f"{e.module} is in no layer: add its prefix to flowrl.layers.LAYERS")
+        elif dst is None and (e.target == ROOT or e.target.startswith(ROOT + ".")):
+            bad.append(f"{e.module}:{e.line} imports {e.target}, which is in no layer: add it to flowrl.layers.LAYERS")
+        elif dst is not None and dst > src:
+            bad.append(f"{e.module}:{e.line} (layer {layer_name(src)}) imports {e.target} "
+                       f"(layer {layer_name(dst)}, above it)")
+    return bad
+
+
+def check_tree(repo_root: Path) -> list[str]:
+    """Every upward import in the source tree under ``repo_root`` (empty when the layering holds)."""
+    mods = discover(repo_root)
+    known = set(mods)
+    bad: list[str] = []
+    for name, (path, is_pkg) in mods.items():
+        bad += upward_imports(imports_of(path.read_text(), name, is_pkg, known))
+    return bad

@@ -1,0 +1,80 @@
+"""Recipe text: dotted ``section.key=value`` overrides, YAML number fixes, shipped recipe lookup.
+
+Pure functions on dicts and paths; ``config.load_config`` puts them together (and re-exports them).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+from .config_base import SECTION_NAMES, ConfigError
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"train.lr=3e-4"`` -> (["train", "lr"], 3e-4); values parse as YAML. A whole section may be
+    replaced by a mapping: ``"sampler={name: ode, group_size: 8}"`` -> (["sampler"], {...})."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value, e.g. train.lr=3e-4")
+    key, val = text.split("=", 1)
+    parts = key.strip().split(".")
+    value = yaml.safe_load(val) if val.strip() else ""
+    if len(parts) == 1 and parts[0] in SECTION_NAMES and isinstance(value, dict):
+        return parts, value
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(f"override key {key!r} must be dotted, like train.lr or sampler.group_size (or a whole "
+                          f"section given a mapping, like sampler={{name: ode, group_size: 8}})")
+    return parts, value
+
+
+def apply_overrides(d: dict, overrides: list[str]) -> dict:
+    """A deep copy of ``d`` with each ``section.key=value`` override applied in order."""
+    d = yaml.safe_load(yaml.safe_dump(d))  # deep copy
+    for o in overrides:
+        parts, v = parse_override(o)
+        cur = d
+        for p in parts[:-1]:
+            cur = cur.setdefault(p, {})
+            if not isinstance(cur, dict):
+                raise ConfigError(f"override {o!r}: {p} is not a section")
+        cur[parts[-1]] = v
+    return d
+
+
+def _fix_floats(d):
+    """PyYAML reads ``3e-4`` (no dot) as a string; turn such strings into floats."""
+    if isinstance(d, dict):
+        return {k: _fix_floats(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_fix_floats(v) for v in d]
+    if isinstance(d, str):
+        try:
+            return float(d) if any(c in d for c in "eE") and d.strip()[0] in "0123456789-+." else d
+        except ValueError:
+            return d
+    return d
+
+
+def recipes_dir() -> Path:
+    """The shipped recipes: ``flowrl/recipes`` in an installed wheel, ``recipes/`` in a checkout."""
+    installed = Path(__file__).resolve().parents[1] / "recipes"
+    return installed if installed.is_dir() else Path(__file__).resolve().parents[2] / "recipes"
+
+
+def shipped_recipes() -> list[Path]:
+    root = recipes_dir()
+    return sorted(root.glob("*.yaml")) if root.is_dir() else []
+
+
+def resolve_recipe(path: Union[str, Path]) -> Path:
+    """A recipe file: ``path`` itself if it exists, else the shipped recipe of that file name."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    name = p.name if p.suffix in (".yaml", ".yml") else p.name + ".yaml"
+    shipped = recipes_dir() / name
+    if shipped.is_file() and (len(p.parts) == 1 or p.parent.name == "recipes"):
+        return shipped
+    raise ConfigError(f"recipe {str(path)!r} not found. Shipped recipes (give a name or a path): "
+                      f"{', '.join(r.name for r in shipped_recipes()) or '(none)'}")

@@ -1,0 +1,87 @@
+"""Atomic file writes: a temporary file in the same directory, fsynced, renamed into place, and
+the directory fsynced, so a reader sees the old file or the new one, never a partial one, even
+after a crash or power loss.
+
+The temporary name is ``.<name>.tmp-<pid>`` (hidden, per process); a crash leaves at most such a
+file behind, which callers that resume may delete (``<dir>.glob(".*.tmp-*")``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Union
+
+PathLike = Union[str, os.PathLike]
+
+
+def temp_path(path: PathLike) -> Path:
+    """The temporary sibling ``.<name>.tmp-<pid>`` that :func:`atomic_write` writes first."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def fsync_dir(path: PathLike) -> None:
+    """fsync a directory, so renames and new entries in it survive a power loss."""
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: PathLike) -> None:
+    """fsync a file's contents to disk."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def atomic_write(path: PathLike, write: Callable[[Path], None]) -> Path:
+    """Create or replace the file ``path`` atomically and durably.
+
+    ``write(tmp)`` writes the whole content to the temporary sibling ``tmp``; then it is fsynced,
+    renamed over ``path`` and the directory fsynced. If anything fails the temporary file is
+    removed and the error propagates (``path`` keeps its old content). Creates missing parent
+    directories. Returns ``path``.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    try:
+        write(tmp)
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def write_text(path: PathLike, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically."""
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_json(obj: Any, path: PathLike, **dumps_kwargs: Any) -> Path:
+    """Write ``obj`` as JSON (``indent=2`` unless given) to ``path`` atomically."""
+    dumps_kwargs.setdefault("indent", 2)
+    return write_text(path, json.dumps(obj, **dumps_kwargs))
+
+
+def save_png(array, path: PathLike) -> Path:
+    """Write a ``[H, W, 3]`` (or ``[H, W]``) uint8 array as a PNG atomically."""
+    from PIL import Image
+
+    return atomic_write(path, lambda tmp: Image.fromarray(array).save(tmp, format="PNG"))
+
+
+def save_figure(fig, path: PathLike, dpi: int = 110) -> Path:
+    """Lay out a matplotlib figure, write it as PNG atomically, close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    try:
+        return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+    finally:
+        plt.close(fig)

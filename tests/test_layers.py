@@ -1,0 +1,84 @@
+"""Layers import downward only (flowrl.layers): every module under flowrl/, pipelines/ and rewards/
+imports nothing from a layer above its own, at module level or inside a function."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flowrl.layers import LAYERS, check_tree, discover, imports_of, layer_name, layer_of, upward_imports
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_module_imports_downward_only():
+    bad = check_tree(ROOT)
+    assert not bad, "upward imports (see flowrl/layers.py and docs/design.md, Layers):\n" + "\n".join(bad)
+
+
+def test_every_module_has_a_layer():
+    mods = discover(ROOT)
+    assert len(mods) > 50 and "flowrl.pipelines.digits" in mods and "flowrl.rewards.digits" in mods
+    assert [m for m in mods if layer_of(m) is None] == []
+
+
+@pytest.mark.parametrize("module, layer", [
+    ("flowrl.utils.io", "utils"), ("flowrl.sde", "math"), ("flowrl.advantages.tempflow", "math"),
+    ("flowrl.data.digits", "components"), ("flowrl.data.offline_store", "components"),
+    ("flowrl.data.offline", "data.offline"), ("flowrl.rollout.ode", "rollout"), ("flowrl.updates.grpo", "builders"),
+    ("flowrl.trainers.online", "trainers"), ("flowrl.cli", "application"), ("flowrl", "utils")])
+def test_most_specific_prefix_wins(module, layer):
+    assert layer_name(layer_of(module)) == layer
+    assert layer_of("numpy") is None and layer_of("flowrlx.y") is None
+
+
+def test_walker_catches_an_upward_import_anywhere():
+    src = ("import torch\n"
+           "from ..schedules import flow_sigmas\n"         # downward: fine
+           "def f():\n"
+           "    from flowrl.trainers import online\n"       # upward, inside a function
+           "    return online\n"
+           "try:\n"
+           "    from ..rollout.ode import ode_sample\n"     # upward, relative, in a try block
+           "except ImportError:\n"
+           "    pass\n"
+           "REGISTRY = {'x': 'flowrl.trainers.online:train'}\n")  # a string: data, not an import
+    edges = list(imports_of(src, "flowrl.pipelines.fake", known={"flowrl.trainers.online"}))
+    assert {e.target for e in edges} == {"torch", "flowrl.schedules", "flowrl.trainers.online", "flowrl.rollout.ode"}
+    bad = upward_imports(edges)
+    assert len(bad) == 2
+    assert bad[0] == ("flowrl.pipelines.fake:4 (layer components) imports flowrl.trainers.online "
+                      "(layer trainers, above it)")
+    assert bad[1].startswith("flowrl.pipelines.fake:7 (layer components) imports flowrl.rollout.ode (layer rollout")
+
+
+def test_relative_imports_resolve_from_packages_and_modules():
+    pkg = list(imports_of("from . import x\nfrom .sub import y\n", "flowrl.data", is_package=True))
+    assert [e.target for e in pkg] == ["flowrl.data", "flowrl.data.sub"]
+    mod = list(imports_of("from .. import sde\nfrom ..utils.io import write_text\n", "flowrl.rollout.group",
+                          known={"flowrl.sde"}))
+    assert [e.target for e in mod] == ["flowrl.sde", "flowrl.utils.io"]
+
+
+def test_layer_names_are_unique():
+    names = [n for n, _ in LAYERS]
+    assert len(set(names)) == len(names)
+
+
+def _edges_of(prefix: str):
+    mods = discover(ROOT)
+    for name, (path, is_pkg) in mods.items():
+        if name == prefix or name.startswith(prefix + "."):
+            yield from imports_of(path.read_text(), name, is_pkg, set(mods))
+
+
+def test_utils_import_nothing_else_from_flowrl():
+    bad = [e for e in _edges_of("flowrl.utils") if e.target.startswith("flowrl.") and
+           not e.target.startswith("flowrl.utils")]
+    assert bad == []
+
+
+@pytest.mark.parametrize("module", ["flowrl.export", "flowrl.sampling_cli", "flowrl.bench.precision"])
+def test_sampling_and_export_do_not_import_the_online_trainer(module):
+    # sampling, export and the precision benchmarks build policies with flowrl.builders
+    assert [e for e in _edges_of(module) if e.target.startswith("flowrl.trainers.online")] == []
