@@ -128,13 +128,14 @@ class DigitsPolicy:
 
     @classmethod
     def make_tiny(cls, kind: str, out_dir, *, image_size: int = IMAGE_SIZE, seed: int = 0, overwrite: bool = False):
-        """A random-init 1-layer digits model (no pretraining: for mechanics, not quality) in ``out_dir``."""
+        """A random-init 2-layer digits model (no pretraining: for mechanics, not quality) in ``out_dir``
+        (2 layers: a 1-layer model has no text-stream output ``to_add_out``, a default LoRA target)."""
         from .base import write_atomically
 
         if image_size != IMAGE_SIZE:
             raise ValueError(f"the digits model is {IMAGE_SIZE} x {IMAGE_SIZE} pixels, got image_size={image_size}")
         torch.manual_seed(seed)
-        policy = cls(SD3Transformer2DModel(**{**tiny_transformer_config(), "num_layers": 1}), DigitTextEncoder())
+        policy = cls(SD3Transformer2DModel(**{**tiny_transformer_config(), "num_layers": 2}), DigitTextEncoder())
         return write_atomically(out_dir, policy.save_pretrained, overwrite=overwrite)
 
     def __init__(self, transformer: SD3Transformer2DModel, text_encoder: DigitTextEncoder,
