@@ -16,6 +16,7 @@ REGISTRY: dict[str, str] = {
     "digits": "flowrl.pipelines.digits:load_digits_policy",
     "sd3": "flowrl.pipelines.sd3:SD3Policy.from_pretrained",
     "flux": "flowrl.pipelines.flux:FluxPolicy.from_pretrained",
+    "sana": "flowrl.pipelines.sana:SanaPolicy.from_pretrained",
 }
 
 
