@@ -9,7 +9,10 @@ LoRA runs (``train.lora_rank > 0``) become a diffusers LoRA file,
     pipe = StableDiffusion3Pipeline.from_pretrained(base)   # or FluxPipeline
     pipe.load_lora_weights(OUT_DIR)
 
-The ``digits`` model has no diffusers pipeline; its adapter is written in the same format (keys
+Which classes write and load the file is declared by the model's adapter (``pipelines/base.py``:
+``transformer_class``, ``lora_writer()``, ``lora_load_hint()``), found through
+``flowrl.pipelines.policy_class``. The ``digits`` model has no diffusers pipeline; its adapter is
+written in the same format (keys
 ``transformer.*``) and loads into the bare transformer::
 
     tr = SD3Transformer2DModel.from_pretrained(base, subfolder="transformer")
@@ -42,16 +45,6 @@ from .trainers.config import Config, ConfigError, load_config
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 EXPORT_JSON = "flowrl_export.json"
 
-# pipeline name -> (transformer class, class whose save_lora_weights writes the file, how to load it)
-PIPELINES = {
-    "sd3": ("SD3Transformer2DModel", "StableDiffusion3Pipeline",
-            "StableDiffusion3Pipeline.from_pretrained(BASE).load_lora_weights(OUT)"),
-    "flux": ("FluxTransformer2DModel", "FluxPipeline", "FluxPipeline.from_pretrained(BASE).load_lora_weights(OUT)"),
-    # digits: an SD3Transformer2DModel with its own text encoder, no diffusers pipeline
-    "digits": ("SD3Transformer2DModel", "SD3LoraLoaderMixin",
-               "SD3Transformer2DModel.from_pretrained(BASE, subfolder='transformer')"
-               f".load_lora_adapter(OUT, weight_name='{LORA_WEIGHT_NAME}')"),
-}
 _HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "variant")
 
 
@@ -96,14 +89,34 @@ def base_model_path(cfg: Config, model_path: Optional[str] = None) -> str:
     return str(path)
 
 
-def _transformer_class(pipeline: str):
-    import diffusers
+def exportable_pipelines() -> list[str]:
+    """Registered pipelines whose adapter declares what export needs (``transformer_class``, ``lora_writer``)."""
+    from flowrl.pipelines import available, policy_class
 
-    if pipeline not in PIPELINES:
-        raise ExportError(f"export does not know pipeline {pipeline!r}: it writes diffusers LoRA files for "
-                          f"{', '.join(sorted(PIPELINES))}. Its trained tensors are in the run's "
+    return [n for n in available() if _declares_export(policy_class(n))]
+
+
+def _declares_export(cls) -> bool:
+    return cls is not None and bool(getattr(cls, "transformer_class", "")) and hasattr(cls, "lora_writer")
+
+
+def adapter_class(pipeline: str):
+    """The adapter class of ``pipeline``, checked to declare the export writer."""
+    from flowrl.pipelines import policy_class
+
+    cls = policy_class(pipeline)
+    if not _declares_export(cls):
+        raise ExportError(f"export does not know pipeline {pipeline!r}: its adapter declares no transformer_class / "
+                          f"lora_writer (pipelines/base.py). It writes diffusers LoRA files for "
+                          f"{', '.join(exportable_pipelines())}. Its trained tensors are in the run's "
                           f"checkpoints/iter_*/trainable.safetensors (peft names) for a custom loader.")
-    return getattr(diffusers, PIPELINES[pipeline][0])
+    return cls
+
+
+def _transformer_class(pipeline: str):
+    from flowrl.pipelines.base import diffusers_attr
+
+    return diffusers_attr(adapter_class(pipeline).transformer_class)
 
 
 def _hub_kwargs(cfg: Config) -> dict:
@@ -113,11 +126,15 @@ def _hub_kwargs(cfg: Config) -> dict:
 def empty_transformer(cfg: Config, base: str) -> torch.nn.Module:
     """The run's transformer architecture on the meta device (no weights), from ``base``'s
     ``transformer/config.json``."""
+    return _empty_transformer(cfg.model.pipeline, base, _hub_kwargs(cfg))
+
+
+def _empty_transformer(pipeline: str, base: str, hub_kwargs: dict) -> torch.nn.Module:
     from accelerate import init_empty_weights
 
-    cls = _transformer_class(cfg.model.pipeline)
+    cls = _transformer_class(pipeline)
     try:
-        config = cls.load_config(base, subfolder="transformer", **_hub_kwargs(cfg))
+        config = cls.load_config(base, subfolder="transformer", **hub_kwargs)
     except (OSError, ValueError) as e:
         raise ExportError(f"cannot read the transformer config of the base model {base!r} ({type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}). Export needs only "
@@ -138,17 +155,25 @@ def _lora_modules(tensors: dict[str, torch.Tensor]) -> list[str]:
 
 def export_lora(cfg: Config, tensors: dict[str, torch.Tensor], out_dir: Path, base: str) -> dict:
     """Write ``tensors`` (a LoRA checkpoint, peft names) as a diffusers LoRA file; returns a summary."""
-    import diffusers
+    return write_lora(cfg.model.pipeline, tensors, out_dir, base, cfg.train.lora_rank, cfg.train.lora_alpha,
+                      _hub_kwargs(cfg))
+
+
+def write_lora(pipeline: str, tensors: dict[str, torch.Tensor], out_dir: Path, base: str, r: int, alpha: float,
+               hub_kwargs: Optional[dict] = None) -> dict:
+    """``tensors`` (LoRA weights in peft names, rank ``r``, scaling ``alpha / r``) of a ``pipeline``
+    transformer as ``out_dir/pytorch_lora_weights.safetensors``, written by the adapter's declared
+    ``lora_writer().save_lora_weights`` with the ``LoraConfig`` as metadata; returns a summary."""
     from peft.utils import get_peft_model_state_dict
 
     from .trainers.weights import add_lora
 
-    r, alpha = cfg.train.lora_rank, cfg.train.lora_alpha
+    adapter = adapter_class(pipeline)
     modules = _lora_modules(tensors)
     ranks = {int(v.shape[0]) for k, v in tensors.items() if ".lora_A." in k}
     if ranks != {r}:
         raise ExportError(f"the checkpoint's LoRA ranks {sorted(ranks)} differ from the run's train.lora_rank={r}")
-    skeleton = empty_transformer(cfg, base)
+    skeleton = _empty_transformer(pipeline, base, hub_kwargs or {})
     try:
         # the training code path, with the exact module names the checkpoint adapted
         add_lora(skeleton, r, alpha, modules)
@@ -163,15 +188,11 @@ def export_lora(cfg: Config, tensors: dict[str, torch.Tensor], out_dir: Path, ba
     layers = get_peft_model_state_dict(skeleton, state_dict=tensors)  # drops the adapter name ("default")
     metadata = skeleton.peft_config["default"].to_dict()  # r, lora_alpha, target_modules, ...
     metadata = json.loads(json.dumps(metadata, default=lambda o: sorted(o) if isinstance(o, set) else str(o)))
-    writer = getattr(diffusers, PIPELINES[cfg.model.pipeline][1], None)
-    if writer is None:  # SD3LoraLoaderMixin lives in diffusers.loaders
-        from diffusers import loaders
-
-        writer = getattr(loaders, PIPELINES[cfg.model.pipeline][1])
-    writer.save_lora_weights(str(out_dir), transformer_lora_layers={k: v.contiguous() for k, v in layers.items()},
-                             transformer_lora_adapter_metadata=metadata, weight_name=LORA_WEIGHT_NAME)
+    adapter.lora_writer().save_lora_weights(
+        str(out_dir), transformer_lora_layers={k: v.contiguous() for k, v in layers.items()},
+        transformer_lora_adapter_metadata=metadata, weight_name=LORA_WEIGHT_NAME)
     return {"kind": "lora", "file": LORA_WEIGHT_NAME, "rank": r, "alpha": alpha, "scaling": alpha / r,
-            "modules": len(modules), "load": PIPELINES[cfg.model.pipeline][2]}
+            "modules": len(modules), "load": adapter.lora_load_hint()}
 
 
 def export_full(cfg: Config, tensors: dict[str, torch.Tensor], out_dir: Path, base: str) -> dict:
@@ -191,7 +212,7 @@ def export_full(cfg: Config, tensors: dict[str, torch.Tensor], out_dir: Path, ba
     except ValueError as e:
         raise ExportError(f"the checkpoint does not fit the base model {base!r}: {e}") from None
     tr.requires_grad_(False).save_pretrained(str(out_dir / "transformer"))
-    name = PIPELINES[cfg.model.pipeline][0]
+    name = adapter_class(cfg.model.pipeline).transformer_class
     return {"kind": "full", "dir": "transformer",
             "load": f"{name}.from_pretrained(OUT, subfolder='transformer'), passed to the pipeline as transformer="}
 
@@ -217,8 +238,7 @@ def export_run(run_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike
     if not (run / "config.yaml").is_file():
         raise ExportError(f"{run} is not a flowrl run directory (no config.yaml)")
     cfg = load_config(run / "config.yaml")
-    if cfg.model.pipeline not in PIPELINES:
-        _transformer_class(cfg.model.pipeline)  # raises the explanation
+    adapter_class(cfg.model.pipeline)  # raises the explanation when the adapter declares no export writer
     ck = resolve_checkpoint(run, checkpoint)
     fname = "ema.safetensors" if ema else "trainable.safetensors"
     if not (ck / fname).is_file():
@@ -253,3 +273,12 @@ def export_run(run_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return info
+
+
+def __getattr__(name: str):
+    if name == "PIPELINES":  # the former table, now read from the adapters' declarations
+        from flowrl.pipelines import policy_class
+
+        return {n: (policy_class(n).transformer_class, policy_class(n).lora_writer().__name__,
+                    policy_class(n).lora_load_hint()) for n in exportable_pipelines()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

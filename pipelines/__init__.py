@@ -1,10 +1,14 @@
 """Model adapters (shipped as ``flowrl.pipelines``): one file per model family, each a ``FlowPolicy``.
 
 ``build_policy(name, path, **kwargs)`` loads one by pipeline name; heavy modules load lazily.
+What flowrl knows about a model (LoRA targets, the export writer, tiny offline components, ...)
+is declared by its adapter class (``pipelines/base.py``); ``policy_class(name)`` finds that class
+and ``tiny_kinds()`` collects the ``flowrl make-tiny`` kinds.
 """
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Callable, Union
 
 # name -> "module:callable(path, **kwargs) -> FlowPolicy"
@@ -12,6 +16,7 @@ REGISTRY: dict[str, str] = {
     "digits": "flowrl.pipelines.digits:load_digits_policy",
     "sd3": "flowrl.pipelines.sd3:SD3Policy.from_pretrained",
     "flux": "flowrl.pipelines.flux:FluxPolicy.from_pretrained",
+    "sana": "flowrl.pipelines.sana:SanaPolicy.from_pretrained",
 }
 
 
@@ -19,16 +24,46 @@ def available() -> list[str]:
     return sorted(REGISTRY)
 
 
-def build_policy(name: str, path=None, **kwargs):
-    """Load the policy of pipeline ``name`` from ``path`` (a directory or hub id)."""
+def _loader(name: str) -> Callable:
     try:
         target: Union[str, Callable] = REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown pipeline {name!r}; valid pipelines: {', '.join(available())}") from None
     if callable(target):
-        return target(path, **kwargs)
+        return target
     mod, attr = target.split(":")
     obj = importlib.import_module(mod)
     for part in attr.split("."):
         obj = getattr(obj, part)
-    return obj(path, **kwargs)
+    return obj
+
+
+def build_policy(name: str, path=None, **kwargs):
+    """Load the policy of pipeline ``name`` from ``path`` (a directory or hub id)."""
+    return _loader(name)(path, **kwargs)
+
+
+def policy_class(name: str):
+    """The adapter class of pipeline ``name``: the class of a ``Class.from_pretrained`` loader, or
+    the return annotation of a loader function (``def load(path, **kw) -> MyPolicy``); None when
+    the loader declares neither."""
+    loader = _loader(name)
+    owner = getattr(loader, "__self__", None)
+    if isinstance(owner, type):
+        return owner
+    if isinstance(loader, type):
+        return loader
+    ret = inspect.signature(loader).return_annotation
+    if isinstance(ret, str):
+        ret = getattr(loader, "__globals__", {}).get(ret)
+    return ret if isinstance(ret, type) else None
+
+
+def tiny_kinds() -> dict[str, type]:
+    """``flowrl make-tiny`` kind -> the adapter class that builds it (every registered adapter's ``tiny_kinds``)."""
+    kinds: dict[str, type] = {}
+    for name in available():
+        cls = policy_class(name)
+        for kind in getattr(cls, "tiny_kinds", ()):
+            kinds[kind] = cls
+    return kinds

@@ -1,4 +1,9 @@
-"""Pieces the model adapters share."""
+"""Model-independent pieces the adapters share: classifier-free guidance, dtypes, paths, VAE decoding.
+
+The diffusers adapter base (``from_pretrained``, negative-prompt cache, resolutions, export and
+tiny-model declarations) is ``pipelines/base.py``; its ``encode_with_negative``,
+``resolve_resolution`` and ``read_flowrl_json`` are also importable from here.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -148,7 +153,7 @@ def transformer_dtype(transformer: torch.nn.Module) -> torch.dtype:
     return module_dtype(getattr(transformer, "module", transformer))
 
 
-def check_model_path(path_or_id: str, kind: str) -> None:
+def check_model_path(path_or_id: str, kind: str, example_hub_id: Optional[str] = None) -> None:
     """A local-looking path that does not exist gets an error that says what to do.
 
     Hub ids (``org/name``) pass through to ``from_pretrained``; offline, that fails in diffusers.
@@ -159,35 +164,28 @@ def check_model_path(path_or_id: str, kind: str) -> None:
         raise FileNotFoundError(
             f"{kind} model path {str(path_or_id)!r} does not exist. Pass a directory written by "
             f"save_pretrained (e.g. `flowrl make-tiny {kind} DIR` for a tiny offline one) or a hub id "
-            f"like 'stabilityai/stable-diffusion-3.5-medium'.")
-
-
-def encode_with_negative(adapter, prompts: list[str], use_negative: bool) -> dict[str, torch.Tensor]:
-    """Batch-first ``{"prompt_embeds", "pooled_prompt_embeds"}`` from ``adapter._encode(prompts)``;
-    with ``use_negative`` also ``negative_prompt_embeds`` / ``negative_pooled_prompt_embeds``: the
-    adapter's ``negative_prompt``, encoded once (cached in ``adapter._negative``) and repeated per row.
-    Shared by the SD3 and FLUX adapters (no gradients: the text encoders are frozen)."""
-    prompts = list(prompts)
-    for i, p in enumerate(prompts):
-        if not isinstance(p, str):
-            raise TypeError(f"prompt {i} is {type(p).__name__}, expected str")
-    with torch.no_grad():
-        pe, pooled = adapter._encode(prompts)
-        cond = {"prompt_embeds": pe, "pooled_prompt_embeds": pooled}
-        if use_negative:
-            if adapter._negative is None:
-                npe, npooled = adapter._encode([adapter.negative_prompt])
-                adapter._negative = {"negative_prompt_embeds": npe, "negative_pooled_prompt_embeds": npooled}
-            b = len(prompts)
-            cond.update({k: v.repeat(b, *([1] * (v.ndim - 1))) for k, v in adapter._negative.items()})
-    return cond
+            f"like {example_hub_id or 'stabilityai/stable-diffusion-3.5-medium'!r}.")
 
 
 def vae_decode(vae, latents: torch.Tensor, device) -> torch.Tensor:
-    """Latents ``[B, C, h, w]`` -> float32 images ``[B, 3, 8h, 8w]`` in [0, 1], as the SD3 and FLUX
-    pipelines do: ``latents / scaling_factor + shift_factor``, VAE decode, ``x / 2 + 0.5`` clamped."""
+    """Latents ``[B, C, h, w]`` -> float32 images ``[B, 3, f h, f w]`` in [0, 1] (f = the VAE's factor),
+    as the SD3, FLUX and SANA pipelines do: ``latents / scaling_factor + shift_factor`` (0 when the
+    VAE has none, e.g. SANA's DC-AE), VAE decode, ``x / 2 + 0.5`` clamped."""
     cfg = vae.config
-    z = latents.to(device, module_dtype(vae)) / cfg.scaling_factor + (cfg.shift_factor or 0.0)  # [B, C, h, w]
+    shift = getattr(cfg, "shift_factor", None) or 0.0
+    z = latents.to(device, module_dtype(vae)) / cfg.scaling_factor + shift  # [B, C, h, w]
     with torch.no_grad():
         img = vae.decode(z, return_dict=False)[0]  # [B, 3, H, W] in ~[-1, 1]
     return (img.float() / 2 + 0.5).clamp(0, 1)  # [B, 3, H, W]
+
+
+_MOVED_TO_BASE = ("encode_with_negative", "resolve_resolution", "read_flowrl_json", "FLOWRL_JSON", "Resolution")
+
+
+def __getattr__(name: str):
+    """Names that moved to ``pipelines/base.py`` (imported lazily: the base imports this module)."""
+    if name in _MOVED_TO_BASE:
+        from . import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

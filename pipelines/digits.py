@@ -100,6 +100,36 @@ def tiny_transformer_config() -> dict:
 class DigitsPolicy:
     """``FlowPolicy`` over the digits model. ``guidance_scale`` 1.0 = no CFG (one pass)."""
 
+    # the adapter declarations of pipelines/base.py (no diffusers pipeline: the LoRA loads into the transformer)
+    kind = "digits"
+    pipeline_class = ""
+    transformer_class = "SD3Transformer2DModel"
+    lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    tiny_kinds = ("digits",)
+
+    @classmethod
+    def lora_writer(cls):
+        from diffusers.loaders import SD3LoraLoaderMixin
+
+        return SD3LoraLoaderMixin
+
+    @classmethod
+    def lora_load_hint(cls) -> str:
+        return ("SD3Transformer2DModel.from_pretrained(BASE, subfolder='transformer')"
+                ".load_lora_adapter(OUT, weight_name='pytorch_lora_weights.safetensors')")
+
+    @classmethod
+    def make_tiny(cls, kind: str, out_dir, *, image_size: int = IMAGE_SIZE, seed: int = 0, overwrite: bool = False):
+        """A random-init 2-layer digits model (no pretraining: for mechanics, not quality) in ``out_dir``
+        (2 layers: a 1-layer model has no text-stream output ``to_add_out``, a default LoRA target)."""
+        from .base import write_atomically
+
+        if image_size != IMAGE_SIZE:
+            raise ValueError(f"the digits model is {IMAGE_SIZE} x {IMAGE_SIZE} pixels, got image_size={image_size}")
+        torch.manual_seed(seed)
+        policy = cls(SD3Transformer2DModel(**{**tiny_transformer_config(), "num_layers": 2}), DigitTextEncoder())
+        return write_atomically(out_dir, policy.save_pretrained, overwrite=overwrite)
+
     def __init__(self, transformer: SD3Transformer2DModel, text_encoder: DigitTextEncoder,
                  guidance_scale: float = 1.0, shift: float = 1.0, schedule: str = "diffusers",
                  device: str | torch.device = "cpu"):

@@ -13,20 +13,15 @@ sigma itself (the pipeline passes ``timestep / 1000``; the model multiplies by 1
 """
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 from typing import Optional, Union
 
 import numpy as np
 import torch
 
 from flowrl.schedules import flow_sigmas, flux_sigmas, shift_sigmas
-from flowrl.seeding import seeded_randn
 
-from .common import (DTypeArg, cfg_combine, cfg_halves, check_model_path, encode_with_negative, resolve_dtype,
-                     transformer_dtype, vae_decode)
-from .sd3 import Resolution, resolve_resolution
+from .base import IMAGE_SIZE, DiffusersPolicy, Resolution, resolve_resolution
+from .common import cfg_combine, cfg_halves, transformer_dtype
 
 # Flow-GRPO's LoRA targets for FLUX (scripts/train_flux.py: r=64, alpha=128, gaussian init): the
 # joint-attention projections of both streams plus both streams' feed-forwards. (As peft suffix
@@ -61,7 +56,7 @@ def latent_image_ids(h: int, w: int, device=None, dtype=torch.float32) -> torch.
     return ids.reshape(-1, 3).to(dtype=dtype)  # [(h/2)(w/2), 3]
 
 
-class FluxPolicy:
+class FluxPolicy(DiffusersPolicy):
     """``FlowPolicy`` for FLUX.1 (see module doc).
 
     Args:
@@ -80,6 +75,12 @@ class FluxPolicy:
     """
 
     kind = "flux"
+    pipeline_class = "FluxPipeline"
+    transformer_class = "FluxTransformer2DModel"
+    lora_target_modules = FLUX_LORA_TARGET_MODULES
+    text_encoder_names = ("text_encoder", "text_encoder_2")
+    tiny_kinds = ("flux", "flux-schnell")  # FLUX.1-dev-like (guidance embedding, dynamic shift), schnell-like
+    example_hub_id = "black-forest-labs/FLUX.1-dev"
 
     def __init__(self, pipe, *, guidance_scale: float = 3.5, true_cfg_scale: float = 1.0, negative_prompt: str = "",
                  max_sequence_length: int = 512, shift: Optional[float] = None, schedule: str = "diffusers",
@@ -100,14 +101,7 @@ class FluxPolicy:
                              f"flowrl's static-shift schedule instead")
         if shift is not None:
             flow_sigmas(1, float(shift), schedule)  # validate early
-        self.device = torch.device(device)
-        self.pipe = pipe.to(self.device)
-        self.transformer = pipe.transformer
-        self.vae = pipe.vae.requires_grad_(False).eval()
-        for te in (pipe.text_encoder, pipe.text_encoder_2):
-            if te is not None:
-                te.requires_grad_(False).eval()
-        self.pipe.set_progress_bar_config(disable=True)
+        self._setup(pipe, device)  # frozen VAE / text encoders, vae_scale_factor, LoRA targets, negative cache
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
         self.guidance_scale = float(guidance_scale)
         self.true_cfg_scale = float(true_cfg_scale)
@@ -115,50 +109,44 @@ class FluxPolicy:
         self.max_sequence_length = int(max_sequence_length)
         self.shift = None if shift is None else float(shift)
         self.schedule = schedule
-        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.height, self.width = resolve_resolution(resolution, 128 * self.vae_scale_factor, self.vae_scale_factor * 2)
         h, w = 2 * (self.height // (self.vae_scale_factor * 2)), 2 * (self.width // (self.vae_scale_factor * 2))
         self.latent_shape = (int(self.transformer.config.in_channels) // 4, h, w)  # (C, h, w), unpacked
         self.image_seq_len = (h // 2) * (w // 2)  # packed tokens per image
-        self.lora_target_modules = list(FLUX_LORA_TARGET_MODULES)
-        self._negative: Optional[dict[str, torch.Tensor]] = None  # cached [1, ...] negative embeddings
 
-    # --- loading -------------------------------------------------------------------------
+    # --- declarations ----------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path_or_id: Union[str, os.PathLike], *, guidance_scale: float = 3.5,
-                        true_cfg_scale: float = 1.0, negative_prompt: str = "",
-                        device: Union[str, torch.device] = "cpu", dtype: DTypeArg = torch.float32,
-                        max_sequence_length: int = 512, shift: Optional[float] = None, schedule: str = "diffusers",
-                        resolution: Resolution = None, gradient_checkpointing: bool = False,
-                        **pipeline_kwargs) -> "FluxPolicy":
-        """Load with ``FluxPipeline.from_pretrained(path_or_id, dtype=dtype, **pipeline_kwargs)``.
+    def tiny_components(cls, kind: str = "flux", image_size: int = IMAGE_SIZE, seed: int = 0) -> dict:
+        """A tiny ``FluxPipeline``: ``"flux"`` is FLUX.1-dev-like (guidance embedding, dynamic shift),
+        ``"flux-schnell"`` schnell-like (no guidance embedding, static shift 1); see ``pipelines/tiny.py``."""
+        from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+        from transformers import CLIPTextModel
 
-        ``dtype`` may be a name or a per-component dict (see ``SD3Policy.from_pretrained``);
-        ``gradient_checkpointing`` recomputes block activations in the backward pass.
-        """
-        from diffusers import FluxPipeline
+        from .tiny import LATENT_CHANNELS, build_clip_tokenizer, build_t5_tokenizer, clip_config, kl_vae, t5_encoder
 
-        from .tiny import read_flowrl_json
-
-        if path_or_id is None or str(path_or_id) == "":
-            raise ValueError("pass a model directory or hub id (`flowrl make-tiny flux DIR` writes a tiny offline one)")
-        check_model_path(str(path_or_id), "flux")
-        if resolution is None:
-            resolution = read_flowrl_json(path_or_id).get("resolution")
-        pipe = FluxPipeline.from_pretrained(str(path_or_id), dtype=resolve_dtype(dtype), **pipeline_kwargs)
-        if gradient_checkpointing:
-            pipe.transformer.enable_gradient_checkpointing()
-        return cls(pipe, guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale,
-                   negative_prompt=negative_prompt, max_sequence_length=max_sequence_length, shift=shift,
-                   schedule=schedule, resolution=resolution, device=device)
-
-    def save_pretrained(self, path: Union[str, os.PathLike]) -> None:
-        """Save the whole pipeline (with the current ``self.transformer``) as a diffusers directory."""
-        from .tiny import FLOWRL_JSON
-
-        self.pipe.transformer = self.transformer
-        self.pipe.save_pretrained(str(path))
-        (Path(path) / FLOWRL_JSON).write_text(json.dumps({"kind": self.kind, "resolution": [self.height, self.width]}))
+        guidance_embeds = kind == "flux"
+        tok = build_clip_tokenizer()
+        tok2 = build_t5_tokenizer(model_max_length=512)
+        eos, bos = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|startoftext|>")
+        torch.manual_seed(seed)
+        te1 = CLIPTextModel(clip_config(len(tok), eos, bos, 32, 32))
+        torch.manual_seed(seed + 1)
+        te2 = t5_encoder(len(tok2), 32)
+        torch.manual_seed(seed + 2)
+        transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=LATENT_CHANNELS * 4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=guidance_embeds,
+            axes_dims_rope=(4, 4, 8))
+        torch.manual_seed(seed + 3)
+        vae = kl_vae(0.3611, 0.1159, image_size)  # FLUX's VAE scaling / shift factors
+        common = dict(num_train_timesteps=1000, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+                      max_image_seq_len=4096)
+        if guidance_embeds:  # FLUX.1-dev scheduler config
+            scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, **common)
+        else:  # FLUX.1-schnell scheduler config
+            scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False, **common)
+        return dict(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=te1, tokenizer=tok,
+                    text_encoder_2=te2, tokenizer_2=tok2, image_encoder=None, feature_extractor=None)
 
     # --- FlowPolicy ----------------------------------------------------------------------
     def _encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,7 +159,11 @@ class FluxPolicy:
         """Batch-first conditioning: ``prompt_embeds`` [B, max_sequence_length, D] (T5) and
         ``pooled_prompt_embeds`` [B, P] (CLIP); with ``true_cfg_scale > 1`` also the cached
         ``negative_*`` ones. (Text position ids are all zero and rebuilt in ``velocity``.)"""
-        return encode_with_negative(self, prompts, use_negative=self.true_cfg_scale > 1.0)
+        return super().encode_prompts(prompts)
+
+    @property
+    def uses_negative(self) -> bool:
+        return self.true_cfg_scale > 1.0
 
     def _forward(self, packed: torch.Tensor, sigma: torch.Tensor, pe: torch.Tensor, pooled: torch.Tensor,
                  img_ids: torch.Tensor) -> torch.Tensor:
@@ -207,15 +199,6 @@ class FluxPolicy:
                                         cond["negative_pooled_prompt_embeds"]),
                                   (packed, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"]))
         return unpack_latents(cfg_combine(uncond, text, self.true_cfg_scale), h, w)  # [B, C, h, w]
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Unpacked latents ``[B, C, h, w]`` -> float32 images ``[B, 3, 8h, 8w]`` in [0, 1]
-        (``latents / scaling_factor + shift_factor``, VAE decode, ``x / 2 + 0.5`` clamped)."""
-        return vae_decode(self.vae, latents, self.device)  # [B, 3, H, W]
-
-    def initial_noise(self, seeds: list[int]) -> torch.Tensor:
-        """Standard-normal float32 ``[B, C, h, w]`` (unpacked), row i depending only on ``seeds[i]``."""
-        return seeded_randn(list(seeds), self.latent_shape, stream=0, device=self.device)  # [B, C, h, w]
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """``[num_steps + 1]`` float32 ending in 0; by default exactly what ``FluxPipeline`` gives its

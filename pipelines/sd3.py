@@ -8,18 +8,14 @@ which are that).
 """
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 
 from flowrl.schedules import flow_sigmas
-from flowrl.seeding import seeded_randn
 
-from .common import (DTypeArg, cfg_combine, cfg_halves, check_model_path, encode_with_negative, resolve_dtype,
-                     transformer_dtype, vae_decode)
+from .base import IMAGE_SIZE, DiffusersPolicy, Resolution, resolve_resolution
+from .common import cfg_combine, cfg_halves, transformer_dtype
 
 # Flow-GRPO's LoRA targets for SD3.5 (scripts/train_sd3.py: r=32, alpha=64, gaussian init): every
 # projection of the joint attention, image stream (to_*) and text stream (add_*_proj, to_add_out).
@@ -28,24 +24,10 @@ SD3_LORA_TARGET_MODULES = (
     "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
 )
 
-Resolution = Union[int, Sequence[int], None]
+__all__ = ["SD3_LORA_TARGET_MODULES", "Resolution", "SD3Policy", "resolve_resolution"]
 
 
-def resolve_resolution(resolution: Resolution, default: int, multiple: int) -> tuple[int, int]:
-    """``(H, W)`` in pixels from an int, a pair or None (-> ``default``), checked against ``multiple``."""
-    if resolution is None:
-        resolution = default
-    hw = (resolution, resolution) if isinstance(resolution, int) else tuple(int(r) for r in resolution)
-    if len(hw) != 2:
-        raise ValueError(f"resolution must be an int or an (H, W) pair, got {resolution!r}")
-    h, w = hw
-    if h <= 0 or w <= 0 or h % multiple or w % multiple:
-        raise ValueError(f"resolution must be positive multiples of {multiple} pixels (VAE factor x patch size), "
-                         f"got {(h, w)}")
-    return h, w
-
-
-class SD3Policy:
+class SD3Policy(DiffusersPolicy):
     """``FlowPolicy`` for SD3 / SD3.5 (see module doc).
 
     Args:
@@ -61,6 +43,12 @@ class SD3Policy:
     """
 
     kind = "sd3"
+    pipeline_class = "StableDiffusion3Pipeline"
+    transformer_class = "SD3Transformer2DModel"
+    lora_target_modules = SD3_LORA_TARGET_MODULES
+    text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    tiny_kinds = ("sd3",)
+    example_hub_id = "stabilityai/stable-diffusion-3.5-medium"
 
     def __init__(self, pipe, *, guidance_scale: float = 4.5, negative_prompt: str = "",
                  max_sequence_length: int = 256, shift: Optional[float] = None, schedule: str = "diffusers",
@@ -76,65 +64,49 @@ class SD3Policy:
                                  "(flowrl's SD3 schedule is the static-shift one)")
             shift = float(sched_cfg.get("shift", 1.0))
         flow_sigmas(1, float(shift), schedule)  # validates shift and schedule early
-        self.device = torch.device(device)
-        self.pipe = pipe.to(self.device)
-        self.transformer = pipe.transformer
-        self.vae = pipe.vae.requires_grad_(False).eval()
-        for te in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
-            if te is not None:
-                te.requires_grad_(False).eval()
-        self.pipe.set_progress_bar_config(disable=True)
+        self._setup(pipe, device)  # frozen VAE / text encoders, vae_scale_factor, LoRA targets, negative cache
         self.guidance_scale = float(guidance_scale)
         self.negative_prompt = str(negative_prompt)
         self.max_sequence_length = int(max_sequence_length)
         self.shift, self.schedule = float(shift), schedule
-        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.patch_size = int(self.transformer.config.patch_size)
         default_size = int(self.transformer.config.sample_size) * self.vae_scale_factor
         self.height, self.width = resolve_resolution(resolution, default_size, self.vae_scale_factor * self.patch_size)
         self.latent_shape = (int(self.transformer.config.in_channels),
                              self.height // self.vae_scale_factor, self.width // self.vae_scale_factor)  # (C, h, w)
-        self.lora_target_modules = list(SD3_LORA_TARGET_MODULES)
-        self._negative: Optional[dict[str, torch.Tensor]] = None  # cached [1, ...] negative embeddings
 
-    # --- loading -------------------------------------------------------------------------
+    # --- declarations ----------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path_or_id: Union[str, os.PathLike], *, guidance_scale: float = 4.5,
-                        negative_prompt: str = "", device: Union[str, torch.device] = "cpu",
-                        dtype: DTypeArg = torch.float32, max_sequence_length: int = 256,
-                        shift: Optional[float] = None, schedule: str = "diffusers", resolution: Resolution = None,
-                        gradient_checkpointing: bool = False, **pipeline_kwargs) -> "SD3Policy":
-        """Load with ``StableDiffusion3Pipeline.from_pretrained(path_or_id, dtype=dtype, **pipeline_kwargs)``.
+    def tiny_components(cls, kind: str = "sd3", image_size: int = IMAGE_SIZE, seed: int = 0) -> dict:
+        """A tiny ``StableDiffusion3Pipeline`` (SD3.5-style qk RMSNorm, one dual-attention layer):
+        sizes as diffusers' own fast tests, real (truncated) CLIP / T5 tokenizers; see ``pipelines/tiny.py``."""
+        from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+        from transformers import CLIPTextModelWithProjection
 
-        ``dtype`` may be a name (``"bfloat16"``) or a per-component dict (``{"default": "bfloat16",
-        "vae": "float32"}``), as YAML recipes give it. ``gradient_checkpointing`` recomputes the
-        transformer's block activations in the backward pass (less memory, ~30% slower updates).
-        A local directory may hold a ``flowrl.json`` (written by ``flowrl make-tiny``) whose
-        ``resolution`` is the default when ``resolution`` is None.
-        """
-        from diffusers import StableDiffusion3Pipeline
+        from .tiny import LATENT_CHANNELS, build_clip_tokenizer, build_t5_tokenizer, clip_config, kl_vae, t5_encoder
 
-        from .tiny import read_flowrl_json
-
-        if path_or_id is None or str(path_or_id) == "":
-            raise ValueError("pass a model directory or hub id (`flowrl make-tiny sd3 DIR` writes a tiny offline one)")
-        check_model_path(str(path_or_id), "sd3")
-        if resolution is None:
-            resolution = read_flowrl_json(path_or_id).get("resolution")
-        pipe = StableDiffusion3Pipeline.from_pretrained(str(path_or_id), dtype=resolve_dtype(dtype), **pipeline_kwargs)
-        if gradient_checkpointing:
-            pipe.transformer.enable_gradient_checkpointing()
-        return cls(pipe, guidance_scale=guidance_scale, negative_prompt=negative_prompt,
-                   max_sequence_length=max_sequence_length, shift=shift, schedule=schedule,
-                   resolution=resolution, device=device)
-
-    def save_pretrained(self, path: Union[str, os.PathLike]) -> None:
-        """Save the whole pipeline (with the current ``self.transformer``) as a diffusers directory."""
-        from .tiny import FLOWRL_JSON
-
-        self.pipe.transformer = self.transformer
-        self.pipe.save_pretrained(str(path))
-        (Path(path) / FLOWRL_JSON).write_text(json.dumps({"kind": self.kind, "resolution": [self.height, self.width]}))
+        tok = build_clip_tokenizer()
+        tok3 = build_t5_tokenizer(model_max_length=512)
+        eos, bos = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|startoftext|>")
+        clip_hidden, t5_dim = 32, 64  # clip prompt embeds: 32 + 32 = 64 wide, padded to the T5 width
+        torch.manual_seed(seed)
+        te1 = CLIPTextModelWithProjection(clip_config(len(tok), eos, bos, clip_hidden, 32))
+        torch.manual_seed(seed + 1)
+        te2 = CLIPTextModelWithProjection(clip_config(len(tok), eos, bos, clip_hidden, 32))
+        torch.manual_seed(seed + 2)
+        te3 = t5_encoder(len(tok3), t5_dim)
+        torch.manual_seed(seed + 3)
+        transformer = SD3Transformer2DModel(
+            sample_size=image_size // 8, patch_size=2, in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS,
+            num_layers=2, attention_head_dim=8, num_attention_heads=4, joint_attention_dim=t5_dim,
+            caption_projection_dim=32, pooled_projection_dim=64, pos_embed_max_size=32,
+            dual_attention_layers=(0,), qk_norm="rms_norm")
+        torch.manual_seed(seed + 4)
+        vae = kl_vae(1.5305, 0.0609, image_size)  # SD3's VAE scaling / shift factors
+        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)  # SD3 / SD3.5 config
+        return dict(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=te1, tokenizer=tok,
+                    text_encoder_2=te2, tokenizer_2=build_clip_tokenizer(), text_encoder_3=te3, tokenizer_3=tok3,
+                    image_encoder=None, feature_extractor=None)
 
     # --- FlowPolicy ----------------------------------------------------------------------
     def _encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +120,7 @@ class SD3Policy:
         CLIP-G hidden states padded to the T5 width, then T5) and ``pooled_prompt_embeds`` [B, P];
         with guidance also ``negative_prompt_embeds`` / ``negative_pooled_prompt_embeds`` (the
         negative prompt, encoded once and cached)."""
-        return encode_with_negative(self, prompts, use_negative=self.guidance_scale > 1.0)
+        return super().encode_prompts(prompts)
 
     def _forward(self, x: torch.Tensor, sigma: torch.Tensor, pe: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         dtype = transformer_dtype(self.transformer)
@@ -172,15 +144,6 @@ class SD3Policy:
                                   (x, sigma, cond["negative_prompt_embeds"], cond["negative_pooled_prompt_embeds"]),
                                   (x, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"]))
         return cfg_combine(uncond, text, self.guidance_scale)
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents ``[B, C, h, w]`` -> images float32 ``[B, 3, 8h, 8w]`` in [0, 1] (the pipeline's
-        ``latents / scaling_factor + shift_factor``, VAE decode, ``x / 2 + 0.5`` clamped)."""
-        return vae_decode(self.vae, latents, self.device)  # [B, 3, H, W]
-
-    def initial_noise(self, seeds: list[int]) -> torch.Tensor:
-        """Standard-normal float32 ``[B, C, h, w]``, row i depending only on ``seeds[i]``."""
-        return seeded_randn(list(seeds), self.latent_shape, stream=0, device=self.device)  # [B, C, h, w]
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """``[num_steps + 1]`` float32 from 1 to 0: ``flow_sigmas(num_steps, shift, schedule)``."""

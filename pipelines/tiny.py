@@ -1,12 +1,14 @@
-"""Tiny random-weight SD3 / FLUX pipelines, built offline from configs (nothing is downloaded).
+"""Tiny random-weight pipelines, built offline from configs (nothing is downloaded).
 
-``make_tiny("sd3" | "flux" | "flux-schnell", out_dir)`` writes a directory that
-``StableDiffusion3Pipeline.from_pretrained`` / ``FluxPipeline.from_pretrained`` (and so
-``SD3Policy`` / ``FluxPolicy``) load like the real models: the same component classes, the
-same latent layout (16 channels, VAE downsampling 8, SD3 patch 2 / FLUX 2x2 packing), the
-same scheduler configs (SD3 shift 3; FLUX-dev dynamic shifting), toy widths. Sizes mirror
-diffusers' own fast tests (``get_dummy_components`` in tests/pipelines/stable_diffusion_3 and
-tests/pipelines/flux): 1-2 transformer layers, 32-wide text encoders.
+``make_tiny(kind, out_dir)`` writes a directory that the pipeline's ``from_pretrained`` (and so
+its flowrl adapter) loads like the real model. Which kinds exist, and their components, are
+declared by each adapter (``tiny_kinds`` / ``tiny_components``, e.g. ``SD3Policy``: ``sd3``;
+``FluxPolicy``: ``flux``, ``flux-schnell``; ``SanaPolicy``: ``sana``); ``make_tiny`` asks the
+registry (``flowrl.pipelines.tiny_kinds()``). Every tiny model keeps its real model's component
+classes, latent layout and scheduler config at toy widths; sizes mirror diffusers' own fast
+tests (``get_dummy_components``): 1-2 transformer layers, 32-wide text encoders.
+
+This module holds the shared offline builders those declarations use:
 
 Tokenizers are real, built from files already installed:
 
@@ -20,6 +22,8 @@ Tokenizers are real, built from files already installed:
   CLIP merges re-spelled SentencePiece-style (``"cat</w>"`` -> ``"▁cat"``), wrapped in
   ``T5TokenizerFast`` (``<pad>`` = 0, ``</s>`` = 1, ``<unk>`` = 2 as in T5).
 
+* a KL VAE (``kl_vae``) with downsampling 8 and 16 latent channels, as SD3 / FLUX.
+
 A ``flowrl.json`` beside ``model_index.json`` records the tiny image resolution, which the
 adapters take as their default (FLUX has no resolution in its configs; its pipeline default,
 1024 px, would be wasteful for a toy).
@@ -28,20 +32,16 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
-import json
 import math
 import os
-import shutil
 import string
 from pathlib import Path
+from typing import Optional
 
-import torch
+from .base import FLOWRL_JSON, IMAGE_SIZE, read_flowrl_json  # noqa: F401  (re-exported)
 
-KINDS = ("sd3", "flux", "flux-schnell")
 CLIP_MERGES = 2000       # first N merges of CLIP's 48,894 (vocab = 512 + N + 2)
-IMAGE_SIZE = 64          # pixels; latents 16 x 8 x 8
 LATENT_CHANNELS = 16     # SD3 / FLUX VAEs have 16 latent channels
-FLOWRL_JSON = "flowrl.json"
 
 
 # --- tokenizers ----------------------------------------------------------------------------
@@ -116,7 +116,7 @@ def build_t5_tokenizer(num_merges: int = CLIP_MERGES, model_max_length: int = 51
 
 
 # --- components ----------------------------------------------------------------------------
-def _clip_config(vocab_size: int, eos_id: int, bos_id: int, hidden: int = 32, projection: int = 32):
+def clip_config(vocab_size: int, eos_id: int, bos_id: int, hidden: int = 32, projection: int = 32):
     from transformers import CLIPTextConfig
 
     # diffusers' dummy CLIP (hidden 32, 5 layers, 4 heads, intermediate 37), with real token ids
@@ -126,7 +126,7 @@ def _clip_config(vocab_size: int, eos_id: int, bos_id: int, hidden: int = 32, pr
                           pad_token_id=eos_id)
 
 
-def _t5_encoder(vocab_size: int, d_model: int):
+def t5_encoder(vocab_size: int, d_model: int):
     from transformers import T5Config, T5EncoderModel
 
     # like hf-internal-testing/tiny-random-t5 (d_ff 37, d_kv 8, 4 heads), gated-gelu as T5 v1.1
@@ -136,7 +136,7 @@ def _t5_encoder(vocab_size: int, d_model: int):
     return T5EncoderModel(cfg)
 
 
-def _vae(scaling_factor: float, shift_factor: float, image_size: int):
+def kl_vae(scaling_factor: float, shift_factor: float, image_size: int):
     from diffusers import AutoencoderKL
 
     # four blocks -> downsampling 8 like the real VAEs; no quant convs (SD3 / FLUX VAEs have none)
@@ -147,110 +147,61 @@ def _vae(scaling_factor: float, shift_factor: float, image_size: int):
                          scaling_factor=scaling_factor, shift_factor=shift_factor)
 
 
-def tiny_sd3_components(image_size: int = IMAGE_SIZE, seed: int = 0) -> dict:
-    """Components of a tiny ``StableDiffusion3Pipeline`` (SD3.5-style qk RMSNorm, one dual-attention layer)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from transformers import CLIPTextModelWithProjection
+_clip_config, _t5_encoder, _vae = clip_config, t5_encoder, kl_vae  # the former private names
 
-    tok = build_clip_tokenizer()
-    tok3 = build_t5_tokenizer(model_max_length=512)
-    eos, bos = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|startoftext|>")
-    clip_hidden, t5_dim = 32, 64  # clip prompt embeds: 32 + 32 = 64 wide, padded to the T5 width
-    torch.manual_seed(seed)
-    te1 = CLIPTextModelWithProjection(_clip_config(len(tok), eos, bos, clip_hidden, 32))
-    torch.manual_seed(seed + 1)
-    te2 = CLIPTextModelWithProjection(_clip_config(len(tok), eos, bos, clip_hidden, 32))
-    torch.manual_seed(seed + 2)
-    te3 = _t5_encoder(len(tok3), t5_dim)
-    torch.manual_seed(seed + 3)
-    transformer = SD3Transformer2DModel(
-        sample_size=image_size // 8, patch_size=2, in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS,
-        num_layers=2, attention_head_dim=8, num_attention_heads=4, joint_attention_dim=t5_dim,
-        caption_projection_dim=32, pooled_projection_dim=64, pos_embed_max_size=32,
-        dual_attention_layers=(0,), qk_norm="rms_norm")
-    torch.manual_seed(seed + 4)
-    vae = _vae(1.5305, 0.0609, image_size)  # SD3's VAE scaling / shift factors
-    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)  # SD3 / SD3.5 config
-    return dict(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=te1, tokenizer=tok,
-                text_encoder_2=te2, tokenizer_2=build_clip_tokenizer(), text_encoder_3=te3, tokenizer_3=tok3,
-                image_encoder=None, feature_extractor=None)
+
+def tiny_sd3_components(image_size: int = IMAGE_SIZE, seed: int = 0) -> dict:
+    """Components of a tiny ``StableDiffusion3Pipeline`` (declared by ``SD3Policy.tiny_components``)."""
+    from .sd3 import SD3Policy
+
+    return SD3Policy.tiny_components("sd3", image_size, seed)
 
 
 def tiny_flux_components(image_size: int = IMAGE_SIZE, seed: int = 0, guidance_embeds: bool = True) -> dict:
-    """Components of a tiny ``FluxPipeline``: FLUX-dev-like (guidance embedding, dynamic shift) or,
-    with ``guidance_embeds=False``, schnell-like (no guidance embedding, static shift 1)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-    from transformers import CLIPTextModel
+    """Components of a tiny ``FluxPipeline``, dev-like or (``guidance_embeds=False``) schnell-like
+    (declared by ``FluxPolicy.tiny_components``)."""
+    from .flux import FluxPolicy
 
-    tok = build_clip_tokenizer()
-    tok2 = build_t5_tokenizer(model_max_length=512)
-    eos, bos = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|startoftext|>")
-    torch.manual_seed(seed)
-    te1 = CLIPTextModel(_clip_config(len(tok), eos, bos, 32, 32))
-    torch.manual_seed(seed + 1)
-    te2 = _t5_encoder(len(tok2), 32)
-    torch.manual_seed(seed + 2)
-    transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=LATENT_CHANNELS * 4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=guidance_embeds,
-        axes_dims_rope=(4, 4, 8))
-    torch.manual_seed(seed + 3)
-    vae = _vae(0.3611, 0.1159, image_size)  # FLUX's VAE scaling / shift factors
-    if guidance_embeds:  # FLUX.1-dev scheduler config
-        scheduler = FlowMatchEulerDiscreteScheduler(
-            num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-            base_image_seq_len=256, max_image_seq_len=4096)
-    else:  # FLUX.1-schnell scheduler config
-        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False,
-                                                    base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
-                                                    max_image_seq_len=4096)
-    return dict(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=te1, tokenizer=tok,
-                text_encoder_2=te2, tokenizer_2=tok2, image_encoder=None, feature_extractor=None)
+    return FluxPolicy.tiny_components("flux" if guidance_embeds else "flux-schnell", image_size, seed)
+
+
+def _adapter(kind: str):
+    from . import tiny_kinds
+
+    kinds = tiny_kinds()
+    if kind not in kinds:
+        raise ValueError(f"unknown tiny pipeline kind {kind!r}; choose one of {', '.join(sorted(kinds))}")
+    return kinds[kind]
 
 
 def tiny_pipeline(kind: str, image_size: int = IMAGE_SIZE, seed: int = 0):
-    """An in-memory tiny diffusers pipeline of ``kind`` (one of ``KINDS``)."""
-    if image_size % 16 or image_size < 16:
-        raise ValueError(f"image_size must be a positive multiple of 16 (VAE 8 x patch 2), got {image_size}")
-    if kind == "sd3":
-        from diffusers import StableDiffusion3Pipeline
+    """An in-memory tiny diffusers pipeline of ``kind`` (a ``tiny_kinds`` entry of an adapter)."""
+    from .base import diffusers_attr
 
-        return StableDiffusion3Pipeline(**tiny_sd3_components(image_size, seed))
-    if kind in ("flux", "flux-schnell"):
-        from diffusers import FluxPipeline
-
-        return FluxPipeline(**tiny_flux_components(image_size, seed, guidance_embeds=kind == "flux"))
-    raise ValueError(f"unknown tiny pipeline kind {kind!r}; choose one of {', '.join(KINDS)}")
+    cls = _adapter(kind)
+    m = cls.tiny_multiple()
+    if image_size % m or image_size < m:
+        raise ValueError(f"image_size must be a positive multiple of {m} for {kind}, got {image_size}")
+    return diffusers_attr(cls.pipeline_class)(**cls.tiny_components(kind, image_size, seed))
 
 
-def make_tiny(kind: str, out_dir: str | os.PathLike, *, image_size: int = IMAGE_SIZE, seed: int = 0,
+def make_tiny(kind: str, out_dir: str | os.PathLike, *, image_size: Optional[int] = None, seed: int = 0,
               overwrite: bool = False) -> Path:
-    """Write a tiny random-weight ``kind`` pipeline (``"sd3"``, ``"flux"`` = FLUX-dev-like,
-    ``"flux-schnell"``) to ``out_dir`` with ``save_pretrained``; returns the directory.
-
-    Offline and deterministic in ``seed``. ``image_size`` (pixels, multiple of 16) is the
-    resolution the adapters default to (recorded in ``flowrl.json``). Written into a temporary
-    sibling and renamed, so a crash leaves no half-written model.
-    """
+    """Write a tiny random-weight model of ``kind`` (``flowrl make-tiny`` kinds: every adapter's
+    ``tiny_kinds``) to ``out_dir``; returns the directory. Offline and deterministic in ``seed``;
+    ``image_size`` (pixels; None = the adapter's tiny default, 64 for the diffusers models) is the
+    resolution the adapter defaults to (``flowrl.json``). Written
+    into a temporary sibling and renamed, so a crash leaves no half-written model."""
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True (CLI: --overwrite) to replace it")
-    pipe = tiny_pipeline(kind, image_size, seed)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    pipe.save_pretrained(tmp)
-    (tmp / FLOWRL_JSON).write_text(json.dumps({"kind": kind, "resolution": image_size, "tiny": True}, indent=2))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+    size = {} if image_size is None else {"image_size": image_size}
+    return _adapter(kind).make_tiny(kind, out, seed=seed, overwrite=overwrite, **size)
 
 
-def read_flowrl_json(path: str | os.PathLike) -> dict:
-    """The optional ``flowrl.json`` defaults of a local model directory ({} if absent)."""
-    p = Path(os.path.expanduser(str(path))) / FLOWRL_JSON
-    if p.is_file():
-        return json.loads(p.read_text())
-    return {}
+def __getattr__(name: str):
+    if name == "KINDS":  # every registered adapter's tiny kinds (was a fixed tuple)
+        from . import tiny_kinds
+
+        return tuple(tiny_kinds())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

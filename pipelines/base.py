@@ -1,0 +1,240 @@
+"""``DiffusersPolicy``: the base class of the adapters over a diffusers pipeline (SD3, FLUX, SANA).
+
+An adapter subclasses it and **declares** what flowrl needs to know about its model, as class
+attributes and class methods; nothing about a model lives in tables elsewhere (``flowrl export``,
+``flowrl make-tiny`` and the trainer ask the adapter through ``flowrl.pipelines.policy_class``):
+
+==========================  =====================================================================
+``kind``                    the pipeline name in ``flowrl.pipelines.REGISTRY``
+``pipeline_class``          diffusers pipeline class name: loads the model, saves it, and (by
+                            default) writes and loads the exported LoRA (``save_lora_weights`` /
+                            ``load_lora_weights``)
+``transformer_class``       diffusers class name of ``.transformer`` (export reads its config)
+``lora_target_modules``     default LoRA targets (peft suffix patterns of the transformer)
+``text_encoder_names``      pipeline attributes that are frozen text encoders
+``tiny_kinds``              the ``flowrl make-tiny`` kinds this adapter builds offline
+``tiny_components(kind,..)``  the components of a tiny random-weight pipeline of that kind
+``_encode(prompts, negative)``  named batch-first text conditioning from the pipeline's encoder
+``velocity`` / ``sigmas``   the model-specific math (``FlowPolicy``)
+==========================  =====================================================================
+
+The base provides the rest: ``from_pretrained`` / ``save_pretrained`` (with the ``flowrl.json``
+resolution default), freezing everything but the transformer, the cached negative-prompt
+conditioning, resolution checks, ``decode``, ``initial_noise``, the export writer and
+``make_tiny``. Model-independent adapters (the digits model) declare the same attributes by hand.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import ClassVar, Optional, Sequence, Union
+
+import torch
+
+from flowrl.seeding import seeded_randn
+
+from .common import DTypeArg, check_model_path, resolve_dtype, vae_decode
+
+FLOWRL_JSON = "flowrl.json"
+IMAGE_SIZE = 64  # pixels: the default tiny resolution
+Resolution = Union[int, Sequence[int], None]
+
+
+def resolve_resolution(resolution: Resolution, default: int, multiple: int) -> tuple[int, int]:
+    """``(H, W)`` in pixels from an int, a pair or None (-> ``default``), checked against ``multiple``."""
+    if resolution is None:
+        resolution = default
+    hw = (resolution, resolution) if isinstance(resolution, int) else tuple(int(r) for r in resolution)
+    if len(hw) != 2:
+        raise ValueError(f"resolution must be an int or an (H, W) pair, got {resolution!r}")
+    h, w = hw
+    if h <= 0 or w <= 0 or h % multiple or w % multiple:
+        raise ValueError(f"resolution must be positive multiples of {multiple} pixels (VAE factor x patch size), "
+                         f"got {(h, w)}")
+    return h, w
+
+
+def read_flowrl_json(path: Union[str, os.PathLike]) -> dict:
+    """The optional ``flowrl.json`` defaults of a local model directory ({} if absent)."""
+    p = Path(os.path.expanduser(str(path))) / FLOWRL_JSON
+    if p.is_file():
+        return json.loads(p.read_text())
+    return {}
+
+
+def write_atomically(out_dir: Union[str, os.PathLike], write, *, overwrite: bool = False) -> Path:
+    """Call ``write(tmp)`` on a temporary sibling of ``out_dir`` and rename it into place, so a
+    crash leaves no half-written model. ``out_dir`` must be absent or empty unless ``overwrite``."""
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True (CLI: --overwrite) to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    write(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def encode_with_negative(adapter, prompts: list[str], use_negative: bool) -> dict[str, torch.Tensor]:
+    """Batch-first conditioning ``adapter._encode(prompts)`` (a dict of named tensors, or the
+    ``(prompt_embeds, pooled_prompt_embeds)`` pair); with ``use_negative`` also ``negative_<name>``
+    for each: the adapter's ``negative_prompt``, encoded once (cached in ``adapter._negative``) and
+    repeated per row. No gradients: the text encoders are frozen."""
+    prompts = list(prompts)
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str):
+            raise TypeError(f"prompt {i} is {type(p).__name__}, expected str")
+
+    def named(out) -> dict[str, torch.Tensor]:
+        return out if isinstance(out, dict) else {"prompt_embeds": out[0], "pooled_prompt_embeds": out[1]}
+
+    with torch.no_grad():
+        cond = named(adapter._encode(prompts))
+        if use_negative:
+            if adapter._negative is None:
+                kw = {"negative": True} if "negative" in inspect.signature(adapter._encode).parameters else {}
+                neg = named(adapter._encode([adapter.negative_prompt], **kw))
+                adapter._negative = {f"negative_{k}": v for k, v in neg.items()}  # [1, ...] each
+            b = len(prompts)
+            cond.update({k: v.repeat(b, *([1] * (v.ndim - 1))) for k, v in adapter._negative.items()})
+    return cond
+
+
+def diffusers_attr(name: str):
+    """``diffusers.<name>``, or ``diffusers.loaders.<name>`` (the LoRA loader mixins live there)."""
+    import diffusers
+
+    obj = getattr(diffusers, name, None)
+    if obj is None:
+        from diffusers import loaders
+
+        obj = getattr(loaders, name)
+    return obj
+
+
+class DiffusersPolicy:
+    """Base ``FlowPolicy`` over a diffusers pipeline; see the module doc for what a subclass declares."""
+
+    kind: ClassVar[str] = ""
+    pipeline_class: ClassVar[str] = ""
+    transformer_class: ClassVar[str] = ""
+    lora_target_modules: ClassVar[Sequence[str]] = ()
+    text_encoder_names: ClassVar[tuple[str, ...]] = ("text_encoder",)
+    tiny_kinds: ClassVar[tuple[str, ...]] = ()
+    example_hub_id: ClassVar[str] = ""  # named in the missing-path error
+
+    # --- declarations with defaults ---------------------------------------------------------
+    @classmethod
+    def lora_writer(cls):
+        """The diffusers class whose ``save_lora_weights`` writes the exported LoRA (the pipeline)."""
+        return diffusers_attr(cls.pipeline_class)
+
+    @classmethod
+    def lora_load_hint(cls) -> str:
+        """How a user loads the export (``BASE`` / ``OUT`` are filled in by ``flowrl export``)."""
+        return f"{cls.pipeline_class}.from_pretrained(BASE).load_lora_weights(OUT)"
+
+    @classmethod
+    def tiny_components(cls, kind: str, image_size: int = IMAGE_SIZE, seed: int = 0) -> dict:
+        """Keyword arguments of ``pipeline_class`` for a tiny random-weight model of ``kind``."""
+        raise NotImplementedError(f"{cls.__name__} declares no tiny components")
+
+    @classmethod
+    def tiny_multiple(cls) -> int:
+        """Tiny image sizes must be multiples of this many pixels."""
+        return 16
+
+    # --- construction ------------------------------------------------------------------------
+    def _setup(self, pipe, device: Union[str, torch.device]) -> None:
+        """Move ``pipe`` to ``device``, keep its transformer trainable and freeze the VAE and text encoders."""
+        self.device = torch.device(device)
+        self.pipe = pipe.to(self.device)
+        self.transformer = pipe.transformer
+        self.vae = pipe.vae.requires_grad_(False).eval()
+        for name in self.text_encoder_names:
+            te = getattr(pipe, name, None)
+            if te is not None:
+                te.requires_grad_(False).eval()
+        self.pipe.set_progress_bar_config(disable=True)
+        self.vae_scale_factor = int(pipe.vae_scale_factor)
+        self.lora_target_modules = list(type(self).lora_target_modules)
+        self._negative: Optional[dict[str, torch.Tensor]] = None  # cached [1, ...] negative conditioning
+
+    @classmethod
+    def from_pretrained(cls, path_or_id: Union[str, os.PathLike], *, dtype: DTypeArg = torch.float32,
+                        resolution: Resolution = None, gradient_checkpointing: bool = False, **kwargs):
+        """Load with ``<pipeline_class>.from_pretrained(path_or_id, dtype=dtype, **pipeline_kwargs)``.
+
+        ``kwargs`` naming an ``__init__`` argument of the adapter go to the adapter, the rest to
+        diffusers. ``dtype`` may be a name (``"bfloat16"``) or a per-component dict (``{"default":
+        "bfloat16", "vae": "float32"}``), as YAML recipes give it. ``gradient_checkpointing``
+        recomputes the transformer's block activations in the backward pass (less memory, ~30%
+        slower updates). A local directory may hold a ``flowrl.json`` (written by ``flowrl
+        make-tiny``) whose ``resolution`` is the default when ``resolution`` is None.
+        """
+        if path_or_id is None or str(path_or_id) == "":
+            raise ValueError(f"pass a model directory or hub id (`flowrl make-tiny {cls.kind} DIR` writes a "
+                             f"tiny offline one)")
+        check_model_path(str(path_or_id), cls.kind, cls.example_hub_id or None)
+        if resolution is None:
+            resolution = read_flowrl_json(path_or_id).get("resolution")
+        own = set(inspect.signature(cls.__init__).parameters) - {"self", "pipe"}
+        policy_kw = {k: v for k, v in kwargs.items() if k in own}
+        pipeline_kw = {k: v for k, v in kwargs.items() if k not in own}
+        pipe = diffusers_attr(cls.pipeline_class).from_pretrained(str(path_or_id), dtype=resolve_dtype(dtype),
+                                                                  **pipeline_kw)
+        if gradient_checkpointing:
+            pipe.transformer.enable_gradient_checkpointing()
+        return cls(pipe, resolution=resolution, **policy_kw)
+
+    def save_pretrained(self, path: Union[str, os.PathLike]) -> None:
+        """Save the whole pipeline (with the current ``self.transformer``) as a diffusers directory."""
+        self.pipe.transformer = self.transformer
+        self.pipe.save_pretrained(str(path))
+        (Path(path) / FLOWRL_JSON).write_text(json.dumps({"kind": self.kind, "resolution": [self.height, self.width]}))
+
+    @classmethod
+    def make_tiny(cls, kind: str, out_dir: Union[str, os.PathLike], *, image_size: int = IMAGE_SIZE, seed: int = 0,
+                  overwrite: bool = False) -> Path:
+        """Write a tiny random-weight pipeline of ``kind`` (one of ``tiny_kinds``) to ``out_dir`` with
+        ``save_pretrained``, offline and deterministic in ``seed``; ``image_size`` (pixels) is
+        recorded in ``flowrl.json`` as the adapter's default resolution."""
+        if kind not in cls.tiny_kinds:
+            raise ValueError(f"{cls.__name__} builds tiny kinds {', '.join(cls.tiny_kinds)}, not {kind!r}")
+        m = cls.tiny_multiple()
+        if image_size % m or image_size < m:
+            raise ValueError(f"image_size must be a positive multiple of {m} for {kind}, got {image_size}")
+        pipe = diffusers_attr(cls.pipeline_class)(**cls.tiny_components(kind, image_size, seed))
+
+        def write(tmp: Path) -> None:
+            pipe.save_pretrained(tmp)
+            (tmp / FLOWRL_JSON).write_text(json.dumps({"kind": kind, "resolution": image_size, "tiny": True},
+                                                      indent=2))
+
+        return write_atomically(out_dir, write, overwrite=overwrite)
+
+    # --- FlowPolicy (shared parts) -----------------------------------------------------------
+    @property
+    def uses_negative(self) -> bool:
+        """Whether ``encode_prompts`` adds the negative prompt's conditioning (real CFG is on)."""
+        return getattr(self, "guidance_scale", 1.0) > 1.0
+
+    def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """Batch-first conditioning from ``_encode``; with CFG also the cached ``negative_*`` tensors."""
+        return encode_with_negative(self, prompts, use_negative=self.uses_negative)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents ``[B, C, h, w]`` -> float32 images ``[B, 3, f h, f w]`` in [0, 1] (f = VAE factor):
+        ``latents / scaling_factor + shift_factor``, VAE decode, ``x / 2 + 0.5`` clamped."""
+        return vae_decode(self.vae, latents, self.device)  # [B, 3, H, W]
+
+    def initial_noise(self, seeds: list[int]) -> torch.Tensor:
+        """Standard-normal float32 ``[B, C, h, w]``, row i depending only on ``seeds[i]``."""
+        return seeded_randn(list(seeds), self.latent_shape, stream=0, device=self.device)  # [B, C, h, w]

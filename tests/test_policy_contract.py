@@ -1,0 +1,146 @@
+"""One contract battery for every registered policy (``flowrl.pipelines.REGISTRY``), like diffusers'
+``PipelineTesterMixin``: each adapter's tiny offline model (its declared ``tiny_kinds`` /
+``make_tiny``) goes through the same checks. A new model registered in ``pipelines/__init__.py``
+is covered without touching this file.
+"""
+import inspect
+
+import pytest
+import torch
+
+from flowrl.export import LORA_WEIGHT_NAME, write_lora
+from flowrl.pipelines import available, build_policy, policy_class
+from flowrl.pipelines.base import diffusers_attr
+from flowrl.trainers.weights import add_lora, trainable_state
+from flowrl.types import FlowPolicy
+from test_export import PROMPTS, _velocity
+
+NAMES = available()
+RANK, ALPHA = 2, 8  # scaling 4: lost if the export dropped alpha
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
+
+
+def _accepts(cls, arg: str) -> bool:
+    sig = inspect.signature(cls.__init__).parameters
+    return arg in sig
+
+
+def _options(cls, **extra) -> dict:
+    """Loader options that keep the tiny models fast (short text sequences where the model has them)."""
+    opts = {"max_sequence_length": 8} if _accepts(cls, "max_sequence_length") else {}
+    return {**opts, **extra}
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("contract")
+    out = {}
+    for name in NAMES:
+        cls = policy_class(name)
+        kind = cls.tiny_kinds[0]
+        size = {"image_size": 32} if _accepts(cls, "resolution") else {}
+        out[name] = cls.make_tiny(kind, root / kind, **size)
+    return out
+
+
+def load(tiny_dirs, name, **kw):
+    return build_policy(name, str(tiny_dirs[name]), **_options(policy_class(name), **kw))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_declarations(name):
+    cls = policy_class(name)
+    assert cls is not None and cls.kind == name
+    assert cls.tiny_kinds and cls.lora_target_modules
+    assert isinstance(diffusers_attr(cls.transformer_class), type)
+    assert hasattr(cls.lora_writer(), "save_lora_weights")
+    assert "OUT" in cls.lora_load_hint() and "BASE" in cls.lora_load_hint()
+    if cls.pipeline_class:  # the declared pipeline is the one that loads the export
+        assert hasattr(diffusers_attr(cls.pipeline_class), "load_lora_weights")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_save_load_round_trip(tiny_dirs, name, tmp_path):
+    cls = policy_class(name)
+    res = {"resolution": (32, 48)} if _accepts(cls, "resolution") else {}
+    policy = load(tiny_dirs, name, **res)
+    assert isinstance(policy, FlowPolicy)
+    policy.save_pretrained(tmp_path / "saved")
+    back = build_policy(name, str(tmp_path / "saved"), **_options(cls))
+    if res:  # the resolution travels with the saved model (flowrl.json)
+        assert (back.height, back.width) == (32, 48) and back.latent_shape == policy.latent_shape
+    x, s = policy.initial_noise([0]), torch.tensor([0.5])
+    cond = policy.encode_prompts(PROMPTS[:1])
+    with torch.no_grad():
+        torch.testing.assert_close(back.velocity(x, s, cond), policy.velocity(x, s, cond))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_encode_velocity_noise_sigmas_decode(tiny_dirs, name):
+    policy = load(tiny_dirs, name)
+    cond = policy.encode_prompts(PROMPTS + ["a third prompt"])
+    assert cond and all(v.shape[0] == 3 for v in cond.values())  # batch-first
+    one = policy.encode_prompts(PROMPTS[:1])
+    assert one.keys() == cond.keys() and all(one[k].shape[1:] == cond[k].shape[1:] for k in cond)
+    # initial noise: per-seed deterministic, independent of the batch
+    x = policy.initial_noise([1, 2, 3])  # [3, C, h, w]
+    assert x.dtype == torch.float32 and x.shape[1:] == tuple(policy.latent_shape)
+    assert torch.equal(x, policy.initial_noise([1, 2, 3])) and torch.equal(x[1:2], policy.initial_noise([2]))
+    assert not torch.equal(x[0], x[1])
+    with torch.no_grad():
+        v = policy.velocity(x, torch.tensor([0.9, 0.5, 0.1]), cond)
+        v_scalar = policy.velocity(x, 0.5, cond)
+    assert v.dtype == torch.float32 and v.shape == x.shape and torch.isfinite(v).all()
+    assert v_scalar.shape == x.shape
+    sig = policy.sigmas(4)
+    assert sig.shape == (5,) and sig.dtype == torch.float32
+    assert abs(float(sig[0]) - 1.0) < 1e-6 and float(sig[-1]) == 0.0 and (sig[1:] <= sig[:-1]).all()
+    img = policy.decode(x[:2])
+    assert img.dtype == torch.float32 and img.ndim == 4 and img.shape[:2] == (2, 3)
+    assert 0.0 <= img.min() <= img.max() <= 1.0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_lora_targets_exist_and_train(tiny_dirs, name):
+    policy = load(tiny_dirs, name)
+    modules = [n for n, _ in policy.transformer.named_modules()]
+    missing = [t for t in policy.lora_target_modules if not any(n == t or n.endswith("." + t) for n in modules)]
+    assert not missing, f"{name}: LoRA targets matching no module: {missing}"
+    add_lora(policy.transformer, RANK, ALPHA, policy.lora_target_modules)
+    v = policy.velocity(policy.initial_noise([0]), torch.tensor([0.5]), policy.encode_prompts(PROMPTS[:1]))
+    v.square().mean().backward()
+    grads = [p.grad for n, p in policy.transformer.named_parameters() if "lora" in n]
+    assert grads and all(g is not None for g in grads)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_export_loads_with_the_declared_diffusers_class(tiny_dirs, name, tmp_path):
+    """The export writer the adapter declares writes a file its diffusers pipeline loads with
+    ``load_lora_weights`` (``load_lora_adapter`` on the transformer for pipeline-less models), and
+    the loaded model's velocity equals the policy's with the LoRA."""
+    cls, base = policy_class(name), str(tiny_dirs[name])
+    policy = load(tiny_dirs, name)
+    base_transformer = policy.transformer
+    trained = load(tiny_dirs, name).transformer
+    add_lora(trained, RANK, ALPHA, policy.lora_target_modules)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in trained.named_parameters():
+            if ".lora_B." in n:  # B starts at 0: make the LoRA move the model
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    info = write_lora(name, trainable_state(trained), tmp_path, base, RANK, ALPHA)
+    assert info["scaling"] == ALPHA / RANK and (tmp_path / LORA_WEIGHT_NAME).is_file()
+    if cls.pipeline_class:
+        pipe = diffusers_attr(cls.pipeline_class).from_pretrained(base)
+        pipe.load_lora_weights(tmp_path)
+        loaded = pipe.transformer
+    else:
+        loaded = diffusers_attr(cls.transformer_class).from_pretrained(base, subfolder="transformer")
+        loaded.load_lora_adapter(tmp_path, weight_name=LORA_WEIGHT_NAME)
+    v_trained = _velocity(policy, trained.eval())
+    v_loaded = _velocity(policy, loaded.eval())
+    v_base = _velocity(policy, base_transformer)
+    torch.testing.assert_close(v_loaded, v_trained, rtol=1e-5, atol=1e-6)
+    assert (v_trained - v_base).abs().max() > 1e-4  # the LoRA really moved the model
