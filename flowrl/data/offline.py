@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..trainers.checkpoint import fsync_dir
+from ..seeding import stream_seed
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -437,7 +438,7 @@ class OfflineDataset:
         """``[N]`` group ids in the reproducible shuffled order of ``epoch`` (depends only on
         (seed, epoch) and the ids present)."""
         ids = self.group_ids()
-        g = torch.Generator().manual_seed(int(np.random.SeedSequence([int(seed), int(epoch), 17]).generate_state(1)[0]))
+        g = torch.Generator().manual_seed(stream_seed("offline.order", seed, epoch))
         return ids[torch.randperm(len(ids), generator=g)]
 
     # --- reading
