@@ -10,6 +10,9 @@ Why this order: the bottom layers are pure helpers and math that any part may us
 (models, rewards, data) implement the seams; samplers drive components; builders and updates
 assemble them from a config; the offline dataset generator samples with the rollout code; the
 trainers run everything; the application layer is the command line and the benchmarks.
+Two trainer modules sit lower than their package: ``trainers.config_base`` (ConfigError, no flowrl
+imports) in utils, and ``trainers.weights`` (LoRA, EMA, the frozen reference) in components, so
+the updates can use them.
 """
 from __future__ import annotations
 
@@ -19,10 +22,12 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("utils", ("flowrl.utils", "flowrl.faults", "flowrl.registry", "flowrl.seeding", "flowrl.layers")),
+    ("utils", ("flowrl.utils", "flowrl.faults", "flowrl.registry", "flowrl.seeding", "flowrl.layers",
+               "flowrl.trainers.config_base")),
     ("math", ("flowrl.schedules", "flowrl.sde", "flowrl.noise", "flowrl.ode_solvers", "flowrl.types",
-              "flowrl.diagnostics", "flowrl.losses", "flowrl.advantages")),
-    ("components", ("flowrl.pipelines", "flowrl.rewards", "flowrl.data", "flowrl.quant", "flowrl.recipes")),
+              "flowrl.diagnostics", "flowrl.losses", "flowrl.advantages", "flowrl.structures")),
+    ("components", ("flowrl.pipelines", "flowrl.rewards", "flowrl.data", "flowrl.quant", "flowrl.recipes",
+                    "flowrl.trainers.weights")),
     ("rollout", ("flowrl.rollout",)),
     ("builders", ("flowrl.builders", "flowrl.updates")),
     ("data.offline", ("flowrl.data.offline",)),

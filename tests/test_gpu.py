@@ -57,20 +57,21 @@ def _x0(policy, module, idx, steps=3):
 def test_bf16_training_iteration_first_ratio_is_one(tmp_path, monkeypatch, kind):
     """One bf16 iteration of the tiny recipe on CUDA: the update rescores the rollout's own transitions
     before any optimizer step, so the first minibatch's ratio exp(logp - logp_old) is 1."""
+    import flowrl.updates.grpo as grpo  # the GRPO update calls the loss and the KL
     import flowrl.trainers.online as online
     from flowrl.pipelines.tiny import make_tiny
     from flowrl.trainers.config import load_config
     from test_sd3_flux_training import IMAGE, ROOT, tiny_overrides
 
     ratios = []
-    real = online.grpo_clipped_loss
+    real = grpo.grpo_clipped_loss
 
     def spy(*args, **kwargs):
         loss, stats = real(*args, **kwargs)
         ratios.append(float(stats["ratio_mean"]))
         return loss, stats
 
-    monkeypatch.setattr(online, "grpo_clipped_loss", spy)
+    monkeypatch.setattr(grpo, "grpo_clipped_loss", spy)
     path = make_tiny(kind, tmp_path / kind, image_size=IMAGE)
     cfg = load_config(ROOT / "recipes" / f"{kind}_group_pickscore.yaml",
                       tiny_overrides(path, "group", **{"model.device": "cuda", "model.options.dtype": "bfloat16",

@@ -244,7 +244,8 @@ def test_update_reads_device_values_once_per_optimizer_step(tiny_digits_policy, 
     pol = tiny_digits_policy
     tr = _digits_trainer(pol, tmp_path, minibatch=4, grad_accum=2)  # the digits recipe: KL on
     ro = GroupSampler(group_size=4, num_steps=2)(pol, P, _mean_pixel, seed=3)  # 16 transitions: 4 minibatches
-    per_minibatch, mbl = [], tr._minibatch_loss
+    upd = tr.update_object("grpo")
+    per_minibatch, mbl = [], upd.minibatch_loss
 
     def counted(*a, **k):
         with host_counters() as c:
@@ -252,8 +253,8 @@ def test_update_reads_device_values_once_per_optimizer_step(tiny_digits_policy, 
         per_minibatch.append(c["reads_flowrl"])
         return out
 
-    tr._minibatch_loss = counted
-    stats, _ = tr._grpo_update(ro, 0)
+    upd.minibatch_loss = counted
+    stats, _ = upd(ro, 0)
     assert per_minibatch == [0] * 4  # before: 5 each (.item() of 3 loss stats, the loss, the KL)
     assert tr.opt_steps + tr.skipped == 2 and not any(isinstance(v, torch.Tensor) for v in stats.values())
     sums, mbs = {}, list(torch.arange(len(ro.transitions)).split(4))
@@ -331,7 +332,7 @@ def test_cuda_rollout_and_update_sync_per_step_not_per_row(tmp_path):
     assert ro.transitions.latents.is_cuda and ro.x0.is_cuda
     tr = bench_trainer(pol, o, tmp_path)
     with host_counters(pol.transformer) as c:
-        tr._grpo_update(ro, 0)
+        tr.update_object("grpo")(ro, 0)
     assert c["cuda_syncs"] <= (tr.opt_steps + tr.skipped) + 8  # per optimizer step, not per minibatch
 
 

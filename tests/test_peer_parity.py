@@ -157,13 +157,14 @@ def test_cfg_training_gradient_detaches_the_unconditional_half(tmp_path):
 def test_trainer_passes_kl_form_dt_and_cfg_setting(tiny_digits_dir, tmp_path, monkeypatch):
     from conftest import tiny_train_overrides
 
+    import flowrl.updates.grpo as grpo  # the GRPO update calls the loss and the KL
     import flowrl.trainers.online as online
     from flowrl.pipelines import common
     from flowrl.trainers.config import load_config
 
     seen, uncond = [], []
-    real_kl = online.kl_to_reference
-    monkeypatch.setattr(online, "kl_to_reference",
+    real_kl = grpo.kl_to_reference
+    monkeypatch.setattr(grpo, "kl_to_reference",
                         lambda *a, **k: seen.append((k["form"], k["dt"])) or real_kl(*a, **k))
     real_cfg = common.cfg_combine
 

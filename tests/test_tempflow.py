@@ -1,5 +1,4 @@
 """TempFlow-GRPO (docs/algorithms.md §5): sampler, noise-aware weights, per-step advantages."""
-import math
 
 import pytest
 import torch

@@ -86,7 +86,7 @@ def test_nan_reward_does_not_touch_weights(tiny_digits_dir, tmp_path, monkeypatc
 
 
 def test_nonfinite_loss_skips_then_stops(tiny_digits_dir, tmp_path, monkeypatch):
-    import flowrl.trainers.online as online
+    import flowrl.updates.grpo as online  # the GRPO update's module holds the loss it calls
 
     real = online.grpo_clipped_loss
 

@@ -253,7 +253,6 @@ def bench_trainer(policy, o: HostOptions, workdir: Path, overrides: tuple[str, .
     trainer._make_accelerator()
     trainer.policy = policy
     trainer._prepare_model(need_reference=cfg.train.beta_kl > 0)
-    trainer.old_policy = None  # DiffusionNFT's, made on its first update
     return trainer
 
 
@@ -311,16 +310,17 @@ def _timed_update(trainer, rollout, o: HostOptions) -> dict:
 
     dev, n = torch.device(o.device), collections.Counter()
     steps0 = trainer.opt_steps + trainer.skipped
-    with counted_calls(trainer.policy, "encode_prompts", n), counted_calls(trainer, "_minibatch_loss", n), \
+    upd = trainer.update_object("grpo")
+    with counted_calls(trainer.policy, "encode_prompts", n), counted_calls(upd, "minibatch_loss", n), \
             host_counters(trainer.policy.transformer) as c:
         _sync(dev)
         t0 = time.perf_counter()
         with cfg_uncond_gradient(trainer.cfg.train.cfg_uncond_grad):
-            stats, _ = trainer._grpo_update(rollout, 0)
+            stats, _ = upd(rollout, 0)
         _sync(dev)
         wall = time.perf_counter() - t0
-    m = max(1, n["_minibatch_loss"])
-    out = {"wall_seconds": wall, "minibatches": n["_minibatch_loss"], "encode_prompts_calls": n["encode_prompts"],
+    m = max(1, n["minibatch_loss"])
+    out = {"wall_seconds": wall, "minibatches": n["minibatch_loss"], "encode_prompts_calls": n["encode_prompts"],
            "optimizer_steps": trainer.opt_steps + trainer.skipped - steps0, "loss": stats.get("loss")}
     out.update({f"{k}_per_minibatch": v / m for k, v in c.items()})
     return out

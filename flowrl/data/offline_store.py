@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-import numpy as np
 import torch
 from safetensors import safe_open
+
+from ..seeding import stream_seed
 
 FORMAT = "flowrl-offline-groups"
 VERSION = 1
@@ -118,7 +119,7 @@ class OfflineDataset:
         """``[N]`` group ids in the reproducible shuffled order of ``epoch`` (depends only on
         (seed, epoch) and the ids present)."""
         ids = self.group_ids()
-        g = torch.Generator().manual_seed(int(np.random.SeedSequence([int(seed), int(epoch), 17]).generate_state(1)[0]))
+        g = torch.Generator().manual_seed(stream_seed("offline.order", seed, epoch))
         return ids[torch.randperm(len(ids), generator=g)]
 
     # --- reading

@@ -35,7 +35,7 @@ import torch
 from ..quant import check_available, get_quantizer, parse_backend_spec
 from ..quant.fidelity import ranking_fidelity
 from ..quant.sync import QuantizedCopy, swapped_transformer
-from ..seeding import derive_seeds
+from ..seeding import derive_seeds, stream_seed
 from ..structures import SolStructure
 from ..types import FlowPolicy, RewardFn
 from .base import Rollout, score_images
@@ -261,7 +261,7 @@ class SolSampler:
         r_explore, t_explore_reward = self._explore(policy, pool_prompts, pool, reward, counter)  # [P * n]
         t_explore = time.perf_counter() - t1 - t_explore_reward
 
-        sel_gen = torch.Generator().manual_seed(derive_seeds(seed * 7919 + 17, 1)[0])
+        sel_gen = torch.Generator().manual_seed(stream_seed("sol.selection", seed))
         chosen = torch.cat([select_indices(r_explore[i * n:(i + 1) * n], self.keep, self.select, sel_gen) + i * n
                             for i in range(p)])  # [P * keep], pool rows, prompt-major
         regen_seeds = [pool[j] for j in chosen.tolist()]

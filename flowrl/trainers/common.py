@@ -30,7 +30,7 @@ def flat_config(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict) and k not in ("options", "weights", "heldout", "advantage_options"):
+        if isinstance(v, dict) and k not in ("options", "weights", "heldout", "advantage_options", "loss_options"):
             out.update(flat_config(v, key + "."))
         else:
             out[key] = v
@@ -173,13 +173,6 @@ class TrainerBase:
         return ck
 
     # ---------------------------------------------------------------- optimizer
-    def _all_finite(self, x: torch.Tensor) -> bool:
-        """True when ``x`` is finite on every process (all ranks take the same decision)."""
-        ok = torch.tensor([1.0 if torch.isfinite(x).all() else 0.0], device=self.acc.device)
-        if self.acc.num_processes > 1:
-            ok = self.acc.reduce(ok, reduction="sum") / self.acc.num_processes
-        return bool(ok.item() == 1.0)
-
     def _finite_everywhere(self, ok: torch.Tensor) -> torch.Tensor:
         """0-dim bool tensor: ``ok`` holds on every process (a device-side reduction, no host read)."""
         ok = ok.to(self.acc.device, torch.float32).reshape(1)
@@ -188,13 +181,14 @@ class TrainerBase:
         return ok[0] == 1.0
 
     def _accumulate(self, passes: list, loss_of: Callable[[Any], tuple[torch.Tensor, dict]], sums: dict,
-                    after_step: Optional[Callable[[], None]] = None) -> int:
+                    after_step: Optional[Callable[[], None]] = None, counts: Optional[dict] = None) -> int:
         """Forward/backward over ``passes`` in groups of ``train.grad_accum``, one optimizer step per
         group (DDP syncs gradients on a group's last pass only). ``loss_of(pass) -> (loss, stats)``
         (stats: floats or 0-dim tensors); each pass's loss is divided by its group's size. A group with
         a non-finite loss skips its optimizer step (its gradients are dropped unused). Adds the stats
         of finite passes, ``loss`` and ``grad_norm`` (weighted by group size) into ``sums``;
-        ``after_step()`` runs after every step. Returns passes counted.
+        ``after_step()`` runs after every step. Returns passes counted. With ``counts``, each key's
+        number of contributions is added there too (``grad_norm``: the group size), for per-key means.
 
         Host syncs: the finite checks stay on the device until one read per optimizer step (the
         step-or-skip decision); tensor stats are read once, at the end (:func:`flush_stats`).
@@ -216,7 +210,12 @@ class TrainerBase:
                 if ok:
                     kept.extend(st.items())
                     count += 1
+                    if counts is not None:
+                        for k in st:
+                            counts[k] = counts.get(k, 0) + 1
             kept.append(("grad_norm", norm * len(group)))
+            if counts is not None:
+                counts["grad_norm"] = counts.get("grad_norm", 0) + len(group)
             if after_step is not None:
                 after_step()
         flush_stats(kept, sums)
@@ -234,13 +233,6 @@ class TrainerBase:
         self._take_step(read[-1] == 1.0, scaler_update_only=True)
         norm = torch.where(losses_ok, norm, torch.full_like(norm, float("nan")))
         return [v == 1.0 for v in read[:-1]], norm
-
-    def _optimizer_step(self, finite: bool) -> dict:
-        """Clip, step (or skip a non-finite step, stopping after ``train.max_consecutive_skips``), zero."""
-        norm = self.acc.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm) if finite else torch.tensor(float("nan"))
-        norm = torch.as_tensor(norm, dtype=torch.float32)
-        self._take_step(finite and self._all_finite(norm), scaler_update_only=False, unscaled=finite)
-        return {"grad_norm": float(norm)}
 
     def _take_step(self, ok: bool, scaler_update_only: bool, unscaled: bool = True) -> None:
         """Step (``ok``) or count a skipped step, stopping after ``train.max_consecutive_skips`` in a

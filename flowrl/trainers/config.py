@@ -16,6 +16,7 @@ import yaml
 from ..registry import SAMPLERS
 from .config_base import SECTION_NAMES, ConfigError, _h
 from .config_text import _fix_floats, apply_overrides, parse_override, recipes_dir, resolve_recipe, shipped_recipes
+from ..updates import UPDATES, online_losses
 from .offline_config import OfflineConfig
 
 # ConfigError, the override parser and the recipe lookup live in config_base / config_text (re-exported here)
@@ -24,8 +25,8 @@ __all__ = ["Config", "ConfigError", "ModelConfig", "SamplerConfig", "RewardConfi
            "apply_overrides", "recipes_dir", "shipped_recipes", "resolve_recipe", "samples_per_prompt"]
 
 
-# train.loss values (flowrl.trainers.online.UPDATES maps each to its update)
-LOSSES = ("grpo", "nft", "dpo", "gdro")
+# train.loss values: the online updates registered in flowrl.updates.UPDATES
+LOSSES = online_losses()
 
 
 @dataclass
@@ -163,10 +164,14 @@ class TrainConfig:
     loss: str = _h("'grpo' (clipped ratio on stored transitions), 'nft' (DiffusionNFT on finished samples; any "
                    "sampler, ODE included), 'dpo' (online Diffusion-DPO: each group's best vs worst sample) or "
                    "'gdro' (online GDRO: Plackett-Luce over each group's ranking)", "grpo")
-    nft_beta: float = _h("DiffusionNFT beta: strength of the implicit positive/negative policies", 1.0)
-    pref_beta: float = _h("dpo / gdro: beta of the implicit reward -beta (err - err_ref), per-image mean "
-                          "squared velocity errors (GDRO: 12 for OCR, 6 for GenEval)", 12.0)
-    pref_tau: float = _h("gdro: temperature of the Plackett-Luce target over rewards (0 = hard ranking)", 0.05)
+    loss_options: dict = _h("options of the train.loss update (its Options dataclass in flowrl/updates/), "
+                            "e.g. {beta: 2.0} for nft; see docs/algorithms.md", factory=dict)
+    nft_beta: float = _h("alias of loss_options.beta for train.loss=nft (DiffusionNFT beta: strength of the "
+                         "implicit positive/negative policies)", 1.0)
+    pref_beta: float = _h("alias of loss_options.beta for dpo / gdro: beta of the implicit reward -beta (err - "
+                          "err_ref), per-image mean squared velocity errors (GDRO: 12 for OCR, 6 for GenEval)", 12.0)
+    pref_tau: float = _h("alias of loss_options.tau for gdro: temperature of the Plackett-Luce target over rewards "
+                         "(0 = hard ranking)", 0.05)
     mode: str = _h("'online' (rollouts + GRPO family, section sampler) or 'offline' (GDRO on a dataset from "
                    "`flowrl generate-offline`, section offline)", "online")
 
@@ -197,13 +202,21 @@ class TrainConfig:
         if self.mode not in ("online", "offline"):
             raise ConfigError(f"train.mode must be 'online' or 'offline', got {self.mode!r}")
         if self.loss not in LOSSES:
-            raise ConfigError(f"train.loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+            close = difflib.get_close_matches(str(self.loss), LOSSES, n=1)
+            raise ConfigError(f"train.loss must be one of {', '.join(LOSSES)}, got {self.loss!r}."
+                              + (f" Did you mean {close[0]!r}?" if close else ""))
         if not self.pref_beta > 0 or not self.pref_tau >= 0:
             raise ConfigError(f"train.pref_beta must be > 0 and train.pref_tau >= 0, got {self.pref_beta}, {self.pref_tau}")
         if not self.nft_beta > 0:
             raise ConfigError(f"train.nft_beta must be > 0, got {self.nft_beta}")
         if self.warmup_iterations < 0:
             raise ConfigError(f"train.warmup_iterations must be >= 0, got {self.warmup_iterations}")
+        from ..updates.base import build_options
+
+        try:  # the update's options (alias keys + loss_options), checked before any model loads
+            build_options(UPDATES.get(self.loss), self)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e)) from None
 
 
 @dataclass

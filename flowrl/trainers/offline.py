@@ -21,17 +21,17 @@ import os
 import time
 from typing import Optional
 
-import numpy as np
 import torch
 
 from ..data.embeddings import attach_text_cache
 from ..data.offline import DatasetError, GenerationSettings, OfflineDataset, add_reward_column, generate_dataset
 from ..pipelines.common import cfg_uncond_gradient
-from ..losses.gdro import gdro_loss, group_velocity_errors, implicit_rewards, ranking_stats, usable_groups
 from ..rollout.base import score_images
 from .config import Config, ConfigError
 from .common import TrainerBase
 from ..builders import build_policy_from_config, build_reward, evaluate_policy
+from ..updates.base import UpdateContext
+from ..updates.offline_gdro import OfflineGDROUpdate, ranking_rewards, sample_t  # noqa: F401 (public here too)
 from .reporting import save_grid
 from ..utils.io import write_json
 
@@ -137,30 +137,7 @@ def rescore_offline(dataset: str, reward_name: str, options: Optional[dict] = No
     return out
 
 
-# ---------------------------------------------------------------- rewards -> ranking values
-def ranking_rewards(rewards: dict[str, torch.Tensor], weights: dict[str, float], aggregate: str) -> torch.Tensor:
-    """The value groups are ranked by, ``[G, k]`` float32: the weighted sum of the reward columns
-    (``aggregate='sum'``), or of each column standardised within its group first
-    (``'per_reward'``, MixGRPO ``advantage_aggr``). NaN where any weighted column is NaN."""
-    total = None
-    for name, w in weights.items():
-        if w == 0:
-            continue
-        r = rewards[name].float()  # [G, k]
-        if aggregate == "per_reward":
-            r = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)
-        total = w * r if total is None else total + w * r
-    return total if total is not None else torch.zeros_like(next(iter(rewards.values())))
-
-
-def sample_t(generator: torch.Generator, n: int, cfg) -> torch.Tensor:
-    """``[n]`` noise levels t in [t_min, t_max] by ``offline.t_sampling`` (float32)."""
-    if cfg.t_sampling == "uniform":
-        return cfg.t_min + (cfg.t_max - cfg.t_min) * torch.rand(n, generator=generator)
-    t = torch.sigmoid(cfg.t_mean + cfg.t_std * torch.randn(n, generator=generator))  # SD3 logit-normal
-    return t.clamp(cfg.t_min, cfg.t_max)
-
-
+# ---------------------------------------------------------------- evaluation: the corrected score
 def corrected_score(r: torch.Tensor, quality: torch.Tensor, judge_range: list) -> torch.Tensor:
     """GDRO's reward-hacking-corrected score (arXiv 2601.02036, docs/algorithms.md §8): ``r * (u - 3) + 0.2``
     with ``u = lo + q * (hi - lo)`` the second judge's quality ``q`` in [0, 1] mapped to
@@ -263,72 +240,31 @@ class OfflineTrainer(TrainerBase):
         chunk = chunk.view(ga, self.acc.num_processes, bg)[:, self.acc.process_index]  # [ga, bg]
         return list(chunk)
 
-    def _noise(self, step: int, micro: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Shared ``(t [g], eps [g, C, H, W])`` per group, from (seed, step, pass, rank) only."""
-        s = np.random.SeedSequence([int(self.cfg.train.seed), int(step), int(micro), int(self.acc.process_index), 5])
-        gen = torch.Generator().manual_seed(int(s.generate_state(1)[0]))
-        t = sample_t(gen, g, self.cfg.offline)  # [g]
-        eps = torch.randn((g, *self.ds.latent_shape), generator=gen)  # [g, C, H, W]
-        return t, eps
-
-    def microbatch_loss(self, groups: torch.Tensor, step: int, micro: int) -> tuple[torch.Tensor, dict]:
-        """GDRO loss of one pass over ``groups`` [G] ids -> (loss scalar, stats)."""
-        o = self.cfg.offline
-        dev = self.acc.device
-        batch = self.ds.read(groups, rewards=list(self.cfg.reward.weights))
-        r = ranking_rewards(batch.rewards, self.cfg.reward.weights, self.cfg.reward.aggregate)  # [G, k]
-        finite, ranked = usable_groups(r)  # [G]
-        t, eps = self._noise(step, micro, len(groups))
-        with torch.no_grad():
-            cond = self.policy.encode_prompts(batch.prompts)  # G rows
-        with cfg_uncond_gradient(self.cfg.train.cfg_uncond_grad):
-            err, err_ref = group_velocity_errors(self.policy, lambda: self.ref.active(self.policy), batch.x0.to(dev),
-                                                 cond, t.to(dev), eps.to(dev), autocast=self.acc.autocast)  # [G, k]
-        s = implicit_rewards(err, err_ref, o.beta)  # [G, k]
-        stats = {"ranked_fraction": float(ranked.float().mean()), "nonfinite_groups": int((~finite).sum())}
-        if not ranked.any():
-            return err.sum() * 0.0, stats  # keeps the graph (DDP: every rank runs backward)
-        m = ranked.to(dev)
-        rr = r.to(dev)[m]  # [G', k]
-        pl = gdro_loss(s[m], rr, o.tau)
-        top = rr.argmax(dim=1)  # [G']
-        reg = err[m].gather(1, top.view(-1, 1)).mean()  # flow-matching loss on each group's top image
-        loss = pl + o.gamma * reg
-        stats.update({"pl_loss": pl.item(), "fm_top": reg.item(), "fm_ref_top": err_ref[m].gather(1, top.view(-1, 1)).mean().item(),
-                      **ranking_stats(s[m], rr)})
-        return loss, stats
+    def _update(self) -> OfflineGDROUpdate:
+        """The offline GDRO step (flowrl.updates.offline_gdro), made on first use."""
+        if getattr(self, "_gdro", None) is None:
+            o = self.cfg.offline
+            ctx = UpdateContext(
+                policy=self.policy, model=self.model, unwrapped=self.unwrapped, device=self.acc.device,
+                autocast=self.acc.autocast, reference=lambda: self.ref.active(self.policy), gather=lambda t: t,
+                min_over_processes=lambda n: n, accumulate=self._accumulate, optimizer_steps=lambda: self.opt_steps,
+                train=self.cfg.train, reward=self.cfg.reward, num_processes=self.acc.num_processes,
+                process_index=self.acc.process_index)
+            self._gdro = OfflineGDROUpdate(ctx, OfflineGDROUpdate.options_of(o), dataset=self.ds, offline_cfg=o)
+        return self._gdro
 
     def run_step(self, step: int) -> dict:
         """One optimizer step (``grad_accum`` passes) -> metrics."""
         t0 = time.perf_counter()
-        self.model.train()
         passes = self.step_groups(step)
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        finite = True
-        for j, groups in enumerate(passes):
-            sync = j == len(passes) - 1
-            ctx = contextlib.nullcontext() if sync or self.acc.num_processes == 1 else self.acc.no_sync(self.model)
-            with ctx:
-                loss, stats = self.microbatch_loss(groups, step, j)
-                if not self._all_finite(loss.detach()):
-                    finite = False
-                    continue
-                self.acc.backward(loss / len(passes))
-            stats["loss"] = loss.item()
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + v
-                counts[k] = counts.get(k, 0) + 1
-        upd = self._optimizer_step(finite)
-        self.model.eval()
+        with cfg_uncond_gradient(self.cfg.train.cfg_uncond_grad):
+            stats = self._update()(passes, step)
         self.sched.step()
         dt = time.perf_counter() - t0
         self.train_seconds += dt
-        met = {"iteration": step, **{k: v / counts[k] for k, v in sums.items()}, **upd,
-               "epoch": step // self.steps_per_epoch, "lr": self.sched.get_last_lr()[0], "skipped_steps": self.skipped,
-               "step_seconds": dt, "train_seconds": self.train_seconds,
-               "groups_trained": len(passes) * self.cfg.offline.batch_groups * self.acc.num_processes}
-        return met
+        return {"iteration": step, **stats, "epoch": step // self.steps_per_epoch, "lr": self.sched.get_last_lr()[0],
+                "skipped_steps": self.skipped, "step_seconds": dt, "train_seconds": self.train_seconds,
+                "groups_trained": len(passes) * self.cfg.offline.batch_groups * self.acc.num_processes}
 
     # ---------------------------------------------------------------- evaluation
     @torch.no_grad()

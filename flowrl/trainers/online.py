@@ -2,41 +2,37 @@
 
 One loop for every sampler (group, branch, tempflow, sol): a rollout is a flat set of
 stochastic transitions, the rollout's structure picks the advantage function, and the update
-recomputes each transition's log-prob under the current weights (docs/design.md).
+``flowrl.updates.UPDATES[train.loss]`` trains on it (docs/design.md). This module orchestrates:
+prompts, rollout seeds, the update's context and checkpointed state, metrics, evaluation.
 
-Accounting: each iteration trains ``inner_epochs`` passes over the transitions that carry
-signal (zero-variance groups and pruned edges are dropped), shuffled into minibatches of
-``minibatch_size`` transitions; ``grad_accum`` consecutive minibatches make one optimizer
-step (the last group of an epoch may be shorter). The loss is the mean over the transitions
-of a minibatch, divided by the number of minibatches in its accumulation group.
+Accounting (the shared skeleton, ``flowrl.updates.base.train_epochs``): each iteration trains
+``inner_epochs`` passes over the rows that carry signal, shuffled into minibatches of
+``minibatch_size``; ``grad_accum`` consecutive minibatches make one optimizer step (the last group
+of an epoch may be shorter). A minibatch's loss is divided by the number of minibatches in its group.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Optional
 
 import numpy as np
 import torch
 
-from ..advantages import transition_advantages
 from ..data.embeddings import attach_text_cache
 from ..faults import maybe_fault
-from ..losses import grpo_clipped_loss, kl_form_for_step, kl_to_reference
 from ..pipelines.common import cfg_uncond_gradient
-from ..rollout.base import Rollout, Transitions
-from ..sde import get_step
-from ..seeding import derive_seeds
-from ..types import index_cond
+from ..rollout.base import Rollout
+from ..seeding import stream_seed, stream_sequence
+from ..updates import UPDATES as UPDATES_REGISTRY
+from ..updates.base import Update, UpdateContext, build_options
 from .common import TrainerBase, TrainingStopped  # noqa: F401 (TrainingStopped: public here too)
 from .config import LOSSES, Config, ConfigError
 from .reporting import save_grid
-from .nft_update import OldPolicy, nft_update
 from ..builders import EVAL_SEED, build_policy_from_config, build_reward, evaluate_policy  # noqa: F401 (public here too)
-from .preference_update import preference_update
 from ..utils.io import write_json
 
 # keys that may change between a run and its resume without changing its trajectory
@@ -61,6 +57,11 @@ class OnlineTrainer(TrainerBase):
     unit = "iteration"
     stop_causes = "a reward returning NaN/inf, "
 
+    def __init__(self, config: Config, output_dir: str | os.PathLike, resume: bool = False):
+        super().__init__(config, output_dir, resume)
+        self._updates: dict[str, Update] = {}  # train.loss -> its update (made on first use)
+        self._update_state: dict = {}  # a resumed checkpoint's extra tensors, for the update
+
     # ---------------------------------------------------------------- set-up
     def setup(self) -> None:
         cfg = self.cfg
@@ -84,120 +85,59 @@ class OnlineTrainer(TrainerBase):
 
             self.heldout = {k: build(k, **(v or {})) for k, v in cfg.reward.heldout.items()}
         self._prepare_model(need_reference=cfg.train.beta_kl > 0)
-        self.old_policy = None  # DiffusionNFT's decayed sampling policy (train.loss=nft)
-        self.step_fn = None
         self.start_iteration = 0
         if self.resume:
             ck = self._load_latest()
             if ck is not None:
                 self.start_iteration = int(ck["state"]["iteration"])
-                if "old_policy" in ck["extra"]:
-                    self.old_policy = OldPolicy(self.unwrapped)
-                    self.old_policy.shadow = ck["extra"]["old_policy"]
+                self._update_state = dict(ck["extra"])  # e.g. DiffusionNFT's old policy, handed to the update
         self._claim_run_dir(self.start_iteration)  # only once everything loaded
 
     # ---------------------------------------------------------------- checkpoints
     def _save(self, iteration_done: int) -> None:
-        super()._save(iteration_done, extra={"old_policy": self.old_policy.shadow} if self.old_policy else None)
+        upd = self._updates.get(self.cfg.train.loss)
+        super()._save(iteration_done, extra=(upd.state_dict() if upd is not None else None) or None)
 
     # ---------------------------------------------------------------- one iteration
     def _iteration_prompts(self, it: int) -> list[str]:
-        rng = np.random.default_rng([self.cfg.train.seed, it, self.acc.process_index, 1])
+        rng = np.random.default_rng(stream_sequence("prompts", self.cfg.train.seed, it, self.acc.process_index))
         k = self.cfg.prompts_per_iteration
         idx = rng.choice(len(self.prompts), size=k, replace=len(self.prompts) < k)
         return [self.prompts[i] for i in idx]
 
     def _rollout_seed(self, it: int) -> int:
-        return derive_seeds(self.cfg.train.seed * 1_000_003 + it, self.acc.num_processes)[self.acc.process_index]
+        return stream_seed("rollout", self.cfg.train.seed, it, self.acc.process_index, self.acc.num_processes)
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         if self.acc.num_processes == 1:
             return t
         return self.acc.gather(t.to(self.acc.device)).cpu()
 
-    def _advantages(self, rollout: Rollout, it: int) -> tuple[torch.Tensor, dict]:
-        opts = dict(self.cfg.train.advantage_options)
-        opts.setdefault("global_std", self.cfg.train.global_std)
-        opts.setdefault("adv_clip", self.cfg.train.adv_clip_max)
-        if self.cfg.reward.aggregate == "per_reward":
-            opts.setdefault("per_reward_weights", self.cfg.reward.weights)
-        view = rollout
-        if self.acc.num_processes > 1 and rollout.structure == "group":
-            # groups stay on their rank; statistics (global std, logging) see every rank's samples
-            n, p = rollout.num_samples, len(rollout.prompts)
-            rank = self.acc.process_index
-            view = SimpleNamespace(
-                structure="group", rewards=self._gather(rollout.rewards),
-                group_index=self._gather(rollout.group_index + rank * p),
-                reward_components={k: self._gather(v) for k, v in rollout.reward_components.items()},
-                transitions=SimpleNamespace(sample_index=rollout.transitions.sample_index + rank * n))
-        adv, info = transition_advantages(view, iteration=it, **opts)
-        return adv.clamp(-self.cfg.train.adv_clip_max, self.cfg.train.adv_clip_max), info
+    def _min_over_processes(self, n: int) -> int:
+        if self.acc.num_processes == 1:
+            return n
+        return int(self.acc.gather(torch.tensor([n], device=self.acc.device)).min().item())
 
-    def _minibatch_loss(self, rollout: Rollout, cond, rows: torch.Tensor, adv: torch.Tensor,
-                        transitions: Optional[Transitions] = None) -> tuple[torch.Tensor, dict]:
-        """Clipped-ratio loss of transitions ``rows`` [m] (of ``transitions``, default the rollout's)
-        -> (loss, stats as 0-dim tensors: no host read here). With everything on the device already
-        (``_update`` moves it once), the ``.to(dev)`` calls below copy nothing."""
-        tr = (rollout.transitions if transitions is None else transitions).select(rows)
-        dev = self.acc.device
-        c = index_cond(cond, tr.prompt_index)
-        lat, nxt = tr.latents.to(dev), tr.next_latents.to(dev)  # [m, C, H, W]
-        sig, sig_n = tr.sigma.to(dev), tr.sigma_next.to(dev)  # [m]
-        with self.acc.autocast():
-            v = self.policy.velocity(lat, sig, c)  # [m, C, H, W]
-        out = self.step_fn(v, lat, sig, sig_n, noise_level=rollout.noise_level, prev_sample=nxt)
-        loss, stats = grpo_clipped_loss(out.log_prob, tr.old_log_prob.to(dev), adv[rows.to(adv.device)].to(dev),
-                                        self.cfg.train.clip_range, tr.weight.to(dev), host_stats=False)
-        stats["policy_loss"] = loss.detach()
-        if self.cfg.train.beta_kl > 0:
-            with torch.no_grad(), self.ref.active(self.policy), self.acc.autocast():
-                v_ref = self.policy.velocity(lat, sig, c)
-            ref = self.step_fn(v_ref, lat, sig, sig_n, noise_level=rollout.noise_level, prev_sample=nxt)
-            kl = kl_to_reference(out.mean, ref.mean, out.std, dt=sig_n - sig,
-                                 form=kl_form_for_step(self.cfg.train.kl_form, rollout.step_type)).mean()
-            loss = loss + self.cfg.train.beta_kl * kl
-            stats["kl"] = kl.detach()
-        return loss, stats
+    def update_context(self) -> UpdateContext:
+        """What an update may use (flowrl.updates.base); built once the model is prepared."""
+        return UpdateContext(
+            policy=self.policy, model=self.model, unwrapped=self.unwrapped, device=self.acc.device,
+            autocast=self.acc.autocast, reference=lambda: self.ref.active(self.policy), gather=self._gather,
+            min_over_processes=self._min_over_processes, accumulate=self._accumulate,
+            optimizer_steps=lambda: self.opt_steps, train=self.cfg.train, reward=self.cfg.reward,
+            sampler_name=self.cfg.sampler.name, num_processes=self.acc.num_processes,
+            process_index=self.acc.process_index)
 
-    def _grpo_update(self, rollout: Rollout, it: int) -> tuple[dict, dict]:
-        """Advantages of the rollout's structure, then the clipped-ratio update -> (stats, advantage info)."""
-        if len(rollout.transitions) == 0:
-            raise ConfigError(f"the {self.cfg.sampler.name!r} sampler stored no stochastic transitions (an ODE "
-                              f"sampler?), so train.loss=grpo has nothing to train; use train.loss=nft")
-        adv, info = self._advantages(rollout, it)
-        return self._update(rollout, adv, info, it), info
-
-    def _update(self, rollout: Rollout, adv: torch.Tensor, info: dict, it: int) -> dict:
-        m = len(rollout.transitions)
-        mask = torch.ones(m, dtype=torch.bool)
-        if "train_mask" in info:
-            mask &= info["train_mask"].bool()
-        if "zero_var" in info:
-            mask &= ~info["zero_var"].bool()
-        rows_all = torch.nonzero(mask).flatten()
-        # every rank must run the same number of backward passes (DDP): use the smallest count
-        n_rows = int(len(rows_all))
-        if self.acc.num_processes > 1:
-            t = torch.tensor([n_rows], device=self.acc.device)
-            n_rows = int(self.acc.gather(t).min().item())
-        self.step_fn = get_step(rollout.step_type)
-        dev = self.acc.device
-        cond = rollout.conditioning(self.policy)  # the rollout's own: prompts are not encoded again
-        trans = rollout.transitions.to(dev)  # once per update (a no-op for what the sampler left there)
-        adv_d = adv.to(dev)  # [M]
-        sums: dict[str, float] = {}
-        count = 0
-        self.model.train()
-        for epoch in range(self.cfg.train.inner_epochs):
-            g = torch.Generator().manual_seed(int(derive_seeds(self.cfg.train.seed * 7919 + it, epoch + 1)[-1]))
-            rows = rows_all[torch.randperm(len(rows_all), generator=g)][:n_rows].to(dev)  # one copy per epoch
-            mbs = list(rows.split(self.cfg.train.minibatch_size)) if n_rows else []  # no signal: no update
-            count += self._accumulate(mbs, lambda mb: self._minibatch_loss(rollout, cond, mb, adv_d, trans), sums)
-        self.model.eval()
-        out = {k: v / count for k, v in sums.items()} if count else {}
-        out["transitions_trained"] = n_rows * self.cfg.train.inner_epochs
-        return out
+    def update_object(self, name: Optional[str] = None) -> Update:
+        """The update ``name`` (default ``train.loss``) of this trainer, made on first use with its options
+        (``train.loss_options`` and the alias keys) and any state a resumed checkpoint holds for it."""
+        name = name or self.cfg.train.loss
+        if name not in self._updates:
+            cls = UPDATES_REGISTRY.get(name)
+            upd = cls(self.update_context(), build_options(cls, self.cfg.train))
+            upd.load_state_dict(self._update_state)
+            self._updates[name] = upd
+        return self._updates[name]
 
     def run_iteration(self, it: int) -> IterationResult:
         t0 = time.perf_counter()
@@ -207,7 +147,7 @@ class OnlineTrainer(TrainerBase):
         t1 = time.perf_counter()
         maybe_fault("after_rollout", it)
         with cfg_uncond_gradient(self.cfg.train.cfg_uncond_grad):
-            upd, info = UPDATES[self.cfg.train.loss](self, rollout, it)
+            upd, info = self.update_object()(rollout, it)
         maybe_fault("after_update", it)
         t2 = time.perf_counter()
         r_all = self._gather(rollout.rewards)
@@ -298,14 +238,23 @@ class OnlineTrainer(TrainerBase):
                 **self._report(last, title=f"{self.cfg.model.pipeline} / {self.cfg.sampler.name}")}
 
 
-# train.loss -> (trainer, rollout, iteration) -> (update stats, advantage info)
-UPDATES = {
-    "grpo": lambda tr, rollout, it: tr._grpo_update(rollout, it),
-    "nft": lambda tr, rollout, it: (nft_update(tr, rollout, it), {}),
-    "dpo": lambda tr, rollout, it: (preference_update(tr, rollout, it, pairwise=True), {}),
-    "gdro": lambda tr, rollout, it: (preference_update(tr, rollout, it, pairwise=False), {}),
-}
-assert set(UPDATES) == set(LOSSES), "trainers/config.py LOSSES and UPDATES must name the same losses"
+class _UpdatesView(Mapping):
+    """``train.loss`` -> ``(trainer, rollout, iteration) -> (update stats, advantage info)``: a view of
+    :data:`flowrl.updates.UPDATES` for the online losses (the name this module has always exported)."""
+
+    def __getitem__(self, name: str):
+        if name not in LOSSES:
+            raise KeyError(name)
+        return lambda tr, rollout, it: tr.update_object(name)(rollout, it)
+
+    def __iter__(self):
+        return iter(LOSSES)
+
+    def __len__(self) -> int:
+        return len(LOSSES)
+
+
+UPDATES = _UpdatesView()
 
 
 def train(config: Config, output_dir: str | os.PathLike, resume: bool = False) -> dict:

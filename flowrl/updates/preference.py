@@ -1,0 +1,97 @@
+"""Online preference updates on a rollout's finished samples: Diffusion-DPO (Wallace et al. 2023,
+arXiv 2311.12908) on each prompt group's best vs worst sample (``train.loss: dpo``, Flow-GRPO's
+and Flow-Factory's "online DPO"), or GDRO's Plackett-Luce loss on the whole group ranking
+(arXiv 2601.02036, ``train.loss: gdro``). No log-probs are needed, so any sampler works
+(``ode`` included); the reference is the adapter-disabled model.
+
+Per group (``k`` samples of one prompt, ranked by reward): one shared ``(t, eps)``,
+``x_t = (1 - t) x0_i + t eps``, implicit reward ``s_i = -beta (||v* - v_theta||^2 - ||v* - v_ref||^2)``
+(per-image mean over dims). Groups whose rewards are all equal or non-finite carry no ranking and
+are skipped (``zero_var_fraction``). ``t ~ U(T_MIN, 1 - T_MIN)`` and ``eps`` come from
+``(train.seed, iteration, epoch)`` (seed purpose ``shuffle.preference``), so resume stays exact.
+``train.minibatch_size`` counts images.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..losses.gdro import dpo_loss, gdro_loss, group_velocity_errors, implicit_rewards, ranking_stats, usable_groups
+from ..seeding import stream_seed
+from ..types import index_cond
+from .base import Update, train_epochs
+
+T_MIN = 0.02
+
+
+def grouped(rollout) -> torch.Tensor:
+    """``[G, k]`` sample rows of the rollout's groups (equal sizes; an error otherwise)."""
+    gi = rollout.group_index
+    ids = torch.unique(gi)
+    rows = [torch.nonzero(gi == g).flatten() for g in ids.tolist()]
+    sizes = {len(r) for r in rows}
+    if len(sizes) != 1 or min(sizes) < 2:
+        raise ValueError(f"preference losses need groups of equal size >= 2, got sizes {sorted(sizes)}; use the "
+                         f"group, ode or sol sampler")
+    return torch.stack(rows)  # [G, k]
+
+
+@dataclass
+class PreferenceOptions:
+    beta: float = 12.0  # implicit-reward beta, per-image mean squared velocity errors (alias: train.pref_beta)
+    tau: float = 0.05   # gdro: Plackett-Luce target temperature over rewards, 0 = hard (alias: train.pref_tau)
+
+    def __post_init__(self):
+        if not self.beta > 0 or not self.tau >= 0:
+            raise ValueError(f"train.loss_options: beta must be > 0 and tau >= 0, got {self.beta}, {self.tau}")
+
+
+class GDROUpdate(Update):
+    """Online GDRO: the Plackett-Luce loss over each group's whole ranking."""
+
+    Options = PreferenceOptions
+    ALIASES = {"pref_beta": "beta", "pref_tau": "tau"}
+    pairwise = False
+
+    def __call__(self, rollout, it: int) -> tuple[dict, dict]:
+        ctx, cfg = self.ctx, self.ctx.train
+        rows = grouped(rollout)  # [G, k]
+        r = rollout.rewards[rows].float()  # [G, k]
+        usable = torch.nonzero(usable_groups(r)[1]).flatten()  # [G'] groups with a ranking
+        if self.pairwise:  # best and worst of each group, best first
+            order = torch.argsort(torch.nan_to_num(r, nan=-torch.inf), dim=1, descending=True)
+            rows = torch.stack([rows.gather(1, order[:, :1]), rows.gather(1, order[:, -1:])], dim=1).squeeze(-1)  # [G, 2]
+            r = rollout.rewards[rows].float()  # [G, 2]
+        g_all, k = rows.shape
+        dev = ctx.device
+        cond_all = rollout.conditioning(ctx.policy)  # the rollout's own: prompts are not encoded again
+        x0_all, r_d = rollout.x0.to(dev), r.to(dev)  # once per update
+        group_prompt = rollout.prompt_index[rows[:, 0]].to(dev)  # [G]
+        rows_d = rows.to(dev)  # [G, k]
+
+        def draws(g: torch.Generator) -> dict:
+            t_all = (T_MIN + (1 - 2 * T_MIN) * torch.rand(g_all, generator=g)).to(dev)  # [G]
+            return {"t": t_all, "eps": torch.randn((g_all, *rollout.x0.shape[1:]), generator=g).to(dev)}  # [G, C, H, W]
+
+        def loss_of(mb: torch.Tensor, d: dict) -> tuple[torch.Tensor, dict]:
+            err, err_ref = group_velocity_errors(
+                ctx.policy, ctx.reference, x0_all[rows_d[mb]], index_cond(cond_all, group_prompt[mb]),
+                d["t"][mb], d["eps"][mb], autocast=ctx.autocast)  # [m, k] each
+            s = implicit_rewards(err, err_ref, self.opts.beta)  # [m, k]
+            rr = r_d[mb]  # [m, k]
+            loss = dpo_loss(s[:, 0], s[:, 1]) if self.pairwise else gdro_loss(s, rr, self.opts.tau)
+            return loss, {"pref_loss": loss.detach(), **ranking_stats(s.detach(), rr)}
+
+        out, _ = train_epochs(ctx, usable, seed_of_epoch=lambda e: stream_seed("shuffle.preference", cfg.seed, it, e),
+                              pass_size=max(1, cfg.minibatch_size // k), loss_of=loss_of, draws=draws)
+        out.setdefault("loss", float("nan"))
+        out.update({"transitions_trained": int(len(usable)) * k * cfg.inner_epochs,
+                    "zero_var_fraction": 1.0 - len(usable) / max(1, g_all)})
+        return out, {}
+
+
+class DPOUpdate(GDROUpdate):
+    """Online Diffusion-DPO: each group's best vs worst sample (``tau`` unused)."""
+
+    pairwise = True
