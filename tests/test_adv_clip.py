@@ -15,7 +15,8 @@ from flowrl.advantages import ADVANTAGES
 from flowrl.advantages.tree import branch_structure
 from flowrl.losses import grpo_clipped_loss
 from flowrl.trainers.config import load_config
-from flowrl.trainers.online import OnlineTrainer
+from flowrl.structures import TreeStructure
+from flowrl.updates.grpo import GRPOUpdate
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTLIER = 1.0  # one reward of 1 among 49 zeros: unclipped advantage about +6.9 (> 5)
@@ -27,10 +28,11 @@ def _star_tree(n_leaves: int = 50):
     rewards[0] = OUTLIER
     parent = torch.tensor([-1] + [0] * n_leaves)  # [nodes]
     nodes = torch.arange(1, n_leaves + 1)  # [L]
-    extras = dict(node_parent=parent, node_depth=(parent >= 0).long(), node_tree=torch.zeros(n_leaves + 1).long(),
-                  node_log_prob=torch.zeros(n_leaves + 1), leaf_node=nodes, edge_node=nodes,
-                  num_steps=1, split_steps=(0,))
-    return SimpleNamespace(structure="branch", rewards=rewards, extras=extras, reward_components={},
+    layout = TreeStructure.from_tree(parent, (parent >= 0).long(), torch.zeros(n_leaves + 1).long(),
+                                     torch.zeros(n_leaves + 1), torch.cat([torch.tensor([-1]), nodes - 1]), nodes,
+                                     n_leaves, tree_seeds=[0], split_steps=[0], branch_factor=n_leaves, num_steps=1,
+                                     sde_steps=[0])
+    return SimpleNamespace(structure="branch", rewards=rewards, layout=layout, reward_components={},
                            transitions=SimpleNamespace(step=torch.zeros(n_leaves).long(), sample_index=nodes - 1))
 
 
@@ -44,9 +46,12 @@ def test_branch_structure_clips_at_adv_clip():
     assert a3[0].item() == 3.0 and torch.equal(a3[1:], a10[1:])  # only the outlier is clipped
 
 
-def _trainer_stub(adv_clip_max: float):
+def _update_stub(adv_clip_max: float):
+    """A GRPO update whose context holds only what ``advantages`` reads (one process)."""
     cfg = load_config(ROOT / "recipes/digits.yaml", [f"train.adv_clip_max={adv_clip_max}"])
-    return SimpleNamespace(cfg=cfg, acc=SimpleNamespace(num_processes=1, process_index=0))
+    upd = GRPOUpdate.__new__(GRPOUpdate)
+    upd.ctx = SimpleNamespace(train=cfg.train, reward=cfg.reward, num_processes=1, process_index=0)
+    return upd
 
 
 @pytest.mark.parametrize("clip", [2.0, 10.0])
@@ -58,7 +63,7 @@ def test_trainer_passes_adv_clip_max_to_the_structure_and_clamps(monkeypatch, cl
         return torch.tensor([40.0, -40.0, 7.0, -1.0]), {}
 
     monkeypatch.setitem(ADVANTAGES, "wild", wild)
-    adv, _ = OnlineTrainer._advantages(_trainer_stub(clip), SimpleNamespace(structure="wild"), 0)
+    adv, _ = _update_stub(clip).advantages(SimpleNamespace(structure="wild"), 0)
     assert seen["adv_clip"] == clip  # train.adv_clip_max reaches the structure function
     assert adv.tolist() == [clip, -clip, min(7.0, clip), -1.0]  # and the trainer clamps to it exactly
 
@@ -68,9 +73,9 @@ def test_trainer_group_advantages_above_5_are_not_cut_at_5():
     r[0] = OUTLIER
     ro = SimpleNamespace(structure="group", rewards=r, group_index=torch.zeros(50).long(), reward_components={},
                          transitions=SimpleNamespace(sample_index=torch.arange(50)))
-    adv10, _ = OnlineTrainer._advantages(_trainer_stub(10.0), ro, 0)
+    adv10, _ = _update_stub(10.0).advantages(ro, 0)
     assert 6.9 < adv10[0].item() < 7.0  # sqrt(49) = 7 (population std + 1e-4)
-    adv5, _ = OnlineTrainer._advantages(_trainer_stub(5.0), ro, 0)
+    adv5, _ = _update_stub(5.0).advantages(ro, 0)
     assert adv5[0].item() == 5.0
 
 
@@ -87,7 +92,7 @@ def test_grpo_ratio_clip_is_reached():
 
 
 def test_nft_update_passes_adv_clip_max(monkeypatch):
-    import flowrl.trainers.nft_update as nu
+    import flowrl.updates.nft as nu
 
     class Stop(Exception):
         pass
@@ -99,9 +104,10 @@ def test_nft_update_passes_adv_clip_max(monkeypatch):
         raise Stop
 
     monkeypatch.setattr(nu, "group_advantages", spy)
-    trainer = SimpleNamespace(cfg=_trainer_stub(10.0).cfg, old_policy=object())
+    upd = nu.NFTUpdate(SimpleNamespace(train=_update_stub(10.0).ctx.train, unwrapped=None))
+    upd.old_policy = object()  # made already: the update goes straight to the advantages
     with pytest.raises(Stop):
-        nu.nft_update(trainer, SimpleNamespace(rewards=torch.zeros(4), group_index=torch.zeros(4).long()), 0)
+        upd(SimpleNamespace(rewards=torch.zeros(4), group_index=torch.zeros(4).long()), 0)
     assert seen["clip"] == 10.0
 
 

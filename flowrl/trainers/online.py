@@ -69,11 +69,10 @@ class OnlineTrainer(TrainerBase):
         self.prompts = cfg.data.train_prompts()
         self.eval_prompts = cfg.data.eval_prompt_set()
         self.sampler = cfg.sampler.build()
-        if hasattr(self.sampler, "check_available"):  # e.g. an NVFP4 exploration backend on a CPU machine
-            try:
-                self.sampler.check_available()
-            except ValueError as e:
-                raise ConfigError(f"sampler.explore_backend: {e}") from None
+        try:  # e.g. an NVFP4 exploration backend on a CPU machine
+            self.sampler.check_available()
+        except ValueError as e:
+            raise ConfigError(f"sampler.explore_backend: {e}") from None
         self.policy = build_policy_from_config(cfg, device)  # before the rewards: a bad model path fails fast
         self.policy = attach_text_cache(self.policy, cfg.model, self.prompts + self.eval_prompts,
                                         is_main=self.acc.is_main_process, barrier=self.acc.wait_for_everyone,
@@ -177,7 +176,7 @@ class OnlineTrainer(TrainerBase):
         ctx = self.ema.applied(self.unwrapped) if self.ema is not None else contextlib.nullcontext()
         with ctx:
             return evaluate_policy(self.policy, self.reward, self.heldout, self.eval_prompts,
-                                   self.cfg.data.eval_seeds_per_prompt, getattr(self.sampler, "num_steps", 10), it)
+                                   self.cfg.data.eval_seeds_per_prompt, self.sampler.num_steps, it)
 
     # ---------------------------------------------------------------- the loop
     def train(self) -> dict:
