@@ -88,10 +88,8 @@ def _export(a) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flowrl", description="RL alignment of flow-matching image models")
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_train_parser(sub) -> None:
+    """`flowrl train`: online or offline RL training from a recipe."""
     t = sub.add_parser("train", help="RL training from a YAML recipe (online, or offline GDRO with train.mode=offline)")
     t.add_argument("--config", required=True, help="recipe YAML, e.g. recipes/digits.yaml")
     t.add_argument("--output-dir", required=True, help="run directory (checkpoints, metrics, images)")
@@ -99,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 sampler.group_size=8")
     t.set_defaults(fn=_train)
 
+
+def _add_generate_offline_parser(sub) -> None:
+    """`flowrl generate-offline`: write (or resume) a GDRO dataset."""
     g = sub.add_parser("generate-offline", help="GDRO dataset: k reference-model samples per prompt, scored")
     g.add_argument("--config", required=True, help="recipe YAML with an offline section, e.g. recipes/digits_gdro.yaml")
     g.add_argument("--out", default=None, help="dataset directory (default: offline.dataset); an existing one resumes")
@@ -106,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("overrides", nargs="*", help="dotted overrides, e.g. offline.k=6 offline.groups_per_prompt=4")
     g.set_defaults(fn=_generate_offline)
 
+
+def _add_rescore_offline_parser(sub) -> None:
+    """`flowrl rescore-offline`: add a reward column to a GDRO dataset."""
     rs = sub.add_parser("rescore-offline", help="add a reward column to a GDRO dataset without regenerating it")
     rs.add_argument("--dataset", required=True, help="dataset directory written by generate-offline")
     rs.add_argument("--reward", required=True, help="reward name, e.g. ocr, pickscore, jpeg_compressibility")
@@ -115,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("overrides", nargs="*")
     rs.set_defaults(fn=_rescore_offline)
 
+
+def _add_pretrain_digits_parser(sub) -> None:
+    """`flowrl pretrain-digits`: pretrain the tiny digits base model."""
     pt = sub.add_parser("pretrain-digits", help="pretrain (and cache) the tiny offline digits base model")
     pt.add_argument("--out", default=None, help="directory (default: $FLOWRL_HOME/digits-base-v1)")
     pt.add_argument("--steps", type=int, default=None)
@@ -125,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--force", action="store_true", help="retrain even if the directory holds a model")
     pt.set_defaults(fn=_pretrain)
 
+
+def _add_sample_parser(sub) -> None:
+    """`flowrl sample`: an image grid from a base model or a run."""
     s = sub.add_parser("sample", help="images from a base model or a trained run")
     s.add_argument("--config", default=None, help="recipe YAML (base model); or --run")
     s.add_argument("--run", default=None, help="a run directory: its config and latest checkpoint")
@@ -136,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*")
     s.set_defaults(fn=_sample)
 
+
+def _add_eval_parser(sub) -> None:
+    """`flowrl eval`: mean reward on held-out prompts."""
     e = sub.add_parser("eval", help="mean reward of a run (or base model) on held-out prompts")
     e.add_argument("--config", default=None)
     e.add_argument("--run", default=None)
@@ -147,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("overrides", nargs="*")
     e.set_defaults(fn=_eval)
 
+
+def _add_make_tiny_parser(sub) -> None:
+    """`flowrl make-tiny`: a tiny random-weight model for smoke tests."""
     m = sub.add_parser("make-tiny", help="write a tiny random-weight model (offline smoke tests)")
     # the kinds are declared by the pipeline adapters (``tiny_kinds``), checked when the command runs
     # (listing them here would import every adapter for every flowrl command)
@@ -156,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--overwrite", action="store_true", help="replace an existing directory")
     m.set_defaults(fn=_make_tiny)
 
+
+def _add_export_parser(sub) -> None:
+    """`flowrl export`: a run's LoRA as a diffusers LoRA file."""
     x = sub.add_parser("export", help="write a run's LoRA as a diffusers LoRA file (pipe.load_lora_weights(OUT_DIR))")
     x.add_argument("run_dir", help="a training run directory")
     x.add_argument("out_dir", help="output directory (absent or empty)")
@@ -165,20 +184,28 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--overwrite", action="store_true", help="replace a previous export in out_dir")
     x.set_defaults(fn=_export)
 
+
+def _add_bench_parser(sub) -> None:
+    """`flowrl bench`: the benchmark sub-verbs (each bench module adds its own)."""
     b = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run (JSON + table + PNG)")
     bsub = b.add_subparsers(dest="bench", required=True)
+    from flowrl.bench.host import add_host_parser
+    from flowrl.bench.offline import add_offline_parser
+    from flowrl.bench.precision import add_precision_parser
     from flowrl.bench.samplers import add_parsers as add_sampler_benches
 
-    add_sampler_benches(bsub)
-    from flowrl.bench.precision import add_precision_parser
+    for add in (add_sampler_benches, add_precision_parser, add_offline_parser, add_host_parser):
+        add(bsub)
 
-    add_precision_parser(bsub)
-    from flowrl.bench.offline import add_offline_parser
 
-    add_offline_parser(bsub)
-    from flowrl.bench.host import add_host_parser
-
-    add_host_parser(bsub)
+def build_parser() -> argparse.ArgumentParser:
+    """The `flowrl` parser: one sub-command per verb, each added by its ``_add_<verb>_parser``."""
+    p = argparse.ArgumentParser(prog="flowrl", description="RL alignment of flow-matching image models")
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in (_add_train_parser, _add_generate_offline_parser, _add_rescore_offline_parser,
+                _add_pretrain_digits_parser, _add_sample_parser, _add_eval_parser, _add_make_tiny_parser,
+                _add_export_parser, _add_bench_parser):
+        add(sub)
     return p
 
 

@@ -52,7 +52,7 @@ def _generate(a):
     if prompts is None:
         prompts = cfg.data.eval_prompt_set()
     rows = [p for p in prompts for _ in range(a.per_prompt)]
-    steps = a.steps or getattr(cfg.sampler.build(), "num_steps", 10)
+    steps = a.steps or cfg.sampler.build().num_steps
     _, images = ode_sample(policy, rows, derive_seeds(a.seed, len(rows)), steps)
     return cfg, rows, images
 

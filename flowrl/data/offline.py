@@ -182,6 +182,66 @@ def _drop_missing_shards(root: Path, idx: dict, evals_per_group: int) -> None:
 
 
 # ---------------------------------------------------------------- writing
+def _evals_per_sample(settings: GenerationSettings) -> int:
+    """Model evaluations per generated sample: ``num_steps`` (Euler), ``2 * num_steps - 1`` (Heun)."""
+    return settings.num_steps if settings.sampler == "euler" else 2 * settings.num_steps - 1
+
+
+def _open_index(root: Path, prompts: list[str], reward_names: list[str], spec: dict) -> dict:
+    """The index of the dataset in ``root``: a resumed one (checked against ``spec`` and ``prompts``;
+    ``groups_per_prompt`` may grow, nothing else may change) or a fresh, empty one (``root`` created)."""
+    if (root / INDEX).exists():
+        idx = read_index(root)
+        diff = _spec_diff(idx["spec"], spec)
+        if idx["prompts"] != prompts:
+            diff.append("prompts: the prompt list differs")
+        if diff:
+            raise DatasetError(f"{root} holds a dataset generated with other settings ({'; '.join(diff)}). "
+                               f"Resume with the same settings, or choose another --out.")
+        if spec["groups_per_prompt"] < idx["spec"]["groups_per_prompt"]:
+            raise DatasetError(f"{root} has groups_per_prompt={idx['spec']['groups_per_prompt']}; a dataset can "
+                               f"grow but not shrink (got {spec['groups_per_prompt']})")
+        idx["spec"] = spec
+        return idx
+    if root.exists() and any(p for p in root.iterdir() if not p.name.startswith(".")):
+        raise DatasetError(f"{root} exists and is not an offline dataset (no {INDEX}); choose an empty or new --out")
+    root.mkdir(parents=True, exist_ok=True)
+    return {"format": FORMAT, "version": VERSION, "spec": spec, "prompts": prompts, "shards": [],
+            "latent_shape": None, "columns": ["x0", "seeds", "group", "prompt_index"] +
+            [f"reward/{n}" for n in sorted(reward_names)], "generation_seconds": 0.0, "reward_seconds": 0.0,
+            "model_evals": 0}
+
+
+def _generate_shard(root: Path, policy, prompts: list[str], rewards: Mapping[str, Callable],
+                    settings: GenerationSettings, start: int, count: int
+                    ) -> tuple[dict[str, torch.Tensor], float, float]:
+    """Sample and score groups ``[start, start + count)``; returns (shard tensors, generation
+    seconds, reward seconds). Writes the groups' PNGs when ``settings.save_png``."""
+    k = settings.k
+    groups = list(range(start, start + count))
+    pidx = [group_prompt_index(g, len(prompts)) for g in groups]
+    seeds = [group_seeds(settings.seed, g, k) for g in groups]  # [n][k]
+    rows_p = [prompts[p] for p in pidx for _ in range(k)]
+    rows_s = [s for ss in seeds for s in ss]
+    xs, parts, gen_s, rew_s = [], [], 0.0, 0.0
+    t_gen = time.perf_counter()
+    for first, x, images in iter_samples(policy, rows_p, rows_s, settings):
+        t_score = time.perf_counter()
+        gen_s += t_score - t_gen
+        parts.append(_score(rewards, images, rows_p[first:first + len(x)]))  # name -> [n]
+        if settings.save_png:
+            _save_pngs(root, [(groups[(first + i) // k], (first + i) % k) for i in range(len(x))], images)
+        xs.append(x.to(DTYPES[settings.latent_dtype]))
+        t_gen = time.perf_counter()
+        rew_s += t_gen - t_score
+    x0 = torch.cat(xs)  # [n*k, C, H, W]
+    tensors = {"x0": x0.view(count, k, *x0.shape[1:]),  # [n, k, C, H, W]
+               "seeds": torch.tensor(seeds, dtype=torch.int64), "group": torch.tensor(groups, dtype=torch.int64),
+               "prompt_index": torch.tensor(pidx, dtype=torch.int64),
+               **{f"reward/{n}": torch.cat([q[n] for q in parts]).float().view(count, k) for n in rewards}}
+    return tensors, gen_s, rew_s
+
+
 def generate_dataset(out: str | os.PathLike, policy, prompts: Sequence[str], rewards: Mapping[str, Callable],
                      settings: GenerationSettings, model: Optional[dict] = None,
                      max_new_shards: Optional[int] = None, progress: bool = True,
@@ -200,29 +260,9 @@ def generate_dataset(out: str | os.PathLike, policy, prompts: Sequence[str], rew
     prompts = list(prompts)
     if not prompts:
         raise DatasetError("generate_dataset needs at least one prompt")
-    spec = _spec(settings, prompts, model or {}, list(rewards))
-    if (root / INDEX).exists():
-        idx = read_index(root)
-        diff = _spec_diff(idx["spec"], spec)
-        if idx["prompts"] != prompts:
-            diff.append("prompts: the prompt list differs")
-        if diff:
-            raise DatasetError(f"{root} holds a dataset generated with other settings ({'; '.join(diff)}). "
-                               f"Resume with the same settings, or choose another --out.")
-        if spec["groups_per_prompt"] < idx["spec"]["groups_per_prompt"]:
-            raise DatasetError(f"{root} has groups_per_prompt={idx['spec']['groups_per_prompt']}; a dataset can "
-                               f"grow but not shrink (got {spec['groups_per_prompt']})")
-        idx["spec"] = spec
-    elif root.exists() and any(p for p in root.iterdir() if not p.name.startswith(".")):
-        raise DatasetError(f"{root} exists and is not an offline dataset (no {INDEX}); choose an empty or new --out")
-    else:
-        root.mkdir(parents=True, exist_ok=True)
-        idx = {"format": FORMAT, "version": VERSION, "spec": spec, "prompts": prompts, "shards": [],
-               "latent_shape": None, "columns": ["x0", "seeds", "group", "prompt_index"] +
-               [f"reward/{n}" for n in sorted(rewards)], "generation_seconds": 0.0, "reward_seconds": 0.0,
-               "model_evals": 0}
+    idx = _open_index(root, prompts, list(rewards), _spec(settings, prompts, model or {}, list(rewards)))
     _remove_leftovers(root)
-    evals_per_sample = settings.num_steps if settings.sampler == "euler" else 2 * settings.num_steps - 1
+    evals_per_sample = _evals_per_sample(settings)
     _drop_missing_shards(root, idx, settings.k * evals_per_sample)
     total = len(prompts) * settings.groups_per_prompt
     done_groups = sum(s["count"] for s in idx["shards"])
@@ -232,38 +272,17 @@ def generate_dataset(out: str | os.PathLike, policy, prompts: Sequence[str], rew
         if max_new_shards is not None and written >= max_new_shards:
             break
         number, start, count = nxt
-        groups = list(range(start, start + count))
-        pidx = [group_prompt_index(g, len(prompts)) for g in groups]
-        seeds = [group_seeds(settings.seed, g, settings.k) for g in groups]  # [n][k]
-        rows_p = [prompts[p] for p in pidx for _ in range(settings.k)]
-        rows_s = [s for ss in seeds for s in ss]
-        k = settings.k
-        xs, parts, gen_s, rew_s = [], [], 0.0, 0.0
-        t_gen = time.perf_counter()
-        for first, x, images in iter_samples(policy, rows_p, rows_s, settings):
-            t_score = time.perf_counter()
-            gen_s += t_score - t_gen
-            parts.append(_score(rewards, images, rows_p[first:first + len(x)]))  # name -> [n]
-            if settings.save_png:
-                _save_pngs(root, [(groups[(first + i) // k], (first + i) % k) for i in range(len(x))], images)
-            xs.append(x.to(DTYPES[settings.latent_dtype]))
-            t_gen = time.perf_counter()
-            rew_s += t_gen - t_score
-        x0 = torch.cat(xs)  # [n*k, C, H, W]
-        tensors = {"x0": x0.view(count, k, *x0.shape[1:]),
-                   "seeds": torch.tensor(seeds, dtype=torch.int64), "group": torch.tensor(groups, dtype=torch.int64),
-                   "prompt_index": torch.tensor(pidx, dtype=torch.int64),
-                   **{f"reward/{n}": torch.cat([q[n] for q in parts]).float().view(count, k) for n in rewards}}
+        tensors, gen_s, rew_s = _generate_shard(root, policy, prompts, rewards, settings, start, count)
         name = _shard_name(number) + ".safetensors"
         _atomic_save_tensors(tensors, root / name)
         if on_shard is not None:
             on_shard(number)  # tests: simulate a crash between the shard file and the index update
-        idx["latent_shape"] = list(x0.shape[1:])
+        idx["latent_shape"] = list(tensors["x0"].shape[2:])
         idx["shards"].append({"name": _shard_name(number), "start": start, "count": count,
                               "columns": {c: name for c in tensors}})
         idx["generation_seconds"] += gen_s
         idx["reward_seconds"] += rew_s
-        idx["model_evals"] += count * k * evals_per_sample
+        idx["model_evals"] += count * settings.k * evals_per_sample
         _write_index(root, idx)
         written += 1
         bar.update(count)

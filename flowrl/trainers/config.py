@@ -284,7 +284,7 @@ class Config:
 
     def __post_init__(self):
         sampler = self.sampler.build()
-        if self.train.loss == "grpo" and not getattr(sampler, "stores_transitions", True):
+        if self.train.loss == "grpo" and not sampler.stores_transitions:
             raise ConfigError(f"the {self.sampler.name!r} sampler (as configured) stores no stochastic transitions, so "
                               f"train.loss=grpo would have nothing to train on; use train.loss=nft, dpo or gdro (they train "
                               f"on finished samples), or a stochastic sampler (group, branch, tempflow, sol with "
