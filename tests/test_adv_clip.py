@@ -119,9 +119,10 @@ def test_tempflow_cell_groupings_honour_adv_clip_above_5(group_by, per_reward):
     ro = SimpleNamespace(structure="tempflow", prompts=["a cat"], rewards=r, reward_components={"r": r.clone()},
                          transitions=SimpleNamespace(prompt_index=torch.zeros(2 * n).long(),
                                                      sample_index=torch.arange(2 * n)),
-                         layout=TempFlowStructure(trajectory=torch.zeros(2 * n).long(), seed_slot=torch.zeros(2 * n).long(),
-                                                  step=long([0] * n + [1] * n), branch=long(list(range(n)) * 2),
-                                                  group_by=group_by, branch_steps=(0, 1)))
+                         layout=TempFlowStructure(trajectory=torch.zeros(2 * n).long(),
+                                                  seed_slot=torch.zeros(2 * n).long(), step=long([0] * n + [1] * n),
+                                                  branch=long(list(range(n)) * 2), group_by=group_by,
+                                                  branch_steps=(0, 1)))
     kw = {"per_reward_weights": {"r": 1.0}} if per_reward else {}
     assert tempflow_structure(ro, adv_clip=5.0, **kw)[0].max().item() == 5.0
     assert 6.2 < tempflow_structure(ro, adv_clip=10.0, **kw)[0].max().item() < 6.3

@@ -124,8 +124,9 @@ def tempflow_structure(rollout, *, group_by: Optional[str] = None, global_std: b
     """Per-step process-reward advantages of a TempFlow rollout (arXiv 2508.04324, docs/algorithms.md §5).
 
     ``A[b, k] = (R[b, k] - mean(R[., k])) / (std(R[., k]) + 1e-4)`` within each group (see
-    :func:`tempflow_groups`; population std as in Flow-GRPO), clipped to ``+-adv_clip`` (default 5). ``R[b, k]`` is the
-    reward of the completion the transition leads to (``rewards[transitions.sample_index]``).
+    :func:`tempflow_groups`; population std as in Flow-GRPO), clipped to ``+-adv_clip`` (default 5).
+    ``R[b, k]`` is the reward of the completion the transition leads to
+    (``rewards[transitions.sample_index]``).
 
     Args:
         rollout: from :class:`flowrl.rollout.TempFlowSampler` (``structure="tempflow"``).
