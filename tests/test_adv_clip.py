@@ -111,12 +111,11 @@ def test_nft_update_passes_adv_clip_max(monkeypatch):
     assert seen["clip"] == 10.0
 
 
-@pytest.mark.xfail(strict=True, reason="tempflow 'seed' / 'prompt' groupings clip at a fixed 5, ignoring adv_clip "
-                                       "(flowrl/advantages/tempflow.py tempflow_structure): issue 16, to fix in source")
 @pytest.mark.parametrize("group_by", ["seed", "prompt"])
 @pytest.mark.parametrize("per_reward", [False, True])
 def test_tempflow_cell_groupings_honour_adv_clip_above_5(group_by, per_reward):
     from flowrl.advantages.tempflow import tempflow_structure
+    from flowrl.structures import TempFlowStructure
 
     # 1 prompt, 1 initial noise, 2 branch steps x 40 branches; one branch scores 100: unclipped A = 6.2
     n = 40
@@ -126,8 +125,10 @@ def test_tempflow_cell_groupings_honour_adv_clip_above_5(group_by, per_reward):
     ro = SimpleNamespace(structure="tempflow", prompts=["a cat"], rewards=r, reward_components={"r": r.clone()},
                          transitions=SimpleNamespace(prompt_index=torch.zeros(2 * n).long(),
                                                      sample_index=torch.arange(2 * n)),
-                         extras={"trajectory": torch.zeros(2 * n).long(), "step": long([0] * n + [1] * n),
-                                 "branch": long(list(range(n)) * 2), "group_by": group_by})
+                         layout=TempFlowStructure(trajectory=torch.zeros(2 * n).long(),
+                                                  seed_slot=torch.zeros(2 * n).long(), step=long([0] * n + [1] * n),
+                                                  branch=long(list(range(n)) * 2), group_by=group_by,
+                                                  branch_steps=(0, 1)))
     kw = {"per_reward_weights": {"r": 1.0}} if per_reward else {}
     assert tempflow_structure(ro, adv_clip=5.0, **kw)[0].max().item() == 5.0
     assert 6.2 < tempflow_structure(ro, adv_clip=10.0, **kw)[0].max().item() < 6.3

@@ -124,8 +124,9 @@ def tempflow_structure(rollout, *, group_by: Optional[str] = None, global_std: b
     """Per-step process-reward advantages of a TempFlow rollout (arXiv 2508.04324, docs/algorithms.md §5).
 
     ``A[b, k] = (R[b, k] - mean(R[., k])) / (std(R[., k]) + 1e-4)`` within each group (see
-    :func:`tempflow_groups`; population std as in Flow-GRPO), clipped to +-5. ``R[b, k]`` is the
-    reward of the completion the transition leads to (``rewards[transitions.sample_index]``).
+    :func:`tempflow_groups`; population std as in Flow-GRPO), clipped to ``+-adv_clip`` (default 5).
+    ``R[b, k]`` is the reward of the completion the transition leads to
+    (``rewards[transitions.sample_index]``).
 
     Args:
         rollout: from :class:`flowrl.rollout.TempFlowSampler` (``structure="tempflow"``).
@@ -139,7 +140,7 @@ def tempflow_structure(rollout, *, group_by: Optional[str] = None, global_std: b
         global_std: divide by the std of all process rewards instead of the group's (tracker
             groupings: the std of all rewards of the same step).
         per_reward_weights: normalise each reward component first, then weight (MixGRPO).
-        adv_clip: advantage clip of the tracker groupings (``train.adv_clip_max``; the others clip at 5).
+        adv_clip: advantage clip of every grouping (``train.adv_clip_max``, default 5).
     Returns:
         ``(A [M] float32, info)``; ``info["zero_var"]`` [M] bool marks transitions without signal
         (skipped): groups whose rewards are all equal, or for the tracker groupings table rows
@@ -162,10 +163,11 @@ def tempflow_structure(rollout, *, group_by: Optional[str] = None, global_std: b
         zero = zero_rows(adv, rows)  # [M]
     elif per_reward_weights:
         comps = {k: v[idx] for k, v in rollout.reward_components.items()}  # name -> [M]
-        adv, zero = combine_component_advantages(comps, per_reward_weights, groups, global_std=global_std)
+        adv, zero = combine_component_advantages(comps, per_reward_weights, groups, global_std=global_std,
+                                                 eps=GROUP_EPS, clip=adv_clip)
     else:
         adv, zero = group_advantages(rollout.rewards[idx], groups, global_std=global_std,
-                                     eps=GROUP_EPS, clip=ADV_CLIP)  # [M], [M]
+                                     eps=GROUP_EPS, clip=adv_clip)  # [M], [M]
     info = {"zero_var": zero, "zero_var_fraction": zero.float().mean().item() if zero.numel() else 0.0,
             "num_groups": float(torch.unique(groups).numel())}
     return adv.float(), info

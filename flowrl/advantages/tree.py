@@ -302,13 +302,7 @@ def branch_structure(rollout, *, iteration: int = 0, fusion: Optional[str] = Non
         trained / excluded window; 0: no depth pruning).
     """
     fusion, width_mode, depth_mode = resolve_modes(compat, fusion, width_mode, depth_mode)
-    if fusion == "mean":
-        if beta_f not in (None, 0, 0.0):
-            raise ValueError(f"fusion='mean' ignores beta_f, got beta_f={beta_f}; use fusion='softmax' "
-                             f"or 'softmax_children'")
-        beta = 0.0
-    else:
-        beta = 1.0 if beta_f is None else float(beta_f)
+    beta = _fusion_beta(fusion, beta_f)
     if depth_mode == "train_window" and (depth_start is not None or depth_stop is not None):
         raise ValueError("depth_start / depth_stop apply to depth_mode='exclude_window' only; "
                          f"choose depth_mode from {DEPTH_MODES}")
@@ -321,32 +315,62 @@ def branch_structure(rollout, *, iteration: int = 0, fusion: Optional[str] = Non
     node_adv, degenerate = depthwise_advantages(rbar, depth, tree.node_tree)  # [nodes]
     adv = edge_advantages(node_adv, edge_node, adv_clip)  # [M]
     zero_var = degenerate[edge_node]  # [M]
-    step = rollout.transitions.step  # [M]
     mask = torch.ones(adv.shape[0], dtype=torch.bool)
     start = 0
     if depth_window is not None:
-        edge_depth, num_depths = depth[edge_node], int(tree.num_steps)  # [M]
-        if depth_mode == "train_window":
-            dmask, start = depth_window_mask(edge_depth, num_depths, depth_window, iteration, depth_slide_every)
-        else:
-            stop = max(tree.split_steps) if depth_stop is None else depth_stop
-            start = exclude_window(num_depths, depth_window, depth_start, stop, iteration, depth_slide_every)
-            dmask = (edge_depth < start) | (edge_depth >= start + depth_window)  # [M]
+        dmask, start = _depth_prune_mask(tree, depth_window, depth_mode, depth_start, depth_stop, iteration,
+                                         depth_slide_every)
         mask &= dmask
     if width_keep_ratio is not None:
-        last = max(tree.split_steps)
-        if width_mode in PEER_WIDTH_MODES:
-            order = preorder_key(parent, depth, tree.leaf_node)[edge_node]  # [M] the peer's walk order
-            group = ancestor_at_depth(parent, depth, edge_node, last + 1)  # [M] child of the last split
-            mask &= peer_width_mask(node_adv.float()[edge_node], step, group, order, last, float(width_keep_ratio),
-                                    width_mode, eligible=mask)
-        else:
-            group = tree.node_tree[edge_node]
-            if width_mode == "parent_top1":
-                group = ancestor_at_depth(parent, depth, edge_node, last)
-            mask &= width_prune_mask(adv, step, group, last, float(width_keep_ratio), width_mode)
+        mask &= _width_prune(tree, node_adv, adv, rollout.transitions.step, mask, float(width_keep_ratio), width_mode)
     m = max(adv.shape[0], 1)
     info = {"train_mask": mask, "zero_var": zero_var,
             "zero_var_fraction": zero_var.float().sum().item() / m, "train_fraction": mask.float().sum().item() / m,
             "trained_edges": float(mask.sum().item()), "depth_window_start": float(start)}
     return adv, info
+
+
+def _fusion_beta(fusion: str, beta_f: Optional[float]) -> float:
+    """``beta_f`` of a fusion: 0 for ``"mean"`` (which takes none), else ``beta_f`` (default 1.0)."""
+    if fusion == "mean":
+        if beta_f not in (None, 0, 0.0):
+            raise ValueError(f"fusion='mean' ignores beta_f, got beta_f={beta_f}; use fusion='softmax' "
+                             f"or 'softmax_children'")
+        return 0.0
+    return 1.0 if beta_f is None else float(beta_f)
+
+
+def _depth_prune_mask(tree: TreeStructure, window: int, mode: str, depth_start: Optional[int],
+                      depth_stop: Optional[int], iteration: int,
+                      slide_every: Optional[int]) -> tuple[torch.Tensor, int]:
+    """Depth pruning of the edges -> ``(mask [M] bool, first depth of the window)``.
+
+    ``"train_window"``: only the window trains (:func:`depth_window_mask`); else the window is
+    excluded (:func:`exclude_window`, ``depth_stop`` default the last split step).
+    """
+    edge_depth, num_depths = tree.node_depth[tree.edge_node], int(tree.num_steps)  # [M]
+    if mode == "train_window":
+        return depth_window_mask(edge_depth, num_depths, window, iteration, slide_every)
+    stop = max(tree.split_steps) if depth_stop is None else depth_stop
+    start = exclude_window(num_depths, window, depth_start, stop, iteration, slide_every)
+    return (edge_depth < start) | (edge_depth >= start + window), start  # [M]
+
+
+def _width_prune(tree: TreeStructure, node_adv: torch.Tensor, adv: torch.Tensor, step: torch.Tensor,
+                 eligible: torch.Tensor, keep_ratio: float, mode: str) -> torch.Tensor:
+    """Width pruning of the edges after the last split -> ``[M]`` bool (True: keeps its gradient).
+
+    flowrl's modes (:func:`width_prune_mask`) ignore depth pruning; the peer's modes
+    (:func:`peer_width_mask`) rank only the ``eligible`` [M] edges that depth pruning left.
+    """
+    parent, depth, edge_node = tree.node_parent, tree.node_depth, tree.edge_node  # [nodes], [nodes], [M]
+    last = max(tree.split_steps)
+    if mode in PEER_WIDTH_MODES:
+        order = preorder_key(parent, depth, tree.leaf_node)[edge_node]  # [M] the peer's walk order
+        group = ancestor_at_depth(parent, depth, edge_node, last + 1)  # [M] child of the last split
+        return peer_width_mask(node_adv.float()[edge_node], step, group, order, last, keep_ratio, mode,
+                               eligible=eligible)
+    group = tree.node_tree[edge_node]  # [M]
+    if mode == "parent_top1":
+        group = ancestor_at_depth(parent, depth, edge_node, last)  # [M]
+    return width_prune_mask(adv, step, group, last, keep_ratio, mode)

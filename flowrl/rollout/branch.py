@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
-from typing import ClassVar, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -56,6 +56,67 @@ def _path_noise(seeds: list[int], streams: list[int], shape: tuple[int, ...], de
     """Row r ~ N(0, 1) from (seeds[r], streams[r]) alone -> ``[R, *shape]`` float32, drawn on ``device``."""
     return seeded_randn_rows(seeds, streams, shape, device)  # [R, *shape]
 
+
+class _Step(NamedTuple):
+    """One step of all trees: the rows that went in (a splitting parent repeated K times) and
+    the step's output, ``C`` rows each (``C = R K`` at a split step, else ``R``)."""
+
+    rep: torch.Tensor       # [C] parent row of each child (host index)
+    pos: torch.Tensor       # [C] each child's index in its tree's active list (= path)
+    x_in: torch.Tensor      # [C, ...] latent each child was stepped from
+    s_in: torch.Tensor      # [C] sigma_i
+    sn_in: torch.Tensor     # [C] sigma_{i+1}
+    tree_d: torch.Tensor    # [C] tree of each child on x's device (conditioning rows)
+    out: object             # the step's output: ``.sample`` [C, ...], ``.log_prob`` [C]
+
+
+@dataclass
+class _TreeLog:
+    """Node and edge records of the growing trees, one list entry per step (roots first).
+
+    Per node: ``parent`` (-1 for a root), ``depth``, ``node_tree``, ``node_edge`` (its incoming
+    stored edge, -1 if none), host long tensors; ``node_lp`` the log-prob of its incoming step
+    (0 for a root), kept on x's device until the trees are done. ``parts`` holds the stored
+    transitions (stochastic steps only), where they were made.
+    """
+
+    parent: list = field(default_factory=list)
+    depth: list = field(default_factory=list)
+    node_tree: list = field(default_factory=list)
+    node_lp: list = field(default_factory=list)
+    node_edge: list = field(default_factory=list)
+    parts: list = field(default_factory=list)
+    n_nodes: int = 0
+    n_edges: int = 0
+
+    @classmethod
+    def roots(cls, p: int, device) -> "_TreeLog":
+        """The ``p`` roots (nodes ``0..p-1``, one per tree)."""
+        return cls(parent=[torch.full((p,), -1)], depth=[torch.zeros(p, dtype=torch.long)],
+                   node_tree=[torch.arange(p)], node_lp=[torch.zeros(p, device=device)],
+                   node_edge=[torch.full((p,), -1)], n_nodes=p)
+
+    def add_children(self, i: int, node: torch.Tensor, tree: torch.Tensor, st: _Step, stored: bool) -> torch.Tensor:
+        """Record the children made by step ``i`` (parents ``node[st.rep]``); ``stored``: the step
+        is stochastic and its edges become transitions. Returns the new node ids ``[C]``."""
+        c = st.rep.numel()
+        ids = torch.arange(self.n_nodes, self.n_nodes + c)  # [C] the new child nodes
+        self.parent.append(node[st.rep])
+        self.depth.append(torch.full((c,), i + 1, dtype=torch.long))
+        self.node_tree.append(tree[st.rep])
+        self.node_lp.append(st.out.log_prob)  # [C], on x's device until the tree is done
+        if stored:  # stored where they were made: no per-step copy to the host
+            self.node_edge.append(torch.arange(self.n_edges, self.n_edges + c))
+            self.parts.append(Transitions(
+                latents=st.x_in, next_latents=st.out.sample, sigma=st.s_in, sigma_next=st.sn_in,
+                prompt_index=tree[st.rep].clone(), sample_index=torch.full((c,), -1),
+                step=torch.full((c,), i, dtype=torch.long), old_log_prob=st.out.log_prob,
+                weight=torch.ones(c, device=st.x_in.device)))
+            self.n_edges += c
+        else:
+            self.node_edge.append(torch.full((c,), -1))
+        self.n_nodes += c
+        return ids
 
 @dataclass
 class BranchSampler:
@@ -187,77 +248,26 @@ class BranchSampler:
         if not prompts:
             raise ValueError("prompts is empty: pass at least one prompt")
         t0 = time.perf_counter()
-        p, k = len(prompts), self.branch_factor
+        p = len(prompts)
         tree_seeds = list(seeds) if seeds is not None else derive_seeds(seed, p)
         if len(tree_seeds) != p:
             raise ValueError(f"got {len(tree_seeds)} seeds for {p} prompts (one seed per tree)")
         cond = policy.encode_prompts(list(prompts))  # per prompt [P, ...]
         x, sigmas, sig_dev = sampling_setup(policy, tree_seeds, self.num_steps)  # [P, C, H, W], [T + 1] CPU / device
-        shape, dev = tuple(x.shape[1:]), x.device
-        splits, stoch = set(self.split_steps), set(self.sde_steps(iteration))
-        step_fn = get_step(self.step)
-        counter = EvalCounter()
-
-        tree = torch.arange(p)            # [R] tree of each active latent (non-decreasing)
-        tree_d = torch.arange(p, device=dev)  # [R] the same on x's device (conditioning rows)
-        pos = torch.zeros(p, dtype=torch.long)  # [R] index in its tree's active list (= path)
-        node = torch.arange(p)            # [R] node id of each active latent
-        parent, depth, node_tree = [torch.full((p,), -1)], [torch.zeros(p, dtype=torch.long)], [tree.clone()]
-        node_lp, node_edge = [torch.zeros(p, device=dev)], [torch.full((p,), -1)]
-        n_nodes, n_edges, parts = p, 0, []
-        for i in range(self.num_steps):
-            r = x.shape[0]
-            s, s_next = step_sigmas(sig_dev, i, r)  # [R], [R] on x's device
-            v = velocity_batched(policy, x, s, index_cond(cond, tree_d), self.max_batch, counter)  # [R, C, H, W]
-            row_seeds = [tree_seeds[t] for t in tree.tolist()]
-            if i in splits:
-                rep = torch.arange(r).repeat_interleave(k)  # [R*K] parent row of each child (host index)
-                rep_d = torch.arange(r, device=dev).repeat_interleave(k)  # [R*K] the same, built on x's device
-                child_pos = pos[rep] * k + torch.arange(k).repeat(r)  # [R*K]
-                xi0 = _path_noise(row_seeds, _stream(i, pos, 0), shape, dev)  # [R, C, H, W]
-                eta = _path_noise([row_seeds[j] for j in rep.tolist()], _stream(i, child_pos, 1), shape, dev)
-                noise = branch_noise(xi0[rep_d], eta, self.branch_noise_mix)  # [R*K, C, H, W]
-                x_in, s_in, sn_in, tree_d = x[rep_d], s[rep_d], s_next[rep_d], tree_d[rep_d]  # [R*K, ...]
-                out = step_fn(v[rep_d], x_in, s_in, sn_in, noise_level=self.noise_level, noise=noise)
-            else:
-                rep, child_pos, x_in, s_in, sn_in = torch.arange(r), pos, x, s, s_next
-                if i in stoch:
-                    noise = _path_noise(row_seeds, _stream(i, pos, 0), shape, dev)  # [R, C, H, W]
-                    out = step_fn(v, x, s, s_next, noise_level=self.noise_level, noise=noise)
-                else:
-                    out = ode_step(v, x, s, s_next)
-            c = rep.numel()
-            ids = torch.arange(n_nodes, n_nodes + c)  # [C] the new child nodes
-            parent.append(node[rep])
-            depth.append(torch.full((c,), i + 1, dtype=torch.long))
-            node_tree.append(tree[rep])
-            node_lp.append(out.log_prob)  # [C], on x's device until the tree is done
-            if i in stoch:  # stored where they were made: no per-step copy to the host
-                node_edge.append(torch.arange(n_edges, n_edges + c))
-                parts.append(Transitions(
-                    latents=x_in, next_latents=out.sample, sigma=s_in, sigma_next=sn_in,
-                    prompt_index=tree[rep].clone(), sample_index=torch.full((c,), -1),
-                    step=torch.full((c,), i, dtype=torch.long), old_log_prob=out.log_prob,
-                    weight=torch.ones(c, device=dev)))
-                n_edges += c
-            else:
-                node_edge.append(torch.full((c,), -1))
-            x, tree, pos, node = out.sample, tree[rep], child_pos, ids
-            n_nodes += c
+        shape = tuple(x.shape[1:])
+        x, tree, node, log, counter = self._grow(policy, cond, x, sig_dev, tree_seeds, iteration)
         t_roll = time.perf_counter() - t0
 
         images = policy.decode(x).float().cpu()  # [N, 3, H, W], leaves only, each once
         rewards, comps = score_images(reward, images, [prompts[t] for t in tree.tolist()])
         layout = TreeStructure.from_tree(
-            torch.cat(parent), torch.cat(depth), torch.cat(node_tree), torch.cat(node_lp).cpu(),  # one copy to the host
-            torch.cat(node_edge), node, n_edges, tree_seeds=tree_seeds, split_steps=self.split_steps,
+            torch.cat(log.parent), torch.cat(log.depth), torch.cat(log.node_tree),
+            torch.cat(log.node_lp).cpu(),  # one copy to the host
+            torch.cat(log.node_edge), node, log.n_edges, tree_seeds=tree_seeds, split_steps=self.split_steps,
             branch_factor=self.branch_factor, num_steps=self.num_steps, sde_steps=self.sde_steps(iteration),
             mode=self.mode)
-        trans = Transitions.concat(parts) if parts else Transitions.empty(shape)
-        leaf_lo, leaf_hi = layout.node_leaf_start, layout.node_leaf_end  # [nodes]
-        single = (leaf_hi - leaf_lo) == 1  # [nodes] node leads to exactly one leaf
-        en = layout.edge_node  # [M]
-        trans.sample_index = torch.where(single[en], leaf_lo[en], torch.full_like(en, -1))  # [M]
+        trans = Transitions.concat(log.parts) if log.parts else Transitions.empty(shape)
+        trans.sample_index = _leaf_sample_index(layout)  # [M]
         return Rollout(
             prompts=list(prompts), prompt_index=tree.clone(),
             seeds=torch.tensor([tree_seeds[t] for t in tree.tolist()], dtype=torch.long),
@@ -265,5 +275,72 @@ class BranchSampler:
             sigmas=sigmas, step_type=self.step, noise_level=float(self.noise_level),
             layout=layout, reward_components=comps, cond=cond,
             stats={"model_evals": counter.rows, "velocity_calls": counter.calls, "rollout_seconds": t_roll,
-                   "reward_seconds": time.perf_counter() - t0 - t_roll, "tree_nodes": n_nodes,
-                   "tree_edges": n_edges})
+                   "reward_seconds": time.perf_counter() - t0 - t_roll, "tree_nodes": log.n_nodes,
+                   "tree_edges": log.n_edges})
+
+    # --- steps of __call__ -----------------------------------------------------------------
+    def _grow(self, policy: FlowPolicy, cond, x: torch.Tensor, sig_dev: torch.Tensor, tree_seeds: list[int],
+              iteration: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _TreeLog, EvalCounter]:
+        """Run the T steps of all trees, one batched velocity call per step.
+
+        ``x`` [P, C, H, W] are the roots' initial noises. Returns ``(leaves [N, C, H, W], tree
+        [N], leaf node ids [N], log, counter)``, leaves tree-major in path order.
+        """
+        p, dev = x.shape[0], x.device
+        splits, stoch = set(self.split_steps), set(self.sde_steps(iteration))
+        counter = EvalCounter()
+        tree = torch.arange(p)            # [R] tree of each active latent (non-decreasing)
+        tree_d = torch.arange(p, device=dev)  # [R] the same on x's device (conditioning rows)
+        pos = torch.zeros(p, dtype=torch.long)  # [R] index in its tree's active list (= path)
+        node = torch.arange(p)            # [R] node id of each active latent
+        log = _TreeLog.roots(p, dev)
+        for i in range(self.num_steps):
+            s, s_next = step_sigmas(sig_dev, i, x.shape[0])  # [R], [R] on x's device
+            v = velocity_batched(policy, x, s, index_cond(cond, tree_d), self.max_batch, counter)  # [R, C, H, W]
+            row_seeds = [tree_seeds[t] for t in tree.tolist()]
+            if i in splits:
+                st = self._split_step(i, v, x, s, s_next, pos, tree_d, row_seeds)
+            else:
+                st = self._plain_step(i, v, x, s, s_next, pos, tree_d, row_seeds, stochastic=i in stoch)
+            node = log.add_children(i, node, tree, st, stored=i in stoch)
+            x, tree, pos, tree_d = st.out.sample, tree[st.rep], st.pos, st.tree_d
+        return x, tree, node, log, counter
+
+    def _split_step(self, i: int, v: torch.Tensor, x: torch.Tensor, s: torch.Tensor, s_next: torch.Tensor,
+                    pos: torch.Tensor, tree_d: torch.Tensor, row_seeds: list[int]) -> _Step:
+        """Split step ``i``: each of the R active latents spawns K children from its step mean.
+
+        Child ``b`` of a parent draws ``xi0`` (shared by siblings, stream of the parent's path)
+        and its own ``eta_b`` (stream of the child's path), mixed by :func:`branch_noise`.
+        """
+        r, k = x.shape[0], self.branch_factor
+        shape, dev = tuple(x.shape[1:]), x.device
+        rep = torch.arange(r).repeat_interleave(k)  # [R*K] parent row of each child (host index)
+        rep_d = torch.arange(r, device=dev).repeat_interleave(k)  # [R*K] the same, built on x's device
+        child_pos = pos[rep] * k + torch.arange(k).repeat(r)  # [R*K]
+        xi0 = _path_noise(row_seeds, _stream(i, pos, 0), shape, dev)  # [R, C, H, W]
+        eta = _path_noise([row_seeds[j] for j in rep.tolist()], _stream(i, child_pos, 1), shape, dev)
+        noise = branch_noise(xi0[rep_d], eta, self.branch_noise_mix)  # [R*K, C, H, W]
+        x_in, s_in, sn_in = x[rep_d], s[rep_d], s_next[rep_d]  # [R*K, ...]
+        out = get_step(self.step)(v[rep_d], x_in, s_in, sn_in, noise_level=self.noise_level, noise=noise)
+        return _Step(rep, child_pos, x_in, s_in, sn_in, tree_d[rep_d], out)
+
+    def _plain_step(self, i: int, v: torch.Tensor, x: torch.Tensor, s: torch.Tensor, s_next: torch.Tensor,
+                    pos: torch.Tensor, tree_d: torch.Tensor, row_seeds: list[int], stochastic: bool) -> _Step:
+        """Non-split step ``i``: each active latent moves one step (``self.step`` with the noise
+        of its path if ``stochastic``, else ODE), keeping its row and path."""
+        if stochastic:
+            noise = _path_noise(row_seeds, _stream(i, pos, 0), tuple(x.shape[1:]), x.device)  # [R, C, H, W]
+            out = get_step(self.step)(v, x, s, s_next, noise_level=self.noise_level, noise=noise)
+        else:
+            out = ode_step(v, x, s, s_next)
+        return _Step(torch.arange(x.shape[0]), pos, x, s, s_next, tree_d, out)
+
+
+def _leaf_sample_index(layout: TreeStructure) -> torch.Tensor:
+    """``[M]`` long: the leaf (sample) an edge leads to when its child has exactly one leaf below
+    it, else -1 (the edge's reward is a fused one, not a single sample's)."""
+    leaf_lo, leaf_hi = layout.node_leaf_start, layout.node_leaf_end  # [nodes]
+    single = (leaf_hi - leaf_lo) == 1  # [nodes] node leads to exactly one leaf
+    en = layout.edge_node  # [M]
+    return torch.where(single[en], leaf_lo[en], torch.full_like(en, -1))  # [M]

@@ -171,9 +171,8 @@ class TempFlowSampler:
         if not prompts:
             raise ValueError("prompts is empty: pass at least one prompt")
         t0 = time.perf_counter()
-        p, s_per, e, t = len(prompts), self.seeds_per_prompt, self.branches, self.num_steps
+        p, s_per, t = len(prompts), self.seeds_per_prompt, self.num_steps
         branch_steps = list(self.branch_steps)
-        nb = len(branch_steps)
         j = p * s_per  # main trajectories
         main_prompt = torch.arange(p).repeat_interleave(s_per)  # [J]
         seeds = list(seeds) if seeds is not None else derive_seeds(seed, j)
@@ -183,22 +182,66 @@ class TempFlowSampler:
         main, sigmas, sig_dev = sampling_setup(policy, seeds, t)  # [J, C, H, W], [T + 1] CPU / device
         if sigmas.shape != (t + 1,):
             raise ValueError(f"policy.sigmas({t}) returned shape {tuple(sigmas.shape)}, expected ({t + 1},)")
-        if self.noise_aware:
-            step_w = noise_aware_weights(sigmas, self.noise_level, branch_steps)  # [T]
-        else:
-            step_w = torch.zeros(t).index_fill_(0, torch.tensor(branch_steps), 1.0)  # [T]
+        step_w = self._step_weights(sigmas)  # [T]
+        main, live, parts, counter = self._denoise(policy, cond_p, main, sig_dev, seeds, main_prompt, step_w)
+        t_roll = time.perf_counter() - t0
 
+        perm, trajectory, step_of, branch = self._completion_order(j)  # [N] each
+        x0 = live[perm.to(live.device)]  # [N, C, H, W], on x's device
+        trans = Transitions.concat(parts).select(perm)
+        trans.sample_index = torch.arange(perm.numel())
+        prompt_index = main_prompt[trajectory]  # [N]
+        seed_t = torch.tensor(seeds, dtype=torch.long)  # [J]
+
+        images = policy.decode(x0).float().cpu()  # [N, 3, H, W]
+        rewards, comps = score_images(reward, images, [prompts[q] for q in prompt_index.tolist()])
+        main_rewards = torch.full((j,), float("nan"))  # [J]
+        if self.finish_main and reward is not None:
+            main_rewards, _ = score_images(reward, policy.decode(main).float().cpu(),
+                                           [prompts[q] for q in main_prompt.tolist()])
+        t_score = time.perf_counter() - t0 - t_roll
+        return Rollout(
+            prompts=list(prompts), prompt_index=prompt_index, seeds=seed_t[trajectory],
+            group_index=self._group_index(prompts, trajectory, prompt_index, step_of),
+            x0=x0, images=images, rewards=rewards, transitions=trans, sigmas=sigmas,
+            step_type="sde", noise_level=float(self.noise_level), reward_components=comps, cond=cond_p,
+            layout=TempFlowStructure(trajectory=trajectory, seed_slot=trajectory % s_per, step=step_of, branch=branch,
+                                     group_by=self.group_by, branch_steps=branch_steps, step_weights=step_w,
+                                     main_rewards=main_rewards),
+            stats={"model_evals": counter.rows, "velocity_calls": counter.calls,
+                   "num_completions": float(perm.numel()), "rollout_seconds": t_roll, "reward_seconds": t_score})
+
+    # --- steps of __call__ -----------------------------------------------------------------
+    def _step_weights(self, sigmas: torch.Tensor) -> torch.Tensor:
+        """Loss weight per step ``[T]`` float32: noise-aware ``w_k`` on the branch steps (or 1
+        there without ``noise_aware``), 0 on the other steps (they are not trained)."""
+        branch_steps = list(self.branch_steps)
+        if self.noise_aware:
+            return noise_aware_weights(sigmas, self.noise_level, branch_steps)  # [T]
+        return torch.zeros(self.num_steps).index_fill_(0, torch.tensor(branch_steps), 1.0)  # [T]
+
+    def _denoise(self, policy: FlowPolicy, cond_p, main: torch.Tensor, sig_dev: torch.Tensor, seeds: list[int],
+                 main_prompt: torch.Tensor, step_w: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[Transitions], EvalCounter]:
+        """Run the T steps: main latents by ODE, children spawned at the branch steps, every
+        live completion by ODE; one batched velocity call per step.
+
+        Returns ``(main [J, C, H, W], live [L, C, H, W], parts, counter)``: ``main`` after its
+        ``main_evals()`` steps, ``live`` the completions at ``x0`` in (step, row, branch)
+        order (blocks of J * E per branch step), ``parts`` the branching transitions of each
+        branch step in the same order.
+        """
+        j, e = main.shape[0], self.branches
         shape, dev = tuple(main.shape[1:]), main.device
         live = main.new_zeros((0, *shape))  # [L, C, H, W] completions, blocks of J * E per branch step
         live_prompt = torch.zeros(0, dtype=torch.long, device=dev)  # [L] (conditioning rows, on x's device)
         main_prompt_d = main_prompt.to(dev)  # [J]
         rep = torch.arange(j).repeat_interleave(e)  # [J * E] main row of each child, (row, branch) order
         rep_d = rep.to(dev)  # [J * E]
-        branch_of = torch.arange(e).repeat(j)  # [J * E]
         counter = EvalCounter()
         main_steps = self.main_evals()
         parts: list[Transitions] = []
-        for i in range(t):
+        for i in range(self.num_steps):
             run_main = i < main_steps
             x = torch.cat([main, live]) if run_main else live  # [J + L or L, C, H, W]
             rows = torch.cat([main_prompt_d, live_prompt]) if run_main else live_prompt  # [B]
@@ -211,43 +254,60 @@ class TempFlowSampler:
             v_main, v_live = v[:nm], v[nm:]  # [J, ...], [L, ...]
             live = ode_step(v_live, live, s[nm:], s_next[nm:]).sample  # [L, C, H, W]
             if i in self.branch_steps:
-                # E children of each main latent from one SDE step; the main velocity is reused.
-                noise = torch.stack([seeded_randn(seeds, shape, stream=branch_noise_stream(i, b), device=dev)
-                                     for b in range(e)], dim=1).reshape(j * e, *shape)  # [J * E, C, H, W]
-                x_k = main[rep_d]  # [J * E, C, H, W]
-                out = sde_step(v_main[rep_d], x_k, s[:1].expand(j * e), s_next[:1].expand(j * e),
-                               noise_level=self.noise_level, noise=noise)
-                parts.append(Transitions(  # stored where they were made: no per-step copy to the host
-                    latents=x_k, next_latents=out.sample,
-                    sigma=s[:1].expand(j * e).clone(), sigma_next=s_next[:1].expand(j * e).clone(),
-                    prompt_index=main_prompt[rep], sample_index=torch.zeros(j * e, dtype=torch.long),
-                    step=torch.full((j * e,), i, dtype=torch.long), old_log_prob=out.log_prob,
-                    weight=torch.full((j * e,), float(step_w[i]), device=dev)))
-                live = torch.cat([live, out.sample])  # children join at sigma_{i+1}
+                part = self._branch(i, main, v_main, s[:1], s_next[:1], seeds, main_prompt[rep], rep_d, step_w)
+                parts.append(part)
+                live = torch.cat([live, part.next_latents])  # children join at sigma_{i+1}
                 live_prompt = torch.cat([live_prompt, main_prompt_d[rep_d]])
             if run_main:
                 main = ode_step(v_main, main, s[:nm], s_next[:nm]).sample  # [J, C, H, W]
-        t_roll = time.perf_counter() - t0
+        return main, live, parts, counter
 
-        # live is in (step, row, branch) order; samples are (row, step, branch) = (prompt, seed, step, branch).
-        n = j * nb * e
-        perm = torch.arange(n).view(nb, j, e).permute(1, 0, 2).reshape(-1)  # [N]
-        x0 = live[perm.to(dev)]  # [N, C, H, W], on x's device
-        trans = Transitions.concat(parts).select(perm)
-        trans.sample_index = torch.arange(n)
+    def _branch(self, i: int, main: torch.Tensor, v_main: torch.Tensor, s: torch.Tensor, s_next: torch.Tensor,
+                seeds: list[int], child_prompt: torch.Tensor, rep_d: torch.Tensor,
+                step_w: torch.Tensor) -> Transitions:
+        """E children of each main latent from one SDE step at branch step ``i``.
+
+        The main velocity ``v_main`` [J, C, H, W] is reused (same latent, sigma, prompt). ``s``,
+        ``s_next`` are ``[1]`` (sigma_i, sigma_{i+1}); ``child_prompt`` [J * E] the prompt of
+        each child, ``rep_d`` [J * E] its main row on the latents' device. Child (row, b)
+        draws its noise from ``(seeds[row], branch_noise_stream(i, b))``. Returns the
+        ``J * E`` transitions, stored where they were made (no per-step copy to the host);
+        their ``next_latents`` are the children at sigma_{i+1}.
+        """
+        j, e = main.shape[0], self.branches
+        shape, dev = tuple(main.shape[1:]), main.device
+        noise = torch.stack([seeded_randn(seeds, shape, stream=branch_noise_stream(i, b), device=dev)
+                             for b in range(e)], dim=1).reshape(j * e, *shape)  # [J * E, C, H, W]
+        x_k = main[rep_d]  # [J * E, C, H, W]
+        out = sde_step(v_main[rep_d], x_k, s.expand(j * e), s_next.expand(j * e),
+                       noise_level=self.noise_level, noise=noise)
+        return Transitions(
+            latents=x_k, next_latents=out.sample,
+            sigma=s.expand(j * e).clone(), sigma_next=s_next.expand(j * e).clone(),
+            prompt_index=child_prompt, sample_index=torch.zeros(j * e, dtype=torch.long),
+            step=torch.full((j * e,), i, dtype=torch.long), old_log_prob=out.log_prob,
+            weight=torch.full((j * e,), float(step_w[i]), device=dev))
+
+    def _completion_order(self, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample order of the completions for ``j`` main trajectories.
+
+        ``_denoise`` leaves them in (step, row, branch) order; samples are (row, step, branch)
+        = (prompt, seed, step, branch). Returns ``(perm, trajectory, step, branch)``, all
+        ``[N]`` long on the CPU: ``perm`` maps sample -> completion, the others give each
+        sample's main row, branch step k and child b.
+        """
+        nb, e = len(self.branch_steps), self.branches
+        perm = torch.arange(j * nb * e).view(nb, j, e).permute(1, 0, 2).reshape(-1)  # [N]
+        rep = torch.arange(j).repeat_interleave(e)  # [J * E] main row of each child
         trajectory = rep.repeat(nb)[perm]  # [N] main row of each completion
-        step_of = torch.tensor(branch_steps).repeat_interleave(j * e)[perm]  # [N]
-        branch = branch_of.repeat(nb)[perm]  # [N]
-        prompt_index = main_prompt[trajectory]  # [N]
-        seed_t = torch.tensor(seeds, dtype=torch.long)  # [J]
+        step_of = torch.tensor(list(self.branch_steps)).repeat_interleave(j * e)[perm]  # [N]
+        branch = torch.arange(e).repeat(j).repeat(nb)[perm]  # [N]
+        return perm, trajectory, step_of, branch
 
-        images = policy.decode(x0).float().cpu()  # [N, 3, H, W]
-        rewards, comps = score_images(reward, images, [prompts[q] for q in prompt_index.tolist()])
-        main_rewards = torch.full((j,), float("nan"))  # [J]
-        if self.finish_main and reward is not None:
-            main_rewards, _ = score_images(reward, policy.decode(main).float().cpu(),
-                                           [prompts[q] for q in main_prompt.tolist()])
-        t_score = time.perf_counter() - t0 - t_roll
+    def _group_index(self, prompts: list[str], trajectory: torch.Tensor, prompt_index: torch.Tensor,
+                     step_of: torch.Tensor) -> torch.Tensor:
+        """Dense advantage group id of every sample ``[N]`` long, by ``group_by``."""
+        t = self.num_steps
         if self.group_by in ("seed", "seed_tracker"):
             group_index = trajectory * t + step_of  # [N] (prompt, seed, step)
         elif self.group_by == "prompt_tracker":
@@ -255,12 +315,4 @@ class TempFlowSampler:
         else:
             group_index = prompt_index * t + step_of  # [N] (prompt, step)
         _, group_index = torch.unique(group_index, return_inverse=True)  # [N] dense ids
-        return Rollout(
-            prompts=list(prompts), prompt_index=prompt_index, seeds=seed_t[trajectory], group_index=group_index,
-            x0=x0, images=images, rewards=rewards, transitions=trans, sigmas=sigmas,
-            step_type="sde", noise_level=float(self.noise_level), reward_components=comps, cond=cond_p,
-            layout=TempFlowStructure(trajectory=trajectory, seed_slot=trajectory % s_per, step=step_of, branch=branch,
-                                     group_by=self.group_by, branch_steps=branch_steps, step_weights=step_w,
-                                     main_rewards=main_rewards),
-            stats={"model_evals": counter.rows, "velocity_calls": counter.calls,
-                   "num_completions": float(n), "rollout_seconds": t_roll, "reward_seconds": t_score})
+        return group_index
