@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Optional, Union
 
@@ -41,6 +40,7 @@ import torch
 
 from .trainers.checkpoint import list_checkpoints
 from .trainers.config import Config, ConfigError, load_config
+from .utils.io import atomic_dir, write_json
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 EXPORT_JSON = "flowrl_export.json"
@@ -253,25 +253,18 @@ def export_run(run_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike
     if not tensors:
         raise ExportError(f"{ck / fname} holds no tensors")
     base = base_model_path(cfg, model_path)
-    # written into a sibling temporary directory, renamed into place when complete
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        if cfg.train.lora_rank > 0:
-            info = export_lora(cfg, tensors, tmp, base)
-        else:
-            info = export_full(cfg, tensors, tmp, base)
+    info: dict = {}
+
+    def write(tmp: Path) -> None:  # a sibling temporary directory, renamed into place when complete
+        tmp.mkdir(parents=True)
+        done = export_lora(cfg, tensors, tmp, base) if cfg.train.lora_rank > 0 else export_full(cfg, tensors, tmp, base)
         state = json.loads((ck / "trainer_state.json").read_text()) if (ck / "trainer_state.json").is_file() else {}
-        info = {**info, "pipeline": cfg.model.pipeline, "base_model": base, "run_dir": str(run.resolve()),
-                "checkpoint": ck.name, "iteration": state.get("iteration"), "weights": "ema" if ema else "trained",
-                "load": info["load"].replace("BASE", repr(base)).replace("OUT", repr(str(out)))}
-        (tmp / EXPORT_JSON).write_text(json.dumps(info, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        info.update({**done, "pipeline": cfg.model.pipeline, "base_model": base, "run_dir": str(run.resolve()),
+                     "checkpoint": ck.name, "iteration": state.get("iteration"), "weights": "ema" if ema else "trained",
+                     "load": done["load"].replace("BASE", repr(base)).replace("OUT", repr(str(out)))})
+        write_json(info, tmp / EXPORT_JSON)
+
+    atomic_dir(out, write)
     return info
 
 

@@ -28,15 +28,15 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import ClassVar, Optional, Sequence, Union
 
 import torch
 
 from flowrl.seeding import seeded_randn
+from flowrl.utils.io import atomic_dir
 
-from .common import DTypeArg, check_model_path, resolve_dtype, vae_decode
+from .common import DTypeArg, cfg_combine, cfg_halves, check_model_path, resolve_dtype, vae_decode
 
 FLOWRL_JSON = "flowrl.json"
 IMAGE_SIZE = 64  # pixels: the default tiny resolution
@@ -71,15 +71,7 @@ def write_atomically(out_dir: Union[str, os.PathLike], write, *, overwrite: bool
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True (CLI: --overwrite) to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    write(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+    return atomic_dir(out, write)
 
 
 def encode_with_negative(adapter, prompts: list[str], use_negative: bool) -> dict[str, torch.Tensor]:
@@ -229,6 +221,24 @@ class DiffusersPolicy:
     def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         """Batch-first conditioning from ``_encode``; with CFG also the cached ``negative_*`` tensors."""
         return encode_with_negative(self, prompts, use_negative=self.uses_negative)
+
+    # conditioning entries ``_forward(x, sigma, *entries)`` takes; CFG's negatives are ``"negative_" + key``
+    cond_keys: ClassVar[tuple[str, ...]] = ()
+
+    def velocity(self, latents: torch.Tensor, sigma, cond) -> torch.Tensor:
+        """``v_theta(x_t, sigma)`` float32 ``[B, C, h, w]`` through ``self._forward`` with the entries
+        ``cond_keys``; with guidance, ``u + s (c - u)`` (``pipelines.common.cfg_halves``: one doubled
+        batch, or in training with ``train.cfg_uncond_grad`` off the unconditional half alone under
+        ``no_grad``). Differentiable in the transformer's parameters."""
+        x = latents.to(self.device)  # [B, C, h, w]
+        b = x.shape[0]
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(b)  # [B]
+        text = (x, sigma, *(cond[k] for k in self.cond_keys))
+        if self.guidance_scale == 1.0:
+            return self._forward(*text).float()
+        uncond = (x, sigma, *(cond["negative_" + k] for k in self.cond_keys))
+        u, c = cfg_halves(self._forward, uncond, text)  # [B, C, h, w] each
+        return cfg_combine(u, c, self.guidance_scale)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents ``[B, C, h, w]`` -> float32 images ``[B, 3, f h, f w]`` in [0, 1] (f = VAE factor):

@@ -26,7 +26,7 @@ from torch import nn
 from flowrl.data.digits import DIGIT_WORDS, IMAGE_SIZE, default_cache_dir, digit_prompt, digits_dataset, parse_digit
 from flowrl.schedules import flow_sigmas
 from flowrl.seeding import seeded_randn
-from flowrl.utils.io import write_json
+from flowrl.utils.io import atomic_dir, write_json
 
 from .common import cfg_combine, cfg_halves, transformer_dtype
 
@@ -279,15 +279,13 @@ def pretrain_digits(out_dir: str | os.PathLike, config: PretrainConfig = Pretrai
             break
     summary = {"config": asdict(config), "steps_done": step + 1, "seconds": time.perf_counter() - t0,
                "final_loss": sum(losses[-100:]) / len(losses[-100:])}
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     policy = DigitsPolicy(tr.eval(), te.eval())
-    policy.save_pretrained(tmp)
-    write_json(summary, tmp / "pretrain.json")
-    if out.exists():
-        import shutil
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+
+    def write(tmp: Path) -> None:
+        policy.save_pretrained(tmp)
+        write_json(summary, tmp / "pretrain.json")
+
+    atomic_dir(out_dir, write)  # the cached base appears whole or not at all
     return summary
 
 

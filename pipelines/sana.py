@@ -29,7 +29,7 @@ import torch
 from flowrl.schedules import flow_sigmas
 
 from .base import IMAGE_SIZE, DiffusersPolicy, Resolution, resolve_resolution
-from .common import cfg_combine, cfg_halves, transformer_dtype
+from .common import transformer_dtype
 
 # Sol-RL's SANA LoRA targets (NVlabs/Sana configs/sol_rl/sana.py: attn.qkv, attn.proj, cross_attn.q_linear,
 # cross_attn.kv_linear, cross_attn.proj), in diffusers' module names: self-attention attn1 and
@@ -171,21 +171,7 @@ class SanaPolicy(DiffusersPolicy):
             out = out[:, : x.shape[1]]
         return out  # [B, C, h, w]
 
-    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
-        """``v_theta(x_t, sigma)`` float32 ``[B, C, h, w]``; ``sigma`` in [0, 1] (float or [B]).
-
-        With guidance, ``u + s (c - u)`` in float32 (``pipelines.common.cfg_halves``). Differentiable
-        in the transformer's parameters.
-        """
-        x = latents.to(self.device)  # [B, C, h, w]
-        b = x.shape[0]
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(b)  # [B]
-        if self.guidance_scale == 1.0:
-            return self._forward(x, sigma, cond["prompt_embeds"], cond["prompt_attention_mask"]).float()
-        uncond, text = cfg_halves(self._forward,  # [B, C, h, w] each
-                                  (x, sigma, cond["negative_prompt_embeds"], cond["negative_prompt_attention_mask"]),
-                                  (x, sigma, cond["prompt_embeds"], cond["prompt_attention_mask"]))
-        return cfg_combine(uncond, text, self.guidance_scale)
+    cond_keys = ("prompt_embeds", "prompt_attention_mask")  # _forward(x, sigma, *these) (base velocity)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """``[num_steps + 1]`` float32 from 1 to 0: ``flow_sigmas(num_steps, shift, schedule)``."""

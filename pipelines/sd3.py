@@ -15,7 +15,7 @@ import torch
 from flowrl.schedules import flow_sigmas
 
 from .base import IMAGE_SIZE, DiffusersPolicy, Resolution, resolve_resolution
-from .common import cfg_combine, cfg_halves, transformer_dtype
+from .common import transformer_dtype
 
 # Flow-GRPO's LoRA targets for SD3.5 (scripts/train_sd3.py: r=32, alpha=64, gaussian init): every
 # projection of the joint attention, image stream (to_*) and text stream (add_*_proj, to_add_out).
@@ -128,22 +128,7 @@ class SD3Policy(DiffusersPolicy):
                                 encoder_hidden_states=pe.to(self.device, dtype),
                                 pooled_projections=pooled.to(self.device, dtype), return_dict=False)[0]
 
-    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
-        """``v_theta(x_t, sigma)`` float32 ``[B, C, h, w]``; ``sigma`` in [0, 1] (float or [B]).
-
-        With guidance, ``u + s (c - u)`` in float32 (``pipelines.common.cfg_halves``: one doubled
-        batch ``[uncond; cond]``; in training with ``train.cfg_uncond_grad`` off, the unconditional
-        half alone under ``no_grad``). Differentiable in the transformer's parameters.
-        """
-        x = latents.to(self.device)  # [B, C, h, w]
-        b = x.shape[0]
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(b)  # [B]
-        if self.guidance_scale == 1.0:
-            return self._forward(x, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"]).float()
-        uncond, text = cfg_halves(self._forward,  # [B, C, h, w] each
-                                  (x, sigma, cond["negative_prompt_embeds"], cond["negative_pooled_prompt_embeds"]),
-                                  (x, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"]))
-        return cfg_combine(uncond, text, self.guidance_scale)
+    cond_keys = ("prompt_embeds", "pooled_prompt_embeds")  # _forward(x, sigma, *these) (base velocity)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """``[num_steps + 1]`` float32 from 1 to 0: ``flow_sigmas(num_steps, shift, schedule)``."""

@@ -106,7 +106,7 @@ def test_random_sigkill_then_resume(tiny_digits_dir, tmp_path, reference_weights
                 p.wait(timeout=60)
         assert p.returncode == -signal.SIGKILL
         assert not (run / "summary.json").exists()  # killed before the end of training
-        assert seen < max(_checkpoint_iterations(run)) < N_ITER
+        assert seen <= max(_checkpoint_iterations(run)) < N_ITER  # no checkpoint lost, the last one not written
         _assert_no_half_written(run)
     r = subprocess.run(_cmd(run, tiny_digits_dir, resume=True), capture_output=True, text=True, env=_env(), timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]

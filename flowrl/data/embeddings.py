@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+
+from ..utils.io import atomic_write, write_json
 
 INDEX = "index.json"
 SHARED = "shared.safetensors"
@@ -189,9 +190,7 @@ class TextEmbeddingCache:
         from safetensors.torch import save_file
 
         name = f"emb-{idx:05d}.safetensors"
-        tmp = self.directory / (name + ".tmp")
-        save_file(rows, str(tmp))
-        os.replace(tmp, self.directory / name)
+        atomic_write(self.directory / name, lambda tmp: save_file(rows, str(tmp)))
         return name
 
     def _write_index(self) -> None:
@@ -199,15 +198,13 @@ class TextEmbeddingCache:
 
         self.directory.mkdir(parents=True, exist_ok=True)
         if self.shared and not (self.directory / SHARED).exists():
-            save_file({k: v.contiguous() for k, v in self.shared.items()}, str(self.directory / (SHARED + ".tmp")))
-            os.replace(self.directory / (SHARED + ".tmp"), self.directory / SHARED)
+            shared = {k: v.contiguous() for k, v in self.shared.items()}
+            atomic_write(self.directory / SHARED, lambda tmp: save_file(shared, str(tmp)))
         shards = [{"file": f, "prompts": [p for p, (s, _) in self._where.items() if s == i]}
                   for i, f in enumerate(self._shards) if isinstance(f, str)]
         doc = {"version": 1, "fingerprint": self.fingerprint, "keys": self.keys, "shared": sorted(self.shared),
                "shards": shards}
-        tmp = self.directory / (INDEX + ".tmp")
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, self.directory / INDEX)
+        write_json(doc, self.directory / INDEX, indent=None)
 
     @classmethod
     def load(cls, directory: str, fingerprint: Optional[str] = None) -> "TextEmbeddingCache":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Union
 
@@ -56,6 +57,26 @@ def atomic_write(path: PathLike, write: Callable[[Path], None]) -> Path:
         raise
     fsync_dir(path.parent)
     return path
+
+
+def atomic_dir(out_dir: PathLike, write: Callable[[Path], None]) -> Path:
+    """Create or replace the directory ``out_dir`` as a whole: ``write(tmp)`` fills the temporary
+    sibling ``.<name>.tmp-<pid>``, which is then renamed into place (an existing ``out_dir`` is
+    removed just before), so a crash during ``write`` leaves the old directory or none, never a
+    half-written one. On an error the temporary directory is removed. Returns ``out_dir``."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    fsync_dir(out.parent)
+    return out
 
 
 def write_text(path: PathLike, text: str) -> Path:
