@@ -33,6 +33,7 @@ from ..builders import build_policy_from_config, build_reward, evaluate_policy
 from ..updates.base import UpdateContext
 from ..updates.offline_gdro import OfflineGDROUpdate, ranking_rewards, sample_t  # noqa: F401 (public here too)
 from .reporting import save_grid
+from ..utils.paths import resolve_device
 from ..utils.io import write_json
 
 # keys that may change between a run and its resume without changing its trajectory
@@ -65,9 +66,7 @@ def dataset_rewards(cfg: Config) -> dict:
 
 
 def _device(cfg: Config):
-    if cfg.model.device != "auto":
-        return torch.device(cfg.model.device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return resolve_device(cfg.model.device)
 
 
 def model_description(cfg: Config) -> dict:
@@ -120,7 +119,7 @@ def rescore_offline(dataset: str, reward_name: str, options: Optional[dict] = No
         if "pipeline" not in m:
             raise ConfigError(f"{dataset}: the index does not name its model; pass --config RECIPE to decode latents")
         policy = build_policy(m["pipeline"], m.get("path"), guidance_scale=m.get("guidance_scale", 1.0),
-                              device=torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+                              device=resolve_device("auto"),
                               **(m.get("options") or {}))
     ds.close()
     reward = build(reward_name, **(options or {}))
