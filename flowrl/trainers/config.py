@@ -27,6 +27,7 @@ __all__ = ["Config", "ConfigError", "ModelConfig", "SamplerConfig", "RewardConfi
 
 # train.loss values: the online updates registered in flowrl.updates.UPDATES
 LOSSES = online_losses()
+SHARDINGS = ("none", "fsdp")  # train.sharding: DDP replicas, or FSDP2 shards (flowrl.trainers.sharding)
 
 
 @dataclass
@@ -172,6 +173,11 @@ class TrainConfig:
                           "err_ref), per-image mean squared velocity errors (GDRO: 12 for OCR, 6 for GenEval)", 12.0)
     pref_tau: float = _h("alias of loss_options.tau for gdro: temperature of the Plackett-Luce target over rewards "
                          "(0 = hard ranking)", 0.05)
+    sharding: str = _h("'none' (DDP: every process holds the whole model) or 'fsdp' (FSDP2: parameters, gradients "
+                       "and optimizer states sharded per transformer block over the processes; checkpoints through "
+                       "torch.distributed.checkpoint). See docs/cluster.md", "none")
+    cpu_offload: bool = _h("with sharding=fsdp, keep the sharded parameters, gradients and optimizer states in CPU "
+                           "memory (FSDP2 CPUOffloadPolicy; GPU memory for the largest models, at a speed cost)", False)
     mode: str = _h("'online' (rollouts + GRPO family, section sampler) or 'offline' (GDRO on a dataset from "
                    "`flowrl generate-offline`, section offline)", "online")
 
@@ -199,6 +205,10 @@ class TrainConfig:
 
         if self.kl_form not in KL_FORMS:
             raise ConfigError(f"train.kl_form must be one of {', '.join(KL_FORMS)}, got {self.kl_form!r}")
+        if self.sharding not in SHARDINGS:
+            raise ConfigError(f"train.sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
+        if self.cpu_offload and self.sharding != "fsdp":
+            raise ConfigError("train.cpu_offload=true needs train.sharding=fsdp (it offloads the FSDP shards)")
         if self.mode not in ("online", "offline"):
             raise ConfigError(f"train.mode must be 'online' or 'offline', got {self.mode!r}")
         if self.loss not in LOSSES:
