@@ -29,7 +29,8 @@ class BackendUnavailable(ValueError):
 def unwrap_model(module: nn.Module) -> nn.Module:
     """The bare module inside (Distributed)DataParallel and ``torch.compile`` (``_orig_mod``) wrappers.
 
-    FSDP-sharded modules are not unwrapped: a copy of a shard is not the model.
+    FSDP2-sharded modules are not unwrapped (a copy of a shard is not the model): :func:`merged_copy`
+    gathers them whole (``flowrl.utils.sharded.unsharded_copy``).
     """
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
@@ -56,8 +57,10 @@ def merged_copy(module: nn.Module) -> nn.Module:
     (``W + scaling * B @ A``) and replaced by that base layer; disabled adapters are dropped
     unmerged. The copy shares no tensor with ``module``.
     """
+    from ..utils.sharded import is_sharded, unsharded_copy
+
     src = unwrap_model(module)
-    dst = copy.deepcopy(src)
+    dst = unsharded_copy(src) if is_sharded(src) else copy.deepcopy(src)  # sharded: gathered (collective)
     try:
         from peft.tuners.tuners_utils import BaseTunerLayer
     except ImportError:  # no peft: nothing can carry an adapter

@@ -84,8 +84,14 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def load_checkpoint(path: Path) -> dict:
-    """Read a checkpoint directory -> dict(trainable, ema, optimizer, scheduler, torch_rng, state)."""
+    """Read a checkpoint directory -> dict(trainable, ema, optimizer, scheduler, torch_rng, state). A sharded
+    checkpoint (``train.sharding=fsdp``) comes back with whole tensors and ``optimizer`` None
+    (``checkpoint_sharded.load_full_checkpoint``)."""
+    from .checkpoint_sharded import is_sharded_checkpoint, load_full_checkpoint
+
     try:
+        if is_sharded_checkpoint(path):
+            return load_full_checkpoint(path)
         state = json.loads((path / STATE_FILE).read_text())
         out = {"state": state, "trainable": load_file(str(path / "trainable.safetensors"))}
         out["ema"] = load_file(str(path / "ema.safetensors")) if (path / "ema.safetensors").exists() else None

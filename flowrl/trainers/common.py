@@ -15,8 +15,10 @@ import torch
 from ..diagnostics import high_frequency_energy, within_group_diversity
 from ..rollout.base import score_images
 from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+from .checkpoint_sharded import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 from .config import Config, ConfigError, dump_config, load_config
 from .reporting import MetricsLog, plot_curves, read_metrics
+from .sharding import check_launcher, clip_grad_norm, shard_model
 from .weights import EMA, Reference, add_lora, load_trainable_state, trainable_state
 from ..utils.io import write_text
 
@@ -92,10 +94,24 @@ class TrainerBase:
         trackers = list(cfg.logging.trackers)
         # cpu=True lets accelerate form a gloo (MULTI_CPU) world under torchrun when there is no GPU
         on_cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
+        # step_scheduler_with_optimizer=False: one scheduler step per call (accelerate would otherwise step it
+        # num_processes times, making train.warmup_iterations depend on the number of processes)
         self.acc = Accelerator(cpu=on_cpu, mixed_precision=cfg.train.mixed_precision, log_with=trackers or None,
+                               step_scheduler_with_optimizer=False,
                                project_config=ProjectConfiguration(project_dir=str(self.run_dir),
                                                                    logging_dir=str(self.run_dir / "logs")))
+        check_launcher(self.acc.distributed_type, cfg.train.sharding)
         return self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
+
+    @property
+    def sharded(self) -> bool:
+        """``train.sharding=fsdp``: the transformer is FSDP2-sharded over the processes (trainers/sharding.py)."""
+        return self.cfg.train.sharding == "fsdp"
+
+    @property
+    def evaluates_here(self) -> bool:
+        """Evaluation runs on the main process, and on every process when sharded (forwards are collective)."""
+        return self.acc.is_main_process or self.sharded
 
     def _prepare_model(self, need_reference: bool) -> None:
         """LoRA (seeded init) or full fine-tune on ``self.policy.transformer``, the reference (the
@@ -110,13 +126,21 @@ class TrainerBase:
         else:
             tr.requires_grad_(True)
         self.ref = Reference(tr, need=need_reference)
+        if self.sharded:  # FSDP2 in place (blocks, then the root); a full fine-tune's frozen reference too
+            for m in (tr, self.ref.copy):
+                if m is not None:
+                    shard_model(m, self.acc.device, mixed_precision=cfg.train.mixed_precision,
+                                cpu_offload=cfg.train.cpu_offload)
         self.params = [p for p in tr.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         warm = cfg.train.warmup_iterations
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: min(1.0, (it + 1) / warm) if warm else 1.0)
-        self.model, self.opt, self.sched = self.acc.prepare(tr, opt, sched)
+        if self.sharded:  # not through accelerate.prepare, which would wrap the sharded model in DDP
+            self.model, self.opt, self.sched = tr, opt, sched
+        else:
+            self.model, self.opt, self.sched = self.acc.prepare(tr, opt, sched)
         self.policy.transformer = self.model
-        self.unwrapped = self.acc.unwrap_model(self.model)
+        self.unwrapped = self.model if self.sharded else self.acc.unwrap_model(self.model)
         self.ema = EMA(self.unwrapped, cfg.train.ema_decay) if cfg.train.ema else None
         self.opt_steps = self.skipped = self.consecutive_skips = 0
 
@@ -134,15 +158,21 @@ class TrainerBase:
     # ---------------------------------------------------------------- checkpoints
     def _save(self, done: int, state: Optional[dict] = None, extra: Optional[dict] = None) -> None:
         """Checkpoint after ``done`` iterations/steps (main process writes; everyone waits)."""
+        counters = {"opt_steps": self.opt_steps, "skipped": self.skipped, "consecutive_skips": self.consecutive_skips,
+                    **(state or {})}
+        if self.sharded:  # every process writes its shards (collective)
+            save_sharded_checkpoint(self.run_dir / "checkpoints", done, model=self.model, optimizer=self.opt,
+                                    scheduler=self.sched.state_dict(), state=counters,
+                                    ema=self.ema.shadow if self.ema else None, extra=extra or {},
+                                    keep=self.cfg.train.keep_checkpoints, is_main=self.acc.is_main_process,
+                                    barrier=self.acc.wait_for_everyone)
+            return
         self.acc.wait_for_everyone()
         if self.acc.is_main_process:
             save_checkpoint(self.run_dir / "checkpoints", done,
                             trainable=trainable_state(self.unwrapped), optimizer=self.opt.state_dict(),
                             scheduler=self.sched.state_dict(), ema=self.ema.shadow if self.ema else None,
-                            extra=extra or None,
-                            state={"opt_steps": self.opt_steps, "skipped": self.skipped,
-                                   "consecutive_skips": self.consecutive_skips, **(state or {})},
-                            keep=self.cfg.train.keep_checkpoints)
+                            extra=extra or None, state=counters, keep=self.cfg.train.keep_checkpoints)
         self.acc.wait_for_everyone()
 
     def _load_latest(self) -> Optional[dict]:
@@ -153,24 +183,34 @@ class TrainerBase:
             return None
         for path in reversed(ckpts):
             try:
-                ck = load_checkpoint(path)
+                ck = self._read_checkpoint(path)
                 break
             except CheckpointError as e:
                 self.acc.print(f"[flowrl] WARNING: {e}")
                 if path == ckpts[0]:
                     raise CheckpointError(f"no readable checkpoint in {self.run_dir / 'checkpoints'}; the newest "
                                           f"error: {e}") from None
-        load_trainable_state(self.unwrapped, ck["trainable"])
-        self.opt.load_state_dict(ck["optimizer"])
+        if not self.sharded:  # (sharded: restored in place by _read_checkpoint)
+            load_trainable_state(self.unwrapped, ck["trainable"])
+            self.opt.load_state_dict(ck["optimizer"])
+            if self.ema is not None and ck["ema"] is not None:
+                self.ema.shadow = ck["ema"]
         self.sched.load_state_dict(ck["scheduler"])
         torch.set_rng_state(ck["torch_rng"])
-        if self.ema is not None and ck["ema"] is not None:
-            self.ema.shadow = ck["ema"]
         st = ck["state"]
         self.opt_steps, self.skipped = int(st["opt_steps"]), int(st["skipped"])
         self.consecutive_skips = int(st["consecutive_skips"])
         self.acc.print(f"[flowrl] resumed from {path} ({self.unit} {int(st['iteration'])})")
         return ck
+
+    def _read_checkpoint(self, path: Path) -> dict:
+        """One checkpoint: read (unsharded), or restored into the sharded model, optimizer and EMA (collective)."""
+        if not self.sharded:
+            return load_checkpoint(path)
+        if not is_sharded_checkpoint(path):
+            raise CheckpointError(f"{path} is not a sharded checkpoint (written with train.sharding=none)")
+        return load_sharded_checkpoint(path, model=self.model, optimizer=self.opt,
+                                       ema=self.ema.shadow if self.ema is not None else None)
 
     # ---------------------------------------------------------------- optimizer
     def _finite_everywhere(self, ok: torch.Tensor) -> torch.Tensor:
@@ -225,8 +265,11 @@ class TrainerBase:
         """Clip, then step if every loss of the group (``loss_ok`` [G] bool) and the gradient norm are
         finite on every process, else skip (:meth:`_take_step`); one host read. Returns the per-pass
         flags and the norm (NaN when a loss was not finite), a 0-dim tensor."""
-        norm = torch.as_tensor(self.acc.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm),
-                               dtype=torch.float32, device=loss_ok.device)  # unscales fp16 gradients first
+        if self.sharded:
+            norm = clip_grad_norm(self.params, self.cfg.train.max_grad_norm).to(loss_ok.device)
+        else:
+            norm = torch.as_tensor(self.acc.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm),
+                                   dtype=torch.float32, device=loss_ok.device)  # unscales fp16 gradients first
         losses_ok = loss_ok.all()
         ok = self._finite_everywhere(losses_ok & torch.isfinite(norm))
         read = torch.cat([loss_ok.float(), ok.float().reshape(1).to(loss_ok.device)]).tolist()  # the one sync
@@ -325,7 +368,7 @@ class TrainerBase:
 
     def _shutdown(self) -> None:
         self.acc.end_training()
-        if self.acc.num_processes > 1 and torch.distributed.is_initialized():
+        if torch.distributed.is_initialized():  # (also the one-process group of train.sharding=fsdp)
             self.acc.wait_for_everyone()
             torch.distributed.destroy_process_group()  # else gloo/NCCL processes abort at exit
 

@@ -289,10 +289,11 @@ class OfflineTrainer(TrainerBase):
 
     # ---------------------------------------------------------------- the loop
     def _eval_and_log(self, step: int) -> None:
-        em, imgs = self.evaluate(step)
+        em, imgs = self.evaluate(step)  # (every process when sharded: its forwards are collective)
         self._log(em)
-        save_grid(imgs, self.run_dir / "samples" / f"eval_{step:06d}.png", nrow=self.cfg.data.eval_seeds_per_prompt,
-                  scale=max(1, 64 // imgs.shape[-1]))
+        if self.acc.is_main_process:
+                save_grid(imgs, self.run_dir / "samples" / f"eval_{step:06d}.png",
+                      nrow=self.cfg.data.eval_seeds_per_prompt, scale=max(1, 64 // imgs.shape[-1]))
 
     def train(self) -> dict:
         from tqdm.auto import tqdm
@@ -300,8 +301,8 @@ class OfflineTrainer(TrainerBase):
         self._begin()
         cfg, lg = self.cfg, self.cfg.logging
         n = self.total_steps
-        if self.start_step == 0 and self.acc.is_main_process:
-            real = self._real_data_reference()
+        if self.start_step == 0 and self.evaluates_here:
+            real = self._real_data_reference() if self.acc.is_main_process else {}
             if real:
                 self._log({**real, "iteration": 0})
             self._eval_and_log(0)
@@ -314,7 +315,7 @@ class OfflineTrainer(TrainerBase):
             if step % lg.log_every == 0 or done == n:
                 self._log(met)
             bar.set_postfix(loss=f"{met.get('loss', float('nan')):.3f}", acc=f"{met.get('top1_accuracy', float('nan')):.2f}")
-            if self.acc.is_main_process and (done % cfg.offline.eval_every == 0 or done == n):
+            if self.evaluates_here and (done % cfg.offline.eval_every == 0 or done == n):
                 self._eval_and_log(done)
             if done % cfg.train.checkpoint_every == 0 or done == n or self._stop_requested:
                 self._save(done)

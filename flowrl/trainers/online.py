@@ -186,11 +186,11 @@ class OnlineTrainer(TrainerBase):
         cfg, lg = self.cfg, self.cfg.logging
         n_it = cfg.train.iterations
         eval_nrow = cfg.data.eval_seeds_per_prompt
-        if self.start_iteration == 0 and self.acc.is_main_process:
-            real = self._real_data_reference()
+        if self.start_iteration == 0 and self.evaluates_here:
             em, imgs = self.evaluate(0)
-            self._log({**em, **real, "iteration": 0})
-            save_grid(imgs, self.run_dir / "samples" / "eval_000000.png", nrow=eval_nrow, scale=4)
+            if self.acc.is_main_process:
+                self._log({**em, **self._real_data_reference(), "iteration": 0})
+                save_grid(imgs, self.run_dir / "samples" / "eval_000000.png", nrow=eval_nrow, scale=4)
         bar = tqdm(range(self.start_iteration, n_it), initial=self.start_iteration, total=n_it, desc="flowrl train",
                    disable=not (lg.progress and self.acc.is_main_process), dynamic_ncols=True)
         last = self.start_iteration
@@ -203,10 +203,11 @@ class OnlineTrainer(TrainerBase):
             bar.set_postfix(reward=f"{res.metrics['reward_mean']:.3f}", loss=f"{res.metrics.get('loss', float('nan')):.2e}")
             if self.acc.is_main_process and (done % lg.image_every == 0 or done == n_it):
                 save_grid(res.rollout.images[: 8 * 8], self.run_dir / "samples" / f"train_{done:06d}.png", nrow=8, scale=4)
-            if self.acc.is_main_process and (done % lg.eval_every == 0 or done == n_it):
+            if self.evaluates_here and (done % lg.eval_every == 0 or done == n_it):
                 em, imgs = self.evaluate(done)
-                self._log(em)
-                save_grid(imgs, self.run_dir / "samples" / f"eval_{done:06d}.png", nrow=eval_nrow, scale=4)
+                self._log(em)  # (main process only)
+                if self.acc.is_main_process:
+                    save_grid(imgs, self.run_dir / "samples" / f"eval_{done:06d}.png", nrow=eval_nrow, scale=4)
             if done % cfg.train.checkpoint_every == 0 or done == n_it or self._stop_requested:
                 self._save(done)
             if self._stop_requested:
@@ -221,7 +222,10 @@ class OnlineTrainer(TrainerBase):
         return summary
 
     def _ranks_in_sync(self) -> bool:
-        """Whether every process holds the same trained weights (checksums gathered over ranks)."""
+        """Whether every process holds the same trained weights (checksums gathered over ranks). Sharded:
+        one copy of the weights exists, split over the processes, so there is nothing to diverge."""
+        if self.sharded:
+            return True
         with torch.no_grad():
             ps = [p.detach().double() for p in self.unwrapped.parameters() if p.requires_grad]
             sig = torch.stack([sum(p.sum() for p in ps), sum((p * p).sum() for p in ps)]).view(1, 2)
