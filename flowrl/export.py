@@ -39,6 +39,7 @@ from typing import Optional, Union
 import torch
 
 from .trainers.checkpoint import list_checkpoints
+from .trainers.checkpoint_sharded import is_sharded_checkpoint, read_full_tensors
 from .trainers.config import Config, ConfigError, load_config
 from .utils.io import atomic_dir, write_json
 
@@ -62,7 +63,7 @@ def resolve_checkpoint(run_dir: Path, checkpoint: Optional[Union[str, os.PathLik
             p = run_dir / "checkpoints" / str(checkpoint)
         if p.is_file() and p.name.endswith(".safetensors"):
             p = p.parent
-        if not (p / "trainable.safetensors").is_file():
+        if not (p / "trainable.safetensors").is_file() and not is_sharded_checkpoint(p):
             have = ", ".join(c.name for c in list_checkpoints(run_dir / "checkpoints")) or "none"
             raise ExportError(f"--checkpoint {checkpoint}: not a checkpoint directory (no trainable.safetensors). "
                               f"Checkpoints of {run_dir}: {have}")
@@ -72,6 +73,17 @@ def resolve_checkpoint(run_dir: Path, checkpoint: Optional[Union[str, os.PathLik
         raise ExportError(f"run {run_dir} has no checkpoint yet (checkpoints/iter_NNNNNN is written every "
                           f"train.checkpoint_every iterations and at the end); train it first or wait for one")
     return ckpts[-1]
+
+
+def checkpoint_weights(ck: Path, group: str) -> Optional[dict]:
+    """The whole ``trainable`` or ``ema`` tensors of a checkpoint (a sharded one is gathered from its
+    shards on this process), or None when it has none."""
+    from safetensors.torch import load_file
+
+    if is_sharded_checkpoint(ck):
+        return read_full_tensors(ck, group)
+    f = ck / f"{group}.safetensors"
+    return load_file(str(f)) if f.is_file() else None
 
 
 def base_model_path(cfg: Config, model_path: Optional[str] = None) -> str:
@@ -232,8 +244,6 @@ def export_run(run_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike
         model_path: the base model (directory or hub id) if not the run's ``model.path``.
         overwrite: replace a previous export in ``out_dir`` (a directory holding ``flowrl_export.json``).
     """
-    from safetensors.torch import load_file
-
     run, out = Path(run_dir), Path(out_dir)
     if not (run / "config.yaml").is_file():
         raise ExportError(f"{run} is not a flowrl run directory (no config.yaml)")
@@ -241,7 +251,8 @@ def export_run(run_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike
     adapter_class(cfg.model.pipeline)  # raises the explanation when the adapter declares no export writer
     ck = resolve_checkpoint(run, checkpoint)
     fname = "ema.safetensors" if ema else "trainable.safetensors"
-    if not (ck / fname).is_file():
+    tensors = checkpoint_weights(ck, "ema" if ema else "trainable")
+    if tensors is None:
         raise ExportError(f"{ck} has no {fname}: the run was trained without train.ema; export without --ema")
     if out.exists() and any(out.iterdir()):
         if not overwrite:
@@ -249,7 +260,6 @@ def export_run(run_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike
         if not (out / EXPORT_JSON).is_file():
             raise ExportError(f"--overwrite replaces only a previous export (a directory holding {EXPORT_JSON}); "
                               f"{out} is not one, so it is left alone: choose another output dir")
-    tensors = load_file(str(ck / fname))
     if not tensors:
         raise ExportError(f"{ck / fname} holds no tensors")
     base = base_model_path(cfg, model_path)

@@ -14,10 +14,11 @@ import torch
 
 from ..diagnostics import high_frequency_energy, within_group_diversity
 from ..rollout.base import score_images
+from ..types import swapped_transformer
 from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
 from .checkpoint_sharded import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 from .config import Config, ConfigError, dump_config, load_config
-from .reporting import MetricsLog, plot_curves, read_metrics
+from .reporting import MetricsLog, plot_curves, read_metrics, side_by_side  # noqa: F401 (side_by_side: public here too)
 from .sharding import check_launcher, clip_grad_norm, shard_model
 from .weights import EMA, Reference, add_lora, load_trainable_state, trainable_state
 from ..utils.io import write_text
@@ -305,6 +306,16 @@ class TrainerBase:
                     f"(train.mixed_precision={self.cfg.train.mixed_precision}).")
         self.opt.zero_grad(set_to_none=True)
 
+    @contextlib.contextmanager
+    def evaluation_model(self):
+        """Inside, ``self.policy`` evaluates the evaluation weights (the EMA when kept). Unsharded it runs the
+        bare module: a DDP forward broadcasts buffers, a collective the other processes (not evaluating)
+        would never join. Sharded it stays the FSDP module, evaluated on every process."""
+        ema = self.ema.applied(self.unwrapped) if self.ema is not None else contextlib.nullcontext()
+        bare = contextlib.nullcontext() if self.sharded else swapped_transformer(self.policy, self.unwrapped)
+        with ema, bare:
+            yield
+
     # ---------------------------------------------------------------- reporting
     def _real_data_reference(self) -> dict:
         """The evaluation metrics on real data (digits: held-out images), when the policy has them."""
@@ -384,17 +395,3 @@ def flush_stats(kept: list[tuple[str, Any]], sums: dict) -> None:
     for k, v in kept:
         val = next(read[(v.device, v.dtype)]) if isinstance(v, torch.Tensor) else float(v)
         sums[k] = sums.get(k, 0.0) + float(val)
-
-
-def side_by_side(before: Path, after: Path, out: Path) -> None:
-    """Two PNGs next to each other (white gap) -> ``out``."""
-    import numpy as np
-    from PIL import Image
-
-    from .reporting import save_png
-
-    a, b = np.asarray(Image.open(before).convert("RGB")), np.asarray(Image.open(after).convert("RGB"))
-    h = max(a.shape[0], b.shape[0])
-    pad = lambda x: np.pad(x, ((0, h - x.shape[0]), (0, 0), (0, 0)), constant_values=255)  # noqa: E731
-    gap = np.full((h, 12, 3), 255, np.uint8)
-    save_png(np.concatenate([pad(a), gap, pad(b)], axis=1), out)

@@ -16,7 +16,6 @@ Every random draw (data order, the shared ``(t, eps)`` of each group) depends on
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from typing import Optional
@@ -271,8 +270,7 @@ class OfflineTrainer(TrainerBase):
         """The online trainer's evaluation (fixed prompts and seeds, ODE), plus the corrected score
         ``r * (u - 3) + 0.2`` when ``offline.judge`` names a second judge."""
         o = self.cfg.offline
-        ctx = self.ema.applied(self.unwrapped) if self.ema is not None else contextlib.nullcontext()
-        with ctx:
+        with self.evaluation_model():
             met, images = evaluate_policy(self.policy, self.reward, self.heldout, self.eval_prompts,
                                           self.cfg.data.eval_seeds_per_prompt, o.eval_steps or o.num_steps, step)
         for name, judge in self.judge.items():

@@ -12,7 +12,6 @@ of an epoch may be shorter). A minibatch's loss is divided by the number of mini
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Mapping
@@ -173,8 +172,7 @@ class OnlineTrainer(TrainerBase):
     # ---------------------------------------------------------------- evaluation
     def evaluate(self, it: int) -> tuple[dict, torch.Tensor]:
         """Fixed prompts x fixed seeds, deterministic ODE: see :func:`evaluate_policy`."""
-        ctx = self.ema.applied(self.unwrapped) if self.ema is not None else contextlib.nullcontext()
-        with ctx:
+        with self.evaluation_model():
             return evaluate_policy(self.policy, self.reward, self.heldout, self.eval_prompts,
                                    self.cfg.data.eval_seeds_per_prompt, self.sampler.num_steps, it)
 

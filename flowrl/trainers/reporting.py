@@ -10,7 +10,7 @@ from ..utils.images import image_grid, save_grid
 from ..utils.io import save_figure, save_png, write_json, write_text
 
 __all__ = ["MetricsLog", "read_metrics", "plot_curves", "image_grid", "save_grid", "save_png", "save_figure",
-           "write_json"]  # the last five live in flowrl.utils (re-exported here)
+           "write_json", "side_by_side"]  # the last five live in flowrl.utils (re-exported here)
 
 
 class MetricsLog:
@@ -70,3 +70,15 @@ def plot_curves(records: Iterable[dict], path: Path, title: str = "") -> None:
                 ax.axhline(real, color="k", ls="--", label="real data")
         ax.set_xlabel("iteration"), ax.set_title(name), ax.legend(fontsize=8)
     save_figure(fig, path)
+
+
+def side_by_side(before: Path, after: Path, out: Path) -> None:
+    """Two PNGs next to each other (white gap) -> ``out``."""
+    import numpy as np
+    from PIL import Image
+
+    a, b = np.asarray(Image.open(before).convert("RGB")), np.asarray(Image.open(after).convert("RGB"))
+    h = max(a.shape[0], b.shape[0])
+    pad = lambda x: np.pad(x, ((0, h - x.shape[0]), (0, 0), (0, 0)), constant_values=255)  # noqa: E731
+    gap = np.full((h, 12, 3), 255, np.uint8)
+    save_png(np.concatenate([pad(a), gap, pad(b)], axis=1), out)
