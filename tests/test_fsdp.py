@@ -6,6 +6,7 @@ write, then `--resume`, ends on the uninterrupted run's weights; one process res
 checkpoint; `flowrl export` gathers the shards into the same LoRA file as the DDP run's.
 """
 import json
+import math
 import os
 import shutil
 import socket
@@ -234,3 +235,19 @@ def test_one_process_fsdp_shards_a_full_finetunes_reference(tiny_sd3, tmp_path):
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     assert not torch.distributed.is_initialized()
+
+
+def test_cpu_offload_and_bf16_mixed_precision(runs, tiny_sd3, tmp_path):
+    """train.cpu_offload keeps the shards in host memory: the same numbers as without it. Under
+    train.mixed_precision=bf16 the units compute with bf16 parameters (FSDP2 MixedPrecisionPolicy, fp32
+    gradient reduction): the run trains; its first gradient norm is near the fp32 run's, not equal to it."""
+    ref = _records(runs["fsdp"])[:2]
+    _ok(_train(tiny_sd3, tmp_path / "offload", **{**GROUP, "train.iterations": 2, "train.sharding": "fsdp",
+                                                   "train.cpu_offload": "true"}))
+    assert [(r["loss"], r["grad_norm"]) for r in _records(tmp_path / "offload")] == [(r["loss"], r["grad_norm"]) for r in ref]
+    _ok(_train(tiny_sd3, tmp_path / "bf16", **{**GROUP, "train.iterations": 2, "train.sharding": "fsdp",
+                                                "train.mixed_precision": "bf16"}))
+    bf = _records(tmp_path / "bf16")
+    a, b = ref[0]["grad_norm"], bf[0]["grad_norm"]
+    assert b != a and b == pytest.approx(a, rel=0.05)
+    assert len(bf) == 2 and all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in bf)
