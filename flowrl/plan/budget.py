@@ -121,7 +121,7 @@ def model_items(cfg, comp: MetaComponents, gpus: int) -> list[Item]:
     return items + reward_items(cfg)
 
 
-def _cfg_rows(cfg, comp: MetaComponents) -> int:
+def cfg_rows(cfg, comp: MetaComponents) -> int:
     """Rows per sample in a sampling forward: 2 with real classifier-free guidance (one doubled batch)."""
     if comp.family == "sd3":
         return 2 if cfg.model.guidance_scale > 1.0 else 1
@@ -147,7 +147,7 @@ def rollout_items(cfg, comp: MetaComponents, acts: Activations) -> list[Item]:
     """What a rollout keeps (group ``kept``) and its transients (group ``transient``: the largest counts)."""
     sampler = cfg.sampler.build()
     n = cfg.train.batch_size
-    k = _cfg_rows(cfg, comp)
+    k = cfg_rows(cfg, comp)
     h, w = acts.shapes.latent_hw
     latent = acts.shapes.latent_channels * h * w * 4
     items = []
@@ -170,7 +170,9 @@ def rollout_items(cfg, comp: MetaComponents, acts: Activations) -> list[Item]:
                    note="latents + next latents per trained step; kept through the update"),
               Item(f"rollout: denoiser forward ({rows * k} rows, no grad)", fwd, "transient",
                    note="sampler.max_batch rows" + (" x 2 (CFG)" if k == 2 else "")),
-              Item(f"rollout: VAE decode ({n} images at once)", dec, "transient"),
+              Item(f"rollout: VAE decode ({n} images at once)", dec, "transient", "gpu",
+                   f"one VAE call for the whole batch; in chunks of {rows} it would be "
+                   f"{acts.bytes('decode', rows) / 2**30:.1f} GiB"),
               Item(f"rollout: decoded images ({n}, float32)", n * 3 * acts.shapes.height * acts.shapes.width * 4,
                    "kept", "host")]
     return items
@@ -179,11 +181,11 @@ def rollout_items(cfg, comp: MetaComponents, acts: Activations) -> list[Item]:
 def train_rows(cfg, comp: MetaComponents) -> int:
     """Rows of one differentiable training forward: ``train.minibatch_size``, doubled when SD3's CFG
     runs as one batch with the gradient through both halves (``train.cfg_uncond_grad``)."""
-    k = _cfg_rows(cfg, comp)
+    k = cfg_rows(cfg, comp)
     return cfg.train.minibatch_size * (2 if k == 2 and cfg.train.cfg_uncond_grad else 1)
 
 
-def train_items(cfg, comp: MetaComponents, acts: Activations) -> list[Item]:
+def train_items(cfg, comp: MetaComponents, acts: Activations, gpus: int = 1) -> list[Item]:
     """The two activation rows (with / without gradient checkpointing; the recipe's is group ``train``)."""
     rows = train_rows(cfg, comp)
     ckpt = bool(cfg.model.options.get("gradient_checkpointing", False))
@@ -196,6 +198,12 @@ def train_items(cfg, comp: MetaComponents, acts: Activations) -> list[Item]:
         items.append(Item(f"activations, {label} gradient checkpointing ({rows} rows)", peak,
                           "train" if on == ckpt else "alternative", "gpu",
                           f"saved for backward {acts.saved(rows, on) / 2**30:.2f} GiB"))
+    tr = comp.transformer
+    fsdp = cfg.train.sharding == "fsdp"
+    n = gpus if fsdp else 1
+    items.append(Item("AdamW step: foreach temporaries (~1 x trained tensors)", -(-module_bytes(tr, trainable=True) // n),
+                      "step", "host" if fsdp and cfg.train.cpu_offload else "gpu",
+                      "after backward, activations freed" + (f"; / {n} (FSDP)" if n > 1 else "")))
     if cfg.train.loss == "nft":
         h, w = acts.shapes.latent_hw
         items.append(Item("NFT update: x0 + noise of the batch (float32)",

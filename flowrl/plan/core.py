@@ -43,6 +43,7 @@ class Plan:
     resident_bytes: int
     rollout_bytes: int  # rollout phase above the resident set
     train_bytes: int  # training phase above the resident set
+    step_bytes: int  # optimizer step above the resident set
     peak_bytes: int
     host_bytes: int  # per process, CPU memory (offloaded shards, images, CPU rewards)
     transformer_params: int
@@ -66,7 +67,7 @@ def plan_memory(cfg, gpus: int = 1, gpu_memory: int = 80 * GiB, recipe: str = ""
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"--gpus must be a positive integer, got {gpus!r}")
     comp, acts = measured_setup(cfg)
-    items = model_items(cfg, comp, gpus) + rollout_items(cfg, comp, acts) + train_items(cfg, comp, acts)
+    items = model_items(cfg, comp, gpus) + rollout_items(cfg, comp, acts) + train_items(cfg, comp, acts, gpus)
     gpu = [i for i in items if i.where == "gpu"]
     resident = sum(i.bytes for i in gpu if i.group == "resident")
     kept = sum(i.bytes for i in gpu if i.group == "kept")
@@ -74,12 +75,13 @@ def plan_memory(cfg, gpus: int = 1, gpu_memory: int = 80 * GiB, recipe: str = ""
     stored = sum(i.bytes for i in gpu if i.group == "kept" and "stored transitions" in i.name)
     train = stored + sum(i.bytes for i in gpu if i.group == "train")
     rollout = kept + transient
+    step = stored + sum(i.bytes for i in gpu if i.group == "step")
     t = cfg.train
     settings = {"sharding": t.sharding, "cpu_offload": t.cpu_offload, "lora_rank": t.lora_rank,
                 "minibatch_size": t.minibatch_size, "batch_size": t.batch_size,
                 "gradient_checkpointing": bool(cfg.model.options.get("gradient_checkpointing", False)),
                 "resolution": [acts.shapes.height, acts.shapes.width], "text_tokens": acts.shapes.text_tokens,
                 "model": comp.source}
-    return Plan(recipe, gpus, int(gpu_memory), items, resident, rollout, train, resident + max(rollout, train),
+    return Plan(recipe, gpus, int(gpu_memory), items, resident, rollout, train, step, resident + max(rollout, train, step),
                 sum(i.bytes for i in items if i.where == "host"), num_params(comp.transformer, trainable=None)
                 - (num_params(comp.transformer, trainable=True) if t.lora_rank > 0 else 0), settings)

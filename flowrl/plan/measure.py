@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from .activations import transformer_inputs
-from .budget import _cfg_rows, train_rows
+from .budget import cfg_rows, train_rows
 from .core import measured_setup
 from .models import module_bytes
 
@@ -119,7 +119,7 @@ def measure_recipe(cfg, device=None) -> dict:
     trained = module_bytes(tr, trainable=True)
     ckpt = bool(cfg.model.options.get("gradient_checkpointing", False))
     rows_t = train_rows(cfg, comp)
-    rows_i = min(cfg.sampler.options.get("max_batch") or cfg.train.batch_size, cfg.train.batch_size) * _cfg_rows(cfg, comp)
+    rows_i = min(cfg.sampler.options.get("max_batch") or cfg.train.batch_size, cfg.train.batch_size) * cfg_rows(cfg, comp)
     planned = {"train": module_bytes(tr) + 3 * trained + acts.bytes("train", rows_t, ckpt),
                "infer": module_bytes(tr) + acts.bytes("infer", rows_i)}
     measured = {"train": peak(lambda: _train(cfg, comp, shapes, rows_t, device)),
@@ -129,3 +129,25 @@ def measure_recipe(cfg, device=None) -> dict:
         out[k] = {"measured_bytes": int(measured[k]), "planned_bytes": int(planned[k]),
                   "relative_error": (planned[k] - measured[k]) / max(measured[k], 1)}
     return out
+
+
+def write_check_model(out_dir, num_layers: int = 12, heads: int = 4, resolution: int = 256, seed: int = 0):
+    """A mid-size SD3 (``num_layers`` MMDiT blocks, the first three with dual attention, ``heads`` x 64
+    wide; tiny text encoders and VAE) saved as a diffusers directory: large enough that weights and
+    activations are tens to hundreds of MB, small enough to train a step on a CPU in seconds."""
+    from pathlib import Path
+
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    from ..pipelines.sd3 import SD3Policy
+
+    comps = SD3Policy.tiny_components("sd3", 64, seed)
+    torch.manual_seed(seed)
+    comps["transformer"] = SD3Transformer2DModel(
+        sample_size=resolution // 8, patch_size=2, in_channels=16, out_channels=16, num_layers=num_layers,
+        attention_head_dim=64, num_attention_heads=heads, joint_attention_dim=64, caption_projection_dim=64 * heads,
+        pooled_projection_dim=64, pos_embed_max_size=resolution // 8, dual_attention_layers=tuple(range(min(3, num_layers))),
+        qk_norm="rms_norm")
+    StableDiffusion3Pipeline(**comps).save_pretrained(str(out_dir))
+    (Path(out_dir) / "flowrl.json").write_text(json.dumps({"kind": "sd3", "resolution": resolution}))
+    return Path(out_dir)

@@ -7,7 +7,7 @@ from .core import GiB, Plan
 
 _UNITS = {"": GiB, "gib": GiB, "gb": 10 ** 9, "mib": 2 ** 20, "mb": 10 ** 6, "tib": 2 ** 40, "tb": 10 ** 12}
 GROUP_TITLES = {"resident": "resident (whole run)", "kept": "rollout: kept", "transient": "rollout: transients (largest counts)",
-                "train": "training pass", "alternative": "not used by this recipe"}
+                "train": "training pass", "step": "optimizer step", "alternative": "not used by this recipe"}
 
 
 def parse_memory(text: str) -> int:
@@ -45,6 +45,7 @@ def format_plan(plan: Plan) -> str:
     lines += [f"  {'resident':<{width}}{_gib(plan.resident_bytes)}",
               f"  {'+ rollout phase (kept + largest transient)':<{width}}{_gib(plan.rollout_bytes)}",
               f"  {'+ training phase (stored transitions + activations)':<{width}}{_gib(plan.train_bytes)}",
+              f"  {'+ optimizer step (stored transitions + step temporaries)':<{width}}{_gib(plan.step_bytes)}",
               f"  {'peak per GPU = resident + max(phases)':<{width}}{_gib(plan.peak_bytes)}  {verdict} in "
               f"{plan.gpu_memory_bytes / GiB:.1f} GiB",
               f"  {'host memory per process':<{width}}{_gib(plan.host_bytes)}"]
