@@ -23,10 +23,13 @@ from typing import Callable
 
 import torch
 
+from ..trainers.config_base import ConfigError
 from .activations import transformer_inputs
 from .budget import cfg_rows, train_rows
 from .core import measured_setup
 from .models import module_bytes
+
+CPU_LIMIT_BYTES = 2 * 2 ** 30  # the largest transformer --measure builds on a CPU
 
 
 def cpu_peak(fn: Callable[[], None]) -> int:
@@ -113,6 +116,11 @@ def measure_recipe(cfg, device=None) -> dict:
     """Measured vs planned peak bytes of the training pass and the sampling forward (module doc)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     comp, acts = measured_setup(cfg)
+    if device.type == "cpu" and module_bytes(comp.transformer) > CPU_LIMIT_BYTES:
+        raise ConfigError(f"--measure on the CPU builds the transformer for real: "
+                          f"{module_bytes(comp.transformer) / 2**30:.1f} GiB of weights is too large for a CPU check "
+                          f"(limit {CPU_LIMIT_BYTES / 2**30:.0f} GiB); run it on a GPU, or on a smaller model directory "
+                          f"(flowrl.plan.measure.write_check_model)")
     shapes = acts.shapes
     peak = cuda_peak if device.type == "cuda" else cpu_peak
     tr = comp.transformer
