@@ -95,6 +95,12 @@ def test_bad_gpu_memory_is_a_clear_error(bad, capsys):
     assert "--gpu-memory" in err and "80GiB" in err
 
 
+def test_bad_gpus_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--config", "recipes/sd3_group_pickscore.yaml", "--gpus", "0"])
+    assert e.value.code == 2 and "positive number of processes" in capsys.readouterr().err
+
+
 def test_measure_refuses_a_full_size_model_on_the_cpu():
     from flowrl.plan.measure import measure_recipe
 

@@ -15,6 +15,12 @@ def _memory(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _gpus(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--gpus {text!r}: give a positive number of processes (one GPU each)")
+    return int(text)
+
+
 def plan_command(a) -> int:
     from ..trainers.config import load_config
     from .core import plan_memory
@@ -42,7 +48,7 @@ def add_plan_parser(sub) -> None:
     """`flowrl plan`: register the sub-command on the top-level sub-parsers."""
     p = sub.add_parser("plan", help="per-GPU memory plan of a recipe (meta-device models, no download)")
     p.add_argument("--config", required=True, help="recipe YAML, e.g. recipes/sd3_group_pickscore.yaml")
-    p.add_argument("--gpus", type=int, default=1, help="processes (one GPU each); FSDP shards over them")
+    p.add_argument("--gpus", type=_gpus, default=1, help="processes (one GPU each); FSDP shards over them")
     p.add_argument("--gpu-memory", type=_memory, default="80GiB",
                    help="memory per GPU: 80GiB, 80GB (10^9 bytes), 141GiB, or a number of GiB")
     p.add_argument("--json", default=None, help="also write the plan as JSON here")
