@@ -198,13 +198,20 @@ def _add_bench_parser(sub) -> None:
         add(bsub)
 
 
+def _add_plan_parser(sub) -> None:
+    """`flowrl plan`: the per-GPU memory plan of a recipe (flowrl.plan)."""
+    from flowrl.plan.cli import add_plan_parser
+
+    add_plan_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `flowrl` parser: one sub-command per verb, each added by its ``_add_<verb>_parser``."""
     p = argparse.ArgumentParser(prog="flowrl", description="RL alignment of flow-matching image models")
     sub = p.add_subparsers(dest="command", required=True)
     for add in (_add_train_parser, _add_generate_offline_parser, _add_rescore_offline_parser,
                 _add_pretrain_digits_parser, _add_sample_parser, _add_eval_parser, _add_make_tiny_parser,
-                _add_export_parser, _add_bench_parser):
+                _add_export_parser, _add_bench_parser, _add_plan_parser):
         add(sub)
     return p
 

@@ -1,0 +1,211 @@
+"""Per-GPU memory of a recipe, item by item (bytes), from the meta models and the measured activations.
+
+``peak = resident + max(rollout phase, training phase)``:
+
+* resident: transformer weights, LoRA, gradients, AdamW states, EMA, reference / old-policy copies,
+  the exploration copy, text encoders, VAE, reward models (FSDP divides the sharded ones by the
+  process count and adds two unsharded blocks; CPU offload moves the shards to host memory);
+* rollout phase: what a rollout keeps on the GPU (conditioning, latents, stored transitions) plus the
+  largest transient of the denoiser forward, the VAE decode, or a Sol re-sync;
+* training phase: the stored transitions (kept through the update) plus one training pass's
+  activations (with or without gradient checkpointing, as the recipe sets it).
+
+Sizes follow what the code holds: trained tensors in their own dtype (LoRA: float32; a full
+fine-tune trains the transformer in its loaded dtype), AdamW's two states per trained element in
+that dtype, the EMA and DiffusionNFT's old policy one copy of the trained tensors each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..quant import DEFAULT_SKIP, parse_backend_spec
+from ..quant.common import is_skipped
+from .activations import Activations, max_rows
+from .models import MetaComponents, block_bytes, module_bytes, num_params
+from .specs import REWARD_PARAMS
+
+# bytes per weight element of the exploration copy's quantized Linear layers (the rest stays in the model dtype):
+# nvfp4 packs two E2M1 values per byte plus one FP8 scale per 16 values; fp8 / int8 one byte (per-tensor / per-row
+# scales are negligible); none and the fake-quantizing emulation keep the full-precision weights
+QUANT_BYTES = {"nvfp4": 0.5 + 1 / 16, "fp8": 1.0, "int8-dynamic": 1.0}
+
+
+@dataclass
+class Item:
+    """One row of the plan: ``bytes`` per GPU (or per process in host memory when ``where == 'host'``)."""
+
+    name: str
+    bytes: int
+    group: str  # resident | rollout | train
+    where: str = "gpu"
+    note: str = ""
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def exploration_copy_bytes(transformer, backend: str, options: dict) -> int:
+    """Bytes of Sol's exploration copy: the merged transformer with quantized Linear weights (``QUANT_BYTES``)."""
+    name, spec_opts = parse_backend_spec(backend)
+    kernel = {**options, **spec_opts}.get("kernel", "auto")
+    per = QUANT_BYTES.get(name) if not (name in ("nvfp4", "fp8") and kernel == "modelopt") else None
+    total = sum(p.numel() * p.element_size() for n, p in transformer.named_parameters() if "lora_" not in n)
+    total += sum(b.numel() * b.element_size() for b in transformer.buffers())
+    if per is None:
+        return total
+    for mname, m in transformer.named_modules():
+        clean = mname.replace(".base_layer", "")
+        if isinstance(m, torch.nn.Linear) and "lora_" not in mname and not is_skipped(clean, DEFAULT_SKIP):
+            w = m.weight  # [O, I]
+            total -= w.numel() * w.element_size() - int(w.numel() * per)
+    return total
+
+
+def reward_items(cfg) -> list[Item]:
+    """Trained-on and held-out reward models: parameters x their dtype, on their device."""
+    out = []
+    names = list(cfg.reward.weights) + [n for n in cfg.reward.heldout if n not in cfg.reward.weights]
+    for n in names:
+        opts = {**cfg.reward.options.get(n, {}), **cfg.reward.heldout.get(n, {})}
+        params, source = REWARD_PARAMS.get(n, (0.0, "unknown model: not counted"))
+        size = 2 if str(opts.get("dtype", "float32")) in ("bfloat16", "bf16", "float16", "fp16") else 4
+        where = "host" if str(opts.get("device", "cpu")).startswith("cpu") else "gpu"
+        tag = "held-out" if n not in cfg.reward.weights else "reward"
+        out.append(Item(f"{tag} model: {n}", int(params * 1e6 * size), "resident", where, source))
+    return out
+
+
+def model_items(cfg, comp: MetaComponents, gpus: int) -> list[Item]:
+    """Transformer weights, trained-state copies and the frozen components (module doc)."""
+    t = cfg.train
+    tr = comp.transformer
+    lora = t.lora_rank > 0
+    fsdp = t.sharding == "fsdp"
+    n = gpus if fsdp else 1
+    shard_where = "host" if (fsdp and t.cpu_offload) else "gpu"
+    trained, trained_n = module_bytes(tr, trainable=True), num_params(tr, trainable=True)
+    tdt = _dtype_name(next((p.dtype for p in tr.parameters() if p.requires_grad), torch.float32))
+    shard_note = f" / {n} (FSDP)" if n > 1 else ""
+    rows = [(f"transformer weights ({_dtype_name(comp.dtypes['transformer'])})",
+             module_bytes(tr, trainable=False) if lora else module_bytes(tr), f"{num_params(tr) - (trained_n if lora else 0):,} params")]
+    if lora:
+        rows.append((f"LoRA adapter (rank {t.lora_rank}, {tdt})", trained, f"{trained_n:,} params"))
+    rows += [(f"gradients ({tdt})", trained, "one per trained element"),
+             (f"AdamW states (2 x {tdt})", 2 * trained, "exp_avg + exp_avg_sq")]
+    if t.ema:
+        rows.append((f"EMA ({tdt})", trained, "train.ema: one copy of the trained tensors"))
+    if t.beta_kl > 0 and not lora:
+        rows.append(("KL reference copy", module_bytes(tr), "full fine-tune: a frozen copy of the transformer"))
+    if t.loss == "nft":
+        rows.append((f"NFT old policy ({tdt})", trained, "DiffusionNFT: one copy of the trained tensors"))
+    items = [Item(name, -(-b // n), "resident", shard_where, note + shard_note) for name, b, note in rows]
+    if t.beta_kl > 0 and lora:
+        items.append(Item("KL reference", 0, "resident", "gpu", "LoRA: the adapter-disabled model, no copy"))
+    if fsdp and (n > 1 or t.cpu_offload):
+        items.append(Item("FSDP unsharded blocks (2 x largest)", 2 * block_bytes(tr), "resident", "gpu",
+                          "one block gathered for compute, the next prefetched"))
+    if cfg.sampler.name == "sol":
+        opts = cfg.sampler.options
+        backend = opts.get("explore_backend", "int8-dynamic")
+        items.append(Item(f"exploration copy ({backend})",
+                          exploration_copy_bytes(tr, backend, opts.get("explore_options", {})), "resident", "gpu",
+                          "LoRA merged; embedders / output layers full precision"))
+    dropped = cfg.model.drop_text_encoders and cfg.model.text_embedding_cache
+    te = sum(module_bytes(m) for m in comp.text_encoders.values())
+    items.append(Item("text encoders", 0 if dropped else te, "resident", "gpu",
+                      "dropped: embeddings cached" if dropped else ", ".join(comp.text_encoders)))
+    items.append(Item(f"VAE ({_dtype_name(comp.dtypes['vae'])})", module_bytes(comp.vae), "resident"))
+    return items + reward_items(cfg)
+
+
+def cfg_rows(cfg, comp: MetaComponents) -> int:
+    """Rows per sample in a sampling forward: 2 with real classifier-free guidance (one doubled batch)."""
+    if comp.family == "sd3":
+        return 2 if cfg.model.guidance_scale > 1.0 else 1
+    return 2 if float(cfg.model.options.get("true_cfg_scale", 1.0)) > 1.0 else 1
+
+
+def _cond_row_bytes(comp: MetaComponents, acts: Activations) -> int:
+    """Bytes of one sample's text conditioning (sequence + pooled embeddings, text-encoder dtype)."""
+    c = comp.transformer.config
+    size = torch.empty((), dtype=comp.dtypes["text_encoder"]).element_size()
+    return (acts.shapes.text_tokens * c.joint_attention_dim + c.pooled_projection_dim) * size
+
+
+def _working_set(comp, acts: Activations, samples: int, fwd_rows: int, k: int) -> tuple[int, int, int]:
+    """(kept bytes: conditioning + latents, denoiser forward peak, VAE decode peak) of sampling ``samples``."""
+    h, w = acts.shapes.latent_hw
+    latent = acts.shapes.latent_channels * h * w * 4  # float32 latents per sample
+    kept = samples * (_cond_row_bytes(comp, acts) * k + 2 * latent)
+    return kept, acts.bytes("infer", fwd_rows * k), acts.bytes("decode", samples)
+
+
+def rollout_items(cfg, comp: MetaComponents, acts: Activations) -> list[Item]:
+    """What a rollout keeps (group ``kept``) and its transients (group ``transient``: the largest counts)."""
+    sampler = cfg.sampler.build()
+    n = cfg.train.batch_size
+    k = cfg_rows(cfg, comp)
+    h, w = acts.shapes.latent_hw
+    latent = acts.shapes.latent_channels * h * w * 4
+    items = []
+    gen = sampler
+    if cfg.sampler.name == "sol":
+        gen = sampler._regen
+        pool = (n // sampler.keep) * sampler.pool_size
+        kept, fwd, dec = _working_set(comp, acts, pool, max_rows(pool, sampler.explore_batch), k)
+        items.append(Item(f"Sol exploration ({pool} seeds): latents + conditioning + max(forward, VAE decode)",
+                          kept + max(fwd, dec), "transient", "gpu",
+                          f"forward {max_rows(pool, sampler.explore_batch) * k} rows: {fwd / 2**30:.1f} GiB, "
+                          f"decode {pool} images: {dec / 2**30:.1f} GiB"))
+        items.append(Item("Sol re-sync: merged full-precision copy before quantizing",
+                          exploration_copy_bytes(comp.transformer, "none", {}), "transient"))
+    rows = max_rows(n, getattr(gen, "max_batch", None))
+    kept, fwd, dec = _working_set(comp, acts, n, rows, k)
+    steps = len(gen.trained_steps()) if hasattr(gen, "trained_steps") else 0
+    items += [Item(f"rollout: conditioning + latents ({n} samples)", kept, "kept"),
+              Item(f"rollout: stored transitions ({n} x {steps} steps, float32)", n * steps * (2 * latent + 32), "kept",
+                   note="latents + next latents per trained step; kept through the update"),
+              Item(f"rollout: denoiser forward ({rows * k} rows, no grad)", fwd, "transient",
+                   note="sampler.max_batch rows" + (" x 2 (CFG)" if k == 2 else "")),
+              Item(f"rollout: VAE decode ({n} images at once)", dec, "transient", "gpu",
+                   f"one VAE call for the whole batch; in chunks of {rows} it would be "
+                   f"{acts.bytes('decode', rows) / 2**30:.1f} GiB"),
+              Item(f"rollout: decoded images ({n}, float32)", n * 3 * acts.shapes.height * acts.shapes.width * 4,
+                   "kept", "host")]
+    return items
+
+
+def train_rows(cfg, comp: MetaComponents) -> int:
+    """Rows of one differentiable training forward: ``train.minibatch_size``, doubled when SD3's CFG
+    runs as one batch with the gradient through both halves (``train.cfg_uncond_grad``)."""
+    k = cfg_rows(cfg, comp)
+    return cfg.train.minibatch_size * (2 if k == 2 and cfg.train.cfg_uncond_grad else 1)
+
+
+def train_items(cfg, comp: MetaComponents, acts: Activations, gpus: int = 1) -> list[Item]:
+    """The two activation rows (with / without gradient checkpointing; the recipe's is group ``train``)."""
+    rows = train_rows(cfg, comp)
+    ckpt = bool(cfg.model.options.get("gradient_checkpointing", False))
+    items = []
+    for on in (False, True):
+        peak = acts.bytes("train", rows, on)
+        if cfg.train.beta_kl > 0 and cfg.train.loss != "nft":  # the reference forward runs while the graph is held
+            peak = max(peak, acts.saved(rows, on) + acts.bytes("infer", rows))
+        label = "with" if on else "without"
+        items.append(Item(f"activations, {label} gradient checkpointing ({rows} rows)", peak,
+                          "train" if on == ckpt else "alternative", "gpu",
+                          f"saved for backward {acts.saved(rows, on) / 2**30:.2f} GiB"))
+    tr = comp.transformer
+    fsdp = cfg.train.sharding == "fsdp"
+    n = gpus if fsdp else 1
+    items.append(Item("AdamW step: foreach temporaries (~1 x trained tensors)", -(-module_bytes(tr, trainable=True) // n),
+                      "step", "host" if fsdp and cfg.train.cpu_offload else "gpu",
+                      "after backward, activations freed" + (f"; / {n} (FSDP)" if n > 1 else "")))
+    if cfg.train.loss == "nft":
+        h, w = acts.shapes.latent_hw
+        items.append(Item("NFT update: x0 + noise of the batch (float32)",
+                          2 * cfg.train.batch_size * acts.shapes.latent_channels * h * w * 4, "train"))
+    return items

@@ -1,0 +1,161 @@
+"""The real peak memory of a recipe's training pass and sampling forward, to check the plan.
+
+Measured on the recipe's own transformer, set up as the trainer sets it up (LoRA or all weights,
+gradient checkpointing as configured), with AdamW:
+
+* ``train``: two optimizer steps of one forward + backward of ``train_rows`` rows each; the peak
+  holds the weights, LoRA, gradients, AdamW states and one pass's activations;
+* ``infer``: one ``no_grad`` forward of the sampler's rows; the peak holds the weights and the
+  forward's transient.
+
+Peak bytes: on CUDA ``torch.cuda.max_memory_allocated`` (the weights loaded with
+``from_pretrained`` onto the GPU); on CPU the torch profiler's allocator record (``profile_memory``:
+the maximum ``Total Allocated`` of its ``[memory]`` events, counted from the start of the
+profile), with the transformer built inside the profile from the model directory's config (its
+weight values do not change memory). The planned figure is the sum of the same plan rows.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Callable
+
+import torch
+
+from ..trainers.config_base import ConfigError
+from .activations import transformer_inputs
+from .budget import cfg_rows, train_rows
+from .core import measured_setup
+from .models import module_bytes
+
+CPU_LIMIT_BYTES = 2 * 2 ** 30  # the largest transformer --measure builds on a CPU
+
+
+def cpu_peak(fn: Callable[[], None]) -> int:
+    """Peak bytes the CPU allocator held above its level at the start, while ``fn`` ran (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        events = json.loads(open(path).read())["traceEvents"]
+    finally:
+        os.unlink(path)
+    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
+    return max(totals, default=0)
+
+
+def cuda_peak(fn: Callable[[], None]) -> int:
+    """Peak bytes of ``torch.cuda.max_memory_allocated`` while ``fn`` ran (from an emptied cache)."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def _real_transformer(cfg, comp, device: torch.device):
+    """The recipe's transformer on ``device``: from_pretrained on CUDA, from the config on CPU (see module doc)."""
+    from ..bench.precision_arch_models import build_transformer
+
+    if device.type == "cuda" and cfg.model.path:
+        from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+        cls = SD3Transformer2DModel if comp.family == "sd3" else FluxTransformer2DModel
+        return cls.from_pretrained(cfg.model.path, subfolder="transformer",
+                                   torch_dtype=comp.dtypes["transformer"]).to(device)
+    return build_transformer(comp.family, comp.config, device, comp.dtypes["transformer"])
+
+
+def _inputs(comp, shapes, rows: int, device: torch.device) -> dict:
+    meta = transformer_inputs(comp, shapes, rows)
+    return {k: (torch.rand(v.shape, dtype=v.dtype, device=device) * (1000 if k == "timestep" else 1)
+                if isinstance(v, torch.Tensor) else v) for k, v in meta.items()}
+
+
+def _set_up(cfg, comp, device: torch.device):
+    """The transformer with the trainer's LoRA (or all weights trainable)."""
+    from ..pipelines import policy_class
+    from ..trainers.weights import add_lora
+
+    tr = _real_transformer(cfg, comp, device)
+    if cfg.train.lora_rank > 0:
+        add_lora(tr, cfg.train.lora_rank, cfg.train.lora_alpha,
+                 cfg.train.lora_targets or list(policy_class(cfg.model.pipeline).lora_target_modules))
+    else:
+        tr.requires_grad_(True)
+    return tr
+
+
+def _train(cfg, comp, shapes, rows: int, device: torch.device) -> None:
+    tr = _set_up(cfg, comp, device)
+    if cfg.model.options.get("gradient_checkpointing"):
+        tr.enable_gradient_checkpointing()
+    tr.train()
+    opt = torch.optim.AdamW([p for p in tr.parameters() if p.requires_grad], lr=1e-6)
+    for _ in range(2):
+        out = tr(**_inputs(comp, shapes, rows, device))[0]
+        out.float().square().mean().backward()
+        del out
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+
+def _infer(cfg, comp, shapes, rows: int, device: torch.device) -> None:
+    tr = _set_up(cfg, comp, device).eval()
+    with torch.no_grad():
+        tr(**_inputs(comp, shapes, rows, device))
+
+
+def measure_recipe(cfg, device=None) -> dict:
+    """Measured vs planned peak bytes of the training pass and the sampling forward (module doc)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    comp, acts = measured_setup(cfg)
+    if device.type == "cpu" and module_bytes(comp.transformer) > CPU_LIMIT_BYTES:
+        raise ConfigError(f"--measure on the CPU builds the transformer for real: "
+                          f"{module_bytes(comp.transformer) / 2**30:.1f} GiB of weights is too large for a CPU check "
+                          f"(limit {CPU_LIMIT_BYTES / 2**30:.0f} GiB); run it on a GPU, or on a smaller model directory "
+                          f"(flowrl.plan.measure.write_check_model)")
+    shapes = acts.shapes
+    peak = cuda_peak if device.type == "cuda" else cpu_peak
+    tr = comp.transformer
+    trained = module_bytes(tr, trainable=True)
+    ckpt = bool(cfg.model.options.get("gradient_checkpointing", False))
+    rows_t = train_rows(cfg, comp)
+    rows_i = min(cfg.sampler.options.get("max_batch") or cfg.train.batch_size, cfg.train.batch_size) * cfg_rows(cfg, comp)
+    planned = {"train": module_bytes(tr) + 3 * trained + acts.bytes("train", rows_t, ckpt),
+               "infer": module_bytes(tr) + acts.bytes("infer", rows_i)}
+    measured = {"train": peak(lambda: _train(cfg, comp, shapes, rows_t, device)),
+                "infer": peak(lambda: _infer(cfg, comp, shapes, rows_i, device))}
+    out = {"device": str(device), "rows": {"train": rows_t, "infer": rows_i}}
+    for k in ("train", "infer"):
+        out[k] = {"measured_bytes": int(measured[k]), "planned_bytes": int(planned[k]),
+                  "relative_error": (planned[k] - measured[k]) / max(measured[k], 1)}
+    return out
+
+
+def write_check_model(out_dir, num_layers: int = 12, heads: int = 4, resolution: int = 256, seed: int = 0):
+    """A mid-size SD3 (``num_layers`` MMDiT blocks, the first three with dual attention, ``heads`` x 64
+    wide; tiny text encoders and VAE) saved as a diffusers directory: large enough that weights and
+    activations are tens to hundreds of MB, small enough to train a step on a CPU in seconds."""
+    from pathlib import Path
+
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    from ..pipelines.sd3 import SD3Policy
+
+    comps = SD3Policy.tiny_components("sd3", 64, seed)
+    torch.manual_seed(seed)
+    comps["transformer"] = SD3Transformer2DModel(
+        sample_size=resolution // 8, patch_size=2, in_channels=16, out_channels=16, num_layers=num_layers,
+        attention_head_dim=64, num_attention_heads=heads, joint_attention_dim=64, caption_projection_dim=64 * heads,
+        pooled_projection_dim=64, pos_embed_max_size=resolution // 8, dual_attention_layers=tuple(range(min(3, num_layers))),
+        qk_norm="rms_norm")
+    StableDiffusion3Pipeline(**comps).save_pretrained(str(out_dir))
+    (Path(out_dir) / "flowrl.json").write_text(json.dumps({"kind": "sd3", "resolution": resolution}))
+    return Path(out_dir)

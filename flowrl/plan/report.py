@@ -1,0 +1,75 @@
+"""The plan as a table (GiB per GPU), its JSON form, and ``--gpu-memory`` parsing."""
+from __future__ import annotations
+
+import re
+
+from .core import GiB, Plan
+
+_UNITS = {"": GiB, "gib": GiB, "gb": 10 ** 9, "mib": 2 ** 20, "mb": 10 ** 6, "tib": 2 ** 40, "tb": 10 ** 12}
+GROUP_TITLES = {"resident": "resident (whole run)", "kept": "rollout: kept", "transient": "rollout: transients (largest counts)",
+                "train": "training pass", "step": "optimizer step", "alternative": "not used by this recipe"}
+
+
+def parse_memory(text: str) -> int:
+    """Bytes of ``"80GiB"``, ``"80GB"`` (10^9), ``"141GiB"``, ``"512MiB"`` or a plain number (GiB)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"--gpu-memory {text!r}: give a positive size such as 80GiB, 80GB, 141GiB or 80 (GiB); "
+                         f"units: {', '.join(u for u in _UNITS if u)}")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _gib(b: float) -> str:
+    return f"{b / GiB:8.2f}"
+
+
+def format_plan(plan: Plan) -> str:
+    """A text table: one row per item (GiB per GPU; host rows per process), the phases, the peak, the fit."""
+    width = max(len(i.name) for i in plan.items) + 2
+    s = plan.settings
+    lines = [f"flowrl plan: {plan.recipe or 'recipe'} on {plan.gpus} GPU(s) of {plan.gpu_memory_bytes / GiB:.1f} GiB",
+             f"  model {s['model']} ({plan.transformer_params / 1e9:.2f}B transformer params), "
+             f"{s['resolution'][0]}x{s['resolution'][1]} px, {s['text_tokens']} text tokens, "
+             f"sharding={s['sharding']}{' + cpu_offload' if s['cpu_offload'] else ''}, "
+             f"lora_rank={s['lora_rank']}, gradient_checkpointing={str(s['gradient_checkpointing']).lower()}",
+             f"  {'item':<{width}}{'GiB':>8}  note"]
+    for group, title in GROUP_TITLES.items():
+        rows = [i for i in plan.items if i.group == group]
+        if rows:
+            lines.append(f"  -- {title}")
+        for i in rows:
+            where = " [host]" if i.where == "host" else ""
+            lines.append(f"  {i.name:<{width}}{_gib(i.bytes)}  {i.note}{where}")
+    verdict = "FITS" if plan.fits else "DOES NOT FIT"
+    lines += [f"  {'resident':<{width}}{_gib(plan.resident_bytes)}",
+              f"  {'+ rollout phase (kept + largest transient)':<{width}}{_gib(plan.rollout_bytes)}",
+              f"  {'+ training phase (stored transitions + activations)':<{width}}{_gib(plan.train_bytes)}",
+              f"  {'+ optimizer step (stored transitions + step temporaries)':<{width}}{_gib(plan.step_bytes)}",
+              f"  {'peak per GPU = resident + max(phases)':<{width}}{_gib(plan.peak_bytes)}  {verdict} in "
+              f"{plan.gpu_memory_bytes / GiB:.1f} GiB",
+              f"  {'host memory per process':<{width}}{_gib(plan.host_bytes)}"]
+    lines += format_knobs(plan)
+    return "\n".join(lines)
+
+
+def format_knobs(plan: Plan) -> list[str]:
+    if plan.fits or not plan.knobs:
+        return []
+    singles, fit = plan.knobs
+    out = ["", "knobs that lower the peak (each alone, in order of cost):"]
+    for k in singles:
+        out.append(f"  {k['knob']}: {' '.join(k['overrides'])}  -> {k['peak_bytes'] / GiB:.1f} GiB "
+                   f"(saves {k['saves_bytes'] / GiB:.1f} GiB){'  fits' if k['fits'] else ''}")
+    if fit:
+        out.append(f"together, in that order, these fit ({fit['peak_bytes'] / GiB:.1f} GiB): {' '.join(fit['overrides'])}")
+    else:
+        out.append("no combination of these knobs fits: use GPUs with more memory")
+    return out
+
+
+def plan_json(plan: Plan) -> dict:
+    d = plan.to_dict()
+    if plan.knobs:
+        d["knobs"] = {"each": plan.knobs[0], "together": plan.knobs[1]}
+    return d

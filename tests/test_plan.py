@@ -1,0 +1,145 @@
+"""`flowrl plan`: per-GPU memory plans of the shipped recipes (offline, meta-device models) and the
+check of the planner against measured peak memory of a mid-size SD3 on the CPU."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flowrl.cli import main
+from flowrl.plan.core import GiB, plan_memory
+from flowrl.plan.report import parse_memory
+from flowrl.trainers.config import ConfigError, load_config
+
+SHIPPED = ["recipes/sd3_group_pickscore.yaml", "recipes/flux_group_pickscore.yaml", "recipes/sd3_sol_nvfp4.yaml",
+           "recipes/flux_sol_nvfp4.yaml"]
+
+
+def _plan(recipe, overrides=(), gpus=8, mem=80 * GiB):
+    return plan_memory(load_config(recipe, list(overrides)), gpus, mem, recipe)
+
+
+@pytest.mark.parametrize("recipe", SHIPPED)
+def test_shipped_recipes_print_a_breakdown(recipe, capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    memory = "80GiB" if recipe == SHIPPED[0] else "300GiB"  # 300: fits, no knob search (time)
+    assert main(["plan", "--config", recipe, "--gpus", "8", "--gpu-memory", memory, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    for row in ("transformer weights", "LoRA adapter", "AdamW states", "text encoders", "VAE",
+                "activations, with gradient checkpointing", "activations, without gradient checkpointing",
+                "peak per GPU"):
+        assert row in text, row
+    d = json.loads(out.read_text())
+    assert d["peak_bytes"] == d["resident_bytes"] + max(d["rollout_bytes"], d["train_bytes"], d["step_bytes"])
+    assert d["fits"] == (d["peak_bytes"] <= parse_memory(memory))
+    assert ("knobs that lower the peak" in text) == (not d["fits"])
+    names = [i["name"] for i in d["items"]]
+    if "sol" in recipe:
+        assert any(n.startswith("exploration copy (nvfp4)") for n in names)
+        assert any(n.startswith("NFT old policy") for n in names)
+
+
+def test_transformer_parameter_counts_match_the_published_models():
+    sd3 = _plan("recipes/sd3_group_pickscore.yaml")
+    flux = _plan("recipes/flux_group_pickscore.yaml")
+    # SD3.5-Medium is announced as "2.5B"; its MMDiT-X transformer/config.json builds 2.24B parameters
+    assert 2.2e9 < sd3.transformer_params < 2.6e9
+    assert abs(flux.transformer_params - 11.9e9) < 0.05e9  # FLUX.1-dev: 11.9B
+    # bf16 weights: 2 bytes per parameter
+    w = next(i for i in flux.items if i.name.startswith("transformer weights"))
+    assert abs(w.bytes - 2 * flux.transformer_params) < 0.01 * w.bytes
+
+
+def test_nvfp4_exploration_copy_is_about_a_quarter_of_bf16():
+    p = _plan("recipes/flux_sol_nvfp4.yaml")
+    copy = next(i for i in p.items if i.name.startswith("exploration copy")).bytes
+    weights = next(i for i in p.items if i.name.startswith("transformer weights")).bytes
+    assert 0.25 < copy / weights < 0.35  # 0.5625 B/param for quantized Linears, embedders in bf16
+
+
+def test_fsdp_on_8_gpus_is_smaller_than_replicas():
+    for recipe, extra in (("recipes/flux_group_pickscore.yaml", []), ("recipes/flux_group_pickscore.yaml",
+                                                                       ["train.lora_rank=0"])):
+        none = _plan(recipe, extra)
+        fsdp = _plan(recipe, extra + ["train.sharding=fsdp"])
+        assert fsdp.resident_bytes < none.resident_bytes
+        assert fsdp.peak_bytes < none.peak_bytes
+    full_none = _plan("recipes/flux_group_pickscore.yaml", ["train.lora_rank=0"])
+    full_fsdp = _plan("recipes/flux_group_pickscore.yaml", ["train.lora_rank=0", "train.sharding=fsdp"])
+    assert full_none.resident_bytes - full_fsdp.resident_bytes > 80 * GiB  # weights + grads + Adam + EMA / 8
+
+
+def test_full_finetune_of_flux_on_one_80gib_gpu_does_not_fit_and_names_the_knobs(capsys):
+    rc = main(["plan", "--config", "recipes/flux_group_pickscore.yaml", "--gpus", "1", "--gpu-memory", "80GiB",
+               "train.lora_rank=0"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "DOES NOT FIT" in text
+    assert "LoRA instead of a full fine-tune" in text
+    assert "train.cpu_offload=true" in text
+    assert "cache text embeddings" in text
+
+
+@pytest.mark.parametrize("text,expected", [("80GiB", 80 * 2 ** 30), ("80GB", 80 * 10 ** 9), ("141GiB", 141 * 2 ** 30),
+                                           ("80", 80 * 2 ** 30), ("512MiB", 512 * 2 ** 20)])
+def test_gpu_memory_parsing(text, expected):
+    assert parse_memory(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["eighty", "80XB", "-4GiB", "0"])
+def test_bad_gpu_memory_is_a_clear_error(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--config", "recipes/sd3_group_pickscore.yaml", f"--gpu-memory={bad}"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--gpu-memory" in err and "80GiB" in err
+
+
+def test_bad_gpus_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--config", "recipes/sd3_group_pickscore.yaml", "--gpus", "0"])
+    assert e.value.code == 2 and "positive number of processes" in capsys.readouterr().err
+
+
+def test_measure_refuses_a_full_size_model_on_the_cpu():
+    from flowrl.plan.measure import measure_recipe
+
+    with pytest.raises(ConfigError, match="too large for a CPU check"):
+        measure_recipe(load_config("recipes/sd3_group_pickscore.yaml"), "cpu")
+
+
+def test_unknown_hub_id_is_a_clear_error():
+    with pytest.raises(ConfigError, match="published configs"):
+        _plan("recipes/sd3_group_pickscore.yaml", ["model.path=someone/some-model"])
+
+
+@pytest.fixture(scope="module")
+def check_model(tmp_path_factory):
+    from flowrl.plan.measure import write_check_model
+
+    d = tmp_path_factory.mktemp("plan") / "sd3-mid"
+    write_check_model(d, num_layers=12, heads=4, resolution=256)
+    recipe = d.parent / "mid.yaml"
+    recipe.write_text(f"""
+model:
+  pipeline: sd3
+  path: {d}
+  options: {{resolution: 256, dtype: float32, max_sequence_length: 32}}
+sampler: {{name: group, group_size: 4, num_steps: 4, max_batch: 4}}
+reward: {{weights: {{jpeg_compressibility: 1.0}}}}
+train: {{batch_size: 8, minibatch_size: 4, lora_rank: 8, lora_alpha: 8}}
+""")
+    return recipe
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.options.gradient_checkpointing=true"]])
+def test_plan_is_within_15_percent_of_measured_cpu_peak(check_model, overrides, one_thread):
+    from flowrl.plan.measure import measure_recipe
+
+    cfg = load_config(str(check_model), overrides)
+    plan = plan_memory(cfg, 1, 80 * GiB)
+    assert 25e6 < plan.transformer_params < 40e6  # read from the directory's transformer/config.json
+    r = measure_recipe(cfg, "cpu")
+    for k in ("train", "infer"):
+        assert r[k]["measured_bytes"] > 100 * 2 ** 20, k  # tens to hundreds of MB: interpreter noise is small
+        assert abs(r[k]["relative_error"]) < 0.15, (k, r[k])
