@@ -36,7 +36,7 @@ import torch
 from flowrl.seeding import seeded_randn
 from flowrl.utils.io import atomic_dir
 
-from .common import DTypeArg, cfg_combine, cfg_halves, check_model_path, resolve_dtype, vae_decode
+from .common import DECODE_BATCH, DTypeArg, cfg_combine, cfg_halves, check_model_path, resolve_dtype, vae_decode
 
 FLOWRL_JSON = "flowrl.json"
 IMAGE_SIZE = 64  # pixels: the default tiny resolution
@@ -158,10 +158,12 @@ class DiffusersPolicy:
         self.vae_scale_factor = int(pipe.vae_scale_factor)
         self.lora_target_modules = list(type(self).lora_target_modules)
         self._negative: Optional[dict[str, torch.Tensor]] = None  # cached [1, ...] negative conditioning
+        self.decode_batch: Optional[int] = DECODE_BATCH  # images per VAE call (from_pretrained's decode_batch)
 
     @classmethod
     def from_pretrained(cls, path_or_id: Union[str, os.PathLike], *, dtype: DTypeArg = torch.float32,
-                        resolution: Resolution = None, gradient_checkpointing: bool = False, **kwargs):
+                        resolution: Resolution = None, gradient_checkpointing: bool = False,
+                        decode_batch: Optional[int] = DECODE_BATCH, **kwargs):
         """Load with ``<pipeline_class>.from_pretrained(path_or_id, dtype=dtype, **pipeline_kwargs)``.
 
         ``kwargs`` naming an ``__init__`` argument of the adapter go to the adapter, the rest to
@@ -169,7 +171,8 @@ class DiffusersPolicy:
         "bfloat16", "vae": "float32"}``), as YAML recipes give it. ``gradient_checkpointing``
         recomputes the transformer's block activations in the backward pass (less memory, ~30%
         slower updates). A local directory may hold a ``flowrl.json`` (written by ``flowrl
-        make-tiny``) whose ``resolution`` is the default when ``resolution`` is None.
+        make-tiny``) whose ``resolution`` is the default when ``resolution`` is None. ``decode_batch``:
+        images per VAE call in :meth:`decode` (None: the whole batch at once).
         """
         if path_or_id is None or str(path_or_id) == "":
             raise ValueError(f"pass a model directory or hub id (`flowrl make-tiny {cls.kind} DIR` writes a "
@@ -184,7 +187,11 @@ class DiffusersPolicy:
                                                                   **pipeline_kw)
         if gradient_checkpointing:
             pipe.transformer.enable_gradient_checkpointing()
-        return cls(pipe, resolution=resolution, **policy_kw)
+        if decode_batch is not None and (not isinstance(decode_batch, int) or decode_batch < 1):
+            raise ValueError(f"model.options.decode_batch must be a positive integer or null, got {decode_batch!r}")
+        policy = cls(pipe, resolution=resolution, **policy_kw)
+        policy.decode_batch = decode_batch
+        return policy
 
     def save_pretrained(self, path: Union[str, os.PathLike]) -> None:
         """Save the whole pipeline (with the current ``self.transformer``) as a diffusers directory."""
@@ -243,7 +250,7 @@ class DiffusersPolicy:
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents ``[B, C, h, w]`` -> float32 images ``[B, 3, f h, f w]`` in [0, 1] (f = VAE factor):
         ``latents / scaling_factor + shift_factor``, VAE decode, ``x / 2 + 0.5`` clamped."""
-        return vae_decode(self.vae, latents, self.device)  # [B, 3, H, W]
+        return vae_decode(self.vae, latents, self.device, self.decode_batch)  # [B, 3, H, W]
 
     def initial_noise(self, seeds: list[int]) -> torch.Tensor:
         """Standard-normal float32 ``[B, C, h, w]``, row i depending only on ``seeds[i]``."""

@@ -167,16 +167,24 @@ def check_model_path(path_or_id: str, kind: str, example_hub_id: Optional[str] =
             f"like {example_hub_id or 'stabilityai/stable-diffusion-3.5-medium'!r}.")
 
 
-def vae_decode(vae, latents: torch.Tensor, device) -> torch.Tensor:
+DECODE_BATCH = 8  # images per VAE call: at 512 px a float32 SD3 / FLUX decode holds ~0.75 GiB per image
+
+
+def vae_decode(vae, latents: torch.Tensor, device, batch: Optional[int] = DECODE_BATCH) -> torch.Tensor:
     """Latents ``[B, C, h, w]`` -> float32 images ``[B, 3, f h, f w]`` in [0, 1] (f = the VAE's factor),
     as the SD3, FLUX and SANA pipelines do: ``latents / scaling_factor + shift_factor`` (0 when the
-    VAE has none, e.g. SANA's DC-AE), VAE decode, ``x / 2 + 0.5`` clamped."""
+    VAE has none, e.g. SANA's DC-AE), VAE decode, ``x / 2 + 0.5`` clamped. The VAE runs on ``batch``
+    images at a time (None: all at once), so its activations do not grow with the rollout."""
     cfg = vae.config
     shift = getattr(cfg, "shift_factor", None) or 0.0
-    z = latents.to(device, module_dtype(vae)) / cfg.scaling_factor + shift  # [B, C, h, w]
-    with torch.no_grad():
-        img = vae.decode(z, return_dict=False)[0]  # [B, 3, H, W] in ~[-1, 1]
-    return (img.float() / 2 + 0.5).clamp(0, 1)  # [B, 3, H, W]
+    step = batch or max(1, len(latents))
+    out = []
+    for i in range(0, len(latents), step):
+        z = latents[i:i + step].to(device, module_dtype(vae)) / cfg.scaling_factor + shift  # [b, C, h, w]
+        with torch.no_grad():
+            img = vae.decode(z, return_dict=False)[0]  # [b, 3, H, W] in ~[-1, 1]
+        out.append((img.float() / 2 + 0.5).clamp(0, 1))  # [b, 3, H, W]
+    return torch.cat(out)  # [B, 3, H, W]
 
 
 _MOVED_TO_BASE = ("encode_with_negative", "resolve_resolution", "read_flowrl_json", "FLOWRL_JSON", "Resolution")

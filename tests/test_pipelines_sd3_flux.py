@@ -191,3 +191,27 @@ def test_recipe_dtypes_and_wrapped_transformer(tiny_dirs, kind):
         policy.transformer = Wrapper(policy.transformer)
         wrapped = policy.velocity(x, s, cond)
     assert direct.dtype == torch.float32 and torch.equal(direct, wrapped)
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_decode_runs_in_chunks_of_decode_batch(tiny_dirs, kind):
+    """`model.options.decode_batch` images per VAE call (the rollout's decode no longer grows with the
+    batch): the same images as one call, call count as chunked; bad values fail clearly."""
+    pol = load(tiny_dirs, kind)
+    assert pol.decode_batch == 8
+    latents = torch.randn(5, *pol.latent_shape, generator=torch.Generator().manual_seed(0))  # [5, C, h, w]
+    calls = []
+    orig = pol.vae.decode
+    pol.vae.decode = lambda z, **kw: (calls.append(len(z)), orig(z, **kw))[1]
+    try:
+        pol.decode_batch = None
+        whole = pol.decode(latents)  # [5, 3, H, W]
+        pol.decode_batch = 2
+        calls.clear()
+        chunked = pol.decode(latents)
+    finally:
+        pol.vae.decode = orig
+    assert calls == [2, 2, 1] and chunked.shape == whole.shape
+    assert torch.allclose(chunked, whole, atol=1e-5)
+    with pytest.raises(ValueError, match="decode_batch must be a positive integer"):
+        POLICIES[kind].from_pretrained(tiny_dirs[kind], decode_batch=0)

@@ -135,12 +135,20 @@ def _cond_row_bytes(comp: MetaComponents, acts: Activations) -> int:
     return (acts.shapes.text_tokens * c.joint_attention_dim + c.pooled_projection_dim) * size
 
 
-def _working_set(comp, acts: Activations, samples: int, fwd_rows: int, k: int) -> tuple[int, int, int]:
+def decode_rows(cfg, samples: int) -> int:
+    """Images per VAE call: ``model.options.decode_batch`` (the adapters' default when unset; null = all)."""
+    from ..pipelines.common import DECODE_BATCH
+
+    b = (cfg.model.options or {}).get("decode_batch", DECODE_BATCH)
+    return min(samples, b) if b else samples
+
+
+def _working_set(cfg, comp, acts: Activations, samples: int, fwd_rows: int, k: int) -> tuple[int, int, int]:
     """(kept bytes: conditioning + latents, denoiser forward peak, VAE decode peak) of sampling ``samples``."""
     h, w = acts.shapes.latent_hw
     latent = acts.shapes.latent_channels * h * w * 4  # float32 latents per sample
     kept = samples * (_cond_row_bytes(comp, acts) * k + 2 * latent)
-    return kept, acts.bytes("infer", fwd_rows * k), acts.bytes("decode", samples)
+    return kept, acts.bytes("infer", fwd_rows * k), acts.bytes("decode", decode_rows(cfg, samples))
 
 
 def rollout_items(cfg, comp: MetaComponents, acts: Activations) -> list[Item]:
@@ -155,24 +163,23 @@ def rollout_items(cfg, comp: MetaComponents, acts: Activations) -> list[Item]:
     if cfg.sampler.name == "sol":
         gen = sampler._regen
         pool = (n // sampler.keep) * sampler.pool_size
-        kept, fwd, dec = _working_set(comp, acts, pool, max_rows(pool, sampler.explore_batch), k)
+        kept, fwd, dec = _working_set(cfg, comp, acts, pool, max_rows(pool, sampler.explore_batch), k)
         items.append(Item(f"Sol exploration ({pool} seeds): latents + conditioning + max(forward, VAE decode)",
                           kept + max(fwd, dec), "transient", "gpu",
                           f"forward {max_rows(pool, sampler.explore_batch) * k} rows: {fwd / 2**30:.1f} GiB, "
-                          f"decode {pool} images: {dec / 2**30:.1f} GiB"))
+                          f"decode {decode_rows(cfg, pool)} images per VAE call: {dec / 2**30:.1f} GiB"))
         items.append(Item("Sol re-sync: merged full-precision copy before quantizing",
                           exploration_copy_bytes(comp.transformer, "none", {}), "transient"))
     rows = max_rows(n, getattr(gen, "max_batch", None))
-    kept, fwd, dec = _working_set(comp, acts, n, rows, k)
+    kept, fwd, dec = _working_set(cfg, comp, acts, n, rows, k)
     steps = len(gen.trained_steps()) if hasattr(gen, "trained_steps") else 0
     items += [Item(f"rollout: conditioning + latents ({n} samples)", kept, "kept"),
               Item(f"rollout: stored transitions ({n} x {steps} steps, float32)", n * steps * (2 * latent + 32), "kept",
                    note="latents + next latents per trained step; kept through the update"),
               Item(f"rollout: denoiser forward ({rows * k} rows, no grad)", fwd, "transient",
                    note="sampler.max_batch rows" + (" x 2 (CFG)" if k == 2 else "")),
-              Item(f"rollout: VAE decode ({n} images at once)", dec, "transient", "gpu",
-                   f"one VAE call for the whole batch; in chunks of {rows} it would be "
-                   f"{acts.bytes('decode', rows) / 2**30:.1f} GiB"),
+              Item(f"rollout: VAE decode ({decode_rows(cfg, n)} images per call)", dec, "transient", "gpu",
+                   "model.options.decode_batch images per VAE call"),
               Item(f"rollout: decoded images ({n}, float32)", n * 3 * acts.shapes.height * acts.shapes.width * 4,
                    "kept", "host")]
     return items
