@@ -143,3 +143,43 @@ def test_plan_is_within_15_percent_of_measured_cpu_peak(check_model, overrides, 
     for k in ("train", "infer"):
         assert r[k]["measured_bytes"] > 100 * 2 ** 20, k  # tens to hundreds of MB: interpreter noise is small
         assert abs(r[k]["relative_error"]) < 0.15, (k, r[k])
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.options.gradient_checkpointing=true"]])
+def test_plan_phases_match_the_real_trainers_measured_phases(check_model, overrides, one_thread, tmp_path):
+    """The trainer itself (flowrl.trainers.online), not a stand-in: its rollout and its GRPO update,
+    each measured with the CPU allocator's peak above the resident set, against the plan's rollout and
+    training phases; and its resident tensors (every parameter and buffer of the policy, the AdamW
+    states, the EMA), counted on the real modules, against the plan's resident set built on meta."""
+    from flowrl.plan.measure import cpu_peak
+    from flowrl.trainers.online import OnlineTrainer
+
+    ov = ["model.device=cpu", "data.prompts=[a cat, a dog]", "data.eval_prompts=[a cat]", "logging.trackers=[]",
+          "reward.heldout={}", *overrides]
+    cfg = load_config(str(check_model), ov)
+    plan = plan_memory(cfg, 1, 80 * GiB)
+    tr = OnlineTrainer(cfg, tmp_path / "run")
+    tr.setup()
+    out = {}
+
+    def rollout():
+        tr.model.eval()
+        out["r"] = tr.sampler(tr.policy, tr._iteration_prompts(0), tr.reward, seed=1, iteration=0)
+
+    measured = {"rollout": cpu_peak(rollout), "train": cpu_peak(lambda: tr.update_object()(out["r"], 0))}
+    mods = [tr.policy.transformer, tr.policy.vae] + [getattr(tr.policy.pipe, n) for n in ("text_encoder",
+                                                                                          "text_encoder_2", "text_encoder_3")]
+    tensors = {id(t): t for m in mods for t in [*m.parameters(), *m.buffers()]}
+    tensors.update({id(t): t for s in tr.opt.state.values() for t in s.values() if t.dim() > 0})
+    resident = sum(t.numel() * t.element_size() for t in tensors.values())
+    resident += sum(t.numel() * t.element_size() for t in (tr.ema.shadow.values() if tr.ema else ()))
+    planned = {"rollout": plan.rollout_bytes, "train": plan.train_bytes}
+    report = {k: (planned[k] / 2**20, measured[k] / 2**20) for k in planned}  # MiB (planned, measured)
+    assert all(m > 20 * 2 ** 20 for m in measured.values()), report
+    assert abs(plan.resident_bytes - resident) / resident < 0.15, (plan.resident_bytes, resident)
+    assert abs(planned["rollout"] - measured["rollout"]) / measured["rollout"] < 0.15, report
+    peak_measured = resident + max(measured.values())
+    assert abs(plan.peak_bytes - peak_measured) / peak_measured < 0.15, (plan.peak_bytes, peak_measured, report)
+    if not overrides:  # activations dominate the update: the training phase alone is within 15% too
+        assert abs(planned["train"] - measured["train"]) / measured["train"] < 0.15, report
+    print("planned vs measured MiB:", report, "resident", plan.resident_bytes / 2**20, resident / 2**20)
