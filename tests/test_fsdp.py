@@ -180,8 +180,18 @@ def test_fsdp_matches_ddp_across_samplers_and_updates(tiny_sd3, tmp_path, case):
         assert _max_diff(ca["extra"][name], cb["extra"][name]) < 1e-6
     if case == "sol_nft":
         assert list(cb["extra"]) == ["old_policy"] and b[0]["sol/explore_model_evals"] > 0
-    else:
+    elif case == "full_finetune_with_reference":
         assert b[-1]["kl"] > 0 and len(cb["trainable"]) > 50  # every parameter trained, the reference used
+        from diffusers import SD3Transformer2DModel
+
+        from flowrl.export import export_run
+
+        full = {}
+        for sharding in ("none", "fsdp"):  # export gathers the whole transformer from the shards
+            export_run(tmp_path / sharding, tmp_path / f"export-{sharding}")
+            tr = SD3Transformer2DModel.from_pretrained(tmp_path / f"export-{sharding}", subfolder="transformer")
+            full[sharding] = dict(tr.state_dict())
+        assert _max_diff(full["none"], full["fsdp"]) < 1e-6
 
 
 def test_fsdp_units_are_the_blocks_the_models_list(tmp_path):

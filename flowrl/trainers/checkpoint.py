@@ -65,14 +65,20 @@ def save_checkpoint(root: Path, iteration: int, *, trainable: dict[str, torch.Te
             raise CheckpointError(f"writing checkpoint {final.name} failed ({e}); the previous checkpoints are "
                                   f"intact. Free disk space (or fix permissions) and resume with --resume.") from e
         raise
+    publish(tmp, final, iteration, keep)
+    return final
+
+
+def publish(tmp: Path, final: Path, iteration: int, keep: int) -> None:
+    """Rename a complete, fsynced temporary checkpoint ``tmp`` to ``final`` (atomic), fsync the parent,
+    and prune the parent to the newest ``keep`` checkpoints."""
     maybe_fault("checkpoint_before_rename", iteration)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    fsync_dir(root)
-    for old in list_checkpoints(root)[:-keep]:
+    fsync_dir(final.parent)
+    for old in list_checkpoints(final.parent)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def list_checkpoints(root: Path) -> list[Path]:

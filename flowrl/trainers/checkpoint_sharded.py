@@ -17,7 +17,6 @@ processes; :func:`read_full_tensors` reads whole tensors on one process without 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Callable, Optional
@@ -27,7 +26,7 @@ from torch import nn
 
 from ..faults import maybe_fault
 from ..utils.io import fsync_dir
-from .checkpoint import STATE_FILE, CheckpointError, _fsync_tree, list_checkpoints
+from .checkpoint import STATE_FILE, CheckpointError, _fsync_tree, publish
 
 DCP_DIR = "dcp"
 FORMAT = "dcp"
@@ -86,13 +85,7 @@ def save_sharded_checkpoint(root: Path, iteration: int, *, model: nn.Module, opt
         (tmp / STATE_FILE).write_text(json.dumps({**state, "iteration": iteration, "sharded": info}, indent=2))
         _fsync_tree(tmp)
         fsync_dir(tmp / DCP_DIR)
-        maybe_fault("checkpoint_before_rename", iteration)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(root)
-        for old in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        publish(tmp, final, iteration, keep)
     barrier()
     return final
 
