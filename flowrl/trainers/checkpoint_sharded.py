@@ -127,7 +127,11 @@ def load_sharded_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.op
     extra = {k: {n: torch.empty_like(p.detach()) for n, p in trained.items()} for k in info["extra"]}
     payload = {"trainable": msd, "optimizer": osd, **({"ema": ema} if ema is not None and info["ema"] else {}),
                **{f"extra_{k}": v for k, v in extra.items()}}
-    dcp.load(payload, storage_reader=FileSystemReader(str(path / DCP_DIR)))
+    try:  # a missing or corrupt shard fails on every process alike (DCP gathers the errors)
+        dcp.load(payload, storage_reader=FileSystemReader(str(path / DCP_DIR)))
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"sharded checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:300]}). Delete "
+                              f"it to resume from the previous one.") from e
     set_state_dict(model, optimizer, model_state_dict=payload["trainable"], optim_state_dict=payload["optimizer"],
                    options=_options(strict=False))  # the trained parameters only (key sets checked above)
     return {"state": state, "scheduler": sch["scheduler"], "torch_rng": sch["torch_rng"], "extra": extra}

@@ -41,7 +41,7 @@ RESUME_FREE = {"train.iterations", "train.checkpoint_every", "train.keep_checkpo
                "offline.eval_every", "offline.eval_steps", "offline.judge", "offline.judge_range", "sampler",
                "offline.dataset", "offline.generation_batch", "offline.save_png", "offline.score_heldout",
                "reward.heldout", "data.eval_prompts", "data.eval_seeds_per_prompt", "model.text_embedding_cache",
-               "model.drop_text_encoders", "data.eval_prompt_split"}
+               "model.drop_text_encoders", "data.eval_prompt_split", "train.cpu_offload"}
 
 
 # ---------------------------------------------------------------- dataset generation (CLI glue)

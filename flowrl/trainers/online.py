@@ -36,7 +36,8 @@ from ..utils.io import write_json
 
 # keys that may change between a run and its resume without changing its trajectory
 RESUME_FREE = {"train.iterations", "train.checkpoint_every", "train.keep_checkpoints", "logging", "model.device",
-               "model.path", "train.max_consecutive_skips", "model.text_embedding_cache", "model.drop_text_encoders"}
+               "model.path", "train.max_consecutive_skips", "model.text_embedding_cache", "model.drop_text_encoders",
+               "train.cpu_offload"}  # offloading the FSDP shards changes where they live, not the numbers
 
 
 @dataclass
