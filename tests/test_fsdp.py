@@ -265,3 +265,23 @@ def test_cpu_offload_and_bf16_mixed_precision(runs, tiny_sd3, tmp_path):
     a, b = ref[0]["grad_norm"], bf[0]["grad_norm"]
     assert b != a and b == pytest.approx(a, rel=0.05)
     assert len(bf) == 2 and all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in bf)
+
+
+def test_a_corrupt_shard_falls_back_to_the_previous_checkpoint(runs, tiny_sd3, tmp_path, capsys):
+    from flowrl.trainers.online import OnlineTrainer
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["fsdp"], run)
+    newest = list_checkpoints(run / "checkpoints")[-1]
+    shard = newest / "dcp" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated: e.g. a disk that lost the tail of a file
+    cfg = load_config(ROOT / "recipes" / "sd3_group_pickscore.yaml",
+                      tiny_overrides(tiny_sd3, "group", **GROUP, **{"train.sharding": "fsdp"}))
+    tr = OnlineTrainer(cfg, run, resume=True)
+    try:
+        tr.setup()
+        assert tr.start_iteration == 2  # iter_000003 was unreadable: resumed from iter_000002
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert f"sharded checkpoint {newest} is unreadable" in capsys.readouterr().out

@@ -71,9 +71,11 @@ def save_sharded_checkpoint(root: Path, iteration: int, *, model: nn.Module, opt
     msd, osd = _trained_state(model, optimizer)
     payload = {"trainable": msd, "optimizer": osd, **({"ema": ema} if ema else {}),
                **{f"extra_{k}": v for k, v in extra.items()}}
+    from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException; wraps e.g. disk full)
+
     try:
         dcp.save(payload, storage_writer=FileSystemWriter(str(tmp / DCP_DIR), sync_files=True))
-    except OSError as e:
+    except (OSError, CheckpointException) as e:
         if is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"writing sharded checkpoint {final.name} failed ({e}); the previous checkpoints are "
@@ -127,9 +129,11 @@ def load_sharded_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.op
     extra = {k: {n: torch.empty_like(p.detach()) for n, p in trained.items()} for k in info["extra"]}
     payload = {"trainable": msd, "optimizer": osd, **({"ema": ema} if ema is not None and info["ema"] else {}),
                **{f"extra_{k}": v for k, v in extra.items()}}
+    from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException)
+
     try:  # a missing or corrupt shard fails on every process alike (DCP gathers the errors)
         dcp.load(payload, storage_reader=FileSystemReader(str(path / DCP_DIR)))
-    except Exception as e:  # noqa: BLE001
+    except (Exception, CheckpointException) as e:  # noqa: BLE001
         raise CheckpointError(f"sharded checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:300]}). Delete "
                               f"it to resume from the previous one.") from e
     set_state_dict(model, optimizer, model_state_dict=payload["trainable"], optim_state_dict=payload["optimizer"],
