@@ -155,15 +155,14 @@ def test_export_gathers_the_shards(runs, tmp_path):
         assert _max_diff(files["ddp"], files["fsdp"]) < 1e-6
 
 
-@pytest.mark.parametrize("case", ["full_finetune_with_reference", "sol_nft", "branch", "tempflow", "online_dpo"])
+@pytest.mark.parametrize("case", ["full_finetune_with_reference", "sol_nft", "branch", "tempflow"])
 def test_fsdp_matches_ddp_across_samplers_and_updates(tiny_sd3, tmp_path, case):
     """A full fine-tune with the KL reference (a frozen copy, sharded too); the Sol sampler (its int8
     exploration copy gathered whole from the shards) with DiffusionNFT (old policy sharded, checkpointed);
-    the BranchGRPO and TempFlow samplers; online Diffusion-DPO (the adapter-disabled reference)."""
+    the BranchGRPO and TempFlow samplers."""
     recipe, sampler, extra = {
         "branch": ("sd3_branch_hps", "branch", {}),
         "tempflow": ("sd3_tempflow_pickscore", "tempflow", {}),
-        "online_dpo": ("sd3_group_pickscore", "group", {"train.loss": "dpo"}),
         "full_finetune_with_reference": ("sd3_group_pickscore", "group",
                                          {"train.lora_rank": 0, "train.lr": 1e-4, "train.beta_kl": 0.04}),
         "sol_nft": ("sd3_sol_nvfp4", "sol", {"train.minibatch_size": 4,  # with the recipe's text-embedding cache

@@ -145,41 +145,55 @@ def test_plan_is_within_15_percent_of_measured_cpu_peak(check_model, overrides, 
         assert abs(r[k]["relative_error"]) < 0.15, (k, r[k])
 
 
+TRAINER_OVERRIDES = ["model.device=cpu", "data.prompts=[a cat, a dog]", "data.eval_prompts=[a cat]",
+                     "logging.trackers=[]", "logging.progress=false", "reward.heldout={}"]
+
+
+def _check_against_plan(plan, m: dict, overrides) -> str:
+    """The plan's peak within 15% of the measured one (resident + larger phase); resident and rollout
+    phase too, and the training phase without gradient checkpointing (where activations dominate it)."""
+    report = {k: (round(getattr(plan, f"{k}_bytes") / 2**20, 1), round(m[k] / 2**20, 1))
+              for k in ("resident", "rollout", "train")}  # MiB: (planned, measured)
+    assert m["rollout"] > 20 * 2 ** 20 and m["train"] > 20 * 2 ** 20, report
+    for k in ("resident", "rollout") + (() if overrides else ("train",)):
+        assert abs(report[k][0] - report[k][1]) / report[k][1] < 0.15, (k, report)
+    measured = m["resident"] + max(m["rollout"], m["train"])
+    assert abs(plan.peak_bytes - measured) / measured < 0.15, (plan.peak_bytes, measured, report)
+    return f"{report} peak {plan.peak_bytes / 2**20:.1f} / {measured / 2**20:.1f} MiB"
+
+
 @pytest.mark.parametrize("overrides", [[], ["model.options.gradient_checkpointing=true"]])
 def test_plan_phases_match_the_real_trainers_measured_phases(check_model, overrides, one_thread, tmp_path):
-    """The trainer itself (flowrl.trainers.online), not a stand-in: its rollout and its GRPO update,
-    each measured with the CPU allocator's peak above the resident set, against the plan's rollout and
-    training phases; and its resident tensors (every parameter and buffer of the policy, the AdamW
-    states, the EMA), counted on the real modules, against the plan's resident set built on meta."""
-    from flowrl.plan.measure import cpu_peak
-    from flowrl.trainers.online import OnlineTrainer
+    """The trainer itself (flowrl.trainers.online), not a stand-in: its rollout and its GRPO update, each
+    measured as the CPU allocator's peak above the resident set, and its resident tensors counted on the
+    real modules (``flowrl.plan.measure.measure_trainer``), against the plan built on meta."""
+    from flowrl.plan.measure import measure_trainer
 
-    ov = ["model.device=cpu", "data.prompts=[a cat, a dog]", "data.eval_prompts=[a cat]", "logging.trackers=[]",
-          "reward.heldout={}", *overrides]
-    cfg = load_config(str(check_model), ov)
-    plan = plan_memory(cfg, 1, 80 * GiB)
-    tr = OnlineTrainer(cfg, tmp_path / "run")
-    tr.setup()
-    out = {}
+    cfg = load_config(str(check_model), TRAINER_OVERRIDES + overrides)
+    print(_check_against_plan(plan_memory(cfg, 1, 80 * GiB), measure_trainer(cfg, tmp_path / "run"), overrides))
 
-    def rollout():
-        tr.model.eval()
-        out["r"] = tr.sampler(tr.policy, tr._iteration_prompts(0), tr.reward, seed=1, iteration=0)
 
-    measured = {"rollout": cpu_peak(rollout), "train": cpu_peak(lambda: tr.update_object()(out["r"], 0))}
-    mods = [tr.policy.transformer, tr.policy.vae] + [getattr(tr.policy.pipe, n) for n in ("text_encoder",
-                                                                                          "text_encoder_2", "text_encoder_3")]
-    tensors = {id(t): t for m in mods for t in [*m.parameters(), *m.buffers()]}
-    tensors.update({id(t): t for s in tr.opt.state.values() for t in s.values() if t.dim() > 0})
-    resident = sum(t.numel() * t.element_size() for t in tensors.values())
-    resident += sum(t.numel() * t.element_size() for t in (tr.ema.shadow.values() if tr.ema else ()))
-    planned = {"rollout": plan.rollout_bytes, "train": plan.train_bytes}
-    report = {k: (planned[k] / 2**20, measured[k] / 2**20) for k in planned}  # MiB (planned, measured)
-    assert all(m > 20 * 2 ** 20 for m in measured.values()), report
-    assert abs(plan.resident_bytes - resident) / resident < 0.15, (plan.resident_bytes, resident)
-    assert abs(planned["rollout"] - measured["rollout"]) / measured["rollout"] < 0.15, report
-    peak_measured = resident + max(measured.values())
-    assert abs(plan.peak_bytes - peak_measured) / peak_measured < 0.15, (plan.peak_bytes, peak_measured, report)
-    if not overrides:  # activations dominate the update: the training phase alone is within 15% too
-        assert abs(planned["train"] - measured["train"]) / measured["train"] < 0.15, report
-    print("planned vs measured MiB:", report, "resident", plan.resident_bytes / 2**20, resident / 2**20)
+def test_fsdp_plan_matches_two_sharded_processes_measured(check_model, tmp_path):
+    """Two CPU processes with train.sharding=fsdp, each measuring itself in the real trainer: its shards
+    (resident), and its rollout and update with the blocks FSDP gathers, against `flowrl plan --gpus 2`."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    overrides = []  # (gradient checkpointing: checked on one process above)
+    ov = TRAINER_OVERRIDES + overrides + ["train.sharding=fsdp"]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                        "127.0.0.1", "--master_port", str(port), "-m", "flowrl.plan.measure", str(check_model),
+                        str(tmp_path), *ov], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = plan_memory(load_config(str(check_model), ov), 2, 80 * GiB)
+    single = plan_memory(load_config(str(check_model), TRAINER_OVERRIDES + overrides), 1, 80 * GiB)
+    assert plan.resident_bytes < 0.6 * single.resident_bytes  # the transformer's weights are halved
+    for rank in (0, 1):
+        print(rank, _check_against_plan(plan, json.loads((tmp_path / f"measured_rank{rank}.json").read_text()),
+                                        overrides))

@@ -38,9 +38,10 @@ class Item:
 
     name: str
     bytes: int
-    group: str  # resident | rollout | train
+    group: str  # resident | gathered (FSDP, during transformer passes) | kept | transient | train | step | alternative
     where: str = "gpu"
     note: str = ""
+    runs_transformer: bool = False  # a transient of the trained (sharded) transformer: FSDP gathers during it
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -105,8 +106,8 @@ def model_items(cfg, comp: MetaComponents, gpus: int) -> list[Item]:
     if t.beta_kl > 0 and lora:
         items.append(Item("KL reference", 0, "resident", "gpu", "LoRA: the adapter-disabled model, no copy"))
     if fsdp and (n > 1 or t.cpu_offload):
-        items.append(Item("FSDP unsharded blocks (2 x largest)", 2 * block_bytes(tr), "resident", "gpu",
-                          "one block gathered for compute, the next prefetched"))
+        items.append(Item("FSDP unsharded blocks (2 x largest)", 2 * block_bytes(tr), "gathered", "gpu",
+                          "one block gathered for compute, the next prefetched: during transformer passes only"))
     if cfg.sampler.name == "sol":
         opts = cfg.sampler.options
         backend = opts.get("explore_backend", "int8-dynamic")
@@ -177,7 +178,7 @@ def rollout_items(cfg, comp: MetaComponents, acts: Activations) -> list[Item]:
               Item(f"rollout: stored transitions ({n} x {steps} steps, float32)", n * steps * (2 * latent + 32), "kept",
                    note="latents + next latents per trained step; kept through the update"),
               Item(f"rollout: denoiser forward ({rows * k} rows, no grad)", fwd, "transient",
-                   note="sampler.max_batch rows" + (" x 2 (CFG)" if k == 2 else "")),
+                   note="sampler.max_batch rows" + (" x 2 (CFG)" if k == 2 else ""), runs_transformer=True),
               Item(f"rollout: VAE decode ({decode_rows(cfg, n)} images per call)", dec, "transient", "gpu",
                    "model.options.decode_batch images per VAE call"),
               Item(f"rollout: decoded images ({n}, float32)", n * 3 * acts.shapes.height * acts.shapes.width * 4,

@@ -71,9 +71,11 @@ def plan_memory(cfg, gpus: int = 1, gpu_memory: int = 80 * GiB, recipe: str = ""
     gpu = [i for i in items if i.where == "gpu"]
     resident = sum(i.bytes for i in gpu if i.group == "resident")
     kept = sum(i.bytes for i in gpu if i.group == "kept")
-    transient = max((i.bytes for i in gpu if i.group == "transient"), default=0)
+    gathered = sum(i.bytes for i in gpu if i.group == "gathered")  # FSDP: while the sharded transformer runs
+    transient = max((i.bytes + (gathered if i.runs_transformer else 0) for i in gpu if i.group == "transient"),
+                    default=0)
     stored = sum(i.bytes for i in gpu if i.group == "kept" and "stored transitions" in i.name)
-    train = stored + sum(i.bytes for i in gpu if i.group == "train")
+    train = stored + gathered + sum(i.bytes for i in gpu if i.group == "train")
     rollout = kept + transient
     step = stored + sum(i.bytes for i in gpu if i.group == "step")
     t = cfg.train

@@ -139,6 +139,51 @@ def measure_recipe(cfg, device=None) -> dict:
     return out
 
 
+def measure_trainer(cfg, run_dir) -> dict:
+    """This process's measured memory in the real online trainer (``flowrl.trainers.online``), in bytes:
+    ``rollout`` and ``train`` (one rollout, then one update on it: each the allocator's peak above the
+    level at its start) and ``resident`` (every parameter and buffer of the transformer, VAE and text
+    encoders, the AdamW states and the EMA, counted on the real modules; FSDP shards: this process's
+    part). Works under ``torchrun`` (each process measures itself; ``train.sharding`` as configured).
+    The plan to compare: ``resident_bytes + max(rollout_bytes, train_bytes)``."""
+    from torch.distributed.tensor import DTensor
+
+    from ..trainers.online import OnlineTrainer
+
+    peak = cuda_peak if torch.cuda.is_available() and cfg.model.device != "cpu" else cpu_peak
+    tr = OnlineTrainer(cfg, run_dir)
+    tr.setup()
+    out: dict = {}
+
+    def rollout() -> None:
+        tr.model.eval()
+        out["r"] = tr.sampler(tr.policy, tr._iteration_prompts(0), tr.reward, seed=1, iteration=0)
+
+    measured = {"rollout": peak(rollout), "train": peak(lambda: tr.update_object()(out["r"], 0))}
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+    mods = [tr.policy.transformer, tr.policy.vae] + [getattr(tr.policy.pipe, n, None)
+                                                     for n in ("text_encoder", "text_encoder_2", "text_encoder_3")]
+    tensors = {id(t): local(t) for m in mods if m is not None for t in [*m.parameters(), *m.buffers()]}
+    tensors.update({id(t): local(t) for s in tr.opt.state.values() for t in s.values() if t.dim() > 0})
+    tensors.update({id(t): local(t) for t in (tr.ema.shadow.values() if tr.ema else ())})
+    measured["resident"] = sum(t.numel() * t.element_size() for t in tensors.values())
+    measured["process_index"] = tr.acc.process_index
+    tr._shutdown()
+    return measured
+
+
+def _main(argv: list[str]) -> None:
+    """``python -m flowrl.plan.measure RECIPE OUT_DIR [overrides]`` (under torchrun for several processes):
+    writes ``OUT_DIR/measured_rank{R}.json`` (:func:`measure_trainer`)."""
+    from pathlib import Path
+
+    from ..trainers.config import load_config
+
+    recipe, out, *overrides = argv
+    m = measure_trainer(load_config(recipe, overrides), Path(out) / "run")
+    Path(out, f"measured_rank{m['process_index']}.json").write_text(json.dumps(m))
+
+
 def write_check_model(out_dir, num_layers: int = 12, heads: int = 4, resolution: int = 256, seed: int = 0):
     """A mid-size SD3 (``num_layers`` MMDiT blocks, the first three with dual attention, ``heads`` x 64
     wide; tiny text encoders and VAE) saved as a diffusers directory: large enough that weights and
@@ -159,3 +204,9 @@ def write_check_model(out_dir, num_layers: int = 12, heads: int = 4, resolution:
     StableDiffusion3Pipeline(**comps).save_pretrained(str(out_dir))
     (Path(out_dir) / "flowrl.json").write_text(json.dumps({"kind": "sd3", "resolution": resolution}))
     return Path(out_dir)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _main(sys.argv[1:])

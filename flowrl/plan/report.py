@@ -6,7 +6,8 @@ import re
 from .core import GiB, Plan
 
 _UNITS = {"": GiB, "gib": GiB, "gb": 10 ** 9, "mib": 2 ** 20, "mb": 10 ** 6, "tib": 2 ** 40, "tb": 10 ** 12}
-GROUP_TITLES = {"resident": "resident (whole run)", "kept": "rollout: kept", "transient": "rollout: transients (largest counts)",
+GROUP_TITLES = {"resident": "resident (whole run)", "gathered": "FSDP: gathered during transformer passes",
+                "kept": "rollout: kept", "transient": "rollout: transients (largest counts)",
                 "train": "training pass", "step": "optimizer step", "alternative": "not used by this recipe"}
 
 
