@@ -1,5 +1,4 @@
-import sys
-
 from flowrl.cli import main
+from flowrl.utils.launch import finish
 
-sys.exit(main())
+finish(main())

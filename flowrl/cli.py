@@ -231,5 +231,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run() -> None:
+    """The ``flowrl`` console command: :func:`main`, then :func:`flowrl.utils.launch.finish` (a process a
+    distributed launcher started skips interpreter finalization once its run is written)."""
+    from flowrl.utils.launch import finish
+
+    finish(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -21,7 +21,7 @@ def test_two_processes_train_in_sync(tiny_digits_dir, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), "-m", "flowrl", "train", "--config", "recipes/digits.yaml",
            "--output-dir", str(run), *tiny_train_overrides(tiny_digits_dir, **{"train.lr": 1e-2, "train.iterations": 2})]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
@@ -52,7 +52,7 @@ def test_offline_gdro_sharded_matches_ddp(tiny_digits_dir, tmp_path):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                "--master_port", str(_free_port()), "-m", "flowrl", "train", "--config", "recipes/digits_gdro.yaml",
                "--output-dir", str(run), *over, f"train.sharding={sharding}"]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
         assert r.returncode == 0, r.stderr[-3000:]
         losses[sharding] = [x["loss"] for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in x]
         weights[sharding] = load_checkpoint(list_checkpoints(run / "checkpoints")[-1])["trainable"]

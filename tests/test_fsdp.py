@@ -40,7 +40,7 @@ def _train(model, out, recipe="sd3_group_pickscore", sampler="group", nproc=2, f
            "127.0.0.1", "--master_port", str(_free_port()), "-m", "flowrl", "train", "--config",
            str(ROOT / "recipes" / f"{recipe}.yaml"), "--output-dir", str(out),
            *tiny_overrides(model, sampler, **extra), *(["--resume"] if resume else [])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     env.pop("FLOWRL_FAULT", None)
     if fault:
         env["FLOWRL_FAULT"] = fault
@@ -48,7 +48,8 @@ def _train(model, out, recipe="sd3_group_pickscore", sampler="group", nproc=2, f
 
 
 def _ok(r):
-    assert r.returncode == 0, r.stderr[-3000:]
+    """(A failure names the run's overrides; every rank dumps its Python stacks on a fatal signal.)"""
+    assert r.returncode == 0, f"{' '.join(map(str, r.args[-4:]))}\n{r.stderr[-3000:]}"
 
 
 def _records(run):

@@ -189,7 +189,7 @@ def test_fsdp_plan_matches_two_sharded_processes_measured(check_model, tmp_path)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                         "127.0.0.1", "--master_port", str(port), "-m", "flowrl.plan.measure", str(check_model),
                         str(tmp_path), *ov], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     plan = plan_memory(load_config(str(check_model), ov), 2, 80 * GiB)
     single = plan_memory(load_config(str(check_model), TRAINER_OVERRIDES + overrides), 1, 80 * GiB)

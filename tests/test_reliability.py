@@ -159,3 +159,21 @@ def test_corrupt_newest_checkpoint_falls_back(tiny_digits_dir, tmp_path):
         OnlineTrainer(load_config("recipes/digits.yaml",
                                   tiny_train_overrides(tiny_digits_dir, **{"train.iterations": 3})), run,
                       resume=True).setup()
+
+
+@pytest.mark.parametrize("launched", [True, False])
+def test_finish_flushes_then_skips_finalization_under_a_launcher(tmp_path, launched):
+    """`flowrl.utils.launch.finish`: under torchrun / accelerate launch (WORLD_SIZE and RANK set) the exit
+    code, buffered standard output and logging survive `os._exit`, and no atexit hook (finalization) runs;
+    without a launcher the process exits the ordinary way."""
+    code = ("import atexit, logging, sys; from flowrl.utils.launch import finish; "
+            "atexit.register(lambda: print('finalized')); logging.basicConfig(filename=sys.argv[1]); "
+            "logging.warning('kept'); sys.stdout.write('out'); finish(3)")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    if launched:
+        env.update(WORLD_SIZE="2", RANK="1")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "log")], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 3, r.stderr
+    assert (tmp_path / "log").read_text().strip().endswith("kept")
+    assert r.stdout == ("out" if launched else "outfinalized\n")

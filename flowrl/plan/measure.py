@@ -209,4 +209,7 @@ def write_check_model(out_dir, num_layers: int = 12, heads: int = 4, resolution:
 if __name__ == "__main__":
     import sys
 
+    from ..utils.launch import finish
+
     _main(sys.argv[1:])
+    finish(0)
