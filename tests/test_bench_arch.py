@@ -43,6 +43,7 @@ def test_arch_bench_end_to_end_tiny(tmp_path, pipeline):
                      iteration_options=dict(resolution=32, pool_size=4, preview_steps=2, keep=2, train_steps=2,
                                             minibatch=2, lora_rank=2))
     saved = json.loads((tmp_path / "a.json").read_text())
+    assert out["png"] == str(tmp_path / "a.png") and out["tiny"] is True  # the returned record names its picture
     assert (tmp_path / "a.png").is_file() and saved["tiny"] is True and saved["dtype"] == "float32"
     assert saved["arch"]["config_source"].endswith("transformer/config.json") and saved["arch"]["parameters"] > 0
     assert list(saved["backends"]) == ["full", "fp8:simulate_on_cpu=true", "nvfp4-emulated:engine=torch"]
