@@ -6,7 +6,8 @@ threads which may release tensors (and so take the GIL) while the interpreter is
 Python <= 3.13 such a thread is then unwound by ``pthread_exit`` inside a ``noexcept`` frame, and the
 process dies with SIGABRT ("terminate called without an active exception") after a run that
 succeeded; the launcher then reports a failed job (and kills the other ranks). Rare (twice in this
-project's test runs of two CPU processes, both after the run had written everything), but then a finished job reads as failed.
+project's test runs of two CPU processes, both after the run had written everything), but then a
+finished job reads as failed.
 
 :func:`finish` skips finalization under a launcher: it flushes what Python would flush (standard
 streams, logging handlers) and leaves with ``os._exit``. Everything a run keeps (checkpoints,
