@@ -45,6 +45,12 @@ class Shapes:
     def latent_hw(self) -> tuple[int, int]:
         return self.height // self.vae_factor, self.width // self.vae_factor
 
+    @property
+    def latent_bytes(self) -> int:
+        """Bytes of one sample's float32 latents ``[C, h, w]``."""
+        h, w = self.latent_hw
+        return self.latent_channels * h * w * 4
+
 
 def recipe_shapes(cfg, comp: MetaComponents) -> Shapes:
     """Resolution (``model.options.resolution``, else the local model's ``flowrl.json``, else the

@@ -44,6 +44,11 @@ class Item:
     runs_transformer: bool = False  # a transient of the trained (sharded) transformer: FSDP gathers during it
 
 
+def shard_count(cfg, gpus: int) -> int:
+    """Processes the trained state is split over: ``gpus`` under ``train.sharding=fsdp``, else 1 (replicas)."""
+    return gpus if cfg.train.sharding == "fsdp" else 1
+
+
 def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).replace("torch.", "")
 
@@ -85,7 +90,7 @@ def model_items(cfg, comp: MetaComponents, gpus: int) -> list[Item]:
     tr = comp.transformer
     lora = t.lora_rank > 0
     fsdp = t.sharding == "fsdp"
-    n = gpus if fsdp else 1
+    n = shard_count(cfg, gpus)
     shard_where = "host" if (fsdp and t.cpu_offload) else "gpu"
     trained, trained_n = module_bytes(tr, trainable=True), num_params(tr, trainable=True)
     tdt = _dtype_name(next((p.dtype for p in tr.parameters() if p.requires_grad), torch.float32))
@@ -146,9 +151,7 @@ def decode_rows(cfg, samples: int) -> int:
 
 def _working_set(cfg, comp, acts: Activations, samples: int, fwd_rows: int, k: int) -> tuple[int, int, int]:
     """(kept bytes: conditioning + latents, denoiser forward peak, VAE decode peak) of sampling ``samples``."""
-    h, w = acts.shapes.latent_hw
-    latent = acts.shapes.latent_channels * h * w * 4  # float32 latents per sample
-    kept = samples * (_cond_row_bytes(comp, acts) * k + 2 * latent)
+    kept = samples * (_cond_row_bytes(comp, acts) * k + 2 * acts.shapes.latent_bytes)
     return kept, acts.bytes("infer", fwd_rows * k), acts.bytes("decode", decode_rows(cfg, samples))
 
 
@@ -157,8 +160,7 @@ def rollout_items(cfg, comp: MetaComponents, acts: Activations) -> list[Item]:
     sampler = cfg.sampler.build()
     n = cfg.train.batch_size
     k = cfg_rows(cfg, comp)
-    h, w = acts.shapes.latent_hw
-    latent = acts.shapes.latent_channels * h * w * 4
+    latent = acts.shapes.latent_bytes
     items = []
     gen = sampler
     if cfg.sampler.name == "sol":
@@ -208,12 +210,11 @@ def train_items(cfg, comp: MetaComponents, acts: Activations, gpus: int = 1) -> 
                           f"saved for backward {acts.saved(rows, on) / 2**30:.2f} GiB"))
     tr = comp.transformer
     fsdp = cfg.train.sharding == "fsdp"
-    n = gpus if fsdp else 1
+    n = shard_count(cfg, gpus)
     items.append(Item("AdamW step: foreach temporaries (~1 x trained tensors)", -(-module_bytes(tr, trainable=True) // n),
                       "step", "host" if fsdp and cfg.train.cpu_offload else "gpu",
                       "after backward, activations freed" + (f"; / {n} (FSDP)" if n > 1 else "")))
     if cfg.train.loss == "nft":
-        h, w = acts.shapes.latent_hw
         items.append(Item("NFT update: x0 + noise of the batch (float32)",
-                          2 * cfg.train.batch_size * acts.shapes.latent_channels * h * w * 4, "train"))
+                          2 * cfg.train.batch_size * acts.shapes.latent_bytes, "train"))
     return items

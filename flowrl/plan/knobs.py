@@ -28,12 +28,11 @@ def _minibatch(cfg, gpus) -> Optional[list[str]]:
 
 
 def _max_batch(cfg, gpus) -> Optional[list[str]]:
-    opts = cfg.sampler.options
     if cfg.sampler.name == "sol":
-        current = opts.get("explore_batch") or (cfg.train.batch_size // opts.get("keep", 24)) * opts.get("pool_size", 96)
-        key = "sampler.explore_batch"
+        s = cfg.sampler.build()
+        current, key = s.explore_batch or (cfg.train.batch_size // s.keep) * s.pool_size, "sampler.explore_batch"
     else:
-        current, key = opts.get("max_batch") or cfg.train.batch_size, "sampler.max_batch"
+        current, key = cfg.sampler.options.get("max_batch") or cfg.train.batch_size, "sampler.max_batch"
     return None if current <= 1 else [f"{key}={max(1, current // 2)}"]
 
 

@@ -24,10 +24,10 @@ from typing import Callable
 import torch
 
 from ..trainers.config_base import ConfigError
-from .activations import transformer_inputs
+from .activations import max_rows, transformer_inputs
 from .budget import cfg_rows, train_rows
 from .core import measured_setup
-from .models import module_bytes
+from .models import module_bytes, set_up_trained
 
 CPU_LIMIT_BYTES = 2 * 2 ** 30  # the largest transformer --measure builds on a CPU
 
@@ -80,16 +80,7 @@ def _inputs(comp, shapes, rows: int, device: torch.device) -> dict:
 
 def _set_up(cfg, comp, device: torch.device):
     """The transformer with the trainer's LoRA (or all weights trainable)."""
-    from ..pipelines import policy_class
-    from ..trainers.weights import add_lora
-
-    tr = _real_transformer(cfg, comp, device)
-    if cfg.train.lora_rank > 0:
-        add_lora(tr, cfg.train.lora_rank, cfg.train.lora_alpha,
-                 cfg.train.lora_targets or list(policy_class(cfg.model.pipeline).lora_target_modules))
-    else:
-        tr.requires_grad_(True)
-    return tr
+    return set_up_trained(_real_transformer(cfg, comp, device), cfg)
 
 
 def _train(cfg, comp, shapes, rows: int, device: torch.device) -> None:
@@ -127,7 +118,7 @@ def measure_recipe(cfg, device=None) -> dict:
     trained = module_bytes(tr, trainable=True)
     ckpt = bool(cfg.model.options.get("gradient_checkpointing", False))
     rows_t = train_rows(cfg, comp)
-    rows_i = min(cfg.sampler.options.get("max_batch") or cfg.train.batch_size, cfg.train.batch_size) * cfg_rows(cfg, comp)
+    rows_i = max_rows(cfg.train.batch_size, cfg.sampler.options.get("max_batch")) * cfg_rows(cfg, comp)
     planned = {"train": module_bytes(tr) + 3 * trained + acts.bytes("train", rows_t, ckpt),
                "infer": module_bytes(tr) + acts.bytes("infer", rows_i)}
     measured = {"train": peak(lambda: _train(cfg, comp, shapes, rows_t, device)),

@@ -126,24 +126,29 @@ def _vae(config: dict, dtype: torch.dtype) -> nn.Module:
     return vae.eval().requires_grad_(False)
 
 
-def meta_components(cfg, with_text_encoders: bool = True) -> MetaComponents:
-    """The recipe ``cfg``'s transformer (with the trainer's LoRA, or all weights trainable), text
-    encoders and VAE on the meta device (module doc)."""
+def set_up_trained(transformer: nn.Module, cfg) -> nn.Module:
+    """``transformer`` set up as the trainer sets it up (``TrainerBase._prepare_model``): the recipe's
+    LoRA (its targets, else the pipeline's) or, at ``train.lora_rank: 0``, every weight trained."""
     from ..pipelines import policy_class
     from ..trainers.weights import add_lora
 
+    if cfg.train.lora_rank > 0:
+        add_lora(transformer, cfg.train.lora_rank, cfg.train.lora_alpha,
+                 cfg.train.lora_targets or list(policy_class(cfg.model.pipeline).lora_target_modules))
+    else:
+        transformer.requires_grad_(True)
+    return transformer
+
+
+def meta_components(cfg, with_text_encoders: bool = True) -> MetaComponents:
+    """The recipe ``cfg``'s transformer (with the trainer's LoRA, or all weights trainable), text
+    encoders and VAE on the meta device (module doc)."""
     spec = model_spec(cfg.model.path, cfg.model.pipeline)
     opt = cfg.model.options.get("dtype")
     dtypes = {k: component_dtype(opt, k) for k in ("transformer", "text_encoder", "vae")}
-    targets = cfg.train.lora_targets or list(policy_class(cfg.model.pipeline).lora_target_modules)
 
     def build(config: dict) -> nn.Module:
-        tr = build_transformer(spec.family, config, torch.device("meta"), dtypes["transformer"])
-        if cfg.train.lora_rank > 0:
-            add_lora(tr, cfg.train.lora_rank, cfg.train.lora_alpha, targets)
-        else:
-            tr.requires_grad_(True)
-        return tr
+        return set_up_trained(build_transformer(spec.family, config, torch.device("meta"), dtypes["transformer"]), cfg)
 
     tr = build(spec.transformer)
     tes = {}

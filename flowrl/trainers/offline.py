@@ -290,7 +290,7 @@ class OfflineTrainer(TrainerBase):
         em, imgs = self.evaluate(step)  # (every process when sharded: its forwards are collective)
         self._log(em)
         if self.acc.is_main_process:
-                save_grid(imgs, self.run_dir / "samples" / f"eval_{step:06d}.png",
+            save_grid(imgs, self.run_dir / "samples" / f"eval_{step:06d}.png",
                       nrow=self.cfg.data.eval_seeds_per_prompt, scale=max(1, 64 // imgs.shape[-1]))
 
     def train(self) -> dict:

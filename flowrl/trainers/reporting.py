@@ -10,7 +10,7 @@ from ..utils.images import image_grid, save_grid
 from ..utils.io import save_figure, save_png, write_json, write_text
 
 __all__ = ["MetricsLog", "read_metrics", "plot_curves", "image_grid", "save_grid", "save_png", "save_figure",
-           "write_json", "side_by_side"]  # the last five live in flowrl.utils (re-exported here)
+           "write_json", "side_by_side"]  # image_grid .. write_json live in flowrl.utils (re-exported here)
 
 
 class MetricsLog:
