@@ -192,8 +192,8 @@ class WanPolicy(DiffusersPolicy):
 
     def _forward(self, x: torch.Tensor, sigma: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
         dtype = transformer_dtype(self.transformer)
-        return self.transformer(hidden_states=x.to(dtype), timestep=sigma * 1000.0,
-                                encoder_hidden_states=pe.to(self.device, dtype), return_dict=False)[0]  # [B, C, F', h, w]
+        return self.transformer(hidden_states=x.to(dtype), timestep=sigma * 1000.0,  # [B, C, F', h, w]
+                                encoder_hidden_states=pe.to(self.device, dtype), return_dict=False)[0]
 
     cond_keys = ("prompt_embeds",)  # _forward(x, sigma, *these) (base velocity, on [B, C, F', h, w])
 
