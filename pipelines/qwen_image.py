@@ -20,9 +20,10 @@ token, the combined prediction is scaled to the norm of the conditional one (``c
 |comb|`` over the packed channel axis), as ``QwenImagePipeline.__call__`` and Flow-GRPO's training
 forward do. flowrl runs both halves in one doubled batch (``pipelines.common.cfg_halves``).
 
-The schedule is the pipeline's: ``linspace(1, 1/T, T)`` shifted by the scheduler's resolution-dependent
-exponential shift (``mu`` from the packed token count), stretched so the last sigma equals the
-scheduler's ``shift_terminal`` (Qwen-Image: 0.02), then 0. Decoding adds the VAE's frame axis:
+The schedule is the pipeline's: its scheduler (a fresh copy from the model's config) given
+``linspace(1, 1/T, T)`` and ``mu`` from the packed token count; for Qwen-Image that is the
+resolution-dependent exponential shift, stretched so the last sigma equals ``shift_terminal``
+(0.02), then 0. Decoding adds the VAE's frame axis:
 ``z * latents_std + latents_mean`` per channel, ``AutoencoderKLQwenImage.decode`` on ``[B, 16, 1, h, w]``,
 frame 0, ``x / 2 + 0.5``.
 """
@@ -33,11 +34,12 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from flowrl.schedules import flow_sigmas, flux_mu, shift_sigmas, time_shift_exponential
+from flowrl.schedules import flow_sigmas, flux_mu
 
 from .base import IMAGE_SIZE, DiffusersPolicy, Resolution, resolve_resolution
 from .common import cfg_combine, cfg_halves, transformer_dtype
 from .flux import pack_latents, unpack_latents
+from .wan import video_vae_decode
 
 # Flow-GRPO's LoRA targets for Qwen-Image (scripts/train_qwenimage_edit_plus.py: r=64, alpha=128, gaussian
 # init): the joint attention's projections of both streams and both streams' feed-forwards.
@@ -57,8 +59,6 @@ QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_
 _TEMPLATE_WORDS = ("the", "image", "by", "detailing", "color", "shape", "size", "texture", "quantity", "text",
                    "spatial", "relationships", "of", "objects", "and", "background")
 _LINE_START_WORDS = ("system", "user", "assistant", "Describe")  # words that follow a newline in the template
-_UNSUPPORTED_SCHEDULER = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas",
-                          "use_flow_sigmas")
 
 
 def build_qwen_tokenizer(num_words: int = 2000, model_max_length: int = 32768):
@@ -117,14 +117,6 @@ def live_lora_targets(num_blocks: int, targets) -> list[str]:
     return out
 
 
-def stretch_to_terminal(s: np.ndarray, terminal: float) -> np.ndarray:
-    """Stretch a decreasing schedule so its last value is ``terminal``: ``1 - (1 - s) (1 - terminal)
-    / (1 - s[-1])`` (diffusers' ``FlowMatchEulerDiscreteScheduler.stretch_shift_to_terminal``)."""
-    one_minus = 1 - s
-    scale = one_minus[-1] / (1 - terminal)
-    return 1 - one_minus / scale
-
-
 class QwenImagePolicy(DiffusersPolicy):
     """``FlowPolicy`` for Qwen-Image (see module doc).
 
@@ -163,13 +155,9 @@ class QwenImagePolicy(DiffusersPolicy):
         if pipe.transformer.config.guidance_embeds:
             raise ValueError("this Qwen-Image transformer is guidance-distilled (guidance_embeds=True), which "
                              "QwenImagePolicy does not support; use a model with guidance_embeds=False")
-        cfg = pipe.scheduler.config
-        unsupported = [k for k in _UNSUPPORTED_SCHEDULER if cfg.get(k)]
-        if cfg.get("use_dynamic_shifting") and cfg.get("time_shift_type", "exponential") != "exponential":
-            unsupported.append("time_shift_type=" + str(cfg.get("time_shift_type")))
-        if unsupported and shift is None:
-            raise ValueError(f"QwenImagePolicy cannot reproduce a scheduler with {unsupported}; pass shift= to use "
-                             f"flowrl's static-shift schedule instead")
+        if pipe.scheduler.config.get("invert_sigmas") and shift is None:
+            raise ValueError("QwenImagePolicy's schedule runs from 1 to 0; this scheduler inverts its sigmas "
+                             "(invert_sigmas=True): pass shift= to use flowrl's static-shift schedule instead")
         if shift is not None:
             flow_sigmas(1, float(shift), schedule)  # validate early
         self._setup(pipe, device)  # frozen VAE / text encoder, vae_scale_factor, LoRA targets, negative cache
@@ -194,7 +182,8 @@ class QwenImagePolicy(DiffusersPolicy):
         latent channels, spatial factor 8, causal 3D convolutions, its latent mean / std) at width 8,
         a 2-layer ``Qwen2_5_VLForConditionalGeneration`` (hidden 16, a 1-block vision tower) over
         ``build_qwen_tokenizer``, and Qwen-Image's scheduler config (dynamic exponential shift
-        0.5 -> 0.9 over 256 -> 8192 tokens, shift_terminal 0.02). Sizes as diffusers' fast tests."""
+        0.5 -> 0.9 over 256 -> 8192 tokens, shift_terminal 0.02). Transformer and text encoder sizes
+        as diffusers' Qwen-Image fast tests."""
         from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -282,25 +271,18 @@ class QwenImagePolicy(DiffusersPolicy):
         if not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
         cfg = self.pipe.scheduler.config
-        s = np.linspace(1.0, 1 / num_steps, num_steps).astype(np.float32)  # the pipeline's sigmas
-        if cfg.get("use_dynamic_shifting", False):
-            mu = flux_mu(self.image_seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
-                         cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
-            s = time_shift_exponential(mu, s)
-        else:
-            s = shift_sigmas(s, float(cfg.get("shift", 1.0)))
-        if cfg.get("shift_terminal"):
-            s = stretch_to_terminal(s, float(cfg["shift_terminal"]))
-        return torch.cat([torch.from_numpy(np.asarray(s, dtype=np.float32)), torch.zeros(1)])
+        mu = flux_mu(self.image_seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+                     cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))  # the pipeline's calculate_shift
+        scheduler = type(self.pipe.scheduler).from_config(cfg)  # a fresh copy: the pipeline's stays untouched
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+        return scheduler.sigmas.to("cpu", torch.float32)  # [num_steps + 1], the last 0
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents ``[B, C, h, w]`` -> float32 images ``[B, 3, 8h, 8w]`` in [0, 1] through the video
         VAE with one frame (module doc); ``decode_batch`` images per VAE call."""
-        from .wan import video_vae_decode
-
         video = video_vae_decode(self.vae, latents[:, :, None], self.device, self.decode_batch)  # [B, 3, 1, H, W]
         return video[:, :, 0]  # [B, 3, H, W]
 
 
 __all__ = ["LAST_BLOCK_UNUSED", "QWEN_IMAGE_LORA_TARGET_MODULES", "QwenImagePolicy", "build_qwen_tokenizer",
-           "live_lora_targets", "stretch_to_terminal"]
+           "live_lora_targets"]

@@ -110,15 +110,15 @@ class WanPolicy(DiffusersPolicy):
             raise ValueError(f"num_frames must be {ft} k + 1 frames (k >= 0) for Wan's video VAE, got {num_frames!r}")
         sched = pipe.scheduler.config
         if shift is None:
-            shift = sched.get("flow_shift") if sched.get("use_flow_sigmas") else sched.get("shift")
-        flow_sigmas(1, float(shift or 1.0), schedule)  # validates shift and schedule early
+            shift = (sched.get("flow_shift") if sched.get("use_flow_sigmas") else sched.get("shift")) or 1.0
+        flow_sigmas(1, float(shift), schedule)  # validates shift and schedule early
         pipe.vae_scale_factor = pipe.vae_scale_factor_spatial  # the name the base's _setup reads
         self._setup(pipe, device)  # frozen VAE / text encoder, LoRA targets, negative cache
         self.guidance_scale = float(guidance_scale)
         self.negative_prompt = str(negative_prompt)
         self.max_sequence_length = int(max_sequence_length)
         self.num_frames = num_frames
-        self.shift, self.schedule = float(shift or 1.0), schedule
+        self.shift, self.schedule = float(shift), schedule
         cfg = self.transformer.config
         f, (_, ph, pw) = self.vae_scale_factor, cfg.patch_size
         if ph != pw:
