@@ -111,3 +111,21 @@ def test_grpo_trains_on_qwen_image(tiny, tmp_path):
     assert not any("transformer_blocks.1.txt_mlp." in k for k in w2)  # the last block's unused text stream
     assert any(".lora_B." in k and v.abs().sum() > 0 for k, v in w1.items())
     assert any(not torch.equal(w1[k], w2[k]) for k in w1)
+    # `flowrl export` of the run loads into QwenImagePipeline and is the trained policy
+    from diffusers import QwenImagePipeline
+
+    from flowrl.export import export_run
+    from flowrl.trainers.weights import add_lora, load_trainable_state
+
+    export_run(run, tmp_path / "export")
+    trained = QwenImagePolicy.from_pretrained(tiny, max_sequence_length=SEQ)
+    add_lora(trained.transformer, cfg.train.lora_rank, cfg.train.lora_alpha, trained.lora_target_modules)
+    load_trainable_state(trained.transformer, w2)
+    pipe = QwenImagePipeline.from_pretrained(tiny)
+    pipe.load_lora_weights(tmp_path / "export")
+    x, cond = trained.initial_noise(SEEDS), trained.encode_prompts(PROMPTS)
+    with torch.no_grad():
+        v_trained = trained.velocity(x, 0.7, cond)
+        trained.transformer = pipe.transformer
+        v_loaded = trained.velocity(x, 0.7, cond)
+    torch.testing.assert_close(v_loaded, v_trained, rtol=1e-5, atol=1e-6)
