@@ -100,7 +100,7 @@ def test_encode_velocity_noise_sigmas_decode(tiny_dirs, name):
     img = policy.decode(x[:2])  # images [2, 3, H, W]; a video model's (num_frames) videos [2, 3, F, H, W]
     frames = getattr(policy, "num_frames", None)
     assert img.dtype == torch.float32 and img.shape[:2] == (2, 3)
-    assert img.ndim == 4 if frames is None else img.ndim == 5 and img.shape[2] == frames
+    assert (img.ndim == 4) if frames is None else (img.ndim == 5 and img.shape[2] == frames)
     if hasattr(policy, "height"):
         assert img.shape[-2:] == (policy.height, policy.width)
     assert 0.0 <= img.min() <= img.max() <= 1.0
