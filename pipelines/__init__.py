@@ -17,6 +17,9 @@ REGISTRY: dict[str, str] = {
     "sd3": "flowrl.pipelines.sd3:SD3Policy.from_pretrained",
     "flux": "flowrl.pipelines.flux:FluxPolicy.from_pretrained",
     "sana": "flowrl.pipelines.sana:SanaPolicy.from_pretrained",
+    "qwen-image": "flowrl.pipelines.qwen_image:QwenImagePolicy.from_pretrained",
+    "flux-kontext": "flowrl.pipelines.flux_kontext:FluxKontextPolicy.from_pretrained",
+    "wan": "flowrl.pipelines.wan:WanPolicy.from_pretrained",
 }
 
 

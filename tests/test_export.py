@@ -206,7 +206,8 @@ def test_export_errors(runs, tmp_path, monkeypatch, capsys):
     odd = tmp_path / "odd-run"
     shutil.copytree(run, odd)
     (odd / "config.yaml").write_text((run / "config.yaml").read_text().replace("pipeline: sd3", "pipeline: mymodel"))
-    with pytest.raises(ExportError, match="does not know pipeline 'mymodel'.*digits, flux, sana, sd3"):
+    known = "digits, flux, flux-kontext, qwen-image, sana, sd3, wan"
+    with pytest.raises(ExportError, match=f"does not know pipeline 'mymodel'.*{known}"):
         export_run(odd, tmp_path / "o")
     # the CLI: exit status 2 and the message on stderr, JSON summary on success
     assert cli_main(["export", str(fresh), str(tmp_path / "o")]) == 2

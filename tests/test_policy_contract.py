@@ -97,8 +97,12 @@ def test_encode_velocity_noise_sigmas_decode(tiny_dirs, name):
     sig = policy.sigmas(4)
     assert sig.shape == (5,) and sig.dtype == torch.float32
     assert abs(float(sig[0]) - 1.0) < 1e-6 and float(sig[-1]) == 0.0 and (sig[1:] <= sig[:-1]).all()
-    img = policy.decode(x[:2])
-    assert img.dtype == torch.float32 and img.ndim == 4 and img.shape[:2] == (2, 3)
+    img = policy.decode(x[:2])  # images [2, 3, H, W]; a video model's (num_frames) videos [2, 3, F, H, W]
+    frames = getattr(policy, "num_frames", None)
+    assert img.dtype == torch.float32 and img.shape[:2] == (2, 3)
+    assert (img.ndim == 4) if frames is None else (img.ndim == 5 and img.shape[2] == frames)
+    if hasattr(policy, "height"):
+        assert img.shape[-2:] == (policy.height, policy.width)
     assert 0.0 <= img.min() <= img.max() <= 1.0
 
 

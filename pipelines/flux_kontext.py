@@ -1,0 +1,133 @@
+"""FLUX.1 Kontext (image editing: Labs et al. 2025) as a ``FlowPolicy``, over diffusers ``FluxKontextPipeline``.
+
+Kontext is a FLUX.1 transformer that also attends to a **source image**: the source is encoded by
+the VAE (the posterior's mode, ``(z - shift_factor) * scaling_factor``), packed into 2x2-patch
+tokens like the generated latents and appended to the generated tokens; its RoPE ids are the
+generated grid's with the first coordinate 1 instead of 0 (``FluxKontextPipeline.prepare_latents``).
+The transformer runs on ``[generated tokens, source tokens]`` and the velocity is its output over
+the generated tokens only. Everything else (unpacked ``[B, 16, h, w]`` latents, the text
+encoders, embedded guidance, optional true CFG whose two halves share the source tokens, the
+dynamic-shift schedule over the *generated* token count, decoding) is FLUX.1's
+(``pipelines/flux.py``).
+
+How a prompt carries its source image (the conditioning contract): ``encode_prompts(items)`` takes
+items that are either
+
+* a ``str``: text only; the whole batch is then plain text-to-image, as the pipeline with
+  ``image=None`` (so every text-only sampler and recipe runs on Kontext unchanged), or
+* an edit item: a mapping ``{"prompt": str, "image": Tensor[3, H, W]}`` or any object with
+  ``.prompt`` and ``.image`` attributes; ``image`` is float RGB in [0, 1] of any size.
+
+A batch is all text or all edit items. A source is resized to the policy's resolution (``height``
+x ``width``) and normalised by the pipeline's own ``image_processor.preprocess`` (what the pipeline
+does with ``_auto_resize=False`` at that size; Flow-GRPO resizes sources to the training resolution
+too), then encoded by :meth:`encode_sources`. The conditioning then holds ``image_latents`` ``[B,
+16, h, w]`` (unpacked, like the latents) beside the text entries: batch-first like every entry, so
+``flowrl.types.index_cond`` gives each transition its source. Without a source it holds no
+``image_latents`` and ``velocity`` is FLUX's.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Optional, Sequence
+
+import torch
+
+from .base import IMAGE_SIZE, encode_with_negative
+from .common import cfg_combine, cfg_halves, module_dtype, transformer_dtype
+from .flux import FLUX_LORA_TARGET_MODULES, FluxPolicy, latent_image_ids, pack_latents, unpack_latents
+
+# Flow-GRPO's LoRA targets for FLUX.1 Kontext (scripts/train_flux_kontext.py): FLUX's (both streams'
+# attention projections and feed-forwards) plus the single-stream blocks' MLP input ``proj_mlp``.
+FLUX_KONTEXT_LORA_TARGET_MODULES = FLUX_LORA_TARGET_MODULES + ("proj_mlp",)
+
+
+def edit_item_parts(item) -> tuple[str, Optional[torch.Tensor]]:
+    """``(text, source image or None)`` of one prompt item (see the module doc for the item types)."""
+    if isinstance(item, str):
+        return item, None
+    if isinstance(item, Mapping):
+        text, image = item.get("prompt"), item.get("image")
+    else:
+        text, image = getattr(item, "prompt", None), getattr(item, "image", None)
+    if not isinstance(text, str):
+        raise TypeError(f"a prompt item is a str or an edit item {{'prompt': str, 'image': Tensor[3, H, W]}} "
+                        f"(or an object with .prompt / .image); got {type(item).__name__}")
+    if image is not None and not (isinstance(image, torch.Tensor) and image.ndim == 3 and image.shape[0] == 3):
+        raise TypeError(f"an edit item's image must be a float tensor [3, H, W] in [0, 1]; got "
+                        f"{type(image).__name__}{tuple(image.shape) if isinstance(image, torch.Tensor) else ''}")
+    return text, image
+
+
+class FluxKontextPolicy(FluxPolicy):
+    """``FlowPolicy`` for FLUX.1 Kontext (see module doc; the arguments are ``FluxPolicy``'s: the
+    pipeline's ``guidance_scale`` default is 3.5, Kontext-dev is guidance-distilled)."""
+
+    kind = "flux-kontext"
+    pipeline_class = "FluxKontextPipeline"
+    lora_target_modules = FLUX_KONTEXT_LORA_TARGET_MODULES
+    tiny_kinds = ("flux-kontext",)
+    example_hub_id = "black-forest-labs/FLUX.1-Kontext-dev"
+
+    @classmethod
+    def tiny_components(cls, kind: str = "flux-kontext", image_size: int = IMAGE_SIZE, seed: int = 0) -> dict:
+        """The tiny FLUX.1-dev-like components (``FluxPolicy.tiny_components("flux")``: guidance
+        embedding, dynamic shift); ``FluxKontextPipeline`` takes the same components."""
+        return FluxPolicy.tiny_components("flux", image_size, seed)
+
+    # --- conditioning ----------------------------------------------------------------------
+    def encode_sources(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Source images (each float ``[3, H, W]`` in [0, 1]) -> ``image_latents`` float32 ``[B, 16, h, w]``
+        at the policy's resolution: the pipeline's resize + normalisation, the VAE posterior's mode,
+        ``(z - shift_factor) * scaling_factor``. No gradients (the VAE is frozen)."""
+        pixels = self.pipe.image_processor.preprocess([im.float().cpu() for im in images], self.height, self.width)
+        cfg = self.vae.config
+        with torch.no_grad():
+            z = self.vae.encode(pixels.to(self.device, module_dtype(self.vae))).latent_dist.mode()  # [B, 16, h, w]
+        return ((z - (cfg.shift_factor or 0.0)) * cfg.scaling_factor).float()  # [B, 16, h, w]
+
+    def encode_prompts(self, prompts: list) -> dict[str, torch.Tensor]:
+        """Batch-first conditioning from prompt items (module doc): FLUX's text entries
+        (``prompt_embeds``, ``pooled_prompt_embeds``; with true CFG the ``negative_*`` ones) and,
+        for edit items, ``image_latents`` [B, 16, h, w]."""
+        parts = [edit_item_parts(p) for p in prompts]
+        with_source = [img is not None for _, img in parts]
+        if any(with_source) and not all(with_source):
+            raise ValueError("a FLUX Kontext batch is all edit items (with a source image) or all text prompts; "
+                             f"got {sum(with_source)} of {len(parts)} with a source image")
+        cond = encode_with_negative(self, [t for t, _ in parts], use_negative=self.uses_negative)
+        if parts and all(with_source):
+            cond["image_latents"] = self.encode_sources([img for _, img in parts])
+        return cond
+
+    # --- FlowPolicy ----------------------------------------------------------------------
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
+        """``v_theta(x_t, sigma)`` float32 ``[B, C, h, w]`` over the generated tokens, the source
+        tokens appended (module doc); FLUX's velocity when ``cond`` has no ``image_latents``.
+        Differentiable in the transformer's parameters; true CFG as ``FluxPolicy.velocity``."""
+        if "image_latents" not in cond:
+            return super().velocity(latents, sigma, cond)
+        x = latents.to(self.device)  # [B, C, h, w]
+        src = cond["image_latents"].to(self.device, torch.float32)  # [B, C, hs, ws]
+        b, _, h, w = x.shape
+        hs, ws = src.shape[-2:]
+        if h % 2 or w % 2 or hs % 2 or ws % 2:
+            raise ValueError(f"FLUX Kontext latents need even height and width (2x2 packing), got {tuple(x.shape)} "
+                             f"and source {tuple(src.shape)}")
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(b)  # [B]
+        dtype = transformer_dtype(self.transformer)
+        src_ids = latent_image_ids(hs, ws, self.device, dtype)  # [(hs/2)(ws/2), 3]
+        src_ids[:, 0] = 1  # the source's ids: the first coordinate 1 instead of 0
+        ids = torch.cat([latent_image_ids(h, w, self.device, dtype), src_ids])  # [n + m, 3]
+        n = (h // 2) * (w // 2)  # generated tokens
+        packed = torch.cat([pack_latents(x), pack_latents(src)], 1)  # [B, n + m, 4C]
+        fwd = lambda p, s, pe, pooled: self._forward(p, s, pe, pooled, ids)[:, :n]  # noqa: E731  [B, n, 4C]
+        text = (packed, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"])
+        if self.true_cfg_scale == 1.0:
+            return unpack_latents(fwd(*text).float(), h, w)  # [B, C, h, w]
+        uncond, cond_out = cfg_halves(fwd, (packed, sigma, cond["negative_prompt_embeds"],
+                                            cond["negative_pooled_prompt_embeds"]), text)  # [B, n, 4C] each
+        return unpack_latents(cfg_combine(uncond, cond_out, self.true_cfg_scale), h, w)  # [B, C, h, w]
+
+
+__all__ = ["FLUX_KONTEXT_LORA_TARGET_MODULES", "FluxKontextPolicy", "edit_item_parts"]

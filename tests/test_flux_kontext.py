@@ -1,0 +1,91 @@
+"""The FLUX.1 Kontext adapter against diffusers' own ``FluxKontextPipeline`` on the tiny offline model
+(``flowrl make-tiny flux-kontext``): with edit items (prompt + source image) flowrl's deterministic
+ODE loop equals the pipeline's loop given the same sources (source latents appended to the packed
+sequence with offset ids, velocity over the generated tokens only, the schedule over the generated
+token count); with plain text prompts it equals the pipeline without an image; a LoRA written by
+``flowrl export``'s writer loads into the pipeline, moves its output, and still equals flowrl's
+loop. Shapes, save / load and LoRA targets are in the contract battery (tests/test_policy_contract.py)."""
+import pytest
+import torch
+
+from flowrl.pipelines.flux import pack_latents, unpack_latents
+from flowrl.pipelines.flux_kontext import FluxKontextPolicy
+from flowrl.pipelines.tiny import make_tiny
+from flowrl.rollout.ode import ode_integrate
+from model_parity import exported_lora
+
+PROMPTS = ["make the cat red", "add a hat"]
+SEEDS, STEPS, SEQ, SIZE = [5, 6], 3, 8, 32
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny("flux-kontext", tmp_path_factory.mktemp("kontext") / "flux-kontext", image_size=SIZE)
+
+
+def _sources(size=(SIZE, SIZE)) -> list[torch.Tensor]:
+    """Two fixed source images, float [3, H, W] in [0, 1]."""
+    g = torch.Generator().manual_seed(3)
+    ramp = torch.linspace(0, 1, size[1]).expand(3, *size)  # [3, H, W]
+    return [(0.7 * ramp + 0.3 * torch.rand(3, *size, generator=g)).clamp(0, 1), torch.rand(3, *size, generator=g)]
+
+
+def _ours(policy, items) -> torch.Tensor:
+    return ode_integrate(policy, policy.encode_prompts(items), SEEDS, STEPS)  # [B, 16, 4, 4]
+
+
+def _pipeline(pipe, policy, image) -> torch.Tensor:
+    """The pipeline's own loop from flowrl's initial noise (packed), unpacked to [B, 16, h, w]."""
+    out = pipe(image=image, prompt=PROMPTS, height=SIZE, width=SIZE, max_area=SIZE * SIZE, _auto_resize=False,
+               guidance_scale=policy.guidance_scale, num_inference_steps=STEPS, max_sequence_length=SEQ,
+               latents=pack_latents(policy.initial_noise(SEEDS)), output_type="latent").images
+    return unpack_latents(out.float(), 4, 4)
+
+
+def test_edit_and_text_loops_match_the_kontext_pipeline(tiny, tmp_path):
+    policy = FluxKontextPolicy.from_pretrained(tiny, max_sequence_length=SEQ)
+    sources = _sources()
+    items = [{"prompt": p, "image": im} for p, im in zip(PROMPTS, sources)]
+    cond = policy.encode_prompts(items)
+    assert cond["image_latents"].shape == (2, 16, 4, 4) and cond["image_latents"].dtype == torch.float32
+    ours = _ours(policy, items)
+    ref = _pipeline(policy.pipe, policy, torch.stack(sources))
+    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-5)
+    # text only: the pipeline without an image (FLUX's velocity, no source tokens)
+    ours_text = _ours(policy, PROMPTS)
+    torch.testing.assert_close(ours_text, _pipeline(policy.pipe, policy, None), atol=2e-5, rtol=1e-5)
+    assert (ours_text - ours).abs().max() > 1e-3  # the source image conditions the samples
+
+    # a LoRA through flowrl export's writer: loads into the pipeline, moves its output, equals flowrl's loop
+    lora_pipe = exported_lora(policy, "flux-kontext", str(tiny), tmp_path / "lora")
+    ours_lora = _ours(policy, items)
+    ref_lora = _pipeline(lora_pipe, policy, torch.stack(sources))
+    torch.testing.assert_close(ours_lora, ref_lora, atol=2e-5, rtol=1e-5)
+    assert (ref_lora - ref).abs().max() > 1e-2
+
+
+def test_edit_items_true_cfg_and_errors(tiny):
+    class Item:  # any object with .prompt / .image is an edit item
+        def __init__(self, prompt, image):
+            self.prompt, self.image = prompt, image
+
+    policy = FluxKontextPolicy.from_pretrained(tiny, max_sequence_length=SEQ, true_cfg_scale=2.0)
+    big = _sources((48, 40))  # resized to the policy's resolution
+    cond = policy.encode_prompts([Item(p, im) for p, im in zip(PROMPTS, big)])
+    assert cond["image_latents"].shape == (2, 16, 4, 4) and "negative_prompt_embeds" in cond
+    x = policy.initial_noise(SEEDS)
+    with torch.no_grad():
+        v = policy.velocity(x, 0.6, cond)
+        v_one = policy.velocity(x[1:], 0.6, {k: t[1:] for k, t in cond.items()})
+        v_text = policy.velocity(x, 0.6, {k: t for k, t in cond.items() if k != "image_latents"})
+    assert v.shape == x.shape and torch.isfinite(v).all()
+    torch.testing.assert_close(v[1:], v_one, atol=1e-5, rtol=1e-5)  # a row does not depend on its batch-mate
+    assert (v - v_text).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="all edit items"):
+        policy.encode_prompts([{"prompt": "a", "image": big[0]}, "b"])
+    with pytest.raises(TypeError, match=r"\[3, H, W\]"):
+        policy.encode_prompts([{"prompt": "a", "image": big[0][0]}])
+    with pytest.raises(TypeError, match="a prompt item is a str"):
+        policy.encode_prompts([{"image": big[0]}])

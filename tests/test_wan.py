@@ -1,0 +1,67 @@
+"""The Wan2.1 text-to-video adapter against diffusers' own ``WanPipeline`` on the tiny offline model
+(``flowrl make-tiny wan``): latents ``[B, 16, F', h, w]``, flowrl's deterministic ODE loop
+(``flowrl.rollout.ode.ode_sample``) equals the pipeline's loop (CFG, flow shift, time input) and
+its decoded videos ``[B, 3, F, H, W]`` equal the pipeline's frames; a LoRA written by ``flowrl
+export``'s writer loads into the pipeline, moves its output, and still equals flowrl's loop.
+Shapes, save / load and LoRA targets are in the contract battery (tests/test_policy_contract.py)."""
+import json
+
+import pytest
+import torch
+
+from flowrl.pipelines.base import FLOWRL_JSON
+from flowrl.pipelines.tiny import make_tiny
+from flowrl.pipelines.wan import TINY_NUM_FRAMES, WanPolicy
+from flowrl.rollout.ode import ode_sample
+from model_parity import exported_lora
+
+PROMPTS = ["a cat walking on grass", "a red car"]
+SEEDS, STEPS, SEQ, SIZE = [5, 6], 3, 8, 32
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny("wan", tmp_path_factory.mktemp("wan") / "wan", image_size=SIZE)
+
+
+def _pipeline(pipe, policy, output_type):
+    """The pipeline's own loop from flowrl's initial noise."""
+    return pipe(PROMPTS, negative_prompt=policy.negative_prompt, guidance_scale=policy.guidance_scale,
+                latents=policy.initial_noise(SEEDS), num_inference_steps=STEPS, height=SIZE, width=SIZE,
+                num_frames=policy.num_frames, max_sequence_length=SEQ, output_type=output_type).frames
+
+
+def test_ode_matches_the_wan_pipeline(tiny, tmp_path):
+    assert json.loads((tiny / FLOWRL_JSON).read_text())["num_frames"] == TINY_NUM_FRAMES == 5
+    policy = WanPolicy.from_pretrained(tiny, max_sequence_length=SEQ, guidance_scale=5.0)
+    assert policy.num_frames == 5 and policy.latent_shape == (16, 2, 4, 4)
+    ours, videos = ode_sample(policy, PROMPTS, SEEDS, STEPS)  # [B, 16, 2, 4, 4], [B, 3, 5, 32, 32]
+    assert videos.shape == (2, 3, 5, SIZE, SIZE) and 0 <= videos.min() <= videos.max() <= 1
+    pipe = policy.pipe
+    ref = _pipeline(pipe, policy, "latent")  # [B, 16, 2, 4, 4]
+    assert torch.equal(policy.sigmas(STEPS), pipe.scheduler.sigmas.float())
+    torch.testing.assert_close(ours, ref.float(), atol=2e-5, rtol=1e-5)
+    ref_videos = _pipeline(pipe, policy, "pt")  # [B, F, 3, H, W] (the pipeline's frame-major layout)
+    torch.testing.assert_close(videos, ref_videos.float().permute(0, 2, 1, 3, 4), atol=2e-5, rtol=1e-5)
+
+    # a LoRA through flowrl export's writer: loads into the pipeline, moves its output, equals flowrl's loop
+    lora_pipe = exported_lora(policy, "wan", str(tiny), tmp_path / "lora")
+    ours_lora, _ = ode_sample(policy, PROMPTS, SEEDS, STEPS)
+    ref_lora = _pipeline(lora_pipe, policy, "latent").float()
+    torch.testing.assert_close(ours_lora, ref_lora, atol=2e-5, rtol=1e-5)
+    assert (ref_lora - ref).abs().max() > 1e-2
+
+
+def test_num_frames_option_and_errors(tiny, tmp_path):
+    policy = WanPolicy.from_pretrained(tiny, max_sequence_length=SEQ, num_frames=9, resolution=(32, 48))
+    assert policy.latent_shape == (16, 3, 4, 6)
+    assert policy.decode(policy.initial_noise([0])).shape == (1, 3, 9, 32, 48)
+    policy.save_pretrained(tmp_path / "saved")  # the frame count travels with the model, like the resolution
+    back = WanPolicy.from_pretrained(tmp_path / "saved", max_sequence_length=SEQ)
+    assert back.num_frames == 9 and (back.height, back.width) == (32, 48)
+    with pytest.raises(ValueError, match="4 k \\+ 1"):
+        WanPolicy.from_pretrained(tiny, num_frames=8)
+    with pytest.raises(ValueError, match="guidance_scale"):
+        WanPolicy.from_pretrained(tiny, guidance_scale=0.5)
