@@ -1,11 +1,20 @@
 """Helpers shared by several test modules (test files import from here or from conftest, never from
 each other): the tiny-recipe overrides of the SD3 / FLUX / SANA training tests, the fixed prompts and
-the plain loops the pipeline tests compare against, and readers of a run's files."""
+the plain loops the pipeline tests compare against, readers of a run's files, the sizes of the tiny
+reward models (built by conftest's fixtures), and a stub OpenAI-compatible chat server (VLM judge)."""
+import base64
+import contextlib
+import io
 import json
 import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 from flowrl.sde import ode_step
@@ -81,3 +90,88 @@ def cli_verbs(help_text: str) -> set[str]:
     ``train`` is not found inside ``pretrain-digits``)."""
     found = re.search(r"\{([a-z0-9,_-]+)\}", help_text)
     return set(found.group(1).split(",")) if found else set()
+
+
+# ---------------------------------------------------------------- tiny reward models (conftest fixtures)
+TINY_VISION = dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=2)  # CLIP vision tower
+TINY_MED = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                max_position_embeddings=40)  # ImageReward's BLIP-med text tower
+TINY_BLIP_VISION = dict(image_size=32, patch_size=8, hidden_size=24, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=2)
+BLIP_WORDS = "a an the of on in photo chinese temple hills red flower dog word hello sign".split()
+
+
+def randomize_(module, std):
+    """Spread random weights (matrices ~ N(0, std)) so tiny models give clearly distinct outputs."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return module
+
+
+# ---------------------------------------------------------------- stub chat-completions server
+class StubChatHandler(BaseHTTPRequestHandler):
+    """Answers ``POST .../chat/completions`` like an OpenAI-compatible VLM: decodes the request's PNG
+    and replies "Score: 10 x mean brightness". Per-request behaviours are queued in ``server.modes``
+    (``slow``, ``http500``, ``http401``, ``not_json``, ``garbage``); requests are kept in ``server.requests``."""
+
+    def log_message(self, *args):  # keep test output quiet
+        pass
+
+    def do_POST(self):
+        srv = self.server
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with srv.lock:
+            srv.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
+            mode = srv.modes.pop(0) if srv.modes else "ok"
+        if mode == "slow":
+            time.sleep(srv.slow_seconds)
+        if mode == "http500":
+            return self._send(500, b'{"error": "overloaded"}')
+        if mode == "http401":
+            return self._send(401, b'{"error": "bad key"}')
+        if mode == "not_json":
+            return self._send(200, b"<html>gateway error</html>")
+        if mode == "garbage":
+            return self._reply("I am sorry, I cannot rate images of this kind.")
+        parts = body["messages"][-1]["content"]
+        url = next(p["image_url"]["url"] for p in parts if p["type"] == "image_url")
+        assert url.startswith("data:image/png;base64,")
+        png = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+        assert png.format == "PNG"
+        brightness = np.asarray(png.convert("L"), dtype=np.float64).mean() / 255
+        self._reply(f"The image matches the caption reasonably.\nScore: {10 * brightness:.3f}")
+
+    def _reply(self, content):
+        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+        data = {"id": "x", "object": "chat.completion", "choices": [choice]}
+        self._send(200, json.dumps(data).encode())
+
+    def _send(self, code, payload):
+        try:
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+        except (BrokenPipeError, ConnectionResetError):  # the client gave up (timeout test)
+            pass
+
+
+@contextlib.contextmanager
+def chat_stub_server():
+    """A :class:`StubChatHandler` server on 127.0.0.1 (ephemeral port, ``server.server_port``), stopped on exit."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StubChatHandler)
+    server.daemon_threads = True
+    server.requests, server.modes, server.lock, server.slow_seconds = [], [], threading.Lock(), 1.0
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)

@@ -20,7 +20,7 @@ from flowrl.trainers.checkpoint import list_checkpoints
 from flowrl.trainers.config import load_config
 from flowrl.trainers.online import train
 from flowrl.trainers.weights import add_lora, load_trainable_state
-from helpers import IMAGE, PROMPTS, ROOT, fixed_velocity, tiny_overrides
+from helpers import IMAGE, ROOT, fixed_velocity, tiny_overrides
 
 RANK, ALPHA = 4, 16  # scaling alpha / r = 4: lost if the export dropped alpha (diffusers' default alpha = r)
 

@@ -14,7 +14,6 @@ from flowrl.pipelines.flux import FluxPolicy, latent_image_ids, pack_latents, un
 from flowrl.pipelines.sd3 import SD3Policy
 from flowrl.pipelines.tiny import build_clip_tokenizer, build_t5_tokenizer, make_tiny
 from flowrl.rollout.group import GroupSampler
-from flowrl.sde import ode_step
 from flowrl.types import FlowPolicy
 from helpers import PROMPTS, ode_loop
 
