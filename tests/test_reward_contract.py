@@ -93,7 +93,6 @@ CASES: dict[str, Case] = {
 }
 
 NAMES = rewards.available()
-_BUILT: dict[str, object] = {}
 
 
 @pytest.fixture
@@ -104,11 +103,17 @@ def case(name) -> Case:
     return CASES[name]
 
 
+@pytest.fixture(scope="module")
+def built() -> dict:
+    """Rewards built so far in this module, by name (the checks below never change a reward)."""
+    return {}
+
+
 @pytest.fixture
-def reward(name, case, request):
-    if name not in _BUILT:  # built once per session: the checks below never change a reward
-        _BUILT[name] = case.build(request)
-    return _BUILT[name]
+def reward(name, case, built, request):
+    if name not in built:
+        built[name] = case.build(request)
+    return built[name]
 
 
 def images(n: int, size: int, seed: int = 0) -> torch.Tensor:
