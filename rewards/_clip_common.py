@@ -1,4 +1,5 @@
-"""Shared plumbing for the model-based rewards (CLIP family, HPS, ImageReward, aesthetic).
+"""Shared plumbing for the model-based rewards (CLIP family, HPS, ImageReward, aesthetic), and the
+input check every shipped reward runs first (:func:`check_inputs`).
 
 One job each: lazy imports with install hints, input checks, tensor preprocessing that
 mirrors the peers' image processors, weight-file loading, the LAION-style linear MLP head,
@@ -45,12 +46,37 @@ def resolve_dtype(dtype: DTypeLike) -> torch.dtype:
 
 
 def check_inputs(images: torch.Tensor, prompts: Sequence[str], name: str) -> None:
-    """``images`` must be ``[B, 3, H, W]`` with B prompts."""
-    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
-        shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
-        raise ValueError(f"{name} reward expects images [B, 3, H, W] in [0, 1], got {shape}")
+    """The reward contract's inputs, checked before any work (every shipped reward calls this first):
+    ``images`` a floating ``[B, 3, H, W]`` tensor, ``B >= 1``, values in [0, 1] and no NaN; ``prompts``
+    a list of B strings. Raises a one-line ValueError naming the reward, what is wrong and the fix.
+
+    Reads two scalars of ``images`` (one ``aminmax`` pass; a host sync for GPU tensors)."""
+    what = f"{name} reward expects images [B, 3, H, W] float in [0, 1]"
+    if not isinstance(images, torch.Tensor):
+        raise ValueError(f"{what}, got a {type(images).__name__}: pass a torch.Tensor (torch.stack a list of [3, H, W])")
+    if images.ndim != 4 or images.shape[1] != 3:
+        fix = ("add the batch dimension with images[None]" if images.ndim == 3 else
+               "repeat grey images to RGB with images.expand(-1, 3, -1, -1)" if images.ndim == 4 and images.shape[1] == 1
+               else "pass RGB images as [batch, channels=3, height, width]")
+        raise ValueError(f"{what}, got shape {tuple(images.shape)}: {fix}")
+    if not images.is_floating_point():
+        raise ValueError(f"{what}, got dtype {images.dtype}: convert 0-255 integer images with images.float() / 255")
+    if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+        got = "one string" if isinstance(prompts, str) else f"{sorted({type(p).__name__ for p in prompts})}"
+        raise ValueError(f"{name} reward expects prompts as a list of strings, one per image, got {got}: "
+                         "wrap a single prompt in a list ([prompt] * len(images))")
+    if images.shape[0] == 0:
+        raise ValueError(f"{name} reward got an empty batch (0 images): call it with at least one image")
     if len(prompts) != images.shape[0]:
-        raise ValueError(f"{name} reward got {images.shape[0]} images but {len(prompts)} prompts")
+        raise ValueError(f"{name} reward got {images.shape[0]} images but {len(prompts)} prompts: "
+                         "pass one prompt per image, in the images' order")
+    lo, hi = (float(v) for v in torch.aminmax(images.detach()))  # NaN anywhere makes both NaN
+    if lo != lo or hi != hi:
+        raise ValueError(f"{name} reward got images with {int(torch.isnan(images).sum())} NaN pixels: the sampler or "
+                         "decoder diverged; check the latents before decoding")
+    if lo < 0.0 or hi > 1.0:
+        raise ValueError(f"{what}, got values in [{lo:.4g}, {hi:.4g}]: clamp with images.clamp(0, 1), or map "
+                         "[-1, 1] images with (images + 1) / 2")
 
 
 def chunks(n: int, size: int) -> Iterator[slice]:

@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ._clip_common import check_inputs
+
 
 def jpeg_kilobytes(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
     """``[B, 3, H, W]`` in [0, 1] -> JPEG size of each image in kB, float32 [B]."""
@@ -31,6 +33,7 @@ class JpegCompressibility:
         self.quality = quality
 
     def __call__(self, images: torch.Tensor, prompts: list[str], **meta) -> torch.Tensor:
+        check_inputs(images, prompts, self.name)
         return -jpeg_kilobytes(images, self.quality)
 
 
@@ -40,4 +43,5 @@ class JpegIncompressibility(JpegCompressibility):
     name = "jpeg_incompressibility"
 
     def __call__(self, images: torch.Tensor, prompts: list[str], **meta) -> torch.Tensor:
+        check_inputs(images, prompts, self.name)
         return jpeg_kilobytes(images, self.quality)

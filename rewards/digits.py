@@ -17,6 +17,8 @@ from torch import nn
 from flowrl.data.digits import default_cache_dir, digits_dataset, parse_digit
 from flowrl.utils.io import atomic_write
 
+from ._clip_common import check_inputs
+
 CLASSIFIER_FILE = "digits-classifier-v1.safetensors"
 
 
@@ -91,8 +93,7 @@ class DigitsReward:
         return self.model(to_8x8(images.to(self.device))).softmax(-1).cpu()
 
     def __call__(self, images: torch.Tensor, prompts: list[str], **meta) -> torch.Tensor:
-        if len(prompts) != images.shape[0]:
-            raise ValueError(f"digits reward got {images.shape[0]} images but {len(prompts)} prompts")
+        check_inputs(images, prompts, self.name)
         p = self.probs(images)  # [B, 10]
         out = torch.full((len(prompts),), float("nan"))
         for i, pr in enumerate(prompts):

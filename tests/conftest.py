@@ -87,3 +87,112 @@ def pretrained_digits_base():
     if not (path / "transformer").is_dir():
         pretrain_digits(path, progress=False)
     return path
+
+
+# ---------------------------------------------------------------- tiny reward models, built once per session
+@pytest.fixture(scope="session")
+def tiny_clip_dir(tmp_path_factory):
+    """A random CLIP (toy size, real vocabulary) saved with save_pretrained: model + processor."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    from flowrl.pipelines.tiny import build_clip_tokenizer
+    from helpers import TINY_VISION
+
+    torch.manual_seed(0)
+    cfg = CLIPConfig(
+        text_config=dict(vocab_size=49408, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, max_position_embeddings=77, bos_token_id=49406, eos_token_id=49407,
+                         pad_token_id=49407),
+        vision_config=dict(TINY_VISION), projection_dim=16)
+    d = tmp_path_factory.mktemp("tiny-clip")
+    CLIPModel(cfg).eval().save_pretrained(d)
+    ip = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    # the real CLIP BPE, all 48,894 merges (vocabulary 49,408)
+    CLIPProcessor(image_processor=ip, tokenizer=build_clip_tokenizer(48894)).save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
+def tiny_aesthetic_head(tmp_path_factory):
+    """A LAION-style aesthetic MLP head file for ``tiny_clip_dir``'s 16-d embeddings: (path, head)."""
+    from flowrl.rewards._clip_common import LinearMLPHead
+    from helpers import randomize_
+
+    head = randomize_(LinearMLPHead(16), 0.3)
+    path = tmp_path_factory.mktemp("aesthetic") / "sac+logos+ava1-l14-linearMSE.pth"
+    torch.save(head.state_dict(), path)
+    return str(path), head.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_hps(tmp_path_factory):
+    """A toy open_clip config registered by name (open_clip's registry is restored after the session)
+    and an HPS-style checkpoint {'state_dict': ...}: (checkpoint path, model name)."""
+    import json
+
+    import open_clip
+    import open_clip.factory as factory
+
+    from helpers import randomize_
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(factory, "_MODEL_CONFIGS", dict(factory._MODEL_CONFIGS))  # add_model_config writes and rebinds
+        mp.setattr(factory, "_MODEL_CONFIG_PATHS", list(factory._MODEL_CONFIG_PATHS))  # and appends here
+        d = tmp_path_factory.mktemp("hps")
+        cfg = {"embed_dim": 16,
+               "vision_cfg": {"image_size": 32, "layers": 2, "width": 32, "head_width": 16, "patch_size": 8},
+               "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2}}
+        (d / "flowrl-tiny-hps.json").write_text(json.dumps(cfg))
+        open_clip.add_model_config(str(d / "flowrl-tiny-hps.json"))
+        torch.manual_seed(0)
+        model = randomize_(open_clip.create_model("flowrl-tiny-hps", pretrained=None), 0.1)
+        ckpt = d / "HPS_v2.1_compressed.pt"
+        torch.save({"state_dict": model.state_dict()}, ckpt)
+        yield str(ckpt), "flowrl-tiny-hps"
+
+
+@pytest.fixture(scope="session")
+def tiny_imagereward(tmp_path_factory):
+    """An ImageReward.pt in the published layout: the vision part comes from timm's ViT (the
+    original BLIP ViT code base), the text part in BLIP-med naming, the MLP as ``mlp.layers.*``
+    (sizes ``helpers.TINY_MED`` / ``TINY_BLIP_VISION``)."""
+    import functools
+
+    from timm.models.vision_transformer import VisionTransformer
+    from transformers import BertTokenizer, BlipTextModel
+
+    from flowrl.rewards._clip_common import LinearMLPHead
+    from flowrl.rewards.imagereward import build_configs
+    from helpers import BLIP_WORDS, TINY_BLIP_VISION, TINY_MED, randomize_
+
+    d = tmp_path_factory.mktemp("imagereward")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + BLIP_WORDS
+    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(d / "tokenizer")
+    torch.manual_seed(0)
+    v = TINY_BLIP_VISION
+    vit = VisionTransformer(img_size=v["image_size"], patch_size=v["patch_size"], embed_dim=v["hidden_size"],
+                            depth=v["num_hidden_layers"], num_heads=v["num_attention_heads"], mlp_ratio=4,
+                            qkv_bias=True, num_classes=0, global_pool="",
+                            norm_layer=functools.partial(torch.nn.LayerNorm, eps=1e-6))
+    randomize_(vit, 0.15)
+    _, tcfg = build_configs(TINY_MED, TINY_BLIP_VISION)
+    text = randomize_(BlipTextModel(tcfg, add_pooling_layer=False), 0.15)
+    head = randomize_(LinearMLPHead(32), 0.3)
+    sd = {**{f"blip.visual_encoder.{k}": t for k, t in vit.state_dict().items()},
+          **{f"blip.text_encoder.{k}": t for k, t in text.state_dict().items()},
+          "blip.text_encoder.embeddings.position_ids": torch.arange(40)[None],
+          "blip.vision_proj.weight": torch.zeros(8, 24), "blip.vision_proj.bias": torch.zeros(8),
+          "blip.text_proj.weight": torch.zeros(8, 32), "blip.text_proj.bias": torch.zeros(8),
+          **{f"mlp.{k}": t for k, t in head.state_dict().items()}}
+    torch.save(sd, d / "ImageReward.pt")
+    return dict(ckpt=str(d / "ImageReward.pt"), tokenizer=str(d / "tokenizer"), vit=vit.eval(),
+                text_sd=text.state_dict(), head=head.eval())
+
+
+@pytest.fixture
+def stub():
+    """A stub OpenAI-compatible chat server for the VLM judge (``helpers.StubChatHandler``), one per test."""
+    from helpers import chat_stub_server
+
+    with chat_stub_server() as server:
+        yield server

@@ -1,3 +1,6 @@
+from types import SimpleNamespace
+
+import pytest
 import torch
 
 from flowrl.advantages import combine_component_advantages, group_advantages
@@ -45,8 +48,39 @@ def test_per_reward_normalisation():
     assert torch.allclose(a, torch.tensor([-2.0, 2.0]), atol=1e-3)
 
 
-def test_public_names_named_by_the_issues():
-    from flowrl.advantages import ADVANTAGES, noise_aware_weights  # noqa: F401
-    from flowrl.rollout import BranchSampler, GroupSampler, SolSampler, TempFlowSampler  # noqa: F401
+def test_registry_dispatches_every_structure_to_its_function():
+    """``transition_advantages`` serves each structure name a sampler's record can carry, and maps a
+    group rollout's sample advantages onto its transitions (by ``sample_index``, hand-computed)."""
+    from flowrl.advantages import ADVANTAGES, transition_advantages
+    from flowrl.structures import Structure
 
-    assert {"group", "branch", "tempflow"} <= set(ADVANTAGES)
+    def subclasses(cls):
+        return {cls} | {s for c in cls.__subclasses__() for s in subclasses(c)}
+
+    names = {c.name for c in subclasses(Structure) if c.name}
+    assert names == {"group", "branch", "tempflow"} and names <= set(ADVANTAGES)
+    r = torch.tensor([1.0, 2.0, 3.0, 5.0, 5.0, 5.0])  # group 0 varies, group 1 is constant
+    view = SimpleNamespace(structure="group", rewards=r, group_index=torch.tensor([0, 0, 0, 1, 1, 1]),
+                           reward_components={}, transitions=SimpleNamespace(sample_index=torch.tensor([2, 0, 0, 4])))
+    adv, info = transition_advantages(view)
+    a = 1 / (torch.tensor([1.0, 2.0, 3.0]).std(unbiased=False) + 1e-4)  # (3 - 2) / (std + eps)
+    assert torch.allclose(adv, torch.stack([a, -a, -a, torch.tensor(0.0)]))
+    assert info["zero_var"].tolist() == [False, False, False, True]
+    with pytest.raises(ValueError, match=r"no advantage function for rollout structure 'nope'; registered: \['branch'"):
+        transition_advantages(SimpleNamespace(structure="nope"))
+
+
+def test_public_names_named_by_the_issues_are_the_ones_in_use(tiny_digits_policy):
+    """The rollout classes importable from ``flowrl.rollout`` are the registry's samplers, and
+    ``flowrl.advantages.noise_aware_weights`` gives the weights a TempFlow rollout trains with."""
+    from flowrl.advantages import noise_aware_weights
+    from flowrl.registry import SAMPLERS
+    from flowrl.rollout import BranchSampler, GroupSampler, SolSampler, TempFlowSampler
+
+    classes = {"group": GroupSampler, "branch": BranchSampler, "tempflow": TempFlowSampler, "sol": SolSampler}
+    assert all(SAMPLERS.get(name) is cls for name, cls in classes.items())
+    sampler = TempFlowSampler(num_steps=3, branch_steps=[0, 1], branches=2, seeds_per_prompt=1, noise_level=0.8)
+    r = sampler(tiny_digits_policy, ["a handwritten digit 1"], seed=0)
+    w = noise_aware_weights(r.sigmas, 0.8, [0, 1])  # [3]
+    assert torch.equal(r.layout.step_weights, w) and w[0] != w[1]
+    assert torch.equal(r.transitions.weight, w[r.transitions.step])

@@ -1,7 +1,10 @@
+import re
 import subprocess
 import sys
 
 import pytest
+
+from helpers import cli_verbs
 
 
 def run(*args, timeout=300):
@@ -31,8 +34,11 @@ def test_missing_model_path(tmp_path):
 
 def test_help_lists_verbs():
     r = run("--help")
-    for verb in ("train", "pretrain-digits", "sample", "eval", "make-tiny"):
-        assert verb in r.stdout
+    assert r.returncode == 0, r.stderr
+    verbs = cli_verbs(r.stdout)  # exact names: "train" is not found inside "pretrain-digits"
+    assert {"train", "pretrain-digits", "sample", "eval", "make-tiny", "export", "bench", "plan"} <= verbs, verbs
+    for verb in verbs:  # each listed with its one-line description
+        assert re.search(rf"^ +{re.escape(verb)} +\S", r.stdout, re.M), f"no description line for {verb!r}"
 
 
 @pytest.mark.parametrize("args,match", [

@@ -20,10 +20,9 @@ from flowrl.trainers.checkpoint import list_checkpoints
 from flowrl.trainers.config import load_config
 from flowrl.trainers.online import train
 from flowrl.trainers.weights import add_lora, load_trainable_state
-from test_sd3_flux_training import IMAGE, ROOT, tiny_overrides
+from helpers import IMAGE, ROOT, fixed_velocity, tiny_overrides
 
 RANK, ALPHA = 4, 16  # scaling alpha / r = 4: lost if the export dropped alpha (diffusers' default alpha = r)
-PROMPTS = ["a photo of a cat", "a red apple on a table"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
@@ -65,15 +64,6 @@ def _trained_transformer(kind, model, run, ema=False):
     return tr.eval()
 
 
-def _velocity(policy, transformer):
-    """v(x, sigma, c) of ``transformer`` inside ``policy`` on fixed inputs (CFG / guidance as trained)."""
-    policy.transformer = transformer
-    cond = policy.encode_prompts(PROMPTS)
-    x = policy.initial_noise([11, 12])  # [2, 16, 4, 4]
-    with torch.no_grad():
-        return policy.velocity(x, torch.tensor([0.9, 0.45]), cond)
-
-
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
 def test_exported_lora_loads_into_the_diffusers_pipeline(runs, tmp_path, kind):
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
@@ -90,11 +80,11 @@ def test_exported_lora_loads_into_the_diffusers_pipeline(runs, tmp_path, kind):
     assert meta["transformer.r"] == RANK and meta["transformer.lora_alpha"] == ALPHA
 
     policy = _policy(kind, model)
-    v_trained = _velocity(policy, _trained_transformer(kind, model, run))
+    v_trained = fixed_velocity(policy, _trained_transformer(kind, model, run))
     pipe = {"sd3": StableDiffusion3Pipeline, "flux": FluxPipeline}[kind].from_pretrained(model)
-    v_base = _velocity(policy, pipe.transformer)
+    v_base = fixed_velocity(policy, pipe.transformer)
     pipe.load_lora_weights(out)
-    v_loaded = _velocity(policy, pipe.transformer)
+    v_loaded = fixed_velocity(policy, pipe.transformer)
     torch.testing.assert_close(v_loaded, v_trained, rtol=1e-5, atol=1e-6)
     gap = (v_trained - v_base).abs().max().item()
     assert gap > 1e-3, gap  # the LoRA really moved the model (so the equality above means something)
@@ -107,11 +97,11 @@ def test_ema_export_is_the_ema_policy(runs, tmp_path):
     info = export_run(run, tmp_path / "ema", ema=True)
     assert info["weights"] == "ema"
     policy = _policy("sd3", model)
-    v_ema = _velocity(policy, _trained_transformer("sd3", model, run, ema=True))
-    v_trained = _velocity(policy, _trained_transformer("sd3", model, run))
+    v_ema = fixed_velocity(policy, _trained_transformer("sd3", model, run, ema=True))
+    v_trained = fixed_velocity(policy, _trained_transformer("sd3", model, run))
     pipe = StableDiffusion3Pipeline.from_pretrained(model)
     pipe.load_lora_weights(tmp_path / "ema")
-    v_loaded = _velocity(policy, pipe.transformer)
+    v_loaded = fixed_velocity(policy, pipe.transformer)
     torch.testing.assert_close(v_loaded, v_ema, rtol=1e-5, atol=1e-6)
     assert (v_ema - v_trained).abs().max() > 1e-4
 

@@ -21,7 +21,7 @@ from flowrl.pipelines.tiny import make_tiny
 from flowrl.trainers.checkpoint import list_checkpoints, load_checkpoint
 from flowrl.trainers.checkpoint_sharded import read_full_tensors
 from flowrl.trainers.config import ConfigError, load_config
-from test_sd3_flux_training import tiny_overrides
+from helpers import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 # 3 iterations, 2 optimizer steps each (grad_accum 2 over 4 minibatches), warm-up over 2 iterations, EMA kept

@@ -61,7 +61,7 @@ def test_bf16_training_iteration_first_ratio_is_one(tmp_path, monkeypatch, kind)
     import flowrl.trainers.online as online
     from flowrl.pipelines.tiny import make_tiny
     from flowrl.trainers.config import load_config
-    from test_sd3_flux_training import IMAGE, ROOT, tiny_overrides
+    from helpers import IMAGE, ROOT, tiny_overrides
 
     ratios = []
     real = grpo.grpo_clipped_loss

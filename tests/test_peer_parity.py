@@ -1,7 +1,8 @@
 """Peer-compatible settings reproduce the peers' formulas (hand-transcribed here, never their code).
 
 Flow-GRPO's KL and CPS log-prob, DanceGRPO's group normalisation, the advantage clip above 5,
-and Flow-GRPO's detached unconditional half of the CFG velocity in training.
+Flow-GRPO's detached unconditional half of the CFG velocity in training, and where flowrl's Sol-RL
+seed selection differs from the peer's (ties, NaN rewards; docs/parity.md).
 """
 import math
 
@@ -11,6 +12,7 @@ import torch
 from flowrl.advantages import group_advantages
 from flowrl.advantages.group import group_structure
 from flowrl.losses import kl_form_for_step, kl_to_reference
+from flowrl.rollout.sol import select_indices
 from flowrl.sde import cps_flow_grpo_step, cps_step, sde_step
 from flowrl.trainers.config import ConfigError, TrainConfig
 
@@ -114,6 +116,63 @@ def test_group_structure_names_normalisation_and_honours_clip_above_5():
     assert ad[0] < a10[0]  # unbiased std is larger
     with pytest.raises(ValueError, match="dance_grpo"):
         group_structure(ro, normalisation="nope")
+
+
+# ---------------------------------------------------------------- Sol-RL's seed selection
+def sol_rl_best_worst(rewards: torch.Tensor, keep: int) -> torch.Tensor:
+    """Sol-RL's ``best_worst`` selection (``select_indices_by_mode``, NVlabs Sana
+    ``train_scripts/train_utils.py``) from its formula: the ``keep // 2`` largest rewards, and chosen
+    separately the ``keep - keep // 2`` smallest, each by ``torch.topk`` (which ranks NaN above every
+    number); the two lists are concatenated as they are, nothing keeps them apart."""
+    n_best = keep // 2
+    largest = torch.topk(rewards, n_best, largest=True).indices
+    smallest = torch.topk(rewards, keep - n_best, largest=False).indices
+    return torch.cat([largest, smallest])
+
+
+@pytest.mark.parametrize("keep", [2, 3, 24])
+def test_sol_best_worst_equals_the_peer_on_distinct_finite_rewards(keep):
+    r = torch.randperm(96, generator=torch.Generator().manual_seed(keep)).float() / 96  # [96], no ties
+    ours = select_indices(r, keep, "best_worst")
+    peer = sol_rl_best_worst(r, keep)
+    assert sorted(peer.tolist()) == ours.tolist() and len(set(peer.tolist())) == keep
+
+
+def test_sol_best_worst_with_ties_the_peer_trains_a_sample_twice_flowrl_never():
+    """Tied rewards (a saturated or a binary reward): the peer's largest and smallest lists may share
+    samples, so one seed is regenerated and trained twice and fewer distinct samples are kept (as
+    torch.topk breaks ties on the CPU, torch 2.x); flowrl ranks once (stable sort, best first) and
+    takes the two ends of that one order, so its picks are always distinct."""
+    pool = torch.ones(96)  # every exploration reward equal (the paper's pool 96, keep 24)
+    peer = sol_rl_best_worst(pool, 24).tolist()
+    assert len(set(peer)) == 12 and all(peer.count(i) == 2 for i in set(peer))  # 12 samples, each twice
+    assert select_indices(pool, 24, "best_worst").tolist() == list(range(12)) + list(range(84, 96))
+    binary = torch.zeros(96)
+    binary[[5, 40, 77]] = 1.0  # 3 successes of a 0/1 reward
+    peer = sol_rl_best_worst(binary, 24).tolist()
+    ours = select_indices(binary, 24, "best_worst").tolist()
+    assert {5, 40, 77} <= set(peer) and len(set(peer)) < 24  # a zero-reward seed picked twice
+    assert {5, 40, 77} <= set(ours) and len(set(ours)) == 24
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):  # any tie pattern: flowrl's picks are distinct and hold the best and the worst reward
+        r = torch.randint(0, 3, (12,), generator=g).float()
+        keep = int(torch.randint(2, 13, (1,), generator=g))
+        ours = select_indices(r, keep, "best_worst")
+        assert len(set(ours.tolist())) == keep and r[ours].max() == r.max() and r[ours].min() == r.min()
+
+
+def test_sol_selection_of_a_nan_reward_peer_best_flowrl_below_every_finite_one():
+    """A NaN exploration reward (a failed reward call, or "not applicable"): torch.topk ranks it above
+    every number, so the peer regenerates it as a *best* sample; flowrl ranks it below every finite
+    reward (best_worst takes it as a worst one; mean_deviation, which has no order to place it in,
+    takes it first) and keeps the finite best."""
+    r = torch.tensor([0.2, float("nan"), 0.9, 0.1])
+    assert sol_rl_best_worst(r, 2).tolist() == [1, 3]  # NaN as the best, 0.1 the worst
+    assert select_indices(r, 2, "best_worst").tolist() == [1, 2]  # 0.9 the best, NaN the worst
+    assert select_indices(r, 3, "best_worst").tolist() == [1, 2, 3]  # the worst two: NaN, then 0.1
+    # mean_deviation: the peer's |r - mean(r)| is NaN for every sample (no ranking at all)
+    assert torch.isnan((r - r.mean()).abs()).all()
+    assert select_indices(r, 2, "mean_deviation").tolist() == [1, 2]  # NaN, then |0.9 - 0.4|
 
 
 def _grads(policy, fn):

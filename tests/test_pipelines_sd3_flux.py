@@ -14,10 +14,9 @@ from flowrl.pipelines.flux import FluxPolicy, latent_image_ids, pack_latents, un
 from flowrl.pipelines.sd3 import SD3Policy
 from flowrl.pipelines.tiny import build_clip_tokenizer, build_t5_tokenizer, make_tiny
 from flowrl.rollout.group import GroupSampler
-from flowrl.sde import ode_step
 from flowrl.types import FlowPolicy
+from helpers import PROMPTS, ode_loop
 
-PROMPTS = ["a photo of a cat", "a red apple on a table"]
 SEQ = 16  # T5 tokens: keeps the tiny models fast
 POLICIES = {"sd3": SD3Policy, "flux": FluxPolicy, "flux-schnell": FluxPolicy}
 
@@ -30,17 +29,6 @@ def tiny_dirs(tmp_path_factory):
 
 def load(tiny_dirs, kind, **kw):
     return POLICIES[kind].from_pretrained(tiny_dirs[kind], max_sequence_length=SEQ, **kw)
-
-
-def ode_loop(policy, prompts, seeds, num_steps):
-    x = policy.initial_noise(seeds)  # [B, C, h, w]
-    cond = policy.encode_prompts(prompts)
-    sig = policy.sigmas(num_steps)
-    with torch.no_grad():
-        for i in range(num_steps):
-            v = policy.velocity(x, sig[i].expand(len(seeds)), cond)
-            x = ode_step(v, x, sig[i], sig[i + 1]).sample
-    return x
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])

@@ -13,7 +13,7 @@ from flowrl.pipelines import available, build_policy, policy_class
 from flowrl.pipelines.base import diffusers_attr
 from flowrl.trainers.weights import add_lora, trainable_state
 from flowrl.types import FlowPolicy
-from test_export import PROMPTS, _velocity
+from helpers import PROMPTS, fixed_velocity
 
 NAMES = available()
 RANK, ALPHA = 2, 8  # scaling 4: lost if the export dropped alpha
@@ -143,8 +143,8 @@ def test_export_loads_with_the_declared_diffusers_class(tiny_dirs, name, tmp_pat
     else:
         loaded = diffusers_attr(cls.transformer_class).from_pretrained(base, subfolder="transformer")
         loaded.load_lora_adapter(tmp_path, weight_name=LORA_WEIGHT_NAME)
-    v_trained = _velocity(policy, trained.eval())
-    v_loaded = _velocity(policy, loaded.eval())
-    v_base = _velocity(policy, base_transformer)
+    v_trained = fixed_velocity(policy, trained.eval())
+    v_loaded = fixed_velocity(policy, loaded.eval())
+    v_base = fixed_velocity(policy, base_transformer)
     torch.testing.assert_close(v_loaded, v_trained, rtol=1e-5, atol=1e-6)
     assert (v_trained - v_base).abs().max() > 1e-4  # the LoRA really moved the model

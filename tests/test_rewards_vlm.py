@@ -1,83 +1,19 @@
 """VLM judge end to end against a local stub of an OpenAI-compatible chat-completions server.
 
-The stub listens on 127.0.0.1 (an ephemeral port), decodes the PNG each request carries and
+The stub (conftest's ``stub``, ``helpers.StubChatHandler``) listens on 127.0.0.1 (an ephemeral port), decodes the PNG each request carries and
 answers "Score: 10 x mean brightness", so a correct client gets each image's brightness back.
 Per-test behaviours (slow, garbage, HTTP errors) are queued on the server; every wait is bounded.
 """
-import base64
-import io
-import json
 import logging
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from flowrl import rewards
 from flowrl.rewards.vlm import VLMJudgeError, VLMReplyError
 
 API_KEY = "sk-test-0123456789-never-log-me"
-
-
-class StubHandler(BaseHTTPRequestHandler):
-    def log_message(self, *args):  # keep test output quiet
-        pass
-
-    def do_POST(self):
-        srv = self.server
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        with srv.lock:
-            srv.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
-            mode = srv.modes.pop(0) if srv.modes else "ok"
-        if mode == "slow":
-            time.sleep(srv.slow_seconds)
-        if mode == "http500":
-            return self._send(500, b'{"error": "overloaded"}')
-        if mode == "http401":
-            return self._send(401, b'{"error": "bad key"}')
-        if mode == "not_json":
-            return self._send(200, b"<html>gateway error</html>")
-        if mode == "garbage":
-            return self._reply("I am sorry, I cannot rate images of this kind.")
-        parts = body["messages"][-1]["content"]
-        url = next(p["image_url"]["url"] for p in parts if p["type"] == "image_url")
-        assert url.startswith("data:image/png;base64,")
-        png = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
-        assert png.format == "PNG"
-        brightness = np.asarray(png.convert("L"), dtype=np.float64).mean() / 255
-        self._reply(f"The image matches the caption reasonably.\nScore: {10 * brightness:.3f}")
-
-    def _reply(self, content):
-        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
-        data = {"id": "x", "object": "chat.completion", "choices": [choice]}
-        self._send(200, json.dumps(data).encode())
-
-    def _send(self, code, payload):
-        try:
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-        except (BrokenPipeError, ConnectionResetError):  # the client gave up (timeout test)
-            pass
-
-
-@pytest.fixture
-def stub():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), StubHandler)
-    server.daemon_threads = True
-    server.requests, server.modes, server.lock, server.slow_seconds = [], [], threading.Lock(), 1.0
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=5)
 
 
 @pytest.fixture(autouse=True)

@@ -5,8 +5,6 @@ loading path (``from_pretrained(dir)`` or the checkpoint file). Scores are compa
 independent reference computed the peers' way (PIL image + the library's own processor/transform).
 """
 import functools
-import gzip
-import os
 
 import numpy as np
 import pytest
@@ -15,15 +13,12 @@ import torch.nn.functional as F
 from PIL import Image
 
 from flowrl import rewards
-
+from helpers import TINY_BLIP_VISION, TINY_MED
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
 
-TINY_VISION = dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                   num_attention_heads=2)
 
-
-# ---------------------------------------------------------------- fixtures: real images, tiny models
+# ---------------------------------------------------------------- real images (tiny models: conftest.py)
 def photos(size):
     """Four real photographs (scikit-learn's bundled samples and their mirror images) as PIL."""
     from sklearn.datasets import load_sample_images
@@ -39,52 +34,11 @@ def to_tensor(pil):
 PROMPTS = ["a chinese temple in the hills", "a red flower", "a photo of a dog", "the word HELLO on a sign"]
 
 
-def clip_tokenizer():
-    """The real CLIP BPE tokenizer, from the vocabulary shipped in the open-clip-torch wheel."""
-    import open_clip
-    from open_clip.tokenizer import bytes_to_unicode
-    from transformers import CLIPTokenizer
-
-    path = os.path.join(os.path.dirname(open_clip.__file__), "bpe_simple_vocab_16e6.txt.gz")
-    merges = [tuple(m.split()) for m in gzip.open(path).read().decode("utf-8").split("\n")[1:49152 - 256 - 2 + 1]]
-    chars = list(bytes_to_unicode().values())
-    vocab = chars + [c + "</w>" for c in chars] + ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
-    return CLIPTokenizer(vocab={v: i for i, v in enumerate(vocab)}, merges=merges, model_max_length=77)
-
-
-@pytest.fixture(scope="module")
-def tiny_clip_dir(tmp_path_factory):
-    """A random CLIP (toy size, real vocabulary) saved with save_pretrained: model + processor."""
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
-
-    torch.manual_seed(0)
-    cfg = CLIPConfig(
-        text_config=dict(vocab_size=49408, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, max_position_embeddings=77, bos_token_id=49406, eos_token_id=49407,
-                         pad_token_id=49407),
-        vision_config={k: v for k, v in TINY_VISION.items()}, projection_dim=16)
-    d = tmp_path_factory.mktemp("tiny-clip")
-    CLIPModel(cfg).eval().save_pretrained(d)
-    ip = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    CLIPProcessor(image_processor=ip, tokenizer=clip_tokenizer()).save_pretrained(d)
-    return str(d)
-
-
 @functools.lru_cache(maxsize=None)
 def _clip_reference(d):
     from transformers import CLIPModel, CLIPProcessor
 
     return CLIPModel.from_pretrained(d).eval(), CLIPProcessor.from_pretrained(d)
-
-
-def randomize_(module, std):
-    """Spread random weights (matrices ~ N(0, std)) so tiny models give clearly distinct outputs."""
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in module.parameters():
-            if p.ndim >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-    return module
 
 
 def check_common(reward, images, prompts):
@@ -151,16 +105,6 @@ def test_wrong_inputs_are_rejected(tiny_clip_dir):
 
 
 # ---------------------------------------------------------------- LAION aesthetic
-@pytest.fixture(scope="module")
-def tiny_aesthetic_head(tiny_clip_dir, tmp_path_factory):
-    from flowrl.rewards._clip_common import LinearMLPHead
-
-    head = randomize_(LinearMLPHead(16), 0.3)
-    path = tmp_path_factory.mktemp("aesthetic") / "sac+logos+ava1-l14-linearMSE.pth"
-    torch.save(head.state_dict(), path)
-    return str(path), head.eval()
-
-
 def test_aesthetic_matches_reference(tiny_clip_dir, tiny_aesthetic_head):
     path, head = tiny_aesthetic_head
     pil = photos((96, 64))
@@ -191,35 +135,6 @@ def test_aesthetic_head_errors(tiny_clip_dir, tmp_path):
 
 
 # ---------------------------------------------------------------- HPS-v2.1 (open_clip)
-@pytest.fixture(scope="module")
-def tiny_hps(tmp_path_factory):
-    """A toy open_clip config registered by name (for this module only: open_clip's registry is
-    restored afterwards), and an HPS-style checkpoint {'state_dict': ...}."""
-    import open_clip
-    import open_clip.factory as factory
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(factory, "_MODEL_CONFIGS", dict(factory._MODEL_CONFIGS))  # add_model_config writes and rebinds
-        mp.setattr(factory, "_MODEL_CONFIG_PATHS", list(factory._MODEL_CONFIG_PATHS))  # and appends here
-        yield _tiny_hps_files(open_clip, tmp_path_factory)
-
-
-def _tiny_hps_files(open_clip, tmp_path_factory):
-    import json
-
-    d = tmp_path_factory.mktemp("hps")
-    cfg = {"embed_dim": 16,
-           "vision_cfg": {"image_size": 32, "layers": 2, "width": 32, "head_width": 16, "patch_size": 8},
-           "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2}}
-    (d / "flowrl-tiny-hps.json").write_text(json.dumps(cfg))
-    open_clip.add_model_config(str(d / "flowrl-tiny-hps.json"))
-    torch.manual_seed(0)
-    model = randomize_(open_clip.create_model("flowrl-tiny-hps", pretrained=None), 0.1)
-    ckpt = d / "HPS_v2.1_compressed.pt"
-    torch.save({"state_dict": model.state_dict()}, ckpt)
-    return str(ckpt), "flowrl-tiny-hps"
-
-
 def test_hps_matches_open_clip_reference(tiny_hps):
     import open_clip
 
@@ -267,47 +182,6 @@ def test_missing_optional_dependency_says_what_to_install(monkeypatch, tmp_path)
 
 
 # ---------------------------------------------------------------- ImageReward (BLIP)
-TINY_MED = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                max_position_embeddings=40)
-TINY_BLIP_VISION = dict(image_size=32, patch_size=8, hidden_size=24, intermediate_size=96, num_hidden_layers=2,
-                        num_attention_heads=2)
-WORDS = "a an the of on in photo chinese temple hills red flower dog word hello sign".split()
-
-
-@pytest.fixture(scope="module")
-def tiny_imagereward(tmp_path_factory):
-    """An ImageReward.pt in the published layout: the vision part comes from timm's ViT (the
-    original BLIP ViT code base), the text part in BLIP-med naming, the MLP as ``mlp.layers.*``."""
-    from timm.models.vision_transformer import VisionTransformer
-    from transformers import BertTokenizer, BlipTextModel
-
-    from flowrl.rewards._clip_common import LinearMLPHead
-    from flowrl.rewards.imagereward import build_configs
-
-    d = tmp_path_factory.mktemp("imagereward")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS
-    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(d / "tokenizer")
-    torch.manual_seed(0)
-    v = TINY_BLIP_VISION
-    vit = VisionTransformer(img_size=v["image_size"], patch_size=v["patch_size"], embed_dim=v["hidden_size"],
-                            depth=v["num_hidden_layers"], num_heads=v["num_attention_heads"], mlp_ratio=4,
-                            qkv_bias=True, num_classes=0, global_pool="",
-                            norm_layer=functools.partial(torch.nn.LayerNorm, eps=1e-6))
-    randomize_(vit, 0.15)
-    _, tcfg = build_configs(TINY_MED, TINY_BLIP_VISION)
-    text = randomize_(BlipTextModel(tcfg, add_pooling_layer=False), 0.15)
-    head = randomize_(LinearMLPHead(32), 0.3)
-    sd = {**{f"blip.visual_encoder.{k}": t for k, t in vit.state_dict().items()},
-          **{f"blip.text_encoder.{k}": t for k, t in text.state_dict().items()},
-          "blip.text_encoder.embeddings.position_ids": torch.arange(40)[None],
-          "blip.vision_proj.weight": torch.zeros(8, 24), "blip.vision_proj.bias": torch.zeros(8),
-          "blip.text_proj.weight": torch.zeros(8, 32), "blip.text_proj.bias": torch.zeros(8),
-          **{f"mlp.{k}": t for k, t in head.state_dict().items()}}
-    torch.save(sd, d / "ImageReward.pt")
-    return dict(ckpt=str(d / "ImageReward.pt"), tokenizer=str(d / "tokenizer"), vit=vit.eval(),
-                text_sd=text.state_dict(), head=head.eval())
-
-
 def med_text_encoder(sd, ids, mask, image_tokens, heads, eps=1e-12):
     """BLIP ``med.BertModel`` (mode='multimodal') written out from its source: embeddings, then per
     layer self-attention, cross-attention to the image tokens, feed-forward; post-LN residuals."""

@@ -3,9 +3,10 @@ needed by callers), and every rollout carries a typed structure record."""
 import inspect
 
 import pytest
+import torch
 
 from flowrl.registry import SAMPLERS
-from flowrl.structures import GroupStructure, Structure
+from flowrl.structures import GroupStructure, SolStructure
 from flowrl.types import SAMPLER_MEMBERS, Sampler, check_sampler
 
 # the smallest valid configuration of each sampler (defaults otherwise)
@@ -47,9 +48,21 @@ def test_check_sampler_names_missing_members():
     assert not isinstance(Half(), Sampler)
     with pytest.raises(TypeError, match="lacks \\['samples_per_prompt', 'stores_transitions', 'check_available'\\]"):
         check_sampler(Half())
-    assert SAMPLER_MEMBERS[0] == "__call__"
 
 
-def test_group_record_is_typed_and_named():
-    assert GroupStructure.name == "group" and issubclass(GroupStructure, Structure)
+def test_check_sampler_lists_every_protocol_member():
+    """``check_sampler`` probes exactly what the ``Sampler`` Protocol declares: its attributes and
+    its methods (a member added to the Protocol but not to ``SAMPLER_MEMBERS`` fails here)."""
+    declared = set(Sampler.__annotations__) | {
+        n for n, v in vars(Sampler).items() if callable(v) and (n == "__call__" or not n.startswith("_"))}
+    assert set(SAMPLER_MEMBERS) == declared and len(SAMPLER_MEMBERS) == len(declared)
+
+
+def test_records_extras_view():
+    """The untyped ``Rollout.extras`` view of the records: a flat group has none, Sol nests its own."""
     assert GroupStructure().as_extras() == {}
+    sol = SolStructure(pool_seeds=torch.arange(4), explore_rewards=torch.rand(4), selected=torch.tensor([0, 3]),
+                       backend="none")
+    extras = sol.as_extras()
+    assert list(extras) == ["sol"] and set(extras["sol"]) == {"pool_seeds", "explore_rewards", "selected", "backend"}
+    assert extras["sol"]["selected"] is sol.selected and sol.name == "group"  # trained as flat groups

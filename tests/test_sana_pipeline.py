@@ -7,7 +7,7 @@ import torch
 
 from flowrl.pipelines.sana import SanaPolicy
 from flowrl.pipelines.tiny import make_tiny
-from test_pipelines_sd3_flux import PROMPTS, ode_loop
+from helpers import PROMPTS, ode_loop
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
 

@@ -13,7 +13,7 @@ from flowrl.pipelines.tiny import make_tiny
 from flowrl.trainers.checkpoint import list_checkpoints
 from flowrl.trainers.config import load_config
 from flowrl.trainers.online import train
-from test_sd3_flux_training import IMAGE, ROOT, _lora, _train_records, tiny_overrides
+from helpers import IMAGE, ROOT, lora_weights, tiny_overrides, train_records
 
 RECIPE = ROOT / "recipes" / "sana_sol_nvfp4.yaml"
 
@@ -34,12 +34,12 @@ def test_grpo_trains_on_sana(tiny_sana, tmp_path):
     run = tmp_path / "run"
     summary = train(cfg, run)
     assert summary["iterations_done"] == 2 and summary["skipped_steps"] == 0
-    recs = _train_records(run)
+    recs = train_records(run)
     assert [r["iteration"] for r in recs] == [0, 1]
     assert abs(recs[0]["ratio_mean"] - 1) < 1e-4  # the update rescores the rollout's own transitions
     assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])).all() for r in recs)
     ck1, ck2 = list_checkpoints(run / "checkpoints")
-    w1, w2 = _lora(ck1), _lora(ck2)
+    w1, w2 = lora_weights(ck1), lora_weights(ck2)
     assert w2 and all(".lora_A." in k or ".lora_B." in k for k in w2)
     assert any(".attn2.to_q." in k for k in w2)  # the recipe's cross-attention targets were adapted
     assert any(".lora_B." in k and v.abs().sum() > 0 for k, v in w1.items())
@@ -54,8 +54,8 @@ def test_sol_recipe_trains_on_sana(tiny_sana, tmp_path):
     assert cfg.sampler.name == "sol" and cfg.train.loss == "nft" and cfg.model.guidance_scale == 1.0
     run = tmp_path / "run"
     assert train(cfg, run)["iterations_done"] == 1
-    (rec,) = _train_records(run)
+    (rec,) = train_records(run)
     assert torch.isfinite(torch.tensor(rec["loss"])) and rec["sol/explore_model_evals"] == 2 * 4 * 2
     assert len(json.loads((tmp_path / "emb" / "index.json").read_text())["shards"][0]["prompts"]) == 2
-    w = _lora(list_checkpoints(run / "checkpoints")[-1])
+    w = lora_weights(list_checkpoints(run / "checkpoints")[-1])
     assert any(".lora_B." in k and v.abs().sum() > 0 for k, v in w.items())

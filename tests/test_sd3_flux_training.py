@@ -1,11 +1,10 @@
 """`flowrl train` on tiny SD3 and FLUX pipelines, through the shipped GPU recipes.
 
 Each recipe keeps its structure (sampler, step type, guidance, KL, EMA, LoRA targets) and is only
-shrunk by overrides (`tiny_overrides`): tiny offline models from `make_tiny`, 32 px images, a few
+shrunk by overrides (`helpers.tiny_overrides`): tiny offline models from `make_tiny`, 32 px images, a few
 steps, a cheap reward. Also: the accelerate configs parse as `accelerate launch` reads them.
 """
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,38 +14,7 @@ from flowrl.pipelines.tiny import make_tiny
 from flowrl.trainers.checkpoint import list_checkpoints
 from flowrl.trainers.config import load_config
 from flowrl.trainers.online import train
-
-ROOT = Path(__file__).resolve().parents[1]
-IMAGE = 32  # pixels: 16 x 4 x 4 latents
-# recipe sampler options -> overrides that make the sampler tiny (same sampler, same step type)
-SHRINK = {
-    "group": {"sampler.group_size": 2, "sampler.num_steps": 2, "train.batch_size": 4},
-    "branch": {"sampler.num_steps": 3, "sampler.split_steps": "[0, 1]", "sampler.window": 2, "train.batch_size": 4},
-    "tempflow": {"sampler.num_steps": 3, "sampler.branch_steps": "[0, 1]", "sampler.branches": 2,
-                 "sampler.seeds_per_prompt": 1, "train.batch_size": 4},
-    # int8 exploration: the CPU stand-in for the recipes' nvfp4 (CUDA)
-    "sol": {"sampler.pool_size": 4, "sampler.preview_steps": 2, "sampler.keep": 2, "sampler.regen_options": "{num_steps: 2}",
-            "sampler.explore_backend": "int8-dynamic", "train.batch_size": 4},
-}
-
-
-def tiny_overrides(path, sampler: str, **extra) -> list[str]:
-    """Overrides that run a GPU recipe in seconds on a tiny CPU model at ``path``."""
-    base = {"model.path": str(path), "model.device": "cpu", "model.options.resolution": IMAGE,
-            "model.options.max_sequence_length": 8, "model.options.dtype": "float32",
-            "model.options.gradient_checkpointing": "false", "sampler.max_batch": "null",
-            "train.iterations": 2, "train.lr": 1e-2, "train.mixed_precision": "'no'", "train.minibatch_size": 64,
-            "train.grad_accum": 1, "train.checkpoint_every": 1, "train.ema_every": 1,
-            "reward.weights": "{jpeg_compressibility: 1.0}", "reward.options": "{}", "reward.heldout": "{}",
-            "data.prompts": "[a photo of a cat, a red apple on a table]", "data.eval_prompts": "[a photo of a cat]",
-            "data.eval_seeds_per_prompt": 2, "logging.trackers": "[]", "logging.progress": "false",
-            "logging.eval_every": 100, "logging.image_every": 100, **SHRINK[sampler]}
-    if sampler == "sol":  # the Sol sampler chunks its exploration with explore_batch
-        del base["sampler.max_batch"]
-        base["sampler.explore_batch"] = "null"
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
-
+from helpers import IMAGE, ROOT, lora_weights, tiny_overrides, train_records
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
 
@@ -57,14 +25,6 @@ def tiny_models(tmp_path_factory):
     return {kind: make_tiny(kind, root / kind, image_size=IMAGE) for kind in ("sd3", "flux")}
 
 
-def _train_records(run):
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "reward_mean" in line]
-
-
-def _lora(ckpt):
-    return load_file(str(ckpt / "trainable.safetensors"))
-
-
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
 def test_group_recipe_trains(tiny_models, tmp_path, kind):
     recipe = ROOT / "recipes" / f"{kind}_group_pickscore.yaml"
@@ -73,17 +33,17 @@ def test_group_recipe_trains(tiny_models, tmp_path, kind):
     run = tmp_path / "run"
     summary = train(cfg, run)
     assert summary["iterations_done"] == 2 and summary["skipped_steps"] == 0
-    recs = _train_records(run)
+    recs = train_records(run)
     assert [r["iteration"] for r in recs] == [0, 1]
     for r in recs:  # 2 prompts x 2 samples x 1 trained step (timestep_fraction 0.99), less zero-variance groups
         assert 0 < r["transitions_trained"] <= 4
         assert torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])).all()
     # the update rescores the rollout's own transitions: before any step, new == old policy
     assert abs(recs[0]["ratio_mean"] - 1) < 1e-4
-    if cfg.train.beta_kl > 0:  # SD3 recipe: KL to the adapter-disabled model
-        assert "kl" in recs[1]
+    # SD3 recipe: KL to the adapter-disabled model, logged; FLUX recipe (beta 0): no KL term, none logged
+    assert ("kl" in recs[1]) == (cfg.train.beta_kl > 0) and cfg.train.beta_kl == {"sd3": 0.04, "flux": 0.0}[kind]
     ck1, ck2 = list_checkpoints(run / "checkpoints")
-    w1, w2 = _lora(ck1), _lora(ck2)
+    w1, w2 = lora_weights(ck1), lora_weights(ck2)
     assert w2 and all(".lora_A." in k or ".lora_B." in k for k in w2)
     assert all(v.dtype == torch.float32 for v in w2.values())
     assert any(".lora_B." in k and v.abs().sum() > 0 for k, v in w1.items())  # B starts at 0
@@ -101,9 +61,9 @@ def test_tree_and_tempflow_recipes_train(tiny_models, tmp_path, recipe):
     assert cfg.sampler.name == sampler
     run = tmp_path / "run"
     train(cfg, run)
-    (rec,) = _train_records(run)
+    (rec,) = train_records(run)
     assert rec["transitions_trained"] > 0 and abs(rec["ratio_mean"] - 1) < 1e-4
-    w = _lora(list_checkpoints(run / "checkpoints")[-1])
+    w = lora_weights(list_checkpoints(run / "checkpoints")[-1])
     assert any(".lora_B." in k and v.abs().sum() > 0 for k, v in w.items())
 
 
@@ -119,10 +79,10 @@ def test_sol_recipes_train(tiny_models, tmp_path, recipe):
     assert cfg.sampler.name == "sol" and cfg.train.loss == "nft"
     run = tmp_path / "run"
     assert train(cfg, run)["iterations_done"] == 1
-    (rec,) = _train_records(run)
+    (rec,) = train_records(run)
     assert torch.isfinite(torch.tensor(rec["loss"])) and rec["sol/explore_model_evals"] == 2 * 4 * 2  # prompts x pool x steps
     assert len(json.loads((tmp_path / "emb" / "index.json").read_text())["shards"][0]["prompts"]) == 2
-    w = _lora(list_checkpoints(run / "checkpoints")[-1])
+    w = lora_weights(list_checkpoints(run / "checkpoints")[-1])
     assert any(".lora_B." in k and v.abs().sum() > 0 for k, v in w.items())
 
 

@@ -1,4 +1,5 @@
-"""TempFlow-GRPO advantage parity: the ``*_tracker`` groupings against a hand-written reference.
+"""TempFlow-GRPO parity: the ``*_tracker`` groupings against a hand-written reference, and the
+noise-aware step weights against the constants of the peer's public training scripts.
 
 The reference below is written from the formula of Flow-GRPO's per-prompt stat tracker as the
 TempFlow-GRPO code applies it to its ``[rows, steps]`` table of process rewards (arXiv 2508.04324):
@@ -178,6 +179,42 @@ def test_sampler_tracker_groupings(tiny_digits_policy):
     s = TempFlowSampler(**cfg, group_by="seed_tracker")(tiny_digits_policy, prompts, reward, seed=1)
     assert torch.unique(s.group_index).numel() == 3 * 2 * 2  # (prompt, seed) x step
     assert TempFlowSampler(branches=1, seeds_per_prompt=2, group_by="prompt_tracker").branches == 1
+
+
+def tempflow_code_weights(sigmas, trained, constant, code_noise_level=0.7):
+    """The TempFlow-GRPO scripts' loss weight of step k (``train_sd3_pr.py`` / ``train_flux_pr.py``):
+    ``constant * std_dev_t * sqrt(-dt)`` with ``std_dev_t = a sqrt(sigma / (1 - sigma'))``, ``sigma' =``
+    the next sigma at sigma = 1, and ``a`` fixed to 0.7 in the SDE step both scripts use (its comment
+    reads "In SD3.5-M, 0.7. In FLUX, 0.9"); ``constant`` 2.25 (SD3.5-M) or 1.73 (FLUX)."""
+    out = []
+    for k in trained:
+        s, sn = float(sigmas[k]), float(sigmas[k + 1])
+        std_dev_t = code_noise_level * math.sqrt(s / (1 - (sn if s == 1 else s)))
+        out.append(constant * std_dev_t * math.sqrt(s - sn))
+    return torch.tensor(out)
+
+
+def test_noise_aware_weights_against_the_peer_scripts_constants():
+    """SD3.5-M (shift 3, T = 10, 2.25 at a = 0.7): flowrl's weights equal the script's. FLUX (1024 px,
+    T = 10): the script's 1.73 is 1 / mean(step scale) at a = 0.9, but its SDE step runs at a = 0.7, so
+    its weights are 0.7 / 0.9 of what the constant was made for: flowrl's equal the peer's formula at
+    0.9 and are 1.28x the peer's code at 0.7, every step alike (flowrl's weights average 1 at any a)."""
+    from flowrl.noise import noise_aware_weights
+    from flowrl.schedules import flow_sigmas, flux_sigmas
+
+    trained = range(9)  # the scripts train steps 0..8 of 10 (timestep_fraction 0.9)
+    sd3 = flow_sigmas(10, 3.0)
+    ours = noise_aware_weights(sd3, 0.7, trained)[:9]
+    torch.testing.assert_close(ours, tempflow_code_weights(sd3, trained, 2.25), rtol=2e-3, atol=0)
+    flux = flux_sigmas(10, (1024 // 16) ** 2)  # 4096 packed latent tokens at 1024 px
+    for a in (0.7, 0.9):  # flowrl's FLUX weights for either noise level
+        ours = noise_aware_weights(flux, a, trained)[:9]
+        as_commented = tempflow_code_weights(flux, trained, 1.73, code_noise_level=0.9)
+        as_run = tempflow_code_weights(flux, trained, 1.73)  # a = 0.7, hard-coded
+        torch.testing.assert_close(ours, as_commented, rtol=3e-3, atol=0)
+        ratio = ours / as_run  # [9]
+        assert torch.allclose(ratio, ratio.mean(), rtol=1e-5)  # the same factor at every step
+        assert abs(float(ratio.mean()) - 1.2827) < 5e-4  # (0.9 / 0.7) x (1.726 / 1.73)
 
 
 @pytest.mark.parametrize("bad", ["tracker", "Prompt", "per_prompt"])

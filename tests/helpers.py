@@ -1,0 +1,177 @@
+"""Helpers shared by several test modules (test files import from here or from conftest, never from
+each other): the tiny-recipe overrides of the SD3 / FLUX / SANA training tests, the fixed prompts and
+the plain loops the pipeline tests compare against, readers of a run's files, the sizes of the tiny
+reward models (built by conftest's fixtures), and a stub OpenAI-compatible chat server (VLM judge)."""
+import base64
+import contextlib
+import io
+import json
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from flowrl.sde import ode_step
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGE = 32  # pixels: 16 x 4 x 4 latents
+PROMPTS = ["a photo of a cat", "a red apple on a table"]
+
+# recipe sampler options -> overrides that make the sampler tiny (same sampler, same step type)
+SHRINK = {
+    "group": {"sampler.group_size": 2, "sampler.num_steps": 2, "train.batch_size": 4},
+    "branch": {"sampler.num_steps": 3, "sampler.split_steps": "[0, 1]", "sampler.window": 2, "train.batch_size": 4},
+    "tempflow": {"sampler.num_steps": 3, "sampler.branch_steps": "[0, 1]", "sampler.branches": 2,
+                 "sampler.seeds_per_prompt": 1, "train.batch_size": 4},
+    # int8 exploration: the CPU stand-in for the recipes' nvfp4 (CUDA)
+    "sol": {"sampler.pool_size": 4, "sampler.preview_steps": 2, "sampler.keep": 2, "sampler.regen_options": "{num_steps: 2}",
+            "sampler.explore_backend": "int8-dynamic", "train.batch_size": 4},
+}
+
+
+def tiny_overrides(path, sampler: str, **extra) -> list[str]:
+    """Overrides that run a GPU recipe in seconds on a tiny CPU model at ``path``."""
+    base = {"model.path": str(path), "model.device": "cpu", "model.options.resolution": IMAGE,
+            "model.options.max_sequence_length": 8, "model.options.dtype": "float32",
+            "model.options.gradient_checkpointing": "false", "sampler.max_batch": "null",
+            "train.iterations": 2, "train.lr": 1e-2, "train.mixed_precision": "'no'", "train.minibatch_size": 64,
+            "train.grad_accum": 1, "train.checkpoint_every": 1, "train.ema_every": 1,
+            "reward.weights": "{jpeg_compressibility: 1.0}", "reward.options": "{}", "reward.heldout": "{}",
+            "data.prompts": "[a photo of a cat, a red apple on a table]", "data.eval_prompts": "[a photo of a cat]",
+            "data.eval_seeds_per_prompt": 2, "logging.trackers": "[]", "logging.progress": "false",
+            "logging.eval_every": 100, "logging.image_every": 100, **SHRINK[sampler]}
+    if sampler == "sol":  # the Sol sampler chunks its exploration with explore_batch
+        del base["sampler.max_batch"]
+        base["sampler.explore_batch"] = "null"
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def train_records(run) -> list[dict]:
+    """The training records (one per iteration) of a run's ``metrics.jsonl``."""
+    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if "reward_mean" in line]
+
+
+def lora_weights(ckpt) -> dict[str, torch.Tensor]:
+    """The trainable (LoRA) tensors of a checkpoint directory."""
+    return load_file(str(Path(ckpt) / "trainable.safetensors"))
+
+
+def fixed_velocity(policy, transformer) -> torch.Tensor:
+    """v(x, sigma, c) of ``transformer`` inside ``policy`` on fixed inputs (CFG / guidance as trained):
+    two seeds, sigmas 0.9 / 0.45, the two :data:`PROMPTS`."""
+    policy.transformer = transformer
+    cond = policy.encode_prompts(PROMPTS)
+    x = policy.initial_noise([11, 12])  # [2, C, h, w]
+    with torch.no_grad():
+        return policy.velocity(x, torch.tensor([0.9, 0.45]), cond)
+
+
+def ode_loop(policy, prompts, seeds, num_steps) -> torch.Tensor:
+    """Plain Euler over ``policy.sigmas(num_steps)``, written out (no sampler) -> x0 [B, C, h, w]."""
+    x = policy.initial_noise(seeds)  # [B, C, h, w]
+    cond = policy.encode_prompts(prompts)
+    sig = policy.sigmas(num_steps)
+    with torch.no_grad():
+        for i in range(num_steps):
+            v = policy.velocity(x, sig[i].expand(len(seeds)), cond)
+            x = ode_step(v, x, sig[i], sig[i + 1]).sample
+    return x
+
+
+def cli_verbs(help_text: str) -> set[str]:
+    """The sub-commands an argparse ``--help`` lists in its ``{a,b,c}`` choices (exact names, so
+    ``train`` is not found inside ``pretrain-digits``)."""
+    found = re.search(r"\{([a-z0-9,_-]+)\}", help_text)
+    return set(found.group(1).split(",")) if found else set()
+
+
+# ---------------------------------------------------------------- tiny reward models (conftest fixtures)
+TINY_VISION = dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=2)  # CLIP vision tower
+TINY_MED = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                max_position_embeddings=40)  # ImageReward's BLIP-med text tower
+TINY_BLIP_VISION = dict(image_size=32, patch_size=8, hidden_size=24, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=2)
+BLIP_WORDS = "a an the of on in photo chinese temple hills red flower dog word hello sign".split()
+
+
+def randomize_(module, std):
+    """Spread random weights (matrices ~ N(0, std)) so tiny models give clearly distinct outputs."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return module
+
+
+# ---------------------------------------------------------------- stub chat-completions server
+class StubChatHandler(BaseHTTPRequestHandler):
+    """Answers ``POST .../chat/completions`` like an OpenAI-compatible VLM: decodes the request's PNG
+    and replies "Score: 10 x mean brightness". Per-request behaviours are queued in ``server.modes``
+    (``slow``, ``http500``, ``http401``, ``not_json``, ``garbage``); requests are kept in ``server.requests``."""
+
+    def log_message(self, *args):  # keep test output quiet
+        pass
+
+    def do_POST(self):
+        srv = self.server
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with srv.lock:
+            srv.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
+            mode = srv.modes.pop(0) if srv.modes else "ok"
+        if mode == "slow":
+            time.sleep(srv.slow_seconds)
+        if mode == "http500":
+            return self._send(500, b'{"error": "overloaded"}')
+        if mode == "http401":
+            return self._send(401, b'{"error": "bad key"}')
+        if mode == "not_json":
+            return self._send(200, b"<html>gateway error</html>")
+        if mode == "garbage":
+            return self._reply("I am sorry, I cannot rate images of this kind.")
+        parts = body["messages"][-1]["content"]
+        url = next(p["image_url"]["url"] for p in parts if p["type"] == "image_url")
+        assert url.startswith("data:image/png;base64,")
+        png = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+        assert png.format == "PNG"
+        brightness = np.asarray(png.convert("L"), dtype=np.float64).mean() / 255
+        self._reply(f"The image matches the caption reasonably.\nScore: {10 * brightness:.3f}")
+
+    def _reply(self, content):
+        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+        data = {"id": "x", "object": "chat.completion", "choices": [choice]}
+        self._send(200, json.dumps(data).encode())
+
+    def _send(self, code, payload):
+        try:
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+        except (BrokenPipeError, ConnectionResetError):  # the client gave up (timeout test)
+            pass
+
+
+@contextlib.contextmanager
+def chat_stub_server():
+    """A :class:`StubChatHandler` server on 127.0.0.1 (ephemeral port, ``server.server_port``), stopped on exit."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StubChatHandler)
+    server.daemon_threads = True
+    server.requests, server.modes, server.lock, server.slow_seconds = [], [], threading.Lock(), 1.0
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
