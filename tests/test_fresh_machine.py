@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -102,7 +101,7 @@ def test_wheel_from_clean_copy_runs_without_editable_install(tmp_path, tiny_digi
                                capture_output=True, text=True, check=True).stdout.strip())
     # the dependencies: this environment's site-packages as plain paths (their .pth files, among them
     # the editable finder of this checkout, are not processed)
-    deps = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    deps = {p for p in sys.path if p.endswith("site-packages")}
     (site / "zz_flowrl_test_deps.pth").write_text("\n".join(sorted(deps)) + "\n")
 
     env = fresh_env(tmp_path)

@@ -92,7 +92,7 @@ def test_grpo_trains_on_qwen_image(tiny, tmp_path):
     from flowrl.trainers.checkpoint import list_checkpoints
     from flowrl.trainers.config import load_config
     from flowrl.trainers.online import train
-    from test_sd3_flux_training import ROOT, _lora, _train_records, tiny_overrides
+    from helpers import ROOT, lora_weights, tiny_overrides, train_records
 
     overrides = tiny_overrides(tiny, "group", **{"model.pipeline": "qwen-image", "model.guidance_scale": 4.0,
                                                  "sampler.noise_level": 0.7, "train.beta_kl": 0.04})
@@ -101,12 +101,12 @@ def test_grpo_trains_on_qwen_image(tiny, tmp_path):
     run = tmp_path / "run"
     summary = train(cfg, run)
     assert summary["iterations_done"] == 2 and summary["skipped_steps"] == 0
-    recs = _train_records(run)
+    recs = train_records(run)
     assert [r["iteration"] for r in recs] == [0, 1]
     assert abs(recs[0]["ratio_mean"] - 1) < 1e-4  # the update rescores the rollout's own transitions
     assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])).all() for r in recs)
     ck1, ck2 = list_checkpoints(run / "checkpoints")
-    w1, w2 = _lora(ck1), _lora(ck2)
+    w1, w2 = lora_weights(ck1), lora_weights(ck2)
     assert any(".img_mlp.net.2." in k for k in w2) and any("transformer_blocks.0.txt_mlp.net.2." in k for k in w2)
     assert not any("transformer_blocks.1.txt_mlp." in k for k in w2)  # the last block's unused text stream
     assert any(".lora_B." in k and v.abs().sum() > 0 for k, v in w1.items())
