@@ -108,7 +108,8 @@ def frame_strip(video: torch.Tensor, frame_stride: int = 1) -> torch.Tensor:
     if video.ndim == 4 and video.shape[0] == 3:
         return frame_strip(video[None], frame_stride)[0]
     if not is_video(video):
-        raise ValueError(f"frame_strip expects a video [3, F, H, W] or videos [B, 3, F, H, W], got {tuple(video.shape)}")
+        raise ValueError(f"frame_strip expects a video [3, F, H, W] or videos [B, 3, F, H, W], "
+                         f"got {tuple(video.shape)}")
     x = video[:, :, ::frame_stride]  # [B, 3, F', H, W]
     b, c, f, h, w = x.shape
     return x.permute(0, 1, 3, 2, 4).reshape(b, c, h, f * w)  # [B, 3, H, F' W]

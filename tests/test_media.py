@@ -48,7 +48,8 @@ def test_score_per_frame_equals_scoring_frames_one_by_one(stride):
     prompts = ["a", "b", "skip this one"]
     got = score_per_frame(_brightness, v, prompts, frame_stride=stride)
     for b in range(3):
-        per_frame = torch.stack([_brightness(v[b, :, f][None].contiguous(), [prompts[b]])[0] for f in range(0, 7, stride)])
+        per_frame = torch.stack([_brightness(v[b, :, f][None].contiguous(), [prompts[b]])[0]
+                                 for f in range(0, 7, stride)])
         want = per_frame[~per_frame.isnan()].mean() if not per_frame.isnan().all() else torch.tensor(float("nan"))
         torch.testing.assert_close(got[b], want, equal_nan=True, rtol=0, atol=0)  # bitwise
     assert got.dtype == torch.float32 and got[2].isnan() and torch.isfinite(got[:2]).all()

@@ -183,7 +183,8 @@ def load_edit_set(path: Union[str, os.PathLike], check_images: bool = True) -> l
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}: not valid JSON ({e})") from None
         if not isinstance(row, dict):
-            raise ValueError(f"{where}: a row must be a JSON object with 'prompt' and 'image', got {type(row).__name__}")
+            raise ValueError(f"{where}: a row must be a JSON object with 'prompt' and 'image', "
+                             f"got {type(row).__name__}")
         text_field = next((f for f in INSTRUCTION_FIELDS if f in row), None)
         missing = [name for name, ok in (("prompt (or instruction)", text_field), (IMAGE_FIELD, IMAGE_FIELD in row))
                    if not ok]
