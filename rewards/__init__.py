@@ -14,6 +14,7 @@ import torch
 # name -> "module:attribute" (lazy: importing flowrl.rewards loads no reward model library)
 REGISTRY: dict[str, str] = {
     "digits": "flowrl.rewards.digits:DigitsReward",
+    "digits_edit": "flowrl.rewards.digits_edit:DigitsEditReward",
     "jpeg_compressibility": "flowrl.rewards.compress:JpegCompressibility",
     "jpeg_incompressibility": "flowrl.rewards.compress:JpegIncompressibility",
     "pickscore": "flowrl.rewards.pickscore:PickScore",

@@ -89,3 +89,20 @@ def test_edit_items_true_cfg_and_errors(tiny):
         policy.encode_prompts([{"prompt": "a", "image": big[0][0]}])
     with pytest.raises(TypeError, match="a prompt item is a str"):
         policy.encode_prompts([{"image": big[0]}])
+
+
+def test_editing_recipe_trains_on_the_tiny_model(tiny, tmp_path):
+    """Two GRPO iterations of recipes/flux_kontext_edit.yaml on the tiny model (text instructions:
+    the editing data path reaches the trainer in a later change), LoRA on FLUX's targets + proj_mlp."""
+    from flowrl.trainers.checkpoint import list_checkpoints
+    from flowrl.trainers.config import load_config
+    from flowrl.trainers.online import train
+    from test_sd3_flux_training import ROOT, _lora, _train_records, tiny_overrides
+
+    cfg = load_config(ROOT / "recipes" / "flux_kontext_edit.yaml", tiny_overrides(tiny, "group"))
+    assert cfg.model.pipeline == "flux-kontext" and cfg.model.guidance_scale == 2.5 and cfg.train.ema
+    summary = train(cfg, tmp_path / "run")
+    assert summary["iterations_done"] == 2 and summary["skipped_steps"] == 0
+    assert [r["iteration"] for r in _train_records(tmp_path / "run")] == [0, 1]
+    weights = _lora(list_checkpoints(tmp_path / "run" / "checkpoints")[-1])
+    assert any(".proj_mlp.lora_B." in k and v.abs().sum() > 0 for k, v in weights.items())

@@ -87,8 +87,11 @@ def test_wheel_from_clean_copy_runs_without_editable_install(tmp_path, tiny_digi
     assert not want - names, f"modules missing from the wheel: {sorted(want - names)}"
     recipes = {Path(n).name for n in names if n.startswith("flowrl/recipes/") and n.endswith(".yaml")}
     assert recipes == {p.name for p in (ROOT / "recipes").glob("*.yaml")}
-    prompt_sets = {p.name for p in (ROOT / "flowrl" / "data" / "prompt_sets").iterdir() if p.is_file()}
-    assert {f"flowrl/data/prompt_sets/{n}" for n in prompt_sets} <= names
+    sets_dir = ROOT / "flowrl" / "data" / "prompt_sets"  # shipped prompt sets, editing images in subfolders included
+    prompt_sets = {p.relative_to(sets_dir).as_posix() for p in sets_dir.rglob("*")
+                   if p.is_file() and "__pycache__" not in p.parts}
+    missing = {f"flowrl/data/prompt_sets/{n}" for n in prompt_sets} - names
+    assert not missing, f"prompt set files missing from the wheel: {sorted(missing)}"
     assert not any(n.split("/")[0] in ("pipelines", "rewards", "recipes", "tests") for n in names)
 
     venv = tmp_path / "venv"

@@ -292,3 +292,28 @@ def test_every_mode_quantizes_and_runs(activation, weight):
     assert q2.to_q.shared is q2.to_k.shared and q2.to_q.shared is not q.to_q.shared
     with torch.no_grad():
         assert torch.equal(q2(x), y)
+
+
+# ------------------------------------------------------------------ video and image adapters
+@pytest.mark.parametrize("kind", ["wan", "qwen-image"])
+def test_adapter_transformers_quantize_and_run(kind):
+    """int8-dynamic on the tiny Wan2.1 and Qwen-Image transformers: the quantized copy runs the
+    policy's velocity (Wan's condition_embedder stays in full precision: its forward reads the time
+    embedder's parameter dtype) and stays close to the full-precision velocity."""
+    from flowrl.pipelines import policy_class
+    from flowrl.pipelines.tiny import tiny_pipeline
+    from flowrl.quant.sync import QuantizedCopy
+
+    policy = policy_class(kind)(tiny_pipeline(kind, image_size=32), max_sequence_length=8, resolution=32)
+    copy_ = QuantizedCopy(get_quantizer("int8-dynamic"))
+    copy_.sync(policy.transformer)
+    swapped = [n for n, m in copy_.module.named_modules() if isinstance(m, DynamicInt8Linear)]
+    assert swapped and not [n for n in swapped if "condition_embedder" in n or "time_text_embed" in n]
+    cond = policy.encode_prompts(["a red car", "a cat"])
+    x = policy.initial_noise([1, 2])
+    with torch.no_grad():
+        ref = policy.velocity(x, 0.6, cond)
+        with copy_.active(policy):
+            v = policy.velocity(x, 0.6, cond)
+    assert v.shape == ref.shape and torch.isfinite(v).all()
+    assert (v - ref).abs().max() < 0.1 * ref.abs().max()

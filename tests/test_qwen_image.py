@@ -87,17 +87,17 @@ def test_qwen_image_errors(tiny):
 
 
 def test_grpo_trains_on_qwen_image(tiny, tmp_path):
-    """Two GRPO iterations (group sampler, SDE steps, true CFG on) of the FLUX Flow-GRPO recipe with
-    the model swapped for the tiny Qwen-Image: the current samplers and updates run on it unchanged."""
+    """Two GRPO iterations (group sampler, SDE window, true CFG on, KL on) of the Qwen-Image
+    Flow-GRPO recipe on the tiny model, unsharded: the current samplers and updates run on it unchanged."""
     from flowrl.trainers.checkpoint import list_checkpoints
     from flowrl.trainers.config import load_config
     from flowrl.trainers.online import train
     from helpers import ROOT, lora_weights, tiny_overrides, train_records
 
-    overrides = tiny_overrides(tiny, "group", **{"model.pipeline": "qwen-image", "model.guidance_scale": 4.0,
-                                                 "sampler.noise_level": 0.7, "train.beta_kl": 0.04})
-    cfg = load_config(ROOT / "recipes" / "flux_group_pickscore.yaml", overrides)
+    overrides = tiny_overrides(tiny, "group", **{"train.sharding": "none", "train.beta_kl": 0.04})
+    cfg = load_config(ROOT / "recipes" / "qwen_image_group_pickscore.yaml", overrides)
     assert cfg.model.pipeline == "qwen-image" and cfg.sampler.name == "group" and cfg.train.loss == "grpo"
+    assert cfg.model.guidance_scale == 4.0 and cfg.sampler.options["sde_window"] == 2
     run = tmp_path / "run"
     summary = train(cfg, run)
     assert summary["iterations_done"] == 2 and summary["skipped_steps"] == 0

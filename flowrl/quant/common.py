@@ -15,10 +15,13 @@ from torch import nn
 
 # Modules kept in full precision, matched (fnmatch) against module names: the embedders and the
 # output layers, as modelopt's diffusers example skips them for FLUX / SD3
-# (``filter_func_default``), plus the top-level ``proj_out`` that maps back to latents.
+# (``filter_func_default``), plus the top-level ``proj_out`` that maps back to latents, and Wan's
+# ``condition_embedder`` (time, time projection and text embedders; modelopt's
+# ``filter_func_wan_video``), whose forward reads the dtype of the time embedder's first parameter.
 DEFAULT_SKIP: tuple[str, ...] = (
     "*time_emb_proj*", "*time_embedding*", "*conv_in*", "*conv_out*", "*conv_shortcut*", "*add_embedding*",
     "*pos_embed*", "*time_text_embed*", "*context_embedder*", "*norm_out*", "*x_embedder*", "proj_out",
+    "*condition_embedder*",
 )
 
 

@@ -1,0 +1,208 @@
+"""Prompt items: a text prompt that may carry a condition beyond text (a source image to edit).
+
+A :class:`PromptItem` is what an editing prompt set holds per row: the instruction (``prompt``), the
+source image (a file path or a float ``[3, H, W]`` tensor in [0, 1]) and free-form ``meta`` (the
+other fields of its row). It satisfies the edit-item contract of ``flowrl.pipelines.flux_kontext``
+(``.prompt`` and ``.image``), so a list of items goes straight into ``encode_prompts``.
+
+Identity: :attr:`PromptItem.key` is a stable string for caches and dict keys. A text-only item's
+key is its prompt, so text-only items key exactly as plain prompt strings do; an item with a
+source appends a content hash of the decoded source pixels (``"<prompt>\\x1fsha256:<16 hex>"``),
+so the same image given as a path or as the tensor read from it gives the same key, and a changed
+file gives a new one. Equality and hashing use the key; ``meta`` is not part of it.
+
+Editing sets are ``.jsonl`` files, one row per item: ``{"prompt": ..., "image": ...}`` with the
+image path relative to the ``.jsonl`` file's folder (Flow-GRPO's editing sets use these two
+fields); the instruction may also be named ``instruction``. :func:`load_edit_set` reads one and
+checks every image before returning, with one-line errors that name the file, the row and the image.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+
+Source = Union[str, os.PathLike, torch.Tensor]
+# fields a row's instruction may have, tried in order; the image path's field
+INSTRUCTION_FIELDS = ("prompt", "instruction")
+IMAGE_FIELD = "image"
+KEY_SEPARATOR = "\x1f"  # ASCII unit separator: never typed in a prompt
+
+__all__ = ["PromptItem", "Source", "as_items", "load_edit_set", "load_image", "item_texts", "item_sources",
+           "INSTRUCTION_FIELDS", "IMAGE_FIELD"]
+
+
+def load_image(path: Union[str, os.PathLike]) -> torch.Tensor:
+    """An image file as float32 RGB ``[3, H, W]`` in [0, 1] (greyscale and palette images are
+    converted to RGB, alpha is dropped). A missing or unreadable file is an error naming it."""
+    from PIL import Image, UnidentifiedImageError
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"source image {p} not found")
+    try:
+        with Image.open(p) as im:
+            rgb = im.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise ValueError(f"source image {p} is not a readable image ({type(e).__name__}: {e})") from None
+    pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)  # [H * W * 3]
+    return pixels.view(rgb.height, rgb.width, 3).permute(2, 0, 1).float() / 255.0  # [3, H, W]
+
+
+def _check_image_tensor(x: torch.Tensor) -> torch.Tensor:
+    if not (x.ndim == 3 and x.shape[0] == 3 and x.is_floating_point()):
+        raise ValueError(f"a source image tensor must be float [3, H, W] in [0, 1]; got {x.dtype} {tuple(x.shape)}")
+    lo, hi = float(x.min()), float(x.max())
+    if lo < 0 or hi > 1:
+        raise ValueError(f"a source image tensor must hold values in [0, 1]; got [{lo:.3g}, {hi:.3g}]")
+    return x
+
+
+@dataclass(frozen=True, eq=False)
+class PromptItem:
+    """A prompt and an optional source image (module doc).
+
+    Args:
+        prompt: the text (for editing: the instruction).
+        source: None (text only), an image file path, or a float ``[3, H, W]`` tensor in [0, 1].
+        meta: the row's other fields (targets, tags, ...); not part of :attr:`key`.
+    """
+
+    prompt: str
+    source: Optional[Source] = None
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.prompt, str):
+            raise TypeError(f"PromptItem.prompt must be a str, got {type(self.prompt).__name__}")
+        if isinstance(self.source, (str, os.PathLike)):
+            object.__setattr__(self, "source", Path(self.source))
+        elif isinstance(self.source, torch.Tensor):
+            _check_image_tensor(self.source)
+        elif self.source is not None:
+            raise TypeError(f"PromptItem.source must be None, a path or a float [3, H, W] tensor; "
+                            f"got {type(self.source).__name__}")
+        if not isinstance(self.meta, dict):
+            raise TypeError(f"PromptItem.meta must be a dict, got {type(self.meta).__name__}")
+
+    @property
+    def has_source(self) -> bool:
+        return self.source is not None
+
+    @cached_property
+    def image(self) -> Optional[torch.Tensor]:
+        """The source as float32 ``[3, H, W]`` in [0, 1] (read once from a path, then kept; treat
+        it as read-only), or None for a text-only item."""
+        if self.source is None:
+            return None
+        if isinstance(self.source, torch.Tensor):
+            return self.source.detach().to("cpu", torch.float32)
+        return _check_image_tensor(load_image(self.source))
+
+    @cached_property
+    def key(self) -> str:
+        """Stable cache key: the prompt, plus the source pixels' content hash when there is a source."""
+        if self.source is None:
+            return self.prompt
+        pixels = self.image.contiguous()  # [3, H, W] float32
+        h = hashlib.sha256(str(tuple(pixels.shape)).encode())
+        h.update(pixels.numpy().tobytes())
+        return f"{self.prompt}{KEY_SEPARATOR}sha256:{h.hexdigest()[:16]}"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, PromptItem) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __repr__(self) -> str:
+        src = (None if self.source is None else str(self.source) if isinstance(self.source, Path)
+               else f"tensor{tuple(self.source.shape)}")
+        return f"PromptItem(prompt={self.prompt!r}, source={src!r})"
+
+    def __getstate__(self) -> dict:
+        # the cached decoded image is dropped (paths reload on demand); the key is kept
+        state = dict(self.__dict__)
+        if isinstance(self.source, Path):
+            state.pop("image", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+
+def as_items(prompts: Sequence[Union[str, PromptItem]]) -> list[PromptItem]:
+    """Prompts as items: a ``str`` becomes a text-only :class:`PromptItem`, an item stays as it is."""
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, PromptItem):
+            out.append(p)
+        elif isinstance(p, str):
+            out.append(PromptItem(p))
+        else:
+            raise TypeError(f"prompt {i} is {type(p).__name__}; a prompt is a str or a PromptItem")
+    return out
+
+
+def item_texts(items: Sequence[Union[str, PromptItem]]) -> list[str]:
+    """The text of each prompt or item (what text encoders and text-only rewards see)."""
+    return [it.prompt for it in as_items(items)]
+
+
+def item_sources(items: Sequence[Union[str, PromptItem]]) -> list[Optional[torch.Tensor]]:
+    """Each item's source image ``[3, H, W]`` or None: the ``sources=`` a reward receives."""
+    return [it.image for it in as_items(items)]
+
+
+def load_edit_set(path: Union[str, os.PathLike], check_images: bool = True) -> list[PromptItem]:
+    """An editing prompt set: a ``.jsonl`` file whose rows hold an instruction (``prompt`` or
+    ``instruction``) and an ``image`` path relative to the file's folder (module doc); the row's
+    other fields become the item's ``meta``. ``check_images`` reads every image now, so a missing or
+    unreadable one fails here, naming the file, row and image, instead of mid-training."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"editing prompt set {p} not found; give a .jsonl file with one "
+                                f'{{"prompt": ..., "image": ...}} row per edit')
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"editing prompt set {p} is not UTF-8 ({e}); re-save it as UTF-8") from None
+    items = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{p}:{i}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: a row must be a JSON object with 'prompt' and 'image', "
+                             f"got {type(row).__name__}")
+        text_field = next((f for f in INSTRUCTION_FIELDS if f in row), None)
+        missing = [name for name, ok in (("prompt (or instruction)", text_field), (IMAGE_FIELD, IMAGE_FIELD in row))
+                   if not ok]
+        if missing:
+            raise ValueError(f"{where}: missing field {' and '.join(missing)} (found {sorted(row)})")
+        text, image = row[text_field], row[IMAGE_FIELD]
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{where}: field {text_field!r} must be a non-empty string, got {text!r}")
+        if not isinstance(image, str) or not image:
+            raise ValueError(f"{where}: field 'image' must be a path string, got {image!r}")
+        src = (p.parent / image).resolve()
+        if check_images:
+            try:
+                load_image(src)
+            except (FileNotFoundError, ValueError) as e:
+                raise type(e)(f"{where}: {e}") from None
+        meta = {k: v for k, v in row.items() if k not in (text_field, IMAGE_FIELD)}
+        items.append(PromptItem(text, src, meta))
+    if not items:
+        raise ValueError(f"editing prompt set {p} is empty; add at least one row")
+    return items
