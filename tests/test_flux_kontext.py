@@ -97,12 +97,12 @@ def test_editing_recipe_trains_on_the_tiny_model(tiny, tmp_path):
     from flowrl.trainers.checkpoint import list_checkpoints
     from flowrl.trainers.config import load_config
     from flowrl.trainers.online import train
-    from test_sd3_flux_training import ROOT, _lora, _train_records, tiny_overrides
+    from helpers import ROOT, lora_weights, tiny_overrides, train_records
 
     cfg = load_config(ROOT / "recipes" / "flux_kontext_edit.yaml", tiny_overrides(tiny, "group"))
     assert cfg.model.pipeline == "flux-kontext" and cfg.model.guidance_scale == 2.5 and cfg.train.ema
     summary = train(cfg, tmp_path / "run")
     assert summary["iterations_done"] == 2 and summary["skipped_steps"] == 0
-    assert [r["iteration"] for r in _train_records(tmp_path / "run")] == [0, 1]
-    weights = _lora(list_checkpoints(tmp_path / "run" / "checkpoints")[-1])
+    assert [r["iteration"] for r in train_records(tmp_path / "run")] == [0, 1]
+    weights = lora_weights(list_checkpoints(tmp_path / "run" / "checkpoints")[-1])
     assert any(".proj_mlp.lora_B." in k and v.abs().sum() > 0 for k, v in weights.items())

@@ -75,6 +75,11 @@ class Case:
     applies: list[str] = field(default_factory=lambda: ["a photo of a dog", "a red flower", "a sign that says hi"])
     not_applicable: list[str] = field(default_factory=list)
     size: int = 32  # image side (pixels) of the battery's images
+    meta: Callable[[object, list], dict] = lambda images, prompts: {}  # per-row keyword metadata of a call
+
+    def __call__(self, reward, images, prompts):
+        """``reward(images, prompts, **meta)`` as the samplers call it (``meta`` follows the rows)."""
+        return reward(images, prompts, **self.meta(images, prompts))
 
 
 CASES: dict[str, Case] = {
@@ -90,6 +95,9 @@ CASES: dict[str, Case] = {
     "ocr": Case(lambda r: rewards.build("ocr", backend="easyocr"), applies=['a sign that says "hello"', 'the word "FLOW"'],
                 not_applicable=["a photo of a dog", "a sign with no quoted text"], size=48),
     "vlm_judge": Case(_vlm_judge),
+    # an editing reward: each row's source image comes as metadata (here the row's own image)
+    "digits_edit": Case(lambda r: rewards.build("digits_edit"), applies=["turn this 3 into a 7", "make the strokes thicker"],
+                        not_applicable=["a photo of a dog"], size=16, meta=lambda x, p: {"sources": list(x)}),
 }
 
 NAMES = rewards.available()
@@ -142,11 +150,11 @@ def same(a: torch.Tensor, b: torch.Tensor, tol: float = 0.0) -> None:
 def test_output_is_float32_b_on_cpu_and_nan_only_when_not_applicable(name, case, reward):
     assert isinstance(reward, Reward) and reward.name == name
     prompts, na = mixed_prompts(case, 6)
-    s = reward(images(6, case.size), prompts)
+    s = case(reward, images(6, case.size), prompts)
     assert isinstance(s, torch.Tensor) and s.shape == (6,) and s.dtype == torch.float32 and s.device.type == "cpu"
     assert torch.equal(torch.isnan(s), na), f"NaN rows {torch.isnan(s).tolist()}, not-applicable rows {na.tolist()}"
     assert torch.isfinite(s[~na]).all()
-    one = reward(images(1, case.size, seed=5), prompts[:1])  # a batch of one is [1], not a scalar
+    one = case(reward, images(1, case.size, seed=5), prompts[:1])  # a batch of one is [1], not a scalar
     assert one.shape == (1,) and one.dtype == torch.float32
 
 
@@ -154,14 +162,14 @@ def test_output_is_float32_b_on_cpu_and_nan_only_when_not_applicable(name, case,
 def test_deterministic_and_row_independent_of_batch_mates(case, reward):
     x = images(5, case.size, seed=1)
     prompts, _ = mixed_prompts(case, 5)
-    s = reward(x, prompts)
-    same(reward(x, prompts), s)  # same inputs, same scores
+    s = case(reward, x, prompts)
+    same(case(reward, x, prompts), s)  # same inputs, same scores
     rev = torch.arange(4, -1, -1)
-    same(reward(x[rev], [prompts[i] for i in rev.tolist()]), s[rev], 1e-5)  # other order
-    alone = torch.cat([reward(x[i:i + 1], prompts[i:i + 1]) for i in range(5)])
+    same(case(reward, x[rev], [prompts[i] for i in rev.tolist()]), s[rev], 1e-5)  # other order
+    alone = torch.cat([case(reward, x[i:i + 1], prompts[i:i + 1]) for i in range(5)])
     same(alone, s, 1e-5)  # each row on its own
     others = images(3, case.size, seed=9)  # row 2 among new batch-mates
-    mixed = reward(torch.cat([others[:2], x[2:3], others[2:]]), prompts[:2] + prompts[2:3] + prompts[:1])
+    mixed = case(reward, torch.cat([others[:2], x[2:3], others[2:]]), prompts[:2] + prompts[2:3] + prompts[:1])
     same(mixed[2], s[2], 1e-5)
 
 
@@ -187,7 +195,7 @@ def test_bad_input_is_one_clear_line(name, case, reward, kind, request):
     server = request.getfixturevalue("chat_server") if name == "vlm_judge" else None
     sent = len(server.requests) if server else 0
     with pytest.raises(ValueError, match=match) as e:
-        reward(x, p)
+        case(reward, x, p)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"{name} reward"), msg
     if server:  # refused before any request went out
