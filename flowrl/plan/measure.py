@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from ..trainers.config_base import ConfigError
-from .activations import max_rows, transformer_inputs
+from .activations import max_rows
 from .budget import cfg_rows, train_rows
 from .core import measured_setup
 from .models import module_bytes, set_up_trained
@@ -61,21 +61,26 @@ def cuda_peak(fn: Callable[[], None]) -> int:
 
 def _real_transformer(cfg, comp, device: torch.device):
     """The recipe's transformer on ``device``: from_pretrained on CUDA, from the config on CPU (see module doc)."""
-    from ..bench.precision_arch_models import build_transformer
+    from ..pipelines.facts import Component, build_component, component_class
 
+    name = "diffusers:" + comp.adapter.transformer_class
     if device.type == "cuda" and cfg.model.path:
-        from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
-
-        cls = SD3Transformer2DModel if comp.family == "sd3" else FluxTransformer2DModel
-        return cls.from_pretrained(cfg.model.path, subfolder="transformer",
-                                   torch_dtype=comp.dtypes["transformer"]).to(device)
-    return build_transformer(comp.family, comp.config, device, comp.dtypes["transformer"])
+        return component_class(name).from_pretrained(cfg.model.path, subfolder="transformer",
+                                                     torch_dtype=comp.dtypes["transformer"]).to(device)
+    return build_component(Component(name, comp.config), device, comp.dtypes["transformer"])
 
 
 def _inputs(comp, shapes, rows: int, device: torch.device) -> dict:
-    meta = transformer_inputs(comp, shapes, rows)
-    return {k: (torch.rand(v.shape, dtype=v.dtype, device=device) * (1000 if k == "timestep" else 1)
-                if isinstance(v, torch.Tensor) else v) for k, v in meta.items()}
+    """The transformer's forward kwargs for ``rows`` rows of random inputs (masks and ids: ones)."""
+    def real(t: torch.Tensor) -> torch.Tensor:
+        return torch.rand(t.shape, dtype=t.dtype, device=device) if t.is_floating_point() else \
+            torch.ones(t.shape, dtype=t.dtype, device=device)
+
+    dt = comp.dtypes["transformer"]
+    x = torch.randn(rows, *shapes.latent_shape, device=device, dtype=dt)  # [B, C, (F,) h, w]
+    sigma = torch.rand(rows, device=device)  # [B]
+    cond = {k: real(v) for k, v in comp.adapter.example_conditioning(comp.configs, shapes, rows, "meta", dt).items()}
+    return comp.adapter.transformer_inputs(comp.config, dt, x, sigma, cond)
 
 
 def _set_up(cfg, comp, device: torch.device):
@@ -152,8 +157,9 @@ def measure_trainer(cfg, run_dir) -> dict:
 
     measured = {"rollout": peak(rollout), "train": peak(lambda: tr.update_object()(out["r"], 0))}
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
-    mods = [tr.policy.transformer, tr.policy.vae] + [getattr(tr.policy.pipe, n, None)
-                                                     for n in ("text_encoder", "text_encoder_2", "text_encoder_3")]
+    holder = getattr(tr.policy, "pipe", tr.policy)
+    mods = [tr.policy.transformer, getattr(tr.policy, "vae", None)] + [
+        getattr(holder, n, None) for n in getattr(tr.policy, "text_encoder_names", ("text_encoder",))]
     tensors = {id(t): local(t) for m in mods if m is not None for t in [*m.parameters(), *m.buffers()]}
     tensors.update({id(t): local(t) for s in tr.opt.state.values() for t in s.values() if t.dim() > 0})
     tensors.update({id(t): local(t) for t in (tr.ema.shadow.values() if tr.ema else ())})

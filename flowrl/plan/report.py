@@ -41,7 +41,8 @@ def format_plan(plan: Plan) -> str:
             lines.append(f"  -- {title}")
         for i in rows:
             where = " [host]" if i.where == "host" else ""
-            lines.append(f"  {i.name:<{width}}{_gib(i.bytes)}  {i.note}{where}")
+            size = _gib(i.bytes) if i.known else f"{'?':>8}"
+            lines.append(f"  {i.name:<{width}}{size}  {i.note}{where}")
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     lines += [f"  {'resident':<{width}}{_gib(plan.resident_bytes)}",
               f"  {'+ rollout phase (kept + largest transient)':<{width}}{_gib(plan.rollout_bytes)}",
@@ -50,6 +51,8 @@ def format_plan(plan: Plan) -> str:
               f"  {'peak per GPU = resident + max(phases)':<{width}}{_gib(plan.peak_bytes)}  {verdict} in "
               f"{plan.gpu_memory_bytes / GiB:.1f} GiB",
               f"  {'host memory per process':<{width}}{_gib(plan.host_bytes)}"]
+    if plan.unknown:
+        lines.append(f"  not counted (size unknown): {', '.join(plan.unknown)}")
     lines += format_knobs(plan)
     return "\n".join(lines)
 
