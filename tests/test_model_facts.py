@@ -10,11 +10,12 @@ from flowrl.pipelines import policy_class
 from flowrl.pipelines.base import DiffusersPolicy
 from flowrl.pipelines.facts import Component, Geometry, ModelConfigs, build_component
 
-TOY = dict(sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=2, num_single_dit_layers=3, attention_head_dim=8,
-           num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=16, out_channels=4, pos_embed_max_size=64)
+TOY = dict(sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=2, num_single_dit_layers=3,
+           attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=16,
+           out_channels=4, pos_embed_max_size=64)
 BERT = dict(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37)
-VAE = dict(block_out_channels=[8, 8], latent_channels=4, norm_num_groups=4, down_block_types=["DownEncoderBlock2D"] * 2,
-           up_block_types=["UpDecoderBlock2D"] * 2)
+VAE = dict(block_out_channels=[8, 8], latent_channels=4, norm_num_groups=4,
+           down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2)
 
 
 class ToyPolicy(DiffusersPolicy):

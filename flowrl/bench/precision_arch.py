@@ -164,7 +164,8 @@ def bench_arch(pipeline: str = "sd35m-arch", backends: Optional[Sequence[str]] =
     if min(settings["batch"], settings["steps"], settings["repeats"]) < 1 or not resolutions:
         raise ValueError(f"batch, steps and repeats must be >= 1 and resolutions non-empty, got {settings}")
     log = print if verbose else (lambda *a, **k: None)
-    log(f"[bench precision] building {pipeline} ({arch_model(pipeline)[1].title}{', tiny' if tiny else ''}) on {dev} in "
+    title = arch_model(pipeline)[1].title
+    log(f"[bench precision] building {pipeline} ({title}{', tiny' if tiny else ''}) on {dev} in "
         f"{dtype} ...", flush=True)
     policy = ArchPolicy(pipeline, resolutions[0], dev, getattr(torch, dtype), tiny=tiny)
 

@@ -30,7 +30,8 @@ def _pipeline(text: str) -> str:
 
     archs = sorted(arch_models())
     if text not in archs:
-        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(PIPELINES + tuple(archs))})")
+        valid = ", ".join(PIPELINES + tuple(archs))
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {valid})")
     return text
 
 

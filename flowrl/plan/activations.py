@@ -1,7 +1,8 @@
 """Activation memory of the recipe's transformer and VAE, measured on meta tensors of the real shapes.
 
 Each pass runs the real diffusers forward (and backward) on meta inputs under
-:class:`flowrl.plan.tracker.LiveBytes`; what is reported is the pass's peak of live bytes above
+:class:`flowrl.plan.tracker.LiveBytes`, called as the pipeline's adapter calls it (its
+``transformer_inputs``, on its ``geometry`` and ``example_conditioning``); what is reported is the pass's peak of live bytes above
 the weights, gradients and optimizer states that exist before it (the transient and the saved
 activations, the output included). Passes:
 
@@ -13,7 +14,7 @@ activations, the output included). Passes:
 * ``decode``: a ``no_grad`` VAE decode of ``rows`` latents.
 
 Memory is affine in the rows (per-sample activations plus a constant) and in the block count of each block
-type, so each pass is measured on reduced-depth copies of the transformer (:func:`probe_depths`) at 1
+type (the adapter's ``block_counts``), so each pass is measured on reduced-depth copies of the transformer (:func:`probe_depths`) at 1
 and 2 rows and evaluated at any count (:meth:`Activations.bytes`); fits are cached per pass.
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """``plan_memory(cfg, gpus, gpu_memory)``: the per-GPU memory plan of a recipe (items, phases, peak, fit).
 
 The meta models and activation fits are cached per model set-up (path, pipeline, LoRA, dtype and
-the adapter's geometry: resolution, text length, frames), so re-planning with other knobs (:mod:`flowrl.plan.knobs`) costs no
-new measurement unless the model itself changes.
+the adapter's geometry: resolution, text length, frames), so re-planning with other knobs
+(:mod:`flowrl.plan.knobs`) costs no new measurement unless the model itself changes.
 """
 from __future__ import annotations
 

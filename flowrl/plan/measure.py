@@ -8,6 +8,9 @@ gradient checkpointing as configured), with AdamW:
 * ``infer``: one ``no_grad`` forward of the sampler's rows; the peak holds the weights and the
   forward's transient.
 
+The inputs (latents, conditioning) are made before the measurement starts: the plan counts them in
+their own rows (the rollout's conditioning and latents), not in these two.
+
 Peak bytes: on CUDA ``torch.cuda.max_memory_allocated`` (the weights loaded with
 ``from_pretrained`` onto the GPU); on CPU the torch profiler's allocator record (``profile_memory``:
 the maximum ``Total Allocated`` of its ``[memory]`` events, counted from the start of the
@@ -33,8 +36,12 @@ CPU_LIMIT_BYTES = 2 * 2 ** 30  # the largest transformer --measure builds on a C
 
 
 def cpu_peak(fn: Callable[[], None]) -> int:
-    """Peak bytes the CPU allocator held above its level at the start, while ``fn`` ran (torch profiler)."""
+    """Peak bytes the CPU allocator held above its level at the start, while ``fn`` ran (torch profiler;
+    its own log lines, e.g. ``gpuGetDeviceCount failed`` on a machine without a GPU, are silenced unless
+    ``KINETO_LOG_LEVEL`` is set)."""
     from torch.profiler import ProfilerActivity, profile
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read by the profiler library when it starts: above USDT
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
@@ -88,24 +95,24 @@ def _set_up(cfg, comp, device: torch.device):
     return set_up_trained(_real_transformer(cfg, comp, device), cfg)
 
 
-def _train(cfg, comp, shapes, rows: int, device: torch.device) -> None:
+def _train(cfg, comp, inputs: dict, device: torch.device) -> None:
     tr = _set_up(cfg, comp, device)
     if cfg.model.options.get("gradient_checkpointing"):
         tr.enable_gradient_checkpointing()
     tr.train()
     opt = torch.optim.AdamW([p for p in tr.parameters() if p.requires_grad], lr=1e-6)
     for _ in range(2):
-        out = tr(**_inputs(comp, shapes, rows, device))[0]
+        out = tr(**inputs)[0]
         out.float().square().mean().backward()
         del out
         opt.step()
         opt.zero_grad(set_to_none=False)
 
 
-def _infer(cfg, comp, shapes, rows: int, device: torch.device) -> None:
+def _infer(cfg, comp, inputs: dict, device: torch.device) -> None:
     tr = _set_up(cfg, comp, device).eval()
     with torch.no_grad():
-        tr(**_inputs(comp, shapes, rows, device))
+        tr(**inputs)
 
 
 def measure_recipe(cfg, device=None) -> dict:
@@ -126,8 +133,9 @@ def measure_recipe(cfg, device=None) -> dict:
     rows_i = max_rows(cfg.train.batch_size, cfg.sampler.options.get("max_batch")) * cfg_rows(cfg, comp)
     planned = {"train": module_bytes(tr) + 3 * trained + acts.bytes("train", rows_t, ckpt),
                "infer": module_bytes(tr) + acts.bytes("infer", rows_i)}
-    measured = {"train": peak(lambda: _train(cfg, comp, shapes, rows_t, device)),
-                "infer": peak(lambda: _infer(cfg, comp, shapes, rows_i, device))}
+    inputs = {"train": _inputs(comp, shapes, rows_t, device), "infer": _inputs(comp, shapes, rows_i, device)}
+    measured = {"train": peak(lambda: _train(cfg, comp, inputs["train"], device)),
+                "infer": peak(lambda: _infer(cfg, comp, inputs["infer"], device))}
     out = {"device": str(device), "rows": {"train": rows_t, "infer": rows_i}}
     for k in ("train", "infer"):
         out[k] = {"measured_bytes": int(measured[k]), "planned_bytes": int(planned[k]),

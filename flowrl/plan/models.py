@@ -107,7 +107,8 @@ def meta_components(cfg, with_text_encoders: bool = True) -> MetaComponents:
 
     tes = {}
     if with_text_encoders:
-        tes = {name: build_component(c, "meta", component_dtype(opt, name)) for name, c in configs.text_encoders.items()}
+        tes = {name: build_component(c, "meta", component_dtype(opt, name))
+               for name, c in configs.text_encoders.items()}
     vae = build_component(configs.vae, "meta", dtypes["vae"]) if configs.vae is not None else None
     return MetaComponents(adapter, build(configs.transformer), tes, vae, dtypes, configs, build)
 

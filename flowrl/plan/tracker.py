@@ -94,8 +94,8 @@ def _fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     if kw.get("enable_gqa") or (attn_mask is not None and (attn_mask.dtype == torch.bool or attn_mask.dim() != 4)):
         return _ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                               scale=scale, **kw)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal,
-                                                                       attn_mask=attn_mask, scale=scale)[0]  # [B, H, L, d]
+    fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return fused(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]  # [B, H, L, d]
 
 
 @contextlib.contextmanager
