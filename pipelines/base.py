@@ -156,9 +156,7 @@ def diffusers_attr(name: str):
 class DiffusersPolicy(ModelFacts):
     """Base ``FlowPolicy`` over a diffusers pipeline; see the module doc for what a subclass declares."""
 
-    kind: ClassVar[str] = ""
     pipeline_class: ClassVar[str] = ""
-    transformer_class: ClassVar[str] = ""
     lora_target_modules: ClassVar[Sequence[str]] = ()
     text_encoder_names: ClassVar[tuple[str, ...]] = ("text_encoder",)
     tiny_kinds: ClassVar[tuple[str, ...]] = ()

@@ -138,3 +138,17 @@ def test_an_unknown_hub_id_names_the_published_ones():
 
     with pytest.raises(ValueError, match="stable-diffusion-3.5-medium"):
         SD3Policy.model_configs("someone/some-model")
+
+
+def test_a_subclass_inheriting_published_models_adds_no_architecture_names(monkeypatch):
+    """An adapter over a published model's subclass (e.g. an editing variant of FLUX) does not take over
+    the parent's NAME-arch entry; it declares its own published models for that."""
+    from flowrl import pipelines
+    from flowrl.bench.precision_arch_models import arch_models
+    from flowrl.pipelines.flux import FluxPolicy
+
+    class ZzVariant(FluxPolicy):
+        kind = "zz-variant"
+
+    monkeypatch.setitem(pipelines.REGISTRY, "zz-variant", ZzVariant.from_pretrained)  # sorts after "flux"
+    assert arch_models()["flux-arch"][0] is FluxPolicy

@@ -25,14 +25,17 @@ TINY_TEXT_TOKENS = 8  # ``--tiny``: max_sequence_length of the shrunken model
 
 
 def arch_models() -> dict[str, tuple[type, ModelConfigs]]:
-    """``NAME-arch`` -> (adapter class, published configs): every registered adapter's ``published``
-    entries that name an ``arch`` (imports every adapter)."""
+    """``NAME-arch`` -> (adapter class, published configs): the ``published`` entries that name an
+    ``arch``, each from the adapter class that declares it (a subclass inheriting them adds none;
+    imports every adapter)."""
     from ..pipelines import available, policy_class
 
-    out = {}
+    out: dict[str, tuple[type, ModelConfigs]] = {}
     for name in available():
         cls = policy_class(name)
-        for model in getattr(cls, "published", {}).values():
+        for model in vars(cls).get("published", {}).values():
+            if model.arch in out and out[model.arch][0] is not cls:
+                raise ValueError(f"{cls.__name__} and {out[model.arch][0].__name__} both declare {model.arch!r}")
             if model.arch:
                 out[model.arch] = (cls, model)
     return out
