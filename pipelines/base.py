@@ -2,26 +2,66 @@
 
 An adapter subclasses it and **declares** what flowrl needs to know about its model, as class
 attributes and class methods; nothing about a model lives in tables elsewhere (``flowrl export``,
-``flowrl make-tiny`` and the trainer ask the adapter through ``flowrl.pipelines.policy_class``):
+``flowrl make-tiny``, ``flowrl plan``, ``flowrl bench precision --pipeline NAME-arch`` and the
+trainer ask the adapter through ``flowrl.pipelines.policy_class``). Adding a model to every verb
+is one adapter file plus one line in ``flowrl.pipelines.REGISTRY``.
+
+Loading, export and tiny models:
 
 ==========================  =====================================================================
 ``kind``                    the pipeline name in ``flowrl.pipelines.REGISTRY``
 ``pipeline_class``          diffusers pipeline class name: loads the model, saves it, and (by
                             default) writes and loads the exported LoRA (``save_lora_weights`` /
                             ``load_lora_weights``)
-``transformer_class``       diffusers class name of ``.transformer`` (export reads its config)
+``transformer_class``       diffusers class name of ``.transformer`` (export reads its config;
+                            plan and the architecture benchmark build it from a config)
 ``lora_target_modules``     default LoRA targets (peft suffix patterns of the transformer)
 ``text_encoder_names``      pipeline attributes that are frozen text encoders
 ``tiny_kinds``              the ``flowrl make-tiny`` kinds this adapter builds offline
 ``tiny_components(kind,..)``  the components of a tiny random-weight pipeline of that kind
 ``_encode(prompts, negative)``  named batch-first text conditioning from the pipeline's encoder
+``cond_keys``               the conditioning entries the transformer call takes, in order
 ``velocity`` / ``sigmas``   the model-specific math (``FlowPolicy``)
 ==========================  =====================================================================
 
+Model facts (``pipelines/facts.py``, class ``ModelFacts``: the defaults fit an MMDiT with an
+``AutoencoderKL``; no weights are read, so ``flowrl plan`` needs no download):
+
+=================================================  ==================================================
+``published``                                      hub id -> ``ModelConfigs(transformer={...},
+                                                   text_encoders={attr: Component("transformers:Cls",
+                                                   {...})}, vae=Component("diffusers:Cls", {...}),
+                                                   source, title, arch)``: the repository's own
+                                                   ``*/config.json`` values; ``arch`` names the
+                                                   ``bench precision --pipeline NAME-arch`` entry
+``model_configs(path)``                            a local directory's configs (``model_index.json``)
+                                                   or a ``published`` entry
+``vae_factor(configs)``                            pixels per latent pixel
+``latent_channels(transformer_config)``            channels of the policy's latents
+``patch_size(transformer_config)``                 transformer patch (resolution multiple = factor x patch)
+``default_resolution(configs)``                    image side when no recipe or ``flowrl.json`` sets one
+``text_tokens(options)``                           sequence-conditioning tokens under ``model.options``
+``geometry(configs, options)``                     ``Geometry(height, width, latent_shape, text_tokens,
+                                                   frames)``: override for video (``(C, F, h, w)``)
+``example_conditioning(configs, geometry, rows,    empty tensors shaped as ``encode_prompts``' output
+device, dtype)``                                   (the ``cond_keys``)
+``cfg_rows(guidance_scale, options)``              rows per sample of a guided sampling forward (1/2)
+``transformer_inputs(config, dtype, x, sigma,      the transformer's forward kwargs; the adapter's own
+cond, **settings)``                                velocity calls it, so plan and bench run the same
+``transformer_output(out, x)``                     the forward's output as a velocity shaped like ``x``
+``block_counts(config)`` / ``with_block_counts``   blocks per block type (the planner's depth probes)
+``shrink_config(config)``                          a toy-size config of the same architecture
+                                                   (``bench precision --tiny`` on a CPU)
+=================================================  ==================================================
+
+A reward's resident size is declared on the reward class (``resident_params``, ``resident_note``:
+see ``flowrl.rewards``); the planner reports a reward without it as unknown.
+
 The base provides the rest: ``from_pretrained`` / ``save_pretrained`` (with the ``flowrl.json``
 resolution default), freezing everything but the transformer, the cached negative-prompt
-conditioning, resolution checks, ``decode``, ``initial_noise``, the export writer and
-``make_tiny``. Model-independent adapters (the digits model) declare the same attributes by hand.
+conditioning, resolution checks, the guided ``velocity`` over ``transformer_inputs``, ``decode``,
+``initial_noise``, the export writer and ``make_tiny``. Model-independent adapters (the digits
+model) inherit ``ModelFacts`` and declare the same attributes by hand.
 """
 from __future__ import annotations
 
@@ -36,7 +76,9 @@ import torch
 from flowrl.seeding import seeded_randn
 from flowrl.utils.io import atomic_dir
 
-from .common import DECODE_BATCH, DTypeArg, cfg_combine, cfg_halves, check_model_path, resolve_dtype, vae_decode
+from .common import DECODE_BATCH, DTypeArg, cfg_combine, cfg_halves, check_model_path, resolve_dtype, \
+    transformer_dtype, vae_decode
+from .facts import ModelFacts
 
 FLOWRL_JSON = "flowrl.json"
 IMAGE_SIZE = 64  # pixels: the default tiny resolution
@@ -111,12 +153,10 @@ def diffusers_attr(name: str):
     return obj
 
 
-class DiffusersPolicy:
+class DiffusersPolicy(ModelFacts):
     """Base ``FlowPolicy`` over a diffusers pipeline; see the module doc for what a subclass declares."""
 
-    kind: ClassVar[str] = ""
     pipeline_class: ClassVar[str] = ""
-    transformer_class: ClassVar[str] = ""
     lora_target_modules: ClassVar[Sequence[str]] = ()
     text_encoder_names: ClassVar[tuple[str, ...]] = ("text_encoder",)
     tiny_kinds: ClassVar[tuple[str, ...]] = ()
@@ -221,31 +261,45 @@ class DiffusersPolicy:
 
     # --- FlowPolicy (shared parts) -----------------------------------------------------------
     @property
+    def cfg_scale(self) -> float:
+        """The real classifier-free guidance scale (1.0: none, one pass)."""
+        return getattr(self, "guidance_scale", 1.0)
+
+    @property
     def uses_negative(self) -> bool:
         """Whether ``encode_prompts`` adds the negative prompt's conditioning (real CFG is on)."""
-        return getattr(self, "guidance_scale", 1.0) > 1.0
+        return self.cfg_scale > 1.0
 
     def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         """Batch-first conditioning from ``_encode``; with CFG also the cached ``negative_*`` tensors."""
         return encode_with_negative(self, prompts, use_negative=self.uses_negative)
 
-    # conditioning entries ``_forward(x, sigma, *entries)`` takes; CFG's negatives are ``"negative_" + key``
-    cond_keys: ClassVar[tuple[str, ...]] = ()
+    def forward_settings(self) -> dict:
+        """The adapter's knobs ``transformer_inputs`` takes (e.g. FLUX's embedded ``guidance_scale``)."""
+        return {}
+
+    def _forward(self, x: torch.Tensor, sigma: torch.Tensor, *entries: torch.Tensor) -> torch.Tensor:
+        """The transformer's velocity (its dtype) for latents ``x`` ``[B, C, h, w]``, ``sigma`` [B] and the
+        ``cond_keys`` entries, through ``transformer_inputs`` / ``transformer_output``."""
+        config = getattr(self.transformer, "module", self.transformer).config  # also under a DDP wrapper
+        kw = self.transformer_inputs(config, transformer_dtype(self.transformer), x, sigma,
+                                     dict(zip(self.cond_keys, entries)), **self.forward_settings())
+        return self.transformer_output(self.transformer(**kw)[0], x)
 
     def velocity(self, latents: torch.Tensor, sigma, cond) -> torch.Tensor:
         """``v_theta(x_t, sigma)`` float32 ``[B, C, h, w]`` through ``self._forward`` with the entries
-        ``cond_keys``; with guidance, ``u + s (c - u)`` (``pipelines.common.cfg_halves``: one doubled
-        batch, or in training with ``train.cfg_uncond_grad`` off the unconditional half alone under
-        ``no_grad``). Differentiable in the transformer's parameters."""
+        ``cond_keys``; with guidance (``cfg_scale > 1``), ``u + s (c - u)`` (``pipelines.common.cfg_halves``:
+        one doubled batch, or in training with ``train.cfg_uncond_grad`` off the unconditional half alone
+        under ``no_grad``). Differentiable in the transformer's parameters."""
         x = latents.to(self.device)  # [B, C, h, w]
         b = x.shape[0]
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(b)  # [B]
         text = (x, sigma, *(cond[k] for k in self.cond_keys))
-        if self.guidance_scale == 1.0:
+        if self.cfg_scale == 1.0:
             return self._forward(*text).float()
         uncond = (x, sigma, *(cond["negative_" + k] for k in self.cond_keys))
         u, c = cfg_halves(self._forward, uncond, text)  # [B, C, h, w] each
-        return cfg_combine(u, c, self.guidance_scale)
+        return cfg_combine(u, c, self.cfg_scale)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents ``[B, C, h, w]`` -> float32 images ``[B, 3, f h, f w]`` in [0, 1] (f = VAE factor):

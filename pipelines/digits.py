@@ -8,6 +8,7 @@ but imperfect, so RL has room to improve (like CFG-free SD3).
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -29,6 +30,8 @@ from flowrl.seeding import seeded_randn
 from flowrl.utils.io import atomic_dir, write_json
 
 from .common import cfg_combine, cfg_halves, transformer_dtype
+from .facts import Component, Geometry, ModelConfigs, ModelFacts
+from .sd3 import SD3Policy
 
 PAD, OTHER = 0, 11  # token ids; digits are 1..10
 
@@ -97,7 +100,7 @@ def tiny_transformer_config() -> dict:
                 caption_projection_dim=64, pooled_projection_dim=32, pos_embed_max_size=IMAGE_SIZE // 2)
 
 
-class DigitsPolicy:
+class DigitsPolicy(ModelFacts):
     """``FlowPolicy`` over the digits model. ``guidance_scale`` 1.0 = no CFG (one pass)."""
 
     # the adapter declarations of pipelines/base.py (no diffusers pipeline: the LoRA loads into the transformer)
@@ -106,6 +109,46 @@ class DigitsPolicy:
     transformer_class = "SD3Transformer2DModel"
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
     tiny_kinds = ("digits",)
+    cond_keys = ("encoder_hidden_states", "pooled_projections")
+
+    # --- model facts (pipelines/facts.py): pixel space, no VAE, its own text encoder -----------
+    @classmethod
+    def model_configs(cls, path: Optional[str]) -> ModelConfigs:
+        """The pretrained base's configs (``model.path`` unset or ``digits``: the code's own), or a
+        directory's ``transformer/`` and ``text_encoder/`` configs."""
+        te = "flowrl.pipelines.digits:DigitTextEncoder"
+        if path in (None, "", "digits"):
+            return ModelConfigs(tiny_transformer_config(), {"text_encoder": Component(te, {})}, None,
+                                "digits base (flowrl pretrain-digits)", "digits")
+        root = Path(os.path.expanduser(str(path)))
+        if not (root / "transformer" / "config.json").is_file():
+            raise ValueError(f"{path} is not a digits model directory (no transformer/config.json)")
+        read = lambda d: {k: v for k, v in json.loads((root / d / "config.json").read_text()).items()  # noqa: E731
+                          if not k.startswith("_")}
+        return ModelConfigs(read("transformer"), {"text_encoder": Component(te, read("text_encoder"))}, None,
+                            str(path), root.name)
+
+    @classmethod
+    def geometry(cls, configs: ModelConfigs, options: dict) -> Geometry:
+        tokens = int(configs.text_encoders["text_encoder"].config.get("max_len", 8))
+        return Geometry(IMAGE_SIZE, IMAGE_SIZE, (int(configs.transformer["in_channels"]), IMAGE_SIZE, IMAGE_SIZE),
+                        tokens)
+
+    @classmethod
+    def example_conditioning(cls, configs, geometry, rows, device, dtype) -> dict[str, torch.Tensor]:
+        c = configs.transformer
+        return {"encoder_hidden_states": torch.empty(rows, geometry.text_tokens, c["joint_attention_dim"],
+                                                     device=device, dtype=dtype),  # [B, L, D]
+                "pooled_projections": torch.empty(rows, c["pooled_projection_dim"], device=device, dtype=dtype)}
+
+    @classmethod
+    def transformer_inputs(cls, config, dtype, x, sigma, cond, **settings) -> dict:
+        """Pixels ``[B, 1, 16, 16]`` (already in the transformer's dtype), ``timestep = sigma * 1000``."""
+        return dict(hidden_states=x, encoder_hidden_states=cond["encoder_hidden_states"],
+                    pooled_projections=cond["pooled_projections"], timestep=sigma * 1000.0, return_dict=False)
+
+    block_counts = SD3Policy.block_counts  # an SD3 transformer (no dual-attention blocks)
+    with_block_counts = SD3Policy.with_block_counts
 
     @classmethod
     def lora_writer(cls):
@@ -170,8 +213,10 @@ class DigitsPolicy:
         return cond
 
     def _forward(self, x, sigma, ehs, pooled):
-        return self.transformer(hidden_states=x, encoder_hidden_states=ehs, pooled_projections=pooled,
-                                timestep=sigma * 1000.0, return_dict=False)[0]
+        config = getattr(self.transformer, "module", self.transformer).config  # also under a DDP wrapper
+        kw = self.transformer_inputs(config, self.dtype, x, sigma,
+                                     {"encoder_hidden_states": ehs, "pooled_projections": pooled})
+        return self.transformer(**kw)[0]
 
     @property
     def dtype(self) -> torch.dtype:

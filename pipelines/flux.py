@@ -21,7 +21,8 @@ import torch
 from flowrl.schedules import flow_sigmas, flux_sigmas, shift_sigmas
 
 from .base import IMAGE_SIZE, DiffusersPolicy, Resolution, resolve_resolution
-from .common import cfg_combine, cfg_halves, transformer_dtype
+from .facts import Component, ModelConfigs
+from .sd3 import CLIP_L, SD3_VAE, T5_XXL
 
 # Flow-GRPO's LoRA targets for FLUX (scripts/train_flux.py: r=64, alpha=128, gaussian init): the
 # joint-attention projections of both streams plus both streams' feed-forwards. (As peft suffix
@@ -31,6 +32,14 @@ FLUX_LORA_TARGET_MODULES = (
     "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
     "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
 )
+
+# Published configs (the repository's */config.json): black-forest-labs/FLUX.1-dev transformer/config.json (19 double
+# + 38 single blocks, 24 heads of 128); text_encoder and text_encoder_2 are SD3's CLIP-L tower (as a CLIPTextModel)
+# and T5-XXL encoder; vae/config.json is SD3's AutoencoderKL layout with FLUX's scaling / shift factors
+FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                axes_dims_rope=(16, 56, 56))
+FLUX_VAE = dict(SD3_VAE, scaling_factor=0.3611, shift_factor=0.1159)
 
 
 def pack_latents(x: torch.Tensor) -> torch.Tensor:
@@ -81,6 +90,11 @@ class FluxPolicy(DiffusersPolicy):
     text_encoder_names = ("text_encoder", "text_encoder_2")
     tiny_kinds = ("flux", "flux-schnell")  # FLUX.1-dev-like (guidance embedding, dynamic shift), schnell-like
     example_hub_id = "black-forest-labs/FLUX.1-dev"
+    cond_keys = ("prompt_embeds", "pooled_prompt_embeds")  # _forward(x, sigma, *these) (base velocity)
+    published = {"black-forest-labs/FLUX.1-dev": ModelConfigs(
+        FLUX_DEV, {"text_encoder": Component("transformers:CLIPTextModel", CLIP_L),
+                   "text_encoder_2": Component("transformers:T5EncoderModel", T5_XXL)},
+        Component("diffusers:AutoencoderKL", FLUX_VAE), "black-forest-labs/FLUX.1-dev", "FLUX.1-dev", "flux-arch")}
 
     def __init__(self, pipe, *, guidance_scale: float = 3.5, true_cfg_scale: float = 1.0, negative_prompt: str = "",
                  max_sequence_length: int = 512, shift: Optional[float] = None, schedule: str = "diffusers",
@@ -115,6 +129,59 @@ class FluxPolicy(DiffusersPolicy):
         self.image_seq_len = (h // 2) * (w // 2)  # packed tokens per image
 
     # --- declarations ----------------------------------------------------------------------
+    @classmethod
+    def latent_channels(cls, transformer: dict) -> int:
+        """Unpacked latent channels: the transformer sees 2x2 patches of them (``in_channels / 4``)."""
+        return int(transformer["in_channels"]) // 4
+
+    @classmethod
+    def patch_size(cls, transformer: dict) -> int:
+        return 2  # the 2x2 packing
+
+    @classmethod
+    def default_resolution(cls, configs: ModelConfigs) -> int:
+        return 128 * cls.vae_factor(configs)  # the pipeline's default (1024 px): FLUX's configs name none
+
+    @classmethod
+    def cfg_rows(cls, guidance_scale: float, options: dict) -> int:
+        """Embedded guidance is one pass; ``true_cfg_scale > 1`` doubles the batch."""
+        return 2 if float(options.get("true_cfg_scale", 1.0)) > 1.0 else 1
+
+    @classmethod
+    def transformer_inputs(cls, config, dtype, x, sigma, cond, guidance_scale: float = 3.5, **settings) -> dict:
+        """Unpacked latents ``[B, C, h, w]`` packed to ``[B, (h/2)(w/2), 4C]`` with their position ids,
+        zero text ids, ``timestep = sigma``, the embedded ``guidance_scale`` when the model has one."""
+        b, _, h, w = x.shape
+        if h % 2 or w % 2:
+            raise ValueError(f"FLUX latents need even height and width (2x2 packing), got {tuple(x.shape)}")
+        pe = cond["prompt_embeds"]
+        guidance = (torch.full((b,), guidance_scale, dtype=torch.float32, device=x.device)
+                    if config.get("guidance_embeds") else None)  # [B]
+        return dict(hidden_states=pack_latents(x).to(dtype), timestep=sigma, guidance=guidance,
+                    pooled_projections=cond["pooled_prompt_embeds"].to(x.device, dtype),  # [B, P]
+                    encoder_hidden_states=pe.to(x.device, dtype),  # [B, L, D]
+                    txt_ids=torch.zeros(pe.shape[1], 3, device=x.device, dtype=dtype),  # [L, 3]
+                    img_ids=latent_image_ids(h, w, x.device, dtype), return_dict=False)  # [(h/2)(w/2), 3]
+
+    @classmethod
+    def transformer_output(cls, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return unpack_latents(out, *x.shape[-2:])  # [B, C, h, w]
+
+    @classmethod
+    def block_counts(cls, transformer: dict) -> dict[str, int]:
+        """Double-stream then single-stream blocks."""
+        return {"double": int(transformer["num_layers"]), "single": int(transformer.get("num_single_layers", 0))}
+
+    @classmethod
+    def with_block_counts(cls, transformer: dict, counts: dict[str, int]) -> dict:
+        return {**transformer, "num_layers": counts["double"], "num_single_layers": counts["single"]}
+
+    @classmethod
+    def shrink_config(cls, transformer: dict) -> dict:
+        return dict(patch_size=1, in_channels=transformer["in_channels"], num_layers=1, num_single_layers=1,
+                    attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
+                    guidance_embeds=transformer.get("guidance_embeds", False), axes_dims_rope=(4, 6, 6))
+
     @classmethod
     def tiny_components(cls, kind: str = "flux", image_size: int = IMAGE_SIZE, seed: int = 0) -> dict:
         """A tiny ``FluxPipeline``: ``"flux"`` is FLUX.1-dev-like (guidance embedding, dynamic shift),
@@ -162,43 +229,11 @@ class FluxPolicy(DiffusersPolicy):
         return super().encode_prompts(prompts)
 
     @property
-    def uses_negative(self) -> bool:
-        return self.true_cfg_scale > 1.0
+    def cfg_scale(self) -> float:
+        return self.true_cfg_scale
 
-    def _forward(self, packed: torch.Tensor, sigma: torch.Tensor, pe: torch.Tensor, pooled: torch.Tensor,
-                 img_ids: torch.Tensor) -> torch.Tensor:
-        dtype = transformer_dtype(self.transformer)
-        b = packed.shape[0]
-        guidance = (torch.full((b,), self.guidance_scale, dtype=torch.float32, device=self.device)
-                    if self.guidance_embeds else None)  # [B]
-        txt_ids = torch.zeros(pe.shape[1], 3, device=self.device, dtype=dtype)  # [L, 3]
-        return self.transformer(hidden_states=packed.to(dtype), timestep=sigma, guidance=guidance,
-                                pooled_projections=pooled.to(self.device, dtype),
-                                encoder_hidden_states=pe.to(self.device, dtype), txt_ids=txt_ids, img_ids=img_ids,
-                                return_dict=False)[0]  # [B, (h/2)(w/2), 4C]
-
-    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
-        """``v_theta(x_t, sigma)`` float32 ``[B, C, h, w]`` for unpacked latents; ``sigma`` in [0, 1].
-
-        Differentiable in the transformer's parameters (no ``no_grad`` here); true CFG as in
-        ``pipelines.common.cfg_halves`` (doubled batch; the unconditional half alone under
-        ``no_grad`` in training with ``train.cfg_uncond_grad`` off).
-        """
-        x = latents.to(self.device)  # [B, C, h, w]
-        b, _, h, w = x.shape
-        if h % 2 or w % 2:
-            raise ValueError(f"FLUX latents need even height and width (2x2 packing), got {tuple(x.shape)}")
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(b)  # [B]
-        img_ids = latent_image_ids(h, w, self.device, transformer_dtype(self.transformer))  # [(h/2)(w/2), 3]
-        packed = pack_latents(x)  # [B, (h/2)(w/2), 4C]
-        if self.true_cfg_scale == 1.0:
-            v = self._forward(packed, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"], img_ids)
-            return unpack_latents(v.float(), h, w)  # [B, C, h, w]
-        fwd = lambda p, s, pe, pooled: self._forward(p, s, pe, pooled, img_ids)  # noqa: E731
-        uncond, text = cfg_halves(fwd, (packed, sigma, cond["negative_prompt_embeds"],  # [B, (h/2)(w/2), 4C] each
-                                        cond["negative_pooled_prompt_embeds"]),
-                                  (packed, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"]))
-        return unpack_latents(cfg_combine(uncond, text, self.true_cfg_scale), h, w)  # [B, C, h, w]
+    def forward_settings(self) -> dict:
+        return {"guidance_scale": self.guidance_scale}
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """``[num_steps + 1]`` float32 ending in 0; by default exactly what ``FluxPipeline`` gives its

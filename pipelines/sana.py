@@ -29,7 +29,7 @@ import torch
 from flowrl.schedules import flow_sigmas
 
 from .base import IMAGE_SIZE, DiffusersPolicy, Resolution, resolve_resolution
-from .common import transformer_dtype
+from .facts import Component, ModelConfigs
 
 # Sol-RL's SANA LoRA targets (NVlabs/Sana configs/sol_rl/sana.py: attn.qkv, attn.proj, cross_attn.q_linear,
 # cross_attn.kv_linear, cross_attn.proj), in diffusers' module names: self-attention attn1 and
@@ -38,6 +38,30 @@ SANA_LORA_TARGET_MODULES = (
     "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
     "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0",
 )
+
+# Published configs of Efficient-Large-Model/Sana_1600M_1024px_diffusers (its */config.json): transformer/ is
+# SanaMS_1600M_P1_D20 as diffusers' convert_sana_to_diffusers.py writes it (20 blocks, 70 heads of 32 = 2240 wide,
+# cross-attention 20 heads of 112, Gemma-2 captions of 2304); text_encoder/ is google/gemma-2-2b-it's decoder
+# (Gemma2Model); vae/ is mit-han-lab/dc-ae-f32c32-sana-1.0 (AutoencoderDC: 32x downsampling, 32 channels)
+SANA_1600M = dict(in_channels=32, out_channels=32, num_attention_heads=70, attention_head_dim=32, num_layers=20,
+                  num_cross_attention_heads=20, cross_attention_head_dim=112, cross_attention_dim=2240,
+                  caption_channels=2304, mlp_ratio=2.5, attention_bias=False, sample_size=32, patch_size=1,
+                  norm_elementwise_affine=False, norm_eps=1e-6, interpolation_scale=None)
+GEMMA2_2B = dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_act="gelu_pytorch_tanh",
+                 max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0, attention_bias=False,
+                 query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
+                 attn_logit_softcapping=50.0, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+DC_AE_F32C32 = dict(in_channels=3, latent_channels=32, attention_head_dim=32,
+                    encoder_block_types=["ResBlock"] * 3 + ["EfficientViTBlock"] * 3,
+                    decoder_block_types=["ResBlock"] * 3 + ["EfficientViTBlock"] * 3,
+                    encoder_block_out_channels=[128, 256, 512, 512, 1024, 1024],
+                    decoder_block_out_channels=[128, 256, 512, 512, 1024, 1024],
+                    encoder_layers_per_block=[2, 2, 2, 3, 3, 3], decoder_layers_per_block=[3, 3, 3, 3, 3, 3],
+                    encoder_qkv_multiscales=[[], [], [], [5], [5], [5]],
+                    decoder_qkv_multiscales=[[], [], [], [5], [5], [5]], upsample_block_type="interpolate",
+                    downsample_block_type="Conv", decoder_norm_types="rms_norm", decoder_act_fns="silu",
+                    scaling_factor=0.41407)
 
 
 def default_complex_human_instruction() -> list[str]:
@@ -85,6 +109,10 @@ class SanaPolicy(DiffusersPolicy):
     text_encoder_names = ("text_encoder",)
     tiny_kinds = ("sana",)
     example_hub_id = "Efficient-Large-Model/Sana_1600M_1024px_diffusers"
+    cond_keys = ("prompt_embeds", "prompt_attention_mask")  # _forward(x, sigma, *these) (base velocity)
+    published = {example_hub_id: ModelConfigs(
+        SANA_1600M, {"text_encoder": Component("transformers:Gemma2Model", GEMMA2_2B)},
+        Component("diffusers:AutoencoderDC", DC_AE_F32C32), example_hub_id, "SANA-1600M", "sana-arch")}
 
     def __init__(self, pipe, *, guidance_scale: float = 4.5, negative_prompt: str = "",
                  max_sequence_length: int = 300, complex_human_instruction: Optional[Sequence[str]] = None,
@@ -112,9 +140,41 @@ class SanaPolicy(DiffusersPolicy):
         self.height, self.width = resolve_resolution(resolution, default_size, self.vae_scale_factor * self.patch_size)
         self.latent_shape = (int(cfg.in_channels), self.height // self.vae_scale_factor,
                              self.width // self.vae_scale_factor)  # (C, h, w)
-        self.timestep_scale = float(getattr(cfg, "timestep_scale", 1.0) or 1.0)
 
     # --- declarations ----------------------------------------------------------------------
+    @classmethod
+    def vae_factor(cls, configs: ModelConfigs) -> int:
+        """DC-AE: 2 per encoder stage after the first (32 for the 6-stage f32c32)."""
+        return 2 ** (len(configs.vae.config["encoder_block_out_channels"]) - 1)
+
+    @classmethod
+    def example_conditioning(cls, configs, geometry, rows, device, dtype) -> dict[str, torch.Tensor]:
+        """Gemma-2 embeddings ``[rows, L, caption_channels]`` and their int64 attention mask ``[rows, L]``."""
+        return {"prompt_embeds": torch.empty(rows, geometry.text_tokens, configs.transformer["caption_channels"],
+                                             device=device, dtype=dtype),  # [B, L, D]
+                "prompt_attention_mask": torch.empty(rows, geometry.text_tokens, device=device,
+                                                     dtype=torch.int64)}  # [B, L]
+
+    @classmethod
+    def transformer_inputs(cls, config, dtype, x, sigma, cond, **settings) -> dict:
+        """``timestep = sigma * 1000 * timestep_scale``; the Gemma-2 embeddings with their attention mask."""
+        scale = float(config.get("timestep_scale", 1.0) or 1.0)
+        return dict(hidden_states=x.to(dtype), encoder_hidden_states=cond["prompt_embeds"].to(x.device, dtype),
+                    encoder_attention_mask=cond["prompt_attention_mask"].to(x.device),
+                    timestep=sigma * 1000.0 * scale, return_dict=False)
+
+    @classmethod
+    def transformer_output(cls, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """A learned-sigma model returns twice the channels: the prediction is the first half, as the pipeline keeps."""
+        return out[:, : x.shape[1]] if out.shape[1] == 2 * x.shape[1] else out  # [B, C, h, w]
+
+    @classmethod
+    def shrink_config(cls, transformer: dict) -> dict:
+        return dict(in_channels=transformer["in_channels"], out_channels=transformer["out_channels"], num_layers=2,
+                    num_attention_heads=2, attention_head_dim=8, num_cross_attention_heads=2,
+                    cross_attention_head_dim=8, cross_attention_dim=16, caption_channels=16, sample_size=32,
+                    patch_size=transformer["patch_size"])
+
     @classmethod
     def tiny_components(cls, kind: str = "sana", image_size: int = IMAGE_SIZE, seed: int = 0) -> dict:
         """A tiny ``SanaPipeline``: 2-layer ``SanaTransformer2DModel`` (patch 1), a 3-stage
@@ -161,17 +221,6 @@ class SanaPolicy(DiffusersPolicy):
         ``prompt_attention_mask`` [B, max_sequence_length]; with guidance also the cached
         ``negative_prompt_embeds`` / ``negative_prompt_attention_mask``."""
         return super().encode_prompts(prompts)
-
-    def _forward(self, x: torch.Tensor, sigma: torch.Tensor, pe: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        dtype = transformer_dtype(self.transformer)
-        out = self.transformer(x.to(dtype), encoder_hidden_states=pe.to(self.device, dtype),
-                               encoder_attention_mask=mask.to(self.device),
-                               timestep=sigma * 1000.0 * self.timestep_scale, return_dict=False)[0]
-        if out.shape[1] == 2 * x.shape[1]:  # learned sigma: keep the prediction half, as the pipeline does
-            out = out[:, : x.shape[1]]
-        return out  # [B, C, h, w]
-
-    cond_keys = ("prompt_embeds", "prompt_attention_mask")  # _forward(x, sigma, *these) (base velocity)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """``[num_steps + 1]`` float32 from 1 to 0: ``flow_sigmas(num_steps, shift, schedule)``."""

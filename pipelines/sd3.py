@@ -15,7 +15,7 @@ import torch
 from flowrl.schedules import flow_sigmas
 
 from .base import IMAGE_SIZE, DiffusersPolicy, Resolution, resolve_resolution
-from .common import transformer_dtype
+from .facts import Component, ModelConfigs
 
 # Flow-GRPO's LoRA targets for SD3.5 (scripts/train_sd3.py: r=32, alpha=64, gaussian init): every
 # projection of the joint attention, image stream (to_*) and text stream (add_*_proj, to_add_out).
@@ -25,6 +25,47 @@ SD3_LORA_TARGET_MODULES = (
 )
 
 __all__ = ["SD3_LORA_TARGET_MODULES", "Resolution", "SD3Policy", "resolve_resolution"]
+
+CLIP_TOKENS = 77  # SD3's prompt embeddings: 77 CLIP tokens, then the T5 tokens
+
+# Published configs (each repository's */config.json; flowrl plan and bench precision build the models from
+# them on the meta device or with random weights, no download).
+# stabilityai/stable-diffusion-3.5-medium text_encoder/config.json (CLIPTextModelWithProjection, OpenAI CLIP ViT-L/14
+# text tower); FLUX.1-dev's text_encoder/config.json is the same tower as a CLIPTextModel (no projection)
+CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+              max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu")
+# stabilityai/stable-diffusion-3.5-medium text_encoder_2/config.json (CLIPTextModelWithProjection, OpenCLIP bigG text)
+CLIP_G = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
+              max_position_embeddings=77, projection_dim=1280, hidden_act="gelu")
+# stabilityai/stable-diffusion-3.5-medium text_encoder_3/config.json and black-forest-labs/FLUX.1-dev
+# text_encoder_2/config.json (T5EncoderModel, google/t5-v1_1-xxl encoder)
+T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+              relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
+              is_encoder_decoder=False, use_cache=False)
+# stabilityai/stable-diffusion-3.5-medium vae/config.json (AutoencoderKL, 16 latent channels)
+SD3_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=[128, 256, 512, 512],
+               layers_per_block=2, norm_num_groups=32, act_fn="silu", down_block_types=["DownEncoderBlock2D"] * 4,
+               up_block_types=["UpDecoderBlock2D"] * 4, use_quant_conv=False, use_post_quant_conv=False,
+               sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609)
+# stabilityai/stable-diffusion-3.5-medium, transformer/config.json: 24 MMDiT-X blocks, the first 13 with a
+# second (image-only) attention
+SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
+                   attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
+                   caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=384,
+                   dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
+# stabilityai/stable-diffusion-3.5-large, transformer/config.json: 38 blocks, 38 heads of 64 (2432 wide)
+SD35_LARGE = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=38,
+                  attention_head_dim=64, num_attention_heads=38, joint_attention_dim=4096,
+                  caption_projection_dim=2432, pooled_projection_dim=2048, pos_embed_max_size=192,
+                  qk_norm="rms_norm")
+_SD3_TEXT_ENCODERS = {"text_encoder": Component("transformers:CLIPTextModelWithProjection", CLIP_L),
+                      "text_encoder_2": Component("transformers:CLIPTextModelWithProjection", CLIP_G),
+                      "text_encoder_3": Component("transformers:T5EncoderModel", T5_XXL)}
+
+
+def _published(hub_id: str, transformer: dict, title: str, arch: str) -> ModelConfigs:
+    return ModelConfigs(transformer, _SD3_TEXT_ENCODERS, Component("diffusers:AutoencoderKL", SD3_VAE), hub_id,
+                        title, arch)
 
 
 class SD3Policy(DiffusersPolicy):
@@ -49,6 +90,10 @@ class SD3Policy(DiffusersPolicy):
     text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
     tiny_kinds = ("sd3",)
     example_hub_id = "stabilityai/stable-diffusion-3.5-medium"
+    cond_keys = ("prompt_embeds", "pooled_prompt_embeds")  # _forward(x, sigma, *these) (base velocity)
+    published = {m.source: m for m in (
+        _published("stabilityai/stable-diffusion-3.5-medium", SD35_MEDIUM, "SD3.5-Medium", "sd35m-arch"),
+        _published("stabilityai/stable-diffusion-3.5-large", SD35_LARGE, "SD3.5-Large", "sd35l-arch"))}
 
     def __init__(self, pipe, *, guidance_scale: float = 4.5, negative_prompt: str = "",
                  max_sequence_length: int = 256, shift: Optional[float] = None, schedule: str = "diffusers",
@@ -76,6 +121,39 @@ class SD3Policy(DiffusersPolicy):
                              self.height // self.vae_scale_factor, self.width // self.vae_scale_factor)  # (C, h, w)
 
     # --- declarations ----------------------------------------------------------------------
+    @classmethod
+    def text_tokens(cls, options: dict) -> int:
+        """77 CLIP tokens, then ``max_sequence_length`` T5 tokens (default 256)."""
+        return CLIP_TOKENS + super().text_tokens(options)
+
+    @classmethod
+    def transformer_inputs(cls, config, dtype, x, sigma, cond, **settings) -> dict:
+        """``timestep = sigma * 1000`` (the pipeline's ``scheduler.timesteps``); latents ``[B, C, h, w]``."""
+        return dict(hidden_states=x.to(dtype), timestep=sigma * 1000.0,
+                    encoder_hidden_states=cond["prompt_embeds"].to(x.device, dtype),  # [B, 77 + L, D]
+                    pooled_projections=cond["pooled_prompt_embeds"].to(x.device, dtype),  # [B, P]
+                    return_dict=False)
+
+    @classmethod
+    def block_counts(cls, transformer: dict) -> dict[str, int]:
+        """``dual`` (a second, image-only attention) and ``plain`` MMDiT blocks, plus the last,
+        context-pre-only block (always one, counted with neither)."""
+        dual = len(transformer.get("dual_attention_layers") or ())
+        return {"dual": dual, "plain": int(transformer["num_layers"]) - 1 - dual}
+
+    @classmethod
+    def with_block_counts(cls, transformer: dict, counts: dict[str, int]) -> dict:
+        return {**transformer, "num_layers": counts["dual"] + counts["plain"] + 1,
+                "dual_attention_layers": tuple(range(counts["dual"]))}
+
+    @classmethod
+    def shrink_config(cls, transformer: dict) -> dict:
+        cfg = dict(sample_size=32, patch_size=2, in_channels=transformer["in_channels"],
+                   out_channels=transformer["out_channels"], num_layers=2, attention_head_dim=16, num_attention_heads=2,
+                   joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=16, pos_embed_max_size=64,
+                   qk_norm=transformer.get("qk_norm"))
+        return {**cfg, "dual_attention_layers": (0,)} if transformer.get("dual_attention_layers") else cfg
+
     @classmethod
     def tiny_components(cls, kind: str = "sd3", image_size: int = IMAGE_SIZE, seed: int = 0) -> dict:
         """A tiny ``StableDiffusion3Pipeline`` (SD3.5-style qk RMSNorm, one dual-attention layer):
@@ -121,14 +199,6 @@ class SD3Policy(DiffusersPolicy):
         with guidance also ``negative_prompt_embeds`` / ``negative_pooled_prompt_embeds`` (the
         negative prompt, encoded once and cached)."""
         return super().encode_prompts(prompts)
-
-    def _forward(self, x: torch.Tensor, sigma: torch.Tensor, pe: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        dtype = transformer_dtype(self.transformer)
-        return self.transformer(hidden_states=x.to(dtype), timestep=sigma * 1000.0,
-                                encoder_hidden_states=pe.to(self.device, dtype),
-                                pooled_projections=pooled.to(self.device, dtype), return_dict=False)[0]
-
-    cond_keys = ("prompt_embeds", "pooled_prompt_embeds")  # _forward(x, sigma, *these) (base velocity)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """``[num_steps + 1]`` float32 from 1 to 0: ``flow_sigmas(num_steps, shift, schedule)``."""

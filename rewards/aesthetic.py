@@ -22,6 +22,8 @@ class LaionAesthetic:
     """Aesthetic score of each image (1-10 scale); float32 [B] on CPU."""
 
     name = "aesthetic"
+    resident_params = 428_500_000  # parameters kept loaded, for `flowrl plan` (bytes: x the dtype option)
+    resident_note = "CLIP ViT-L/14 427.6M + LAION aesthetic MLP head 0.9M"
 
     def __init__(self, head: str, clip: str = "openai/clip-vit-large-patch14", device: str = "cpu",
                  dtype: DTypeLike = "float32", batch_size: int = 32):

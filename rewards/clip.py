@@ -20,6 +20,8 @@ class CLIPScore(ScaledCosineReward):
     """CLIP similarity of each image with its own prompt; float32 [B] on CPU."""
 
     name = "clipscore"
+    resident_params = 427_600_000  # parameters kept loaded, for `flowrl plan` (bytes: x the dtype option)
+    resident_note = "openai/clip-vit-large-patch14 CLIPModel: 427.6M"
 
     def __init__(self, model: str = "openai/clip-vit-large-patch14", processor: Optional[str] = None,
                  device: str = "cpu", dtype: DTypeLike = "float32", divisor: float = 30.0, batch_size: int = 32):

@@ -28,6 +28,8 @@ class JpegCompressibility:
     """``-kB``: smaller files score higher."""
 
     name = "jpeg_compressibility"
+    resident_params = 0  # parameters kept loaded, for `flowrl plan`
+    resident_note = "no model"
 
     def __init__(self, quality: int = 95):
         self.quality = quality

@@ -27,6 +27,8 @@ class HPSv21:
     """
 
     name = "hps"
+    resident_params = 986_100_000  # parameters kept loaded, for `flowrl plan` (bytes: x the dtype option)
+    resident_note = "HPS v2.1 = open_clip ViT-H-14 (open_clip profile: 986.1M)"
 
     def __init__(self, checkpoint: str, model: str = "ViT-H-14", device: str = "cpu", dtype: DTypeLike = "float32",
                  batch_size: int = 32):

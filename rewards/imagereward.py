@@ -159,6 +159,8 @@ class ImageReward:
     """
 
     name = "imagereward"
+    resident_params = 447_000_000  # parameters kept loaded, for `flowrl plan` (bytes: x the dtype option)
+    resident_note = "ImageReward: BLIP ViT-L/16 ~303M + BERT-base with cross-attention ~139M + head"
 
     def __init__(self, checkpoint: str, tokenizer: str = "bert-base-uncased", med_config=None,
                  vision_config: Optional[Mapping] = None, device: str = "cpu", dtype: DTypeLike = "float32",

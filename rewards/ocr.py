@@ -149,6 +149,8 @@ class OCRReward:
     """
 
     name = "ocr"
+    resident_params = 24_600_000  # parameters kept loaded, for `flowrl plan` (bytes: x the dtype option)
+    resident_note = "EasyOCR CRAFT 20.8M + CRNN english_g2 3.8M"
 
     def __init__(self, backend: str = "easyocr", device: str = "cpu", model_dir: Optional[str] = None,
                  lang: Optional[Sequence[str]] = None, batch_size: int = 8, tesseract_config: str = "--psm 11",

@@ -21,6 +21,8 @@ class PickScore(ScaledCosineReward):
     """PickScore / 26 per (image, prompt) pair; float32 [B] on CPU."""
 
     name = "pickscore"
+    resident_params = 986_100_000  # parameters kept loaded, for `flowrl plan` (bytes: x the dtype option)
+    resident_note = "yuvalkirstain/PickScore_v1 = CLIP ViT-H-14 (open_clip profile: 986.1M)"
 
     def __init__(self, model: str = "yuvalkirstain/PickScore_v1",
                  processor: Optional[str] = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",

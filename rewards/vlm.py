@@ -96,6 +96,8 @@ class VLMJudge:
     """Scores each (image, prompt) pair with a remote VLM; float32 [B] in [0, 1] on CPU."""
 
     name = "vlm_judge"
+    resident_params = 0  # parameters kept loaded, for `flowrl plan`
+    resident_note = "an external chat-completions server: no local weights"
 
     def __init__(self, url: str, model: str = "default", api_key_env: Optional[str] = None,
                  template: str = DEFAULT_TEMPLATE, system: Optional[str] = None,

@@ -1,5 +1,6 @@
-"""The architecture benchmark (flowrl.bench.precision_arch): published configs, the CPU error, and the
-whole code path end to end on shrunken configs in fp32 (``tiny``), iteration timing included."""
+"""The architecture benchmark (flowrl.bench.precision_arch): published configs (declared by the adapters),
+the CPU error, and the whole code path end to end on shrunken configs in fp32 (``tiny``), iteration timing
+included."""
 import argparse
 import json
 
@@ -7,19 +8,30 @@ import pytest
 import torch
 
 from flowrl.bench.precision_arch import bench_arch
-from flowrl.bench.precision_arch_models import ARCHS, build_transformer
+from flowrl.bench.precision_arch_models import arch_model, arch_models, build_transformer
 from flowrl.bench.precision_cli import add_precision_parser
 from flowrl.quant.common import BackendUnavailable
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def test_the_architecture_names_are_the_adapters_published_models():
+    from flowrl.pipelines.flux import FluxPolicy
+    from flowrl.pipelines.sana import SanaPolicy
+    from flowrl.pipelines.sd3 import SD3Policy
+
+    models = arch_models()
+    assert {"sd35m-arch", "sd35l-arch", "flux-arch", "sana-arch"} <= set(models)  # public names
+    assert models["sd35m-arch"] == (SD3Policy, SD3Policy.published["stabilityai/stable-diffusion-3.5-medium"])
+    assert models["flux-arch"][0] is FluxPolicy and models["sana-arch"][0] is SanaPolicy
+
+
 @pytest.mark.parametrize("pipeline,low,high", [("sd35m-arch", 2.2e9, 2.3e9), ("sd35l-arch", 8.0e9, 8.1e9),
-                                                ("flux-arch", 11.8e9, 12.0e9)])
+                                                ("flux-arch", 11.8e9, 12.0e9), ("sana-arch", 1.59e9, 1.61e9)])
 def test_published_configs_have_the_published_sizes(pipeline, low, high):
-    """Built on the meta device (no memory): 2.24B (+0.23B position table) / 8.06B / 11.9B parameters."""
-    spec = ARCHS[pipeline]
-    m = build_transformer(spec.family, spec.config, torch.device("meta"), torch.bfloat16)
+    """Built on the meta device (no memory): 2.24B (+0.23B position table) / 8.06B / 11.9B / 1.6B parameters."""
+    adapter, model = arch_model(pipeline)
+    m = build_transformer(adapter, model.transformer, torch.device("meta"), torch.bfloat16)
     n = sum(p.numel() for p in m.parameters())
     assert low < n < high
     assert all(p.dtype == torch.bfloat16 for p in m.parameters())
@@ -35,10 +47,11 @@ def test_full_size_architectures_need_cuda():
         bench_arch("sd35m-arch", ["full"], verbose=False)
 
 
-@pytest.mark.parametrize("pipeline", ["sd35m-arch", "flux-arch"])
-def test_arch_bench_end_to_end_tiny(tmp_path, pipeline):
+@pytest.mark.parametrize("pipeline,resolutions", [("sd35m-arch", (32, 48)), ("flux-arch", (32, 48)),
+                                                  ("sana-arch", (32, 64))])
+def test_arch_bench_end_to_end_tiny(tmp_path, pipeline, resolutions):
     out = bench_arch(pipeline, ["full", "fp8:simulate_on_cpu=true", "nvfp4-emulated:engine=torch"],
-                     tmp_path / "a.json", resolutions=(32, 48), batch=2, steps=2, repeats=1, device="cpu",
+                     tmp_path / "a.json", resolutions=resolutions, batch=2, steps=2, repeats=1, device="cpu",
                      tiny=True, iteration_timing=pipeline == "sd35m-arch", verbose=False,
                      iteration_options=dict(resolution=32, pool_size=4, preview_steps=2, keep=2, train_steps=2,
                                             minibatch=2, lora_rank=2))
@@ -52,11 +65,11 @@ def test_arch_bench_end_to_end_tiny(tmp_path, pipeline):
     for spec in ("fp8:simulate_on_cpu=true", "nvfp4-emulated:engine=torch"):
         r = saved["backends"][spec]
         assert r["real_kernels"] is False and r["label"] == f"{spec} (simulated)" and r["sync_seconds"] > 0
-        for px in ("32", "48"):
+        for px in map(str, resolutions):
             row = r["resolutions"][px]
             assert 0 < row["velocity_rel_error"] < 0.2  # quantized, yet close to full precision
             assert row["images_per_second"] > 0 and row["forward_ms"] > 0 and row["speedup_vs_full"] > 0
-    for px in ("32", "48"):
+    for px in map(str, resolutions):
         assert full["resolutions"][px]["speedup_vs_full"] == 1.0 and full["resolutions"][px]["velocity_rel_error"] == 0
     assert "fidelity off" in saved["fidelity_note"]
     if pipeline == "sd35m-arch":
@@ -87,5 +100,9 @@ def test_cli_routes_arch_pipelines_and_rejects_arch_flags_elsewhere():
 def test_arch_bench_validates_before_building():
     with pytest.raises(ValueError, match="compile must be one of"):
         bench_arch("sd35m-arch", ["full"], tiny=True, device="cpu", compile="fast", verbose=False)
-    with pytest.raises(ValueError, match="unknown architecture"):
+    with pytest.raises(ValueError, match="unknown architecture 'sd4-arch'; valid: .*flux-arch"):
         bench_arch("sd4-arch", ["full"], tiny=True, device="cpu", verbose=False)
+    parser = argparse.ArgumentParser()
+    add_precision_parser(parser.add_subparsers())
+    with pytest.raises(SystemExit):  # an argparse error (rc 2) that lists the names
+        parser.parse_args(["precision", "--pipeline", "sd4-arch"])

@@ -1,5 +1,6 @@
-"""``flowrl bench precision --pipeline sd35m-arch | sd35l-arch | flux-arch``: exploration backends on
-full-size architectures with random weights (no download), on a CUDA GPU.
+"""``flowrl bench precision --pipeline NAME-arch`` (``sd35m-arch``, ``sd35l-arch``, ``flux-arch``, ``sana-arch``:
+every published model an adapter declares with an ``arch`` name): exploration backends on full-size
+architectures with random weights (no download), on a CUDA GPU.
 
 Per backend (``full`` = the bf16 policy, then each quantized copy, one at a time so only one copy
 is resident beside the policy), per resolution (default 512 and 1024 px):
@@ -35,7 +36,7 @@ from ..quant.kernels import display_label, kernel_info
 from ..quant.sync import swapped_transformer
 from ..rollout.ode import ode_sample
 from ..seeding import derive_seeds
-from .precision_arch_models import ARCH_PIPELINES, ARCHS, ArchPolicy
+from .precision_arch_models import ArchPolicy, arch_model
 from .precision_arch_report import format_arch_table, plot_arch
 from .precision_measure import PeakMemory, machine_info, sync_device, timed, write_outputs
 from ..utils.paths import resolve_device
@@ -47,11 +48,10 @@ ARCH_SEED = 20260410
 
 def check_arch_device(pipeline: str, device: torch.device, tiny: bool) -> None:
     """Full-size architectures need CUDA; ``tiny`` runs anywhere."""
-    if pipeline not in ARCHS:
-        raise ValueError(f"unknown architecture pipeline {pipeline!r}; valid: {', '.join(ARCH_PIPELINES)}")
+    _, model = arch_model(pipeline)
     if device.type != "cuda" and not tiny:
         why = "torch.cuda.is_available() is False" if not torch.cuda.is_available() else f"the device is {device}"
-        raise BackendUnavailable(f"--pipeline {pipeline} builds the full-size {ARCHS[pipeline].title} architecture and "
+        raise BackendUnavailable(f"--pipeline {pipeline} builds the full-size {model.title} architecture and "
                            f"times it with CUDA events: it needs a CUDA GPU ({why}). On this machine use --pipeline "
                            f"sd3-mid (a 36M-parameter SD3 that times int8 on a CPU), or --tiny to run this code path "
                            f"on shrunken configs")
@@ -164,7 +164,8 @@ def bench_arch(pipeline: str = "sd35m-arch", backends: Optional[Sequence[str]] =
     if min(settings["batch"], settings["steps"], settings["repeats"]) < 1 or not resolutions:
         raise ValueError(f"batch, steps and repeats must be >= 1 and resolutions non-empty, got {settings}")
     log = print if verbose else (lambda *a, **k: None)
-    log(f"[bench precision] building {pipeline} ({ARCHS[pipeline].title}{', tiny' if tiny else ''}) on {dev} in "
+    title = arch_model(pipeline)[1].title
+    log(f"[bench precision] building {pipeline} ({title}{', tiny' if tiny else ''}) on {dev} in "
         f"{dtype} ...", flush=True)
     policy = ArchPolicy(pipeline, resolutions[0], dev, getattr(torch, dtype), tiny=tiny)
 
@@ -192,8 +193,9 @@ def bench_arch(pipeline: str = "sd35m-arch", backends: Optional[Sequence[str]] =
             _release(dev)
     _speedups(results, resolutions)
     out = {"pipeline": pipeline, "tiny": tiny, "device": str(dev), "dtype": dtype,
-           "arch": {"title": ARCHS[pipeline].title, "family": policy.family, "config": policy.config,
-                    "config_source": ARCHS[pipeline].source, "parameters": policy.parameters_count(),
+           "arch": {"title": policy.model.title, "family": policy.family, "config": policy.config,
+                    "config_source": f"{policy.model.source} transformer/config.json",
+                    "parameters": policy.parameters_count(),
                     "text_tokens": policy.text_tokens},
            "settings": settings, "machine": machine_info(), "backends": results,
            "fidelity_note": "fidelity off: random weights (speed, memory and numerics vs full precision only)"}

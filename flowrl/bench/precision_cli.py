@@ -1,13 +1,16 @@
 """The ``flowrl bench precision`` command line: argument definitions and dispatch.
 
 ``--pipeline digits | sd3-mid | sd3 | flux`` runs :func:`flowrl.bench.precision.bench_precision`;
-``--pipeline sd35m-arch | sd35l-arch | flux-arch`` runs :func:`flowrl.bench.precision_arch.bench_arch`.
+``--pipeline NAME-arch`` (``sd35m-arch``, ``sd35l-arch``, ``flux-arch``, ``sana-arch``: the published models
+the adapters declare, :func:`flowrl.bench.precision_arch_models.arch_models`) runs
+:func:`flowrl.bench.precision_arch.bench_arch`. The architecture names are read from the adapters only
+when an unknown name is given (listing them imports every adapter).
 """
 from __future__ import annotations
 
+import argparse
 from typing import Optional
 
-from .precision_arch_models import ARCH_PIPELINES
 from .precision_policy import PIPELINES
 
 COMPILE_CHOICES = ("off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -19,6 +22,19 @@ def _ints(text: Optional[str]) -> Optional[list[int]]:
     return None if text is None else [int(t) for t in text.split(",") if t.strip()]
 
 
+def _pipeline(text: str) -> str:
+    """``--pipeline``: a precision pipeline or an architecture name an adapter declares."""
+    if text in PIPELINES:
+        return text
+    from .precision_arch_models import arch_models
+
+    archs = sorted(arch_models())
+    if text not in archs:
+        valid = ", ".join(PIPELINES + tuple(archs))
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {valid})")
+    return text
+
+
 def _iteration_options(a) -> dict:
     opts = {k: getattr(a, k) for k in ITERATION_FLAGS if getattr(a, k) is not None}
     if "iteration_resolution" in opts:
@@ -28,7 +44,7 @@ def _iteration_options(a) -> dict:
 
 def _run(a) -> int:
     backends = [b.strip() for b in a.backends.split(",") if b.strip()] if a.backends else None
-    if a.pipeline in ARCH_PIPELINES:
+    if a.pipeline not in PIPELINES:
         from .precision_arch import bench_arch
 
         bench_arch(a.pipeline, backends, a.json, png_path=a.png, resolutions=_ints(a.resolutions) or (512, 1024),
@@ -39,7 +55,7 @@ def _run(a) -> int:
     arch_only = [f for f, on in (("--tiny", a.tiny), ("--iteration-timing", a.iteration_timing),
                                  ("--resolutions", a.resolutions), ("--compile", a.compile != "off")) if on]
     if arch_only:
-        raise ValueError(f"{', '.join(arch_only)} apply to the architecture pipelines ({', '.join(ARCH_PIPELINES)}), "
+        raise ValueError(f"{', '.join(arch_only)} apply to the architecture pipelines (NAME-arch), "
                          f"not --pipeline {a.pipeline}")
     from .precision import bench_precision
 
@@ -51,7 +67,7 @@ def _run(a) -> int:
 
 
 def _add_arch_arguments(p) -> None:
-    g = p.add_argument_group("architecture pipelines (sd35m-arch, sd35l-arch, flux-arch: random weights, CUDA)")
+    g = p.add_argument_group("architecture pipelines (NAME-arch, e.g. sd35m-arch, flux-arch: random weights, CUDA)")
     g.add_argument("--resolutions", default=None, help="comma-separated image sides in px (default 512,1024)")
     g.add_argument("--compile", choices=COMPILE_CHOICES, default="off",
                    help="torch.compile every measured module with this mode (reduce-overhead: CUDA graphs)")
@@ -74,9 +90,10 @@ def add_precision_parser(subparsers) -> None:
     """Add ``precision`` to ``flowrl bench``'s subparsers."""
     p = subparsers.add_parser("precision", help="exploration backends side by side: images/s, speed-up, memory, "
                                                 "reward-ranking fidelity (Sol-RL); full-size architectures on CUDA")
-    p.add_argument("--pipeline", choices=PIPELINES + ARCH_PIPELINES, default="digits",
+    p.add_argument("--pipeline", type=_pipeline, default="digits",
                    help="digits / sd3-mid (CPU-sized), sd3 / flux (--model-path), or a full-size architecture with "
-                        "random weights: sd35m-arch, sd35l-arch, flux-arch (CUDA GPU)")
+                        "random weights declared by a model adapter, e.g. sd35m-arch or flux-arch (CUDA GPU; an "
+                        "unknown name lists them all)")
     p.add_argument("--backends", default=None,
                    help="comma-separated: full and flowrl.quant backends, options as name:key=value "
                         "(default: full,int8-dynamic,nvfp4-emulated on CPU; full,fp8,nvfp4 on CUDA)")

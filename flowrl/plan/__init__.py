@@ -1,9 +1,10 @@
 """``flowrl plan``: per-GPU memory of a recipe, from its models built on the meta device (no download).
 
-* :mod:`flowrl.plan.specs`: published component configs by hub id, reward-model sizes;
-* :mod:`flowrl.plan.models`: the meta-device transformer (with LoRA), text encoders, VAE; byte counts;
+* :mod:`flowrl.plan.models`: the meta-device transformer (with LoRA), text encoders, VAE, from the
+  facts the pipeline's adapter class declares (``pipelines/facts.py``); byte counts;
 * :mod:`flowrl.plan.tracker` / :mod:`flowrl.plan.activations`: activation memory measured on meta tensors;
 * :mod:`flowrl.plan.budget` / :mod:`flowrl.plan.core`: the items, phases and peak (:func:`plan_memory`);
+  reward models count what their classes declare (``resident_params``);
 * :mod:`flowrl.plan.knobs` / :mod:`flowrl.plan.report`: what would make it fit, the table and JSON;
 * :mod:`flowrl.plan.measure`: the real peak of the same passes, to check the plan (CPU or CUDA).
 

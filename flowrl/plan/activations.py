@@ -1,7 +1,8 @@
 """Activation memory of the recipe's transformer and VAE, measured on meta tensors of the real shapes.
 
 Each pass runs the real diffusers forward (and backward) on meta inputs under
-:class:`flowrl.plan.tracker.LiveBytes`; what is reported is the pass's peak of live bytes above
+:class:`flowrl.plan.tracker.LiveBytes`, called as the pipeline's adapter calls it (its
+``transformer_inputs``, on its ``geometry`` and ``example_conditioning``); what is reported is the pass's peak of live bytes above
 the weights, gradients and optimizer states that exist before it (the transient and the saved
 activations, the output included). Passes:
 
@@ -13,7 +14,7 @@ activations, the output included). Passes:
 * ``decode``: a ``no_grad`` VAE decode of ``rows`` latents.
 
 Memory is affine in the rows (per-sample activations plus a constant) and in the block count of each block
-type, so each pass is measured on reduced-depth copies of the transformer (:func:`probe_depths`) at 1
+type (the adapter's ``block_counts``), so each pass is measured on reduced-depth copies of the transformer (:func:`probe_depths`) at 1
 and 2 rows and evaluated at any count (:meth:`Activations.bytes`); fits are cached per pass.
 """
 from __future__ import annotations
@@ -24,87 +25,34 @@ from typing import Optional
 
 import torch
 
+from ..pipelines.facts import Geometry
 from .models import MetaComponents
 from .tracker import LiveBytes, flash_attention
 
-SD3_CLIP_TOKENS = 77  # SD3 prompt embeddings: 77 CLIP tokens, then the T5 tokens
-DEFAULT_T5_TOKENS = {"sd3": 256, "flux": 512}  # the adapters' max_sequence_length defaults
 
-
-@dataclass(frozen=True)
-class Shapes:
-    """Latent and text shapes of one recipe (pixels -> latents by the VAE factor)."""
-
-    height: int
-    width: int
-    latent_channels: int
-    vae_factor: int
-    text_tokens: int  # tokens of encoder_hidden_states (SD3: 77 + T5)
-
-    @property
-    def latent_hw(self) -> tuple[int, int]:
-        return self.height // self.vae_factor, self.width // self.vae_factor
-
-    @property
-    def latent_bytes(self) -> int:
-        """Bytes of one sample's float32 latents ``[C, h, w]``."""
-        h, w = self.latent_hw
-        return self.latent_channels * h * w * 4
-
-
-def recipe_shapes(cfg, comp: MetaComponents) -> Shapes:
-    """Resolution (``model.options.resolution``, else the local model's ``flowrl.json``, else the
-    transformer's default) and token counts (``model.options.max_sequence_length``)."""
+def recipe_geometry(cfg, adapter: type, configs) -> Geometry:
+    """The adapter's :class:`~flowrl.pipelines.facts.Geometry` under ``model.options``; the resolution is
+    ``model.options.resolution``, else the local model's ``flowrl.json``, else the adapter's default."""
     from ..pipelines.base import read_flowrl_json
+    from ..trainers.config_base import ConfigError
 
-    factor = 2 ** (len(comp.vae.config.block_out_channels) - 1)
-    res = cfg.model.options.get("resolution")
-    if res is None and cfg.model.path:
-        res = read_flowrl_json(cfg.model.path).get("resolution")
-    if res is None:
-        res = int(getattr(comp.transformer.config, "sample_size", 128) or 128) * factor
-    h, w = (res, res) if isinstance(res, int) else (int(res[0]), int(res[1]))
-    t5 = int(cfg.model.options.get("max_sequence_length", DEFAULT_T5_TOKENS[comp.family]))
-    tokens = t5 + (SD3_CLIP_TOKENS if comp.family == "sd3" else 0)
-    return Shapes(h, w, int(comp.vae.config.latent_channels), factor, tokens)
+    options = dict(cfg.model.options)
+    if options.get("resolution") is None and cfg.model.path:
+        options["resolution"] = read_flowrl_json(cfg.model.path).get("resolution")
+    try:
+        return adapter.geometry(configs, options)
+    except (ValueError, NotImplementedError) as e:
+        raise ConfigError(f"model.options: {e}") from None
 
 
-def transformer_inputs(comp: MetaComponents, shapes: Shapes, rows: int) -> dict:
-    """Meta keyword arguments of the transformer's forward for ``rows`` rows (as the adapters pass them)."""
-    c = comp.transformer.config
+def transformer_inputs(comp: MetaComponents, geometry: Geometry, rows: int, device="meta") -> dict:
+    """Keyword arguments of the transformer's forward for ``rows`` rows of empty tensors, built by the
+    adapter's own ``transformer_inputs`` (what its velocity passes)."""
     dt = comp.dtypes["transformer"]
-    h, w = shapes.latent_hw
-    meta = dict(device="meta", dtype=dt)
-    ehs = torch.empty(rows, shapes.text_tokens, c.joint_attention_dim, **meta)  # [B, L, D]
-    pooled = torch.empty(rows, c.pooled_projection_dim, **meta)  # [B, P]
-    t = torch.empty(rows, device="meta", dtype=torch.float32)  # [B]
-    if comp.family == "sd3":
-        x = torch.empty(rows, c.in_channels, h, w, **meta)  # [B, C, h, w]
-        return dict(hidden_states=x, timestep=t, encoder_hidden_states=ehs, pooled_projections=pooled,
-                    return_dict=False)
-    n = (h // 2) * (w // 2)
-    x = torch.empty(rows, n, c.in_channels, **meta)  # [B, (h/2)(w/2), 4C] packed
-    guidance = torch.empty(rows, device="meta", dtype=torch.float32) if c.guidance_embeds else None  # [B]
-    return dict(hidden_states=x, timestep=t, guidance=guidance, encoder_hidden_states=ehs, pooled_projections=pooled,
-                txt_ids=torch.empty(shapes.text_tokens, 3, **meta), img_ids=torch.empty(n, 3, **meta),
-                return_dict=False)
-
-
-def depth(family: str, config: dict) -> dict[str, int]:
-    """Block counts by block type: SD3 ``dual`` (two attentions) and ``plain`` (plus the last,
-    context-pre-only block, always one); FLUX ``double`` and ``single`` stream blocks."""
-    if family == "flux":
-        return {"double": int(config["num_layers"]), "single": int(config.get("num_single_layers", 0))}
-    dual = len(config.get("dual_attention_layers") or ())
-    return {"dual": dual, "plain": int(config["num_layers"]) - 1 - dual}
-
-
-def with_depth(family: str, config: dict, counts: dict[str, int]) -> dict:
-    """``config`` with the block counts ``counts`` (inverse of :func:`depth`)."""
-    if family == "flux":
-        return {**config, "num_layers": counts["double"], "num_single_layers": counts["single"]}
-    return {**config, "num_layers": counts["dual"] + counts["plain"] + 1,
-            "dual_attention_layers": tuple(range(counts["dual"]))}
+    x = torch.empty(rows, *geometry.latent_shape, device=device, dtype=dt)  # [B, C, (F,) h, w]
+    sigma = torch.empty(rows, device=device, dtype=torch.float32)  # [B]
+    cond = comp.adapter.example_conditioning(comp.configs, geometry, rows, device, dt)
+    return comp.adapter.transformer_inputs(comp.config, dt, x, sigma, cond)
 
 
 def probe_depths(real: dict[str, int]) -> list[dict[str, int]]:
@@ -135,7 +83,7 @@ def checkpointed_peak(real: dict[str, int], depths: list[dict[str, int]], result
 
     Backward recomputes one block at a time while the inputs of the blocks before it are still held,
     so the peak is ``max_t (K_t + R_t)``: over block types ``t`` (in forward order, the keys of
-    :func:`depth`), ``R_t`` the saved inputs of all blocks up to the last of type ``t`` and ``K_t``
+    the adapter's ``block_counts``), ``R_t`` the saved inputs of all blocks up to the last of type ``t`` and ``K_t``
     what that block's recomputation adds. Each probe bounds ``K_t <= peak - R_t``; the smallest
     bound per type, at the real depth, is an upper bound of the peak (SD3.5-M: equal to a
     full-depth meta measurement; FLUX.1-dev: 7% above it)."""
@@ -152,7 +100,7 @@ def checkpointed_peak(real: dict[str, int], depths: list[dict[str, int]], result
                for t in types if real[t] > 0)
 
 
-def _train_pass(comp: MetaComponents, shapes: Shapes, rows: int, checkpointing: bool) -> tuple[int, int]:
+def _train_pass(comp: MetaComponents, shapes: Geometry, rows: int, checkpointing: bool) -> tuple[int, int]:
     tr = comp.transformer
     tr.train()
     if checkpointing:
@@ -171,7 +119,7 @@ def _train_pass(comp: MetaComponents, shapes: Shapes, rows: int, checkpointing: 
     return live.peak, live.saved_bytes
 
 
-def _infer_pass(comp: MetaComponents, shapes: Shapes, rows: int) -> tuple[int, int]:
+def _infer_pass(comp: MetaComponents, shapes: Geometry, rows: int) -> tuple[int, int]:
     comp.transformer.eval()
     kw = transformer_inputs(comp, shapes, rows)
     with torch.no_grad(), flash_attention(), LiveBytes().tracking() as live:
@@ -180,11 +128,12 @@ def _infer_pass(comp: MetaComponents, shapes: Shapes, rows: int) -> tuple[int, i
     return live.peak, 0
 
 
-def _decode_pass(comp: MetaComponents, shapes: Shapes, rows: int) -> tuple[int, int]:
-    h, w = shapes.latent_hw
-    z = torch.empty(rows, shapes.latent_channels, h, w, device="meta", dtype=comp.dtypes["vae"])  # [B, C, h, w]
+def _decode_pass(comp: MetaComponents, shapes: Geometry, rows: int) -> tuple[int, int]:
+    if comp.vae is None:  # decoded without a VAE (pixel space): a cast and a clamp
+        return 0, 0
+    z = torch.empty(rows, *shapes.latent_shape, device="meta", dtype=comp.dtypes["vae"])  # [B, C, (F,) h, w]
     with torch.no_grad(), flash_attention(), LiveBytes().tracking() as live:
-        img = comp.vae.decode(z, return_dict=False)[0]  # [B, 3, H, W]
+        img = comp.vae.decode(z, return_dict=False)[0]  # [B, 3, (F,) H, W]
         img = (img.float() / 2 + 0.5).clamp(0, 1)
         del img
     return live.peak, 0
@@ -195,7 +144,7 @@ class Activations:
     """Affine fits ``a + b rows`` of each pass's peak bytes (module doc), measured lazily."""
 
     comp: MetaComponents
-    shapes: Shapes
+    shapes: Geometry
     _fits: dict = field(default_factory=dict)
     _models: list = field(default_factory=list)  # probe depths built so far
     _built: list = field(default_factory=list)  # their meta transformers
@@ -204,14 +153,15 @@ class Activations:
         """(peak, saved) bytes of pass ``kind`` at ``rows``, from reduced-depth transformers (probe_depths)."""
         if kind == "decode":
             return _decode_pass(self.comp, self.shapes, rows)
-        real = depth(self.comp.family, self.comp.config)
+        adapter = self.comp.adapter
+        real = adapter.block_counts(self.comp.config)
         depths = probe_depths(real)
         results = []
         for d in depths:
             if d not in self._models:
                 self._models.append(d)
                 self._built.append(self.comp.transformer if d == real else
-                                   self.comp.build(with_depth(self.comp.family, self.comp.config, d)))
+                                   self.comp.build(adapter.with_block_counts(self.comp.config, d)))
             view = dataclasses.replace(self.comp, transformer=self._built[self._models.index(d)])
             results.append(_train_pass(view, self.shapes, rows, ckpt) if kind == "train"
                            else _infer_pass(view, self.shapes, rows))

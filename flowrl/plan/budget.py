@@ -6,9 +6,12 @@
   the exploration copy, text encoders, VAE, reward models (FSDP divides the sharded ones by the
   process count and adds two unsharded blocks; CPU offload moves the shards to host memory);
 * rollout phase: what a rollout keeps on the GPU (conditioning, latents, stored transitions) plus the
-  largest transient of the denoiser forward, the VAE decode, or a Sol re-sync;
+  largest transient of the denoiser forward, the VAE decode, or a Sol re-sync; offline (``train.mode:
+  offline``) the dataset generation's instead (``flowrl generate-offline``, ``offline.generation_batch``
+  images per forward), a separate run planned with this one's resident set;
 * training phase: the stored transitions (kept through the update) plus one training pass's
-  activations (with or without gradient checkpointing, as the recipe sets it).
+  activations (with or without gradient checkpointing, as the recipe sets it), with the reference
+  forward held beside the graph when the update has one (KL, GDRO / DPO implicit rewards).
 
 Sizes follow what the code holds: trained tensors in their own dtype (LoRA: float32; a full
 fine-tune trains the transformer in its loaded dtype), AdamW's two states per trained element in
@@ -17,6 +20,7 @@ that dtype, the EMA and DiffusionNFT's old policy one copy of the trained tensor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -24,7 +28,6 @@ from ..quant import DEFAULT_SKIP, parse_backend_spec
 from ..quant.common import is_skipped
 from .activations import Activations, max_rows
 from .models import MetaComponents, block_bytes, module_bytes, num_params
-from .specs import REWARD_PARAMS
 
 # bytes per weight element of the exploration copy's quantized Linear layers (the rest stays in the model dtype):
 # nvfp4 packs two E2M1 values per byte plus one FP8 scale per 16 values; fp8 / int8 one byte (per-tensor / per-row
@@ -42,6 +45,7 @@ class Item:
     where: str = "gpu"
     note: str = ""
     runs_transformer: bool = False  # a transient of the trained (sharded) transformer: FSDP gathers during it
+    known: bool = True  # False: the size is unknown (counted as 0, shown as "?")
 
 
 def shard_count(cfg, gpus: int) -> int:
@@ -70,17 +74,30 @@ def exploration_copy_bytes(transformer, backend: str, options: dict) -> int:
     return total
 
 
+def reward_size(name: str) -> tuple[Optional[int], str]:
+    """``(parameters, source)`` the reward registered as ``name`` declares it keeps loaded
+    (``resident_params`` / ``resident_note`` on its class); ``(None, why)`` when it declares none."""
+    from ..rewards import _resolve
+
+    target = _resolve(name)
+    params = getattr(target, "resident_params", None)
+    if params is None:
+        return None, (f"resident size unknown: not counted ({getattr(target, '__name__', name)} declares no "
+                      f"resident_params)")
+    return int(params), str(getattr(target, "resident_note", ""))
+
+
 def reward_items(cfg) -> list[Item]:
-    """Trained-on and held-out reward models: parameters x their dtype, on their device."""
+    """Trained-on and held-out reward models: declared parameters x their dtype, on their device."""
     out = []
     names = list(cfg.reward.weights) + [n for n in cfg.reward.heldout if n not in cfg.reward.weights]
     for n in names:
         opts = {**cfg.reward.options.get(n, {}), **cfg.reward.heldout.get(n, {})}
-        params, source = REWARD_PARAMS.get(n, (0.0, "unknown model: not counted"))
+        params, source = reward_size(n)
         size = 2 if str(opts.get("dtype", "float32")) in ("bfloat16", "bf16", "float16", "fp16") else 4
         where = "host" if str(opts.get("device", "cpu")).startswith("cpu") else "gpu"
         tag = "held-out" if n not in cfg.reward.weights else "reward"
-        out.append(Item(f"{tag} model: {n}", int(params * 1e6 * size), "resident", where, source))
+        out.append(Item(f"{tag} model: {n}", (params or 0) * size, "resident", where, source, known=params is not None))
     return out
 
 
@@ -123,22 +140,22 @@ def model_items(cfg, comp: MetaComponents, gpus: int) -> list[Item]:
     te = sum(module_bytes(m) for m in comp.text_encoders.values())
     items.append(Item("text encoders", 0 if dropped else te, "resident", "gpu",
                       "dropped: embeddings cached" if dropped else ", ".join(comp.text_encoders)))
-    items.append(Item(f"VAE ({_dtype_name(comp.dtypes['vae'])})", module_bytes(comp.vae), "resident"))
+    if comp.vae is None:
+        items.append(Item("VAE", 0, "resident", "gpu", "none: decoded without one"))
+    else:
+        items.append(Item(f"VAE ({_dtype_name(comp.dtypes['vae'])})", module_bytes(comp.vae), "resident"))
     return items + reward_items(cfg)
 
 
 def cfg_rows(cfg, comp: MetaComponents) -> int:
-    """Rows per sample in a sampling forward: 2 with real classifier-free guidance (one doubled batch)."""
-    if comp.family == "sd3":
-        return 2 if cfg.model.guidance_scale > 1.0 else 1
-    return 2 if float(cfg.model.options.get("true_cfg_scale", 1.0)) > 1.0 else 1
+    """Rows per sample in a sampling forward: 2 with real classifier-free guidance (the adapter's ``cfg_rows``)."""
+    return comp.adapter.cfg_rows(cfg.model.guidance_scale, cfg.model.options)
 
 
 def _cond_row_bytes(comp: MetaComponents, acts: Activations) -> int:
-    """Bytes of one sample's text conditioning (sequence + pooled embeddings, text-encoder dtype)."""
-    c = comp.transformer.config
-    size = torch.empty((), dtype=comp.dtypes["text_encoder"]).element_size()
-    return (acts.shapes.text_tokens * c.joint_attention_dim + c.pooled_projection_dim) * size
+    """Bytes of one sample's conditioning (the adapter's ``example_conditioning``, text-encoder dtype)."""
+    cond = comp.adapter.example_conditioning(comp.configs, acts.shapes, 1, "meta", comp.dtypes["text_encoder"])
+    return sum(t.numel() * t.element_size() for t in cond.values())
 
 
 def decode_rows(cfg, samples: int) -> int:
@@ -156,7 +173,10 @@ def _working_set(cfg, comp, acts: Activations, samples: int, fwd_rows: int, k: i
 
 
 def rollout_items(cfg, comp: MetaComponents, acts: Activations) -> list[Item]:
-    """What a rollout keeps (group ``kept``) and its transients (group ``transient``: the largest counts)."""
+    """What a rollout keeps (group ``kept``) and its transients (group ``transient``: the largest counts);
+    offline, :func:`generation_items`."""
+    if cfg.train.mode == "offline":
+        return generation_items(cfg, comp, acts)
     sampler = cfg.sampler.build()
     n = cfg.train.batch_size
     k = cfg_rows(cfg, comp)
@@ -183,27 +203,67 @@ def rollout_items(cfg, comp: MetaComponents, acts: Activations) -> list[Item]:
                    note="sampler.max_batch rows" + (" x 2 (CFG)" if k == 2 else ""), runs_transformer=True),
               Item(f"rollout: VAE decode ({decode_rows(cfg, n)} images per call)", dec, "transient", "gpu",
                    "model.options.decode_batch images per VAE call"),
-              Item(f"rollout: decoded images ({n}, float32)", n * 3 * acts.shapes.height * acts.shapes.width * 4,
-                   "kept", "host")]
+              Item(f"rollout: decoded images ({n}, float32)", n * acts.shapes.image_bytes, "kept", "host")]
     return items
 
 
-def train_rows(cfg, comp: MetaComponents) -> int:
-    """Rows of one differentiable training forward: ``train.minibatch_size``, doubled when SD3's CFG
-    runs as one batch with the gradient through both halves (``train.cfg_uncond_grad``)."""
+def generation_items(cfg, comp: MetaComponents, acts: Activations) -> list[Item]:
+    """Offline (``train.mode: offline``): ``flowrl generate-offline``'s working set, in place of a rollout:
+    ``offline.generation_batch`` samples per sampler forward, decoded ``model.options.decode_batch`` at a time."""
+    n = cfg.offline.generation_batch
     k = cfg_rows(cfg, comp)
-    return cfg.train.minibatch_size * (2 if k == 2 and cfg.train.cfg_uncond_grad else 1)
+    kept, fwd, dec = _working_set(cfg, comp, acts, n, n, k)
+    note = "flowrl generate-offline: a separate run, planned with this one's resident set"
+    return [Item(f"generate-offline: conditioning + latents ({n} samples)", kept, "kept", note=note),
+            Item(f"generate-offline: denoiser forward ({n * k} rows, no grad)", fwd, "transient",
+                 note="offline.generation_batch rows" + (" x 2 (CFG)" if k == 2 else ""), runs_transformer=True),
+            Item(f"generate-offline: VAE decode ({decode_rows(cfg, n)} images per call)", dec, "transient", "gpu",
+                 "model.options.decode_batch images per VAE call")]
+
+
+def _group_size(cfg) -> int:
+    from ..trainers.config import samples_per_prompt
+
+    return 2 if cfg.train.loss == "dpo" else samples_per_prompt(cfg.sampler.build())
+
+
+def pass_rows(cfg) -> int:
+    """Samples in one differentiable training pass: ``offline.batch_groups x offline.k`` offline (GDRO),
+    whole groups of ``train.minibatch_size`` online DPO / GDRO (the best and worst for DPO), else
+    ``train.minibatch_size`` transitions."""
+    if cfg.train.mode == "offline":
+        return cfg.offline.batch_groups * cfg.offline.k
+    if cfg.train.loss in ("dpo", "gdro"):
+        k = _group_size(cfg)
+        return max(1, cfg.train.minibatch_size // k) * k
+    return cfg.train.minibatch_size
+
+
+def reference_in_graph(cfg) -> bool:
+    """Whether a ``no_grad`` reference forward runs while the training pass's graph is held: GRPO's KL
+    (``train.beta_kl > 0``; DiffusionNFT evaluates its references before the graph) and the implicit
+    rewards of GDRO / DPO (offline or online)."""
+    return cfg.train.mode == "offline" or cfg.train.loss in ("dpo", "gdro") or (
+        cfg.train.beta_kl > 0 and cfg.train.loss != "nft")
+
+
+def train_rows(cfg, comp: MetaComponents) -> int:
+    """Rows of one differentiable training forward: :func:`pass_rows`, doubled when real CFG runs as one
+    batch with the gradient through both halves (``train.cfg_uncond_grad``)."""
+    k = cfg_rows(cfg, comp)
+    return pass_rows(cfg) * (2 if k == 2 and cfg.train.cfg_uncond_grad else 1)
 
 
 def train_items(cfg, comp: MetaComponents, acts: Activations, gpus: int = 1) -> list[Item]:
     """The two activation rows (with / without gradient checkpointing; the recipe's is group ``train``)."""
     rows = train_rows(cfg, comp)
+    ref_rows = pass_rows(cfg) * cfg_rows(cfg, comp)  # no_grad: a guided reference is one doubled batch
     ckpt = bool(cfg.model.options.get("gradient_checkpointing", False))
     items = []
     for on in (False, True):
         peak = acts.bytes("train", rows, on)
-        if cfg.train.beta_kl > 0 and cfg.train.loss != "nft":  # the reference forward runs while the graph is held
-            peak = max(peak, acts.saved(rows, on) + acts.bytes("infer", rows))
+        if reference_in_graph(cfg):  # the reference forward runs while the graph is held
+            peak = max(peak, acts.saved(rows, on) + acts.bytes("infer", ref_rows))
         label = "with" if on else "without"
         items.append(Item(f"activations, {label} gradient checkpointing ({rows} rows)", peak,
                           "train" if on == ckpt else "alternative", "gpu",
@@ -214,7 +274,10 @@ def train_items(cfg, comp: MetaComponents, acts: Activations, gpus: int = 1) -> 
     items.append(Item("AdamW step: foreach temporaries (~1 x trained tensors)", -(-module_bytes(tr, trainable=True) // n),
                       "step", "host" if fsdp and cfg.train.cpu_offload else "gpu",
                       "after backward, activations freed" + (f"; / {n} (FSDP)" if n > 1 else "")))
-    if cfg.train.loss == "nft":
+    if cfg.train.mode == "offline":
+        items.append(Item(f"GDRO pass: dataset latents + shared noise ({pass_rows(cfg)} images, float32)",
+                          2 * pass_rows(cfg) * acts.shapes.latent_bytes, "train"))
+    elif cfg.train.loss == "nft":
         items.append(Item("NFT update: x0 + noise of the batch (float32)",
                           2 * cfg.train.batch_size * acts.shapes.latent_bytes, "train"))
     return items

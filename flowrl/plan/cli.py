@@ -25,7 +25,7 @@ def plan_command(a) -> int:
     from ..trainers.config import load_config
     from .core import plan_memory
     from .knobs import suggest
-    from .report import format_plan, plan_json
+    from .report import format_measure, format_plan, plan_json
 
     cfg = load_config(a.config, a.overrides)
     plan = plan_memory(cfg, a.gpus, a.gpu_memory, str(a.config))
@@ -37,7 +37,7 @@ def plan_command(a) -> int:
         from .measure import measure_recipe
 
         out["measured"] = measure_recipe(cfg)
-        print(json.dumps(out["measured"], indent=2))
+        print(format_measure(out["measured"]))
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(out, indent=2, default=str))
@@ -51,7 +51,7 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--gpus", type=_gpus, default=1, help="processes (one GPU each); FSDP shards over them")
     p.add_argument("--gpu-memory", type=_memory, default="80GiB",
                    help="memory per GPU: 80GiB, 80GB (10^9 bytes), 141GiB, or a number of GiB")
-    p.add_argument("--json", default=None, help="also write the plan as JSON here")
+    p.add_argument("--json", default=None, help="also write the plan (and --measure's result) as JSON here")
     p.add_argument("--measure", action="store_true", help="also measure the real peak of a training pass and a "
                    "sampling forward of the recipe's model (CUDA: torch.cuda.max_memory_allocated; CPU: profiler)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.sharding=fsdp train.lora_rank=0")

@@ -1,34 +1,31 @@
 """``plan_memory(cfg, gpus, gpu_memory)``: the per-GPU memory plan of a recipe (items, phases, peak, fit).
 
-The meta models and activation fits are cached per model set-up (path, pipeline, LoRA, dtype,
-resolution, text length), so re-planning with other knobs (:mod:`flowrl.plan.knobs`) costs no
-new measurement unless the model itself changes.
+The meta models and activation fits are cached per model set-up (path, pipeline, LoRA, dtype and
+the adapter's geometry: resolution, text length, frames), so re-planning with other knobs
+(:mod:`flowrl.plan.knobs`) costs no new measurement unless the model itself changes.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
 
-from .activations import Activations, recipe_shapes
+from .activations import Activations, recipe_geometry
 from .budget import Item, model_items, rollout_items, train_items
-from .models import meta_components, num_params
+from .models import meta_components, model_configs, num_params
 
 GiB = 2 ** 30
 _CACHE: dict = {}
 
 
-def _setup_key(cfg) -> str:
-    m, t = cfg.model, cfg.train
-    return json.dumps([m.path, m.pipeline, t.lora_rank, t.lora_alpha, t.lora_targets, m.options.get("dtype"),
-                       m.options.get("resolution"), m.options.get("max_sequence_length")], sort_keys=True, default=str)
-
-
 def measured_setup(cfg):
     """``(MetaComponents, Activations)`` of ``cfg``'s model set-up (cached)."""
-    key = _setup_key(cfg)
+    m, t = cfg.model, cfg.train
+    geometry = recipe_geometry(cfg, *model_configs(cfg))
+    key = json.dumps([m.path, m.pipeline, t.lora_rank, t.lora_alpha, t.lora_targets, m.options.get("dtype"),
+                      asdict(geometry)], sort_keys=True, default=str)
     if key not in _CACHE:
         comp = meta_components(cfg)
-        _CACHE[key] = (comp, Activations(comp, recipe_shapes(cfg, comp)))
+        _CACHE[key] = (comp, Activations(comp, geometry))
     return _CACHE[key]
 
 
@@ -49,6 +46,7 @@ class Plan:
     transformer_params: int
     settings: dict = field(default_factory=dict)
     knobs: list = field(default_factory=list)
+    unknown: list = field(default_factory=list)  # items whose size is not known (counted as 0)
 
     @property
     def fits(self) -> bool:
@@ -86,4 +84,5 @@ def plan_memory(cfg, gpus: int = 1, gpu_memory: int = 80 * GiB, recipe: str = ""
                 "model": comp.source}
     return Plan(recipe, gpus, int(gpu_memory), items, resident, rollout, train, step, resident + max(rollout, train, step),
                 sum(i.bytes for i in items if i.where == "host"), num_params(comp.transformer, trainable=None)
-                - (num_params(comp.transformer, trainable=True) if t.lora_rank > 0 else 0), settings)
+                - (num_params(comp.transformer, trainable=True) if t.lora_rank > 0 else 0), settings,
+                unknown=[i.name for i in items if not i.known])

@@ -8,6 +8,9 @@ gradient checkpointing as configured), with AdamW:
 * ``infer``: one ``no_grad`` forward of the sampler's rows; the peak holds the weights and the
   forward's transient.
 
+The inputs (latents, conditioning) are made before the measurement starts: the plan counts them in
+their own rows (the rollout's conditioning and latents), not in these two.
+
 Peak bytes: on CUDA ``torch.cuda.max_memory_allocated`` (the weights loaded with
 ``from_pretrained`` onto the GPU); on CPU the torch profiler's allocator record (``profile_memory``:
 the maximum ``Total Allocated`` of its ``[memory]`` events, counted from the start of the
@@ -24,7 +27,7 @@ from typing import Callable
 import torch
 
 from ..trainers.config_base import ConfigError
-from .activations import max_rows, transformer_inputs
+from .activations import max_rows
 from .budget import cfg_rows, train_rows
 from .core import measured_setup
 from .models import module_bytes, set_up_trained
@@ -33,8 +36,12 @@ CPU_LIMIT_BYTES = 2 * 2 ** 30  # the largest transformer --measure builds on a C
 
 
 def cpu_peak(fn: Callable[[], None]) -> int:
-    """Peak bytes the CPU allocator held above its level at the start, while ``fn`` ran (torch profiler)."""
+    """Peak bytes the CPU allocator held above its level at the start, while ``fn`` ran (torch profiler;
+    its own log lines, e.g. ``gpuGetDeviceCount failed`` on a machine without a GPU, are silenced unless
+    ``KINETO_LOG_LEVEL`` is set)."""
     from torch.profiler import ProfilerActivity, profile
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read by the profiler library when it starts: above USDT
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
@@ -61,21 +68,26 @@ def cuda_peak(fn: Callable[[], None]) -> int:
 
 def _real_transformer(cfg, comp, device: torch.device):
     """The recipe's transformer on ``device``: from_pretrained on CUDA, from the config on CPU (see module doc)."""
-    from ..bench.precision_arch_models import build_transformer
+    from ..pipelines.facts import Component, build_component, component_class
 
+    name = "diffusers:" + comp.adapter.transformer_class
     if device.type == "cuda" and cfg.model.path:
-        from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
-
-        cls = SD3Transformer2DModel if comp.family == "sd3" else FluxTransformer2DModel
-        return cls.from_pretrained(cfg.model.path, subfolder="transformer",
-                                   torch_dtype=comp.dtypes["transformer"]).to(device)
-    return build_transformer(comp.family, comp.config, device, comp.dtypes["transformer"])
+        return component_class(name).from_pretrained(cfg.model.path, subfolder="transformer",
+                                                     torch_dtype=comp.dtypes["transformer"]).to(device)
+    return build_component(Component(name, comp.config), device, comp.dtypes["transformer"])
 
 
 def _inputs(comp, shapes, rows: int, device: torch.device) -> dict:
-    meta = transformer_inputs(comp, shapes, rows)
-    return {k: (torch.rand(v.shape, dtype=v.dtype, device=device) * (1000 if k == "timestep" else 1)
-                if isinstance(v, torch.Tensor) else v) for k, v in meta.items()}
+    """The transformer's forward kwargs for ``rows`` rows of random inputs (masks and ids: ones)."""
+    def real(t: torch.Tensor) -> torch.Tensor:
+        return torch.rand(t.shape, dtype=t.dtype, device=device) if t.is_floating_point() else \
+            torch.ones(t.shape, dtype=t.dtype, device=device)
+
+    dt = comp.dtypes["transformer"]
+    x = torch.randn(rows, *shapes.latent_shape, device=device, dtype=dt)  # [B, C, (F,) h, w]
+    sigma = torch.rand(rows, device=device)  # [B]
+    cond = {k: real(v) for k, v in comp.adapter.example_conditioning(comp.configs, shapes, rows, "meta", dt).items()}
+    return comp.adapter.transformer_inputs(comp.config, dt, x, sigma, cond)
 
 
 def _set_up(cfg, comp, device: torch.device):
@@ -83,24 +95,24 @@ def _set_up(cfg, comp, device: torch.device):
     return set_up_trained(_real_transformer(cfg, comp, device), cfg)
 
 
-def _train(cfg, comp, shapes, rows: int, device: torch.device) -> None:
+def _train(cfg, comp, inputs: dict, device: torch.device) -> None:
     tr = _set_up(cfg, comp, device)
     if cfg.model.options.get("gradient_checkpointing"):
         tr.enable_gradient_checkpointing()
     tr.train()
     opt = torch.optim.AdamW([p for p in tr.parameters() if p.requires_grad], lr=1e-6)
     for _ in range(2):
-        out = tr(**_inputs(comp, shapes, rows, device))[0]
+        out = tr(**inputs)[0]
         out.float().square().mean().backward()
         del out
         opt.step()
         opt.zero_grad(set_to_none=False)
 
 
-def _infer(cfg, comp, shapes, rows: int, device: torch.device) -> None:
+def _infer(cfg, comp, inputs: dict, device: torch.device) -> None:
     tr = _set_up(cfg, comp, device).eval()
     with torch.no_grad():
-        tr(**_inputs(comp, shapes, rows, device))
+        tr(**inputs)
 
 
 def measure_recipe(cfg, device=None) -> dict:
@@ -121,8 +133,9 @@ def measure_recipe(cfg, device=None) -> dict:
     rows_i = max_rows(cfg.train.batch_size, cfg.sampler.options.get("max_batch")) * cfg_rows(cfg, comp)
     planned = {"train": module_bytes(tr) + 3 * trained + acts.bytes("train", rows_t, ckpt),
                "infer": module_bytes(tr) + acts.bytes("infer", rows_i)}
-    measured = {"train": peak(lambda: _train(cfg, comp, shapes, rows_t, device)),
-                "infer": peak(lambda: _infer(cfg, comp, shapes, rows_i, device))}
+    inputs = {"train": _inputs(comp, shapes, rows_t, device), "infer": _inputs(comp, shapes, rows_i, device)}
+    measured = {"train": peak(lambda: _train(cfg, comp, inputs["train"], device)),
+                "infer": peak(lambda: _infer(cfg, comp, inputs["infer"], device))}
     out = {"device": str(device), "rows": {"train": rows_t, "infer": rows_i}}
     for k in ("train", "infer"):
         out[k] = {"measured_bytes": int(measured[k]), "planned_bytes": int(planned[k]),
@@ -152,8 +165,9 @@ def measure_trainer(cfg, run_dir) -> dict:
 
     measured = {"rollout": peak(rollout), "train": peak(lambda: tr.update_object()(out["r"], 0))}
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
-    mods = [tr.policy.transformer, tr.policy.vae] + [getattr(tr.policy.pipe, n, None)
-                                                     for n in ("text_encoder", "text_encoder_2", "text_encoder_3")]
+    holder = getattr(tr.policy, "pipe", tr.policy)
+    mods = [tr.policy.transformer, getattr(tr.policy, "vae", None)] + [
+        getattr(holder, n, None) for n in getattr(tr.policy, "text_encoder_names", ("text_encoder",))]
     tensors = {id(t): local(t) for m in mods if m is not None for t in [*m.parameters(), *m.buffers()]}
     tensors.update({id(t): local(t) for s in tr.opt.state.values() for t in s.values() if t.dim() > 0})
     tensors.update({id(t): local(t) for t in (tr.ema.shadow.values() if tr.ema else ())})

@@ -2,39 +2,43 @@
 
 :func:`meta_components` returns the transformer (LoRA added as the trainer adds it), the frozen
 text encoders and the VAE, each on ``torch.device("meta")`` in the dtype the recipe loads it in
-(``model.options.dtype``: a name, or ``{default: ..., vae: ...}`` per component). Configs come
-from :data:`flowrl.plan.specs.HUB_MODELS` for a hub id, or from the ``*/config.json`` files of a
-local diffusers directory.
+(``model.options.dtype``: a name, or ``{default: ..., vae: ...}`` per component). Every fact about
+the model comes from its adapter class (``flowrl.pipelines.policy_class``, ``pipelines/facts.py``):
+the configs (published ones for a hub id, the ``*/config.json`` files of a local directory), the
+shapes, the transformer call and the block types.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-from ..bench.precision_arch_models import build_transformer
+from ..pipelines.facts import Component, ModelConfigs, build_component
 from ..trainers.config_base import ConfigError
-from .specs import HUB_MODELS, ModelSpec, TextEncoderSpec
-
-FAMILIES = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}
 
 
 @dataclass
 class MetaComponents:
     """Meta-device models of one recipe and what the activation passes need to know."""
 
-    family: str
+    adapter: type  # the pipeline's adapter class: its model facts
     transformer: nn.Module
     text_encoders: dict[str, nn.Module]
-    vae: nn.Module
+    vae: Optional[nn.Module]  # None: the model decodes without one
     dtypes: dict[str, torch.dtype]  # transformer / text_encoder / vae
-    source: str
-    config: dict  # the transformer's config (published or read from disk)
+    configs: ModelConfigs
     build: Callable[[dict], nn.Module]  # config -> a meta transformer set up as ``transformer`` (LoRA or not)
+
+    @property
+    def config(self) -> dict:
+        """The transformer's config (published or read from disk)."""
+        return self.configs.transformer
+
+    @property
+    def source(self) -> str:
+        return self.configs.source
 
 
 def component_dtype(dtype_option, name: str) -> torch.dtype:
@@ -65,65 +69,15 @@ def num_params(module: nn.Module, trainable: Optional[bool] = None) -> int:
     return sum(p.numel() for p in module.parameters() if trainable is None or p.requires_grad == trainable)
 
 
-def _strip(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if not k.startswith("_")}
+def model_configs(cfg) -> tuple[type, ModelConfigs]:
+    """The adapter class of ``model.pipeline`` and its configs of ``model.path`` (its ``model_configs``)."""
+    from ..pipelines import policy_class
 
-
-def local_spec(path: Path, pipeline: str) -> ModelSpec:
-    """A :class:`ModelSpec` read from a local diffusers directory (``model_index.json`` + configs)."""
-    index = json.loads((path / "model_index.json").read_text())
-    tr_cls = index.get("transformer", [None, None])[1]
-    family = {v: k for k, v in FAMILIES.items()}.get(tr_cls)
-    if family is None:
-        raise ConfigError(f"{path}: transformer class {tr_cls!r} is not one flowrl plan knows "
-                          f"({', '.join(FAMILIES.values())})")
-    tes = {}
-    for name, entry in index.items():
-        if name.startswith("text_encoder") and entry and entry[0] == "transformers":
-            raw = json.loads((path / name / "config.json").read_text())
-            config_cls = "T5Config" if "T5" in entry[1] else "CLIPTextConfig"
-            tes[name] = TextEncoderSpec(entry[1], config_cls, _strip(raw))
-    return ModelSpec(family, _strip(json.loads((path / "transformer" / "config.json").read_text())), tes,
-                     _strip(json.loads((path / "vae" / "config.json").read_text())), str(path))
-
-
-def model_spec(path: Optional[str], pipeline: str) -> ModelSpec:
-    """The spec of ``model.path``: a local diffusers directory, or a hub id of :data:`HUB_MODELS`."""
-    if pipeline not in FAMILIES:
-        raise ConfigError(f"flowrl plan covers the sd3 and flux pipelines, not model.pipeline={pipeline!r}")
-    p = Path(str(path or "")).expanduser()
-    if path and (p / "model_index.json").is_file():
-        return local_spec(p, pipeline)
-    if path in HUB_MODELS:
-        spec = HUB_MODELS[path]
-        if spec.family != pipeline:
-            raise ConfigError(f"model.path {path} is a {spec.family} model but model.pipeline is {pipeline}")
-        return spec
-    raise ConfigError(f"model.path {path!r}: not a local diffusers directory (no model_index.json) and not a hub id "
-                      f"flowrl plan has published configs for ({', '.join(HUB_MODELS)}); pass one of those, or a "
-                      f"directory written by save_pretrained / `flowrl make-tiny {pipeline} DIR`")
-
-
-def _text_encoder(spec: TextEncoderSpec, dtype: torch.dtype) -> nn.Module:
-    import transformers
-
-    config = getattr(transformers, spec.config_cls)(**spec.config)
-    with torch.device("meta"):
-        model = getattr(transformers, spec.cls)(config)
-    return model.to(dtype)
-
-
-def _vae(config: dict, dtype: torch.dtype) -> nn.Module:
-    from diffusers import AutoencoderKL
-
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
     try:
-        with torch.device("meta"):
-            vae = AutoencoderKL(**config)
-    finally:
-        torch.set_default_dtype(prev)
-    return vae.eval().requires_grad_(False)
+        adapter = policy_class(cfg.model.pipeline)
+        return adapter, adapter.model_configs(cfg.model.path)
+    except (ValueError, NotImplementedError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def set_up_trained(transformer: nn.Module, cfg) -> nn.Module:
@@ -143,23 +97,24 @@ def set_up_trained(transformer: nn.Module, cfg) -> nn.Module:
 def meta_components(cfg, with_text_encoders: bool = True) -> MetaComponents:
     """The recipe ``cfg``'s transformer (with the trainer's LoRA, or all weights trainable), text
     encoders and VAE on the meta device (module doc)."""
-    spec = model_spec(cfg.model.path, cfg.model.pipeline)
+    adapter, configs = model_configs(cfg)
     opt = cfg.model.options.get("dtype")
     dtypes = {k: component_dtype(opt, k) for k in ("transformer", "text_encoder", "vae")}
 
     def build(config: dict) -> nn.Module:
-        return set_up_trained(build_transformer(spec.family, config, torch.device("meta"), dtypes["transformer"]), cfg)
+        comp = Component("diffusers:" + adapter.transformer_class, config)
+        return set_up_trained(build_component(comp, "meta", dtypes["transformer"]), cfg)
 
-    tr = build(spec.transformer)
     tes = {}
     if with_text_encoders:
-        tes = {name: _text_encoder(s, component_dtype(opt, name)) for name, s in spec.text_encoders.items()}
-    return MetaComponents(spec.family, tr, tes, _vae(spec.vae, dtypes["vae"]), dtypes, spec.source,
-                          dict(spec.transformer), build)
+        tes = {name: build_component(c, "meta", component_dtype(opt, name))
+               for name, c in configs.text_encoders.items()}
+    vae = build_component(configs.vae, "meta", dtypes["vae"]) if configs.vae is not None else None
+    return MetaComponents(adapter, build(configs.transformer), tes, vae, dtypes, configs, build)
 
 
 def block_bytes(transformer: nn.Module) -> int:
-    """Bytes of the largest transformer block (what FSDP unshards at once, one block per unit)."""
-    sizes = [module_bytes(b) for name in ("transformer_blocks", "single_transformer_blocks")
-             for b in getattr(transformer, name, [])]
-    return max(sizes, default=module_bytes(transformer))
+    """Bytes of the largest FSDP unit (``flowrl.trainers.sharding.block_modules``: what FSDP unshards at once)."""
+    from ..trainers.sharding import block_modules
+
+    return max((module_bytes(b) for b in block_modules(transformer)), default=module_bytes(transformer))

@@ -1,7 +1,9 @@
-"""The plan as a table (GiB per GPU), its JSON form, and ``--gpu-memory`` parsing."""
+"""The plan as a table (GiB per GPU), its JSON form, the ``--measure`` check as a table, ``--gpu-memory``
+parsing, and docs/memory.md's table of the shipped recipes (``python -m flowrl.plan.report RECIPES``)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from .core import GiB, Plan
 
@@ -41,7 +43,8 @@ def format_plan(plan: Plan) -> str:
             lines.append(f"  -- {title}")
         for i in rows:
             where = " [host]" if i.where == "host" else ""
-            lines.append(f"  {i.name:<{width}}{_gib(i.bytes)}  {i.note}{where}")
+            size = _gib(i.bytes) if i.known else f"{'?':>8}"
+            lines.append(f"  {i.name:<{width}}{size}  {i.note}{where}")
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     lines += [f"  {'resident':<{width}}{_gib(plan.resident_bytes)}",
               f"  {'+ rollout phase (kept + largest transient)':<{width}}{_gib(plan.rollout_bytes)}",
@@ -50,6 +53,8 @@ def format_plan(plan: Plan) -> str:
               f"  {'peak per GPU = resident + max(phases)':<{width}}{_gib(plan.peak_bytes)}  {verdict} in "
               f"{plan.gpu_memory_bytes / GiB:.1f} GiB",
               f"  {'host memory per process':<{width}}{_gib(plan.host_bytes)}"]
+    if plan.unknown:
+        lines.append(f"  not counted (size unknown): {', '.join(plan.unknown)}")
     lines += format_knobs(plan)
     return "\n".join(lines)
 
@@ -74,3 +79,53 @@ def plan_json(plan: Plan) -> dict:
     if plan.knobs:
         d["knobs"] = {"each": plan.knobs[0], "together": plan.knobs[1]}
     return d
+
+
+MEASURED_PASSES = {"train": "training step (forward + backward + AdamW)", "infer": "sampling forward (no grad)"}
+
+
+def format_measure(m: dict) -> str:
+    """``flowrl plan --measure``'s result (:func:`flowrl.plan.measure.measure_recipe`) as a table (MiB)."""
+    how = "torch.cuda.max_memory_allocated" if m["device"].startswith("cuda") else "torch profiler, allocator peak"
+    width = max(map(len, MEASURED_PASSES.values())) + 2
+    lines = ["", f"measured peak vs plan on {m['device']} ({how}; error = (planned - measured) / measured):",
+             f"  {'pass':<{width}}{'rows':>6}{'measured MiB':>15}{'planned MiB':>14}{'error':>9}"]
+    for k, title in MEASURED_PASSES.items():
+        r = m[k]
+        lines.append(f"  {title:<{width}}{m['rows'][k]:>6}{r['measured_bytes'] / 2**20:>15.1f}"
+                     f"{r['planned_bytes'] / 2**20:>14.1f}{100 * r['relative_error']:>+8.1f}%")
+    return "\n".join(lines)
+
+
+VARIANTS = (("LoRA", "none", []), ("LoRA", "fsdp", ["train.sharding=fsdp"]), ("full", "none", ["train.lora_rank=0"]),
+            ("full", "fsdp", ["train.lora_rank=0", "train.sharding=fsdp"]))
+
+
+def summary_row(recipe: str, train: str, sharding: str, plan: Plan) -> str:
+    """One markdown row of docs/memory.md's table: resident, the recipe's training activations, the
+    largest rollout (or generation) transient and the peak, GiB per GPU."""
+    act = sum(i.bytes for i in plan.items if i.group == "train" and i.name.startswith("activations"))
+    transient = max((i.bytes for i in plan.items if i.group == "transient"), default=0)
+    fit = "fits" if plan.fits else "no"
+    return (f"| {Path(recipe).stem} | {train} | {sharding} | {plan.resident_bytes / GiB:.1f} | {act / GiB:.1f} | "
+            f"{transient / GiB:.1f} | {plan.peak_bytes / GiB:.1f} ({fit}) |")
+
+
+def summary_table(recipes: list[str], gpus: int = 8, gpu_memory: int = 80 * GiB) -> str:
+    """docs/memory.md's table of the shipped recipes (each with LoRA / full fine-tune, DDP / FSDP)."""
+    from ..trainers.config import load_config
+    from .core import plan_memory
+
+    lines = ["| recipe | train | sharding | resident | act | transient | peak per GPU |",
+             "|---|---|---|---|---|---|---|"]
+    for recipe in recipes:
+        for train, sharding, overrides in VARIANTS:
+            plan = plan_memory(load_config(recipe, overrides), gpus, gpu_memory, recipe)
+            lines.append(summary_row(recipe, train, sharding, plan))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m flowrl.plan.report recipes/*.yaml: the table in docs/memory.md
+    import sys
+
+    print(summary_table(sys.argv[1:]))

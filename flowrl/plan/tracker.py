@@ -12,10 +12,11 @@ While it runs, a ``saved_tensors_hooks`` pair keeps every tensor autograd saves 
 object (so its storage is counted while saved), and sums the distinct saved storages
 (``saved_bytes``: the activations kept for backward, each storage once).
 
-:func:`flash_attention` routes ``F.scaled_dot_product_attention`` without a mask to the fused
-attention kernel (saves the output and a log-sum-exp, never the ``[B, H, L, L]`` matrix), as CUDA's
-flash / memory-efficient kernels and the CPU kernel do; on meta tensors PyTorch would otherwise take
-the math path and count the attention matrix.
+:func:`flash_attention` routes ``F.scaled_dot_product_attention`` to the fused attention kernel
+(saves the output and a log-sum-exp, never the ``[B, H, L, L]`` matrix), as CUDA's flash /
+memory-efficient kernels and the CPU kernel do, also with an additive ``[B, H, L_q, L_k]`` (broadcast)
+mask such as SANA's cross-attention padding mask; on meta tensors PyTorch would otherwise take the
+math path and count the attention matrix. Boolean masks keep the math path.
 """
 from __future__ import annotations
 
@@ -90,11 +91,11 @@ _ORIGINAL_SDPA = F.scaled_dot_product_attention
 
 
 def _fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
-    if attn_mask is not None or kw.get("enable_gqa"):
+    if kw.get("enable_gqa") or (attn_mask is not None and (attn_mask.dtype == torch.bool or attn_mask.dim() != 4)):
         return _ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                               scale=scale, **kw)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal,
-                                                                       scale=scale)[0]  # [B, H, L, d]
+    fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return fused(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]  # [B, H, L, d]
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ import contextlib
 import copy
 import importlib.util
 import io
+import logging
 import warnings
 from typing import Any, Callable, ClassVar, Optional
 
@@ -33,9 +34,16 @@ def import_mtq():
     problem = modelopt_problem()
     if problem:
         raise ImportError(problem)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import modelopt.torch.quantization as mtq
+    # torch.utils.cpp_extension, imported by modelopt, logs "No CUDA runtime is found" on a CPU machine with CUDA_HOME
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import modelopt.torch.quantization as mtq
+    finally:
+        log.setLevel(level)
     return mtq
 
 
