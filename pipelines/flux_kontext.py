@@ -35,7 +35,7 @@ import torch
 
 from .base import IMAGE_SIZE, encode_with_negative
 from .common import cfg_combine, cfg_halves, module_dtype, transformer_dtype
-from .flux import FLUX_LORA_TARGET_MODULES, FluxPolicy, latent_image_ids, pack_latents, unpack_latents
+from .flux import FLUX_LORA_TARGET_MODULES, FluxPolicy, latent_image_ids, pack_latents
 
 # Flow-GRPO's LoRA targets for FLUX.1 Kontext (scripts/train_flux_kontext.py): FLUX's (both streams'
 # attention projections and feed-forwards) plus the single-stream blocks' MLP input ``proj_mlp``.
@@ -101,33 +101,46 @@ class FluxKontextPolicy(FluxPolicy):
         return cond
 
     # --- FlowPolicy ----------------------------------------------------------------------
+    @classmethod
+    def transformer_inputs(cls, config, dtype, x, sigma, cond, guidance_scale=3.5, **settings):
+        kw = super().transformer_inputs(config, dtype, x, sigma, cond, guidance_scale=guidance_scale)
+        src = cond.get("image_latents")
+        if src is not None:  # the source's packed tokens appended, their ids with first coordinate 1
+            hs, ws = src.shape[-2:]
+            if hs % 2 or ws % 2:
+                raise ValueError(f"FLUX Kontext latents need even height and width (2x2 packing), got source {tuple(src.shape)}")
+            src_ids = latent_image_ids(hs, ws, x.device, dtype)
+            src_ids[:, 0] = 1
+            kw["hidden_states"] = torch.cat([kw["hidden_states"], pack_latents(src.to(x.device, torch.float32)).to(dtype)], 1)
+            kw["img_ids"] = torch.cat([kw["img_ids"], src_ids])
+        return kw
+
+    @classmethod
+    def transformer_output(cls, out, x):
+        n = (x.shape[-2] // 2) * (x.shape[-1] // 2)  # the generated tokens
+        return super().transformer_output(out[:, :n], x)
+
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
-        """``v_theta(x_t, sigma)`` float32 ``[B, C, h, w]`` over the generated tokens, the source
-        tokens appended (module doc); FLUX's velocity when ``cond`` has no ``image_latents``.
-        Differentiable in the transformer's parameters; true CFG as ``FluxPolicy.velocity``."""
         if "image_latents" not in cond:
             return super().velocity(latents, sigma, cond)
         x = latents.to(self.device)  # [B, C, h, w]
         src = cond["image_latents"].to(self.device, torch.float32)  # [B, C, hs, ws]
-        b, _, h, w = x.shape
-        hs, ws = src.shape[-2:]
-        if h % 2 or w % 2 or hs % 2 or ws % 2:
-            raise ValueError(f"FLUX Kontext latents need even height and width (2x2 packing), got {tuple(x.shape)} "
-                             f"and source {tuple(src.shape)}")
+        b = x.shape[0]
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(b)  # [B]
         dtype = transformer_dtype(self.transformer)
-        src_ids = latent_image_ids(hs, ws, self.device, dtype)  # [(hs/2)(ws/2), 3]
-        src_ids[:, 0] = 1  # the source's ids: the first coordinate 1 instead of 0
-        ids = torch.cat([latent_image_ids(h, w, self.device, dtype), src_ids])  # [n + m, 3]
-        n = (h // 2) * (w // 2)  # generated tokens
-        packed = torch.cat([pack_latents(x), pack_latents(src)], 1)  # [B, n + m, 4C]
-        fwd = lambda p, s, pe, pooled: self._forward(p, s, pe, pooled, ids)[:, :n]  # noqa: E731  [B, n, 4C]
-        text = (packed, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"])
+        config = getattr(self.transformer, "module", self.transformer).config
+
+        def fwd(xx, s, pe, pooled, image):
+            kw = self.transformer_inputs(config, dtype, xx, s, {"prompt_embeds": pe, "pooled_prompt_embeds": pooled,
+                                                               "image_latents": image}, **self.forward_settings())
+            return self.transformer_output(self.transformer(**kw)[0], xx)
+
+        text = (x, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"], src)
         if self.true_cfg_scale == 1.0:
-            return unpack_latents(fwd(*text).float(), h, w)  # [B, C, h, w]
-        uncond, cond_out = cfg_halves(fwd, (packed, sigma, cond["negative_prompt_embeds"],
-                                            cond["negative_pooled_prompt_embeds"]), text)  # [B, n, 4C] each
-        return unpack_latents(cfg_combine(uncond, cond_out, self.true_cfg_scale), h, w)  # [B, C, h, w]
+            return fwd(*text).float()
+        u, c = cfg_halves(fwd, (x, sigma, cond["negative_prompt_embeds"], cond["negative_pooled_prompt_embeds"], src),
+                          text)
+        return cfg_combine(u, c, self.true_cfg_scale)
 
 
 __all__ = ["FLUX_KONTEXT_LORA_TARGET_MODULES", "FluxKontextPolicy", "edit_item_parts"]

@@ -12,7 +12,6 @@ import sys
 import zipfile
 from pathlib import Path
 
-import pytest
 
 from conftest import tiny_train_overrides
 from flowrl.layers import SOURCE_ROOTS  # source folder -> installed package

@@ -12,7 +12,6 @@ fidelity.
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
