@@ -36,6 +36,7 @@ from typing import Any, Mapping, Optional
 import torch
 from PIL import Image
 
+from . import RewardUnavailable
 from ._clip_common import check_inputs
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ DEFAULT_SCORE_PATTERN = r"score\s*[:=]?\s*\**\s*(-?\d+(?:\.\d+)?)"
 _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
 
-class VLMJudgeError(RuntimeError):
+class VLMJudgeError(RewardUnavailable):
     """The judge endpoint could not be used (timeouts, connection or HTTP errors after retries)."""
 
 
