@@ -23,6 +23,7 @@ REGISTRY: dict[str, str] = {
     "imagereward": "flowrl.rewards.imagereward:ImageReward",
     "ocr": "flowrl.rewards.ocr:OCRReward",
     "vlm_judge": "flowrl.rewards.vlm:VLMJudge",
+    "remote": "flowrl.rewards.remote:RemoteReward",  # served by `flowrl serve-reward`
 }
 
 
