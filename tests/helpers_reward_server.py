@@ -14,7 +14,8 @@ import contextlib
 import socket
 from typing import Callable, Iterator, Optional
 
-from flowrl.rewards.server import ServeOptions, load_reward, serve_in_thread, spawn  # noqa: F401 (spawn: re-exported)
+from flowrl.rewards.server import ServeOptions, load_reward, serve_in_thread
+from flowrl.rewards.server_process import spawn  # noqa: F401 (for the tests that import it from here)
 
 
 def free_port() -> int:

@@ -250,7 +250,7 @@ def test_server_killed_mid_request_then_back(tiny_digits_dir, tmp_path):
     and the cause; restarted on the same port, the same client scores again."""
     import os
 
-    from flowrl.rewards.server import spawn
+    from flowrl.rewards.server_process import spawn
 
     (tmp_path / "slow_digits.py").write_text(
         "import time\nfrom flowrl.rewards.digits import DigitsReward\n"

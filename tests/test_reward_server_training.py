@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_train_overrides
 from helpers_reward_server import free_port, served
 
-from flowrl.rewards.server import spawn
+from flowrl.rewards.server_process import spawn
 
 
 def test_server_gone_mid_run_then_resume_ends_where_an_uninterrupted_run_ends(tiny_digits_dir, tmp_path, monkeypatch):

@@ -128,7 +128,7 @@ def bench_reward(a) -> dict:
     import torch
 
     from ..pipelines.tiny import make_tiny
-    from flowrl.rewards.server import spawn
+    from flowrl.rewards.server_process import spawn
 
     unknown = set(a.variants or []) - set(VARIANTS)
     if unknown:
