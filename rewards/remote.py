@@ -25,11 +25,8 @@ from __future__ import annotations
 
 import http.client
 import json
-import logging
 import os
 import re
-import socket
-import time
 import urllib.error
 import urllib.request
 from typing import Optional
@@ -38,11 +35,10 @@ import torch
 
 from . import RewardUnavailable
 from ._clip_common import check_inputs, chunks
+from ._http import fetch
 from ._wire import CONTENT_TYPE, ENCODINGS, PROTOCOL, WireError, decode_response, encode_request
 
-log = logging.getLogger(__name__)
-
-RETRY_STATUS = {408, 429, 502, 503, 504}
+RETRY_STATUS = {408, 429, 502, 503, 504}  # not 500: there the served reward itself failed, and would again
 
 
 class RemoteRewardError(RewardUnavailable):
@@ -85,30 +81,9 @@ class RemoteReward:
         if self._token:
             headers["Authorization"] = f"Bearer {self._token}"
         req = urllib.request.Request(self.url + path, data=body, headers=headers, method="POST" if body else "GET")
-        last = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                    return resp.read()
-            except urllib.error.HTTPError as e:
-                detail = _server_error(e)
-                if e.code not in RETRY_STATUS:
-                    raise RemoteRewardError(f"reward server {self.url}{path} answered HTTP {e.code}: {detail}") from None
-                last = f"HTTP {e.code}: {detail}"
-            except (TimeoutError, socket.timeout):
-                last = f"timed out after {self.timeout:g} s"
-            except urllib.error.URLError as e:
-                reason = e.reason
-                last = f"timed out after {self.timeout:g} s" if isinstance(reason, (TimeoutError, socket.timeout)) \
-                    else f"{reason}"
-            except (ConnectionError, http.client.HTTPException, OSError) as e:
-                last = f"{type(e).__name__}: {e}" if str(e) else f"connection dropped ({type(e).__name__})"
-            log.warning("reward server %s%s failed (attempt %d/%d): %s", self.url, path, attempt + 1,
-                        self.retries + 1, last)
-        raise RemoteRewardError(f"reward server {self.url}{path} failed after {self.retries + 1} attempts (timeout "
-                                f"{self.timeout:g} s each): {last}. Is `flowrl serve-reward` running there?")
+        return fetch(req, timeout=self.timeout, retries=self.retries, backoff=self.backoff,
+                     what=f"reward server {self.url}{path}", error=RemoteRewardError, detail=_server_error,
+                     retry_status=RETRY_STATUS, hint=". Is `flowrl serve-reward` running there?")
 
     def health(self) -> dict:
         """The server's ``/health`` (checks that it is a flowrl reward server of this protocol)."""
