@@ -268,5 +268,9 @@ def serve_in_thread(reward, label: str = "reward", opts: Optional[ServeOptions] 
 
 def serve_reward_command(name: str, options: Optional[list[str]], opts: ServeOptions) -> int:
     """The CLI verb: build the reward, then serve it (blocks)."""
-    serve(load_reward(name, parse_options(options)), name, opts, announce=lambda line: print(line, flush=True))
+    try:
+        reward = load_reward(name, parse_options(options))
+    except TypeError as e:  # options the reward does not take
+        raise ValueError(f"{name} --options: {e}") from None
+    serve(reward, name, opts, announce=lambda line: print(line, flush=True))
     return 0

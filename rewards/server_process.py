@@ -25,12 +25,17 @@ class ServerProcess:
     def stop(self, kill: bool = False) -> None:
         """SIGKILL (``kill``: a crash) or SIGTERM (a clean stop), then wait."""
         if self.proc.poll() is None:
-            self.proc.kill() if kill else self.proc.terminate()
+            if kill:
+                self.proc.kill()
+            else:
+                self.proc.terminate()
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=30)
+        if self.log is not None:
+            self.log.unlink(missing_ok=True)
 
     def __enter__(self) -> "ServerProcess":
         return self

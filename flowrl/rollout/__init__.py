@@ -7,5 +7,5 @@ from .scoring import ChunkScorer, Scores
 from .sol import SolSampler
 from .tempflow import TempFlowSampler
 
-__all__ = ["Rollout", "Transitions", "score_images", "ChunkScorer", "Scores", "GroupSampler", "TempFlowSampler", "BranchSampler", "SolSampler",
-           "Structure", "GroupStructure", "TreeStructure", "TempFlowStructure", "SolStructure"]
+__all__ = ["Rollout", "Transitions", "score_images", "ChunkScorer", "Scores", "GroupSampler", "TempFlowSampler",
+           "BranchSampler", "SolSampler", "Structure", "GroupStructure", "TreeStructure", "TempFlowStructure", "SolStructure"]

@@ -111,8 +111,6 @@ class RewardConfig:
     def __post_init__(self):
         from flowrl.rewards import REGISTRY
 
-        if not isinstance(self.overlap, bool):
-            raise ConfigError(f"reward.overlap must be true or false, got {self.overlap!r}")
         if isinstance(self.weights, str):
             self.weights = {self.weights: 1.0}
         if not isinstance(self.weights, dict) or not self.weights:
