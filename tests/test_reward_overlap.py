@@ -205,3 +205,24 @@ def test_training_with_and_without_overlap_ends_on_the_same_weights(tiny_digits_
             assert a.get(k) == b.get(k), k
     it = [m for m in metrics[True] if "reward_mean" in m]
     assert it and all(m["reward_wait_seconds"] >= 0 and m["reward_seconds"] > 0 for m in it)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs: the worker must score on the caller's "
+                                                           "current device, not GPU 0")
+def test_the_worker_scores_on_the_callers_cuda_device():
+    seen = []
+
+    def device_of(images, prompts):
+        seen.append(torch.cuda.current_device())
+        return images.mean(dim=(1, 2, 3)), {}
+
+    prev = torch.cuda.current_device()
+    torch.cuda.set_device(1)
+    try:
+        with ChunkScorer(None, score=device_of, overlap=True) as s:
+            s.submit(torch.zeros(2, 3, 4, 4), ["a", "b"])
+            s.result()
+    finally:
+        torch.cuda.set_device(prev)
+    assert seen == [1]
