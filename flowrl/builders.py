@@ -2,11 +2,13 @@
 config, and the fixed evaluation (reward-hacking watch). Nothing here imports a trainer."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .diagnostics import high_frequency_energy, within_group_diversity
 from .rollout.base import score_images
-from .rollout.ode import ode_sample
+from .rollout.ode import ode_generate
 from .seeding import derive_seeds
 
 EVAL_SEED = 20251121  # evaluation seeds are fixed, independent of the training seed
@@ -15,7 +17,8 @@ EVAL_SEED = 20251121  # evaluation seeds are fixed, independent of the training 
 def build_reward(cfg):
     from flowrl.rewards import MultiReward, build
 
-    return MultiReward({k: build(k, **cfg.reward.options.get(k, {})) for k in cfg.reward.weights}, cfg.reward.weights)
+    return MultiReward({k: build(k, **cfg.reward.options.get(k, {})) for k in cfg.reward.weights}, cfg.reward.weights,
+                       overlap=cfg.reward.overlap)
 
 
 def build_policy_from_config(cfg, device):
@@ -25,26 +28,37 @@ def build_policy_from_config(cfg, device):
                         device=device, **cfg.model.options)
 
 
+def _with_heldout(reward, heldout: dict):
+    """Scoring of the trained reward plus the held-out ones (components ``heldout/NAME``), per chunk."""
+    def score(images: torch.Tensor, prompts: list[str]) -> tuple[torch.Tensor, dict]:
+        r, comps = score_images(reward, images, prompts)
+        return r, {**comps, **{f"heldout/{k}": score_images(rew, images, prompts)[0] for k, rew in heldout.items()}}
+    return score
+
+
 @torch.no_grad()
 def evaluate_policy(policy, reward, heldout: dict, eval_prompts: list[str], seeds_per_prompt: int, num_steps: int,
-                    it: int) -> tuple[dict, torch.Tensor]:
+                    it: int, max_batch: Optional[int] = None) -> tuple[dict, torch.Tensor]:
     """Fixed prompts x fixed seeds (``EVAL_SEED``), deterministic ODE: trained reward, held-out
     rewards, within-prompt diversity and high-frequency energy (reward-hacking watch).
     Shared by the online and offline (GDRO) trainers, so their curves compare point for point.
+    ``max_batch`` samples at a time, each chunk scored while the next samples (``reward.overlap``).
     Returns (metrics, images [len(eval_prompts) * seeds_per_prompt, 3, H, W])."""
     k = seeds_per_prompt
     prompts = [p for p in eval_prompts for _ in range(k)]
     seeds = derive_seeds(EVAL_SEED, len(prompts))
     groups = torch.arange(len(eval_prompts)).repeat_interleave(k)
-    _, images = ode_sample(policy, prompts, seeds, num_steps)
-    r, comps = score_images(reward, images, prompts)
+    _, images, scores = ode_generate(policy, prompts, seeds, num_steps, reward, max_batch,
+                                     score=_with_heldout(reward, heldout))
+    r = scores.rewards
+    comps = {n: v for n, v in scores.components.items() if not n.startswith("heldout/")}
     fin = r[torch.isfinite(r)]
     met = {"iteration": it, "eval/reward": float(fin.mean()) if fin.numel() else float("nan"),
            "eval/reward_std": float(fin.std()) if fin.numel() > 1 else float("nan"),
            "eval/diversity": within_group_diversity(images, groups), "eval/hf_energy": high_frequency_energy(images)}
     for name, v in comps.items():
         met[f"eval/reward/{name}"] = float(v[torch.isfinite(v)].mean())
-    for name, rew in heldout.items():
-        hv, _ = score_images(rew, images, prompts)
+    for name in heldout:
+        hv = scores.components[f"heldout/{name}"]
         met[f"eval/heldout/{name}"] = float(hv[torch.isfinite(hv)].mean())
     return met, images

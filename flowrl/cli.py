@@ -192,10 +192,40 @@ def _add_bench_parser(sub) -> None:
     from flowrl.bench.host import add_host_parser
     from flowrl.bench.offline import add_offline_parser
     from flowrl.bench.precision import add_precision_parser
+    from flowrl.bench.reward import add_reward_parser
     from flowrl.bench.samplers import add_parsers as add_sampler_benches
 
-    for add in (add_sampler_benches, add_precision_parser, add_offline_parser, add_host_parser):
+    for add in (add_sampler_benches, add_precision_parser, add_offline_parser, add_host_parser, add_reward_parser):
         add(bsub)
+
+
+def _add_serve_reward_parser(sub) -> None:
+    """`flowrl serve-reward`: a reward in its own process behind HTTP (flowrl.rewards.server)."""
+    x = sub.add_parser("serve-reward", help="serve a reward over HTTP for the `remote` reward (its own environment, "
+                                            "GPU or node); prints the URL once ready")
+    x.add_argument("name", help="a registered reward (flowrl.rewards.available()) or module:callable")
+    x.add_argument("--options", nargs="*", default=[], help="the reward's keyword arguments: key=value items, a "
+                                                           "YAML mapping or a YAML file")
+    x.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    x.add_argument("--port", type=int, default=0, help="port (0: a free one, printed)")
+    x.add_argument("--max-batch", type=int, default=64, help="images per reward call; concurrent requests merge up to it")
+    x.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a request waits for others to merge with")
+    x.add_argument("--max-request-mb", type=float, default=256.0, help="largest request body accepted (413 above)")
+    x.add_argument("--token-env", default=None, help="environment variable holding a bearer token that /score requires")
+
+    def run(a) -> int:
+        from flowrl.rewards.server import ServeOptions, serve_reward_command
+        from flowrl.trainers.config import ConfigError
+
+        try:
+            opts = ServeOptions(host=a.host, port=a.port, max_batch=a.max_batch, max_wait=a.max_wait_ms / 1000,
+                                max_request_mb=a.max_request_mb, token_env=a.token_env)
+            opts.token()  # an unset --token-env fails here, before the reward loads
+            return serve_reward_command(a.name, a.options, opts)
+        except (ValueError, ImportError) as e:
+            raise ConfigError(str(e)) from None
+
+    x.set_defaults(fn=run)
 
 
 def _add_plan_parser(sub) -> None:
@@ -211,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for add in (_add_train_parser, _add_generate_offline_parser, _add_rescore_offline_parser,
                 _add_pretrain_digits_parser, _add_sample_parser, _add_eval_parser, _add_make_tiny_parser,
-                _add_export_parser, _add_bench_parser, _add_plan_parser):
+                _add_export_parser, _add_bench_parser, _add_plan_parser, _add_serve_reward_parser):
         add(sub)
     return p
 

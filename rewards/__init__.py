@@ -24,7 +24,13 @@ REGISTRY: dict[str, str] = {
     "imagereward": "flowrl.rewards.imagereward:ImageReward",
     "ocr": "flowrl.rewards.ocr:OCRReward",
     "vlm_judge": "flowrl.rewards.vlm:VLMJudge",
+    "remote": "flowrl.rewards.remote:RemoteReward",  # served by `flowrl serve-reward`
 }
+
+
+class RewardUnavailable(RuntimeError):
+    """A reward could not be reached (a reward server gone, a judge endpoint down) after its retries;
+    the trainer stops at the iteration boundary and the run continues with ``--resume``."""
 
 
 def register(name: str, target: Union[str, Callable]) -> None:
@@ -61,14 +67,17 @@ class MultiReward:
     per-reward advantage normalisation (MixGRPO ``advantage_aggr``).
 
     NaN in a component with non-zero weight makes the total NaN for that image (not applicable).
+    ``overlap``: samplers score each finished chunk while the next one samples (False: the serial
+    path; ``flowrl.rollout.scoring``).
     """
 
-    def __init__(self, rewards: Mapping[str, Callable], weights: Mapping[str, float]):
+    def __init__(self, rewards: Mapping[str, Callable], weights: Mapping[str, float], overlap: bool = True):
         if set(rewards) != set(weights):
             raise ValueError(f"rewards {sorted(rewards)} and weights {sorted(weights)} must name the same rewards")
         if not rewards:
             raise ValueError("MultiReward needs at least one reward")
         self.rewards, self.weights = dict(rewards), {k: float(v) for k, v in weights.items()}
+        self.overlap = bool(overlap)
         self.name = "+".join(f"{w:g}*{k}" for k, w in self.weights.items())
 
     def components(self, images: torch.Tensor, prompts: list[str], **meta) -> dict[str, torch.Tensor]:
@@ -82,10 +91,11 @@ class MultiReward:
         return self.combine(self.components(images, prompts, **meta))
 
 
-def build_multi(weights: Mapping[str, float], kwargs: Optional[Mapping[str, dict]] = None) -> MultiReward:
+def build_multi(weights: Mapping[str, float], kwargs: Optional[Mapping[str, dict]] = None,
+                overlap: bool = True) -> MultiReward:
     """``{name: weight}`` (+ per-name kwargs) -> :class:`MultiReward`."""
     kwargs = kwargs or {}
     unknown = set(kwargs) - set(weights)
     if unknown:
         raise ValueError(f"reward options given for {sorted(unknown)}, which are not in the weights {sorted(weights)}")
-    return MultiReward({k: build(k, **kwargs.get(k, {})) for k in weights}, weights)
+    return MultiReward({k: build(k, **kwargs.get(k, {})) for k in weights}, weights, overlap=overlap)

@@ -6,8 +6,10 @@ mirrors the peers' image processors, weight-file loading, the LAION-style linear
 and a transformers CLIP wrapper that returns unit-norm image/text embeddings.
 
 Preprocessing runs on tensors on the reward's device (no PIL round trip), so it is batched
-and differentiable; it matches the PIL-based processors up to resampling differences
-(antialiased bicubic in torch vs PIL), which the tests bound.
+and differentiable. Each reward follows its reference's geometry exactly (docs/rewards.md,
+"Preprocessing"): transformers' ``CLIPImageProcessor`` floors the centre-crop offset, torchvision's
+``CenterCrop`` rounds it; a float (tensor) resize is not clamped, a uint8 (PIL) one saturates to
+[0, 1]. What remains is the 8-bit quantisation of the PIL references, which the tests bound.
 """
 from __future__ import annotations
 
@@ -88,39 +90,58 @@ def chunks(n: int, size: int) -> Iterator[slice]:
 
 
 # ---------------------------------------------------------------- preprocessing on tensors
-def resize_shortest_edge(images: torch.Tensor, size: int, mode: str = "bicubic") -> torch.Tensor:
-    """``[B, 3, H, W]`` -> shorter side ``size``, aspect kept (HF ``shortest_edge`` rounding)."""
+CROP_OFFSETS = ("floor", "round")  # transformers' CLIPImageProcessor floors, torchvision's CenterCrop rounds
+
+
+def resize_shortest_edge(images: torch.Tensor, size: int, mode: str = "bicubic", clamp: bool = True) -> torch.Tensor:
+    """``[B, 3, H, W]`` -> shorter side ``size``, aspect kept (``int(size * long / short)``, as both
+    transformers' ``shortest_edge`` and torchvision's ``Resize(int)`` compute it); antialiased.
+
+    ``clamp``: saturate to [0, 1] as a uint8 (PIL) resize does; a float-tensor reference
+    (torchvision ``Resize`` on tensors) keeps the overshoot of the cubic kernel."""
     h, w = images.shape[-2:]
     short, long = (h, w) if h <= w else (w, h)
     new_long = int(size * long / short)
     nh, nw = (size, new_long) if h <= w else (new_long, size)
     if (nh, nw) == (h, w):
         return images
-    return F.interpolate(images, size=(nh, nw), mode=mode, antialias=True, align_corners=False).clamp(0, 1)
+    out = F.interpolate(images, size=(nh, nw), mode=mode, antialias=True, align_corners=False)  # [B, 3, nh, nw]
+    return out.clamp(0, 1) if clamp else out
 
 
-def center_crop(images: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """torchvision ``CenterCrop`` offsets; the image must be at least the crop size."""
+def center_crop(images: torch.Tensor, height: int, width: int, offset: str = "floor") -> torch.Tensor:
+    """Centre crop ``[..., H, W]`` -> ``[..., height, width]``; the image must be at least the crop size.
+
+    ``offset="floor"``: ``(H - height) // 2``, transformers' ``CLIPImageProcessor`` (both backends);
+    ``"round"``: ``int(round((H - height) / 2))``, torchvision's ``CenterCrop`` (open_clip, BLIP). They
+    differ by one pixel when ``H - height`` is 3 mod 4 (a 832 x 1216 image resized to 224 x 327)."""
+    if offset not in CROP_OFFSETS:
+        raise ValueError(f"crop offset must be one of {CROP_OFFSETS}, got {offset!r}")
     h, w = images.shape[-2:]
     if h < height or w < width:
         raise ValueError(f"cannot center-crop {h}x{w} images to {height}x{width}")
-    top, left = int(round((h - height) / 2.0)), int(round((w - width) / 2.0))
+    if offset == "floor":
+        top, left = (h - height) // 2, (w - width) // 2
+    else:
+        top, left = int(round((h - height) / 2.0)), int(round((w - width) / 2.0))
     return images[..., top:top + height, left:left + width]
 
 
 def resize_longest_pad(images: torch.Tensor, size: int, mode: str = "bicubic", fill: float = 0.0) -> torch.Tensor:
-    """HPS-v2's ``ResizeMaxSize``: longer side -> ``size``, then pad (``fill``) to a centred square."""
+    """HPS-v2's ``ResizeMaxSize`` (its val transform, after ``ToTensor``): longer side -> ``size``
+    (float resize, not clamped), then pad (``fill``) to a centred square, the odd pixel at the end."""
     h, w = images.shape[-2:]
     scale = size / float(max(h, w))
     nh, nw = round(h * scale), round(w * scale)
     out = images
     if (nh, nw) != (h, w):
-        out = F.interpolate(images, size=(nh, nw), mode=mode, antialias=True, align_corners=False).clamp(0, 1)
+        out = F.interpolate(images, size=(nh, nw), mode=mode, antialias=True, align_corners=False)  # [B, 3, nh, nw]
     ph, pw = size - nh, size - nw
     return F.pad(out, (pw // 2, pw - pw // 2, ph // 2, ph - ph // 2), value=fill)
 
 
 _PIL_RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL.Image.Resampling values -> torch modes
+PREPROCESS_REFERENCES = ("transformers", "torchvision")  # ImageTransform.from_hf
 
 
 @dataclass
@@ -128,7 +149,9 @@ class ImageTransform:
     """Resize + crop (or pad) + normalise, on ``[B, 3, H, W]`` tensors in [0, 1].
 
     ``resize="shortest"``: shorter side -> ``size`` then centre crop ``crop`` (CLIP processors,
-    open_clip and BLIP val transforms). ``resize="longest_pad"``: HPS-v2's ResizeMaxSize.
+    open_clip and BLIP val transforms) with the reference's ``crop_offset`` (:func:`center_crop`);
+    ``clamp`` saturates the resized image as a uint8 reference does. ``resize="longest_pad"``:
+    HPS-v2's ResizeMaxSize.
     """
 
     size: int
@@ -137,26 +160,37 @@ class ImageTransform:
     std: Sequence[float] = CLIP_STD
     mode: str = "bicubic"
     resize: str = "shortest"
+    crop_offset: str = "floor"
+    clamp: bool = True
 
     def __post_init__(self):
         if self.resize not in ("shortest", "longest_pad"):
             raise ValueError(f"resize must be 'shortest' or 'longest_pad', got {self.resize!r}")
+        if self.crop_offset not in CROP_OFFSETS:
+            raise ValueError(f"crop_offset must be one of {CROP_OFFSETS}, got {self.crop_offset!r}")
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         x = images.float().clamp(0, 1)  # [B, 3, H, W]
         if self.resize == "longest_pad":
             x = resize_longest_pad(x, self.size, self.mode)  # [B, 3, S, S]
         else:
-            x = resize_shortest_edge(x, self.size, self.mode)  # [B, 3, >=S, >=S]
+            x = resize_shortest_edge(x, self.size, self.mode, self.clamp)  # [B, 3, >=S, >=S]
             if self.crop is not None:
-                x = center_crop(x, *self.crop)  # [B, 3, h, w]
+                x = center_crop(x, *self.crop, offset=self.crop_offset)  # [B, 3, h, w]
         mean = torch.tensor(self.mean, device=x.device).view(1, 3, 1, 1)
         std = torch.tensor(self.std, device=x.device).view(1, 3, 1, 1)
         return (x - mean) / std
 
     @classmethod
-    def from_hf(cls, processor) -> "ImageTransform":
-        """From a transformers CLIP-style image processor (``size``, ``crop_size``, mean/std)."""
+    def from_hf(cls, processor, reference: str = "transformers") -> "ImageTransform":
+        """From a transformers CLIP-style image processor (``size``, ``crop_size``, mean/std).
+
+        ``reference="transformers"``: the processor itself (its resample, floored crop offset, on
+        uint8 images). ``"torchvision"``: the same sizes through torchvision's ``Resize(size)`` (its
+        default bilinear) and ``CenterCrop`` on float tensors, as Flow-GRPO's CLIPScore builds it
+        from the processor's config (rounded crop offset, no clamp)."""
+        if reference not in PREPROCESS_REFERENCES:
+            raise ValueError(f"preprocessing reference must be one of {PREPROCESS_REFERENCES}, got {reference!r}")
         size = processor.size
         if "shortest_edge" in size:
             short = int(size["shortest_edge"])
@@ -167,9 +201,12 @@ class ImageTransform:
         crop = None
         if getattr(processor, "do_center_crop", False) and getattr(processor, "crop_size", None):
             crop = (int(processor.crop_size["height"]), int(processor.crop_size["width"]))
+        mean, std = tuple(processor.image_mean), tuple(processor.image_std)
+        if reference == "torchvision":
+            return cls(size=short, crop=crop, mean=mean, std=std, mode="bilinear", crop_offset="round", clamp=False)
         resample = getattr(processor, "resample", 3)
         mode = _PIL_RESAMPLE.get(int(resample), "bicubic") if resample is not None else "bicubic"
-        return cls(size=short, crop=crop, mean=tuple(processor.image_mean), std=tuple(processor.image_std), mode=mode)
+        return cls(size=short, crop=crop, mean=mean, std=std, mode=mode, crop_offset="floor", clamp=True)
 
 
 # ---------------------------------------------------------------- weights
@@ -242,17 +279,18 @@ class HFClip:
 
     ``model`` and ``processor`` are ``from_pretrained`` paths or ids (PickScore keeps its
     processor in a different repository than its weights). ``text=False`` skips the tokenizer.
+    ``preprocess`` picks the image path's reference (:meth:`ImageTransform.from_hf`).
     """
 
     def __init__(self, model: str, processor: Optional[str] = None, device: str = "cpu",
-                 dtype: DTypeLike = "float32", text: bool = True):
+                 dtype: DTypeLike = "float32", text: bool = True, preprocess: str = "transformers"):
         transformers = require("transformers", "transformers")
         self.device, self.dtype = torch.device(device), resolve_dtype(dtype)
         src = processor or model
         self.model = from_pretrained(transformers.CLIPModel.from_pretrained, model, "CLIP model")
         self.model = self.model.eval().requires_grad_(False).to(self.device, self.dtype)
         image_processor = from_pretrained(transformers.CLIPImageProcessor.from_pretrained, src, "CLIP image processor")
-        self.transform = ImageTransform.from_hf(image_processor)
+        self.transform = ImageTransform.from_hf(image_processor, preprocess)
         self.tokenizer = None
         if text:
             self.tokenizer = from_pretrained(transformers.AutoTokenizer.from_pretrained, src, "CLIP tokenizer")
@@ -299,10 +337,10 @@ class ScaledCosineReward:
     name = "scaled_cosine"
 
     def __init__(self, model: str, processor: Optional[str] = None, device: str = "cpu", dtype: DTypeLike = "float32",
-                 divisor: float = 1.0, batch_size: int = 32):
+                 divisor: float = 1.0, batch_size: int = 32, preprocess: str = "transformers"):
         if divisor <= 0:
             raise ValueError(f"divisor must be > 0, got {divisor}")
-        self.clip = HFClip(model, processor, device=device, dtype=dtype)
+        self.clip = HFClip(model, processor, device=device, dtype=dtype, preprocess=preprocess)
         self.divisor, self.batch_size = float(divisor), int(batch_size)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], **meta) -> torch.Tensor:

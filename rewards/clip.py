@@ -8,6 +8,13 @@ about 0.6-1.1 for matching pairs. Hessel's CLIPScore is ``2.5 * max(cos, 0)``; u
 
 Default weights: ``openai/clip-vit-large-patch14`` (transformers ``CLIPModel``), loaded with
 ``from_pretrained`` from a local directory or the Hugging Face cache.
+
+Preprocessing (``preprocess``): the references disagree. ``"torchvision"`` (default) is Flow-GRPO's
+``clip_scorer.py``: torchvision ``Resize(224)`` (bilinear, its default) and ``CenterCrop(224)``
+(rounded offset) on the float images, sizes and statistics from the processor's config.
+``"transformers"`` is the model's ``CLIPImageProcessor`` (bicubic, floored crop offset), as
+``CLIPProcessor`` users score it; the two differ by a few percent of the
+score spread at 512 px.
 """
 from __future__ import annotations
 
@@ -24,5 +31,7 @@ class CLIPScore(ScaledCosineReward):
     resident_note = "openai/clip-vit-large-patch14 CLIPModel: 427.6M"
 
     def __init__(self, model: str = "openai/clip-vit-large-patch14", processor: Optional[str] = None,
-                 device: str = "cpu", dtype: DTypeLike = "float32", divisor: float = 30.0, batch_size: int = 32):
-        super().__init__(model, processor, device=device, dtype=dtype, divisor=divisor, batch_size=batch_size)
+                 device: str = "cpu", dtype: DTypeLike = "float32", divisor: float = 30.0, batch_size: int = 32,
+                 preprocess: str = "torchvision"):
+        super().__init__(model, processor, device=device, dtype=dtype, divisor=divisor, batch_size=batch_size,
+                         preprocess=preprocess)

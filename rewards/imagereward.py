@@ -12,7 +12,7 @@ package: ``BlipVisionModel`` (the BLIP ViT; timm key names are mapped) and ``Bli
 (the BLIP "med" BERT with cross-attention; same key names). Text: ``bert-base-uncased``
 tokenizer plus BLIP's ``[DEC]``/``[ENC]`` tokens, padded to 35 tokens, first token ``[CLS]``
 (as ImageReward's ``score``, which does not swap in ``[ENC]``). Images: shorter side -> 224
-bicubic, centre crop, OpenAI CLIP mean/std.
+bicubic, centre crop at torchvision's rounded offset, OpenAI CLIP mean/std.
 """
 from __future__ import annotations
 
@@ -184,8 +184,9 @@ class ImageReward:
         if len(self.tokenizer) > tcfg.vocab_size:
             raise ValueError(f"tokenizer has {len(self.tokenizer)} tokens but the text encoder only {tcfg.vocab_size}: "
                              "ImageReward uses bert-base-uncased")
+        # ImageReward's BLIP val transform: torchvision Resize (bicubic) + CenterCrop (rounded offset) on PIL
         self.transform = ImageTransform(size=vcfg.image_size, crop=(vcfg.image_size, vcfg.image_size),
-                                        mean=CLIP_MEAN, std=CLIP_STD)
+                                        mean=CLIP_MEAN, std=CLIP_STD, crop_offset="round")
         self.batch_size = int(batch_size)
 
     @torch.no_grad()

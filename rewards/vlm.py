@@ -19,15 +19,12 @@ scores it NaN instead). The API key is read from the environment variable named 
 from __future__ import annotations
 
 import base64
-import http.client
 import io
 import json
 import logging
 import math
 import os
 import re
-import socket
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +33,9 @@ from typing import Any, Mapping, Optional
 import torch
 from PIL import Image
 
+from . import RewardUnavailable
 from ._clip_common import check_inputs
+from ._http import fetch
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +49,7 @@ DEFAULT_SCORE_PATTERN = r"score\s*[:=]?\s*\**\s*(-?\d+(?:\.\d+)?)"
 _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
 
-class VLMJudgeError(RuntimeError):
+class VLMJudgeError(RewardUnavailable):
     """The judge endpoint could not be used (timeouts, connection or HTTP errors after retries)."""
 
 
@@ -148,36 +147,14 @@ class VLMJudge:
         return {"model": self.model, "messages": messages, "temperature": self.temperature,
                 "max_tokens": self.max_tokens, **self.extra_body}
 
-    def _post(self, body: bytes) -> bytes:
+    def _post_with_retries(self, body: bytes) -> bytes:
         headers = {"Content-Type": "application/json"}
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
         req = urllib.request.Request(self.endpoint, data=body, headers=headers, method="POST")
-        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-            return resp.read()
-
-    def _post_with_retries(self, body: bytes) -> bytes:
-        last = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            try:
-                return self._post(body)
-            except urllib.error.HTTPError as e:
-                detail = _snippet(e.read().decode("utf-8", "replace"))
-                if e.code not in _RETRY_STATUS:
-                    raise VLMJudgeError(f"judge endpoint {self.endpoint} answered HTTP {e.code}: {detail}") from None
-                last = f"HTTP {e.code}: {detail}"
-            except (TimeoutError, socket.timeout):
-                last = f"timed out ({self.timeout:g} s)"
-            except urllib.error.URLError as e:
-                last = "timed out" if isinstance(e.reason, (TimeoutError, socket.timeout)) else f"{e.reason}"
-            except (ConnectionError, OSError, http.client.HTTPException) as e:
-                last = f"{type(e).__name__}: {e}"
-            log.warning("judge request to %s failed (attempt %d/%d): %s", self.endpoint, attempt + 1,
-                        self.retries + 1, last)
-        raise VLMJudgeError(f"judge endpoint {self.endpoint} failed after {self.retries + 1} attempts "
-                            f"(timeout {self.timeout:g} s each); last error: {last}")
+        return fetch(req, timeout=self.timeout, retries=self.retries, backoff=self.backoff,
+                     what=f"judge endpoint {self.endpoint}", error=VLMJudgeError,
+                     detail=lambda e: _snippet(e.read().decode("utf-8", "replace")), retry_status=_RETRY_STATUS)
 
     def parse_score(self, text: str) -> float:
         """The last ``score_pattern`` match (or a bare number), mapped to [0, 1]; VLMReplyError if none."""

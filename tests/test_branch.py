@@ -119,11 +119,21 @@ def test_tree_is_independent_of_batch_mates(tiny_digits_policy):
 
 
 def test_max_batch_chunks_calls_not_results(tiny_digits_policy, counting):
+    from dataclasses import fields
+
     pol = counting(tiny_digits_policy)
     chunked = BranchSampler(**SMALL, max_batch=3)(pol, [P3, P7], seed=2)
-    assert pol.rows == 2 * 17 and pol.calls == sum(-(-2 * n // 3) for n in (1, 2, 2, 4, 4, 4))
+    # 4 leaves per tree > max_batch: each tree grows as its own chunk (scored while the next grows),
+    # its steps' rows in calls of at most 3
+    assert pol.rows == 2 * 17 and pol.calls == 2 * sum(-(-n // 3) for n in (1, 2, 2, 4, 4, 4))
     whole = BranchSampler(**SMALL)(tiny_digits_policy, [P3, P7], seed=2)
     assert torch.allclose(chunked.x0, whole.x0, atol=1e-5)
+    for f in fields(whole.layout):  # the same trees, numbered as if grown together
+        a, b = getattr(whole.layout, f.name), getattr(chunked.layout, f.name)
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b) if not a.is_floating_point() else torch.allclose(a, b, atol=1e-4), f.name
+    for f in ("prompt_index", "sample_index", "step"):
+        assert torch.equal(getattr(whole.transitions, f), getattr(chunked.transitions, f)), f
 
 
 # --- BranchGRPO-Mix ---------------------------------------------------------------------------

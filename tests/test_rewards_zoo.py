@@ -63,6 +63,8 @@ def check_pairing(reward, images, prompts):
 # ---------------------------------------------------------------- PickScore / CLIPScore
 @pytest.mark.parametrize("name,divisor", [("pickscore", 26.0), ("clipscore", 30.0)])
 def test_clip_similarity_rewards_match_reference(tiny_clip_dir, name, divisor):
+    import torchvision.transforms as T
+
     pil = photos((96, 64))  # not square: exercises shortest-edge resize + centre crop
     images = to_tensor(pil)
     reward = rewards.build(name, model=tiny_clip_dir, processor=tiny_clip_dir, batch_size=3)
@@ -70,14 +72,31 @@ def test_clip_similarity_rewards_match_reference(tiny_clip_dir, name, divisor):
     s = check_common(reward, images, PROMPTS)
     check_pairing(reward, images, PROMPTS)
 
-    # the peers' path: PIL -> CLIPProcessor -> CLIPModel logits_per_image diagonal / divisor
     model, proc = _clip_reference(tiny_clip_dir)
     inp = proc(text=PROMPTS, images=pil, return_tensors="pt", padding=True)
+    if name == "clipscore":  # Flow-GRPO's clip_scorer: torchvision Resize + CenterCrop from the processor's config
+        ip = proc.image_processor
+        tf = T.Compose([T.Resize(ip.size["shortest_edge"]), T.CenterCrop((ip.crop_size["height"], ip.crop_size["width"])),
+                        T.Normalize(ip.image_mean, ip.image_std)])
+        inp["pixel_values"] = tf(images)
+        torch.testing.assert_close(reward.clip.transform(images), inp["pixel_values"], atol=1e-5, rtol=0)
+    else:  # PickScore's own path: PIL -> CLIPProcessor
+        assert (reward.clip.transform(images) - inp["pixel_values"]).abs().max() < 0.1  # 8-bit rounding only
     with torch.no_grad():
         ref = model(**inp).logits_per_image.diag() / divisor
-    torch.testing.assert_close(s, ref, atol=5e-3, rtol=0)
-    # the tensor preprocessing stays close to the PIL processor
-    assert (reward.clip.transform(images) - inp["pixel_values"]).abs().max() < 0.1
+    torch.testing.assert_close(s, ref, atol=5e-3 if name == "pickscore" else 1e-4, rtol=0)
+
+
+def test_each_reward_uses_its_references_geometry(tiny_clip_dir, tiny_aesthetic_head):
+    """transformers' processor floors the crop offset (PickScore, aesthetic, clipscore's
+    preprocess="transformers"); Flow-GRPO's CLIPScore is torchvision's bilinear Resize + rounded crop."""
+    geometry = lambda r: (r.clip.transform.mode, r.clip.transform.crop_offset, r.clip.transform.clamp)  # noqa: E731
+    assert geometry(rewards.build("pickscore", model=tiny_clip_dir, processor=tiny_clip_dir)) == ("bicubic", "floor", True)
+    assert geometry(rewards.build("aesthetic", head=tiny_aesthetic_head[0], clip=tiny_clip_dir)) == ("bicubic", "floor", True)
+    assert geometry(rewards.build("clipscore", model=tiny_clip_dir)) == ("bilinear", "round", False)
+    assert geometry(rewards.build("clipscore", model=tiny_clip_dir, preprocess="transformers")) == ("bicubic", "floor", True)
+    with pytest.raises(ValueError, match="preprocessing reference must be one of"):
+        rewards.build("clipscore", model=tiny_clip_dir, preprocess="pil")
 
 
 def test_pickscore_defaults_are_the_published_ones():
@@ -221,6 +240,7 @@ def test_imagereward_matches_original_architecture(tiny_imagereward):
                            vision_config=TINY_BLIP_VISION, batch_size=3)
     s = check_common(reward, images, PROMPTS)
     check_pairing(reward, images, PROMPTS)
+    assert reward.transform.crop_offset == "round"  # torchvision's CenterCrop, as BLIP's transform
 
     # ImageReward.score(): torchvision PIL transform -> BLIP ViT (timm) -> med BERT [CLS] -> MLP -> normalise
     tf = T.Compose([T.Resize(32, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(32), T.ToTensor(),

@@ -3,8 +3,9 @@ from ..structures import GroupStructure, SolStructure, Structure, TempFlowStruct
 from .base import Rollout, Transitions, score_images
 from .branch import BranchSampler
 from .group import GroupSampler
+from .scoring import ChunkScorer, Scores
 from .sol import SolSampler
 from .tempflow import TempFlowSampler
 
-__all__ = ["Rollout", "Transitions", "score_images", "GroupSampler", "TempFlowSampler", "BranchSampler", "SolSampler",
-           "Structure", "GroupStructure", "TreeStructure", "TempFlowStructure", "SolStructure"]
+__all__ = ["Rollout", "Transitions", "score_images", "ChunkScorer", "Scores", "GroupSampler", "TempFlowSampler",
+           "BranchSampler", "SolSampler", "Structure", "GroupStructure", "TreeStructure", "TempFlowStructure", "SolStructure"]

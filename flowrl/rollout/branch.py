@@ -23,8 +23,9 @@ from ..seeding import derive_seeds, seeded_randn_rows
 from ..sde import DEFAULT_NOISE_LEVEL, STEPS, get_step, ode_step
 from ..structures import TreeStructure
 from ..types import FlowPolicy, RewardFn, index_cond
-from .base import Rollout, Transitions, score_images
+from .base import Rollout, Transitions
 from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
+from .scoring import ChunkScorer, unit_chunks
 
 MODES = ("sde", "mix")
 _MAX_PATHS = 1 << 20  # active latents per tree and step, bounds the noise-stream encoding
@@ -90,11 +91,33 @@ class _TreeLog:
     n_edges: int = 0
 
     @classmethod
-    def roots(cls, p: int, device) -> "_TreeLog":
-        """The ``p`` roots (nodes ``0..p-1``, one per tree)."""
+    def roots(cls, trees: torch.Tensor, device) -> "_TreeLog":
+        """One root per tree of ``trees`` [p] (nodes ``0..p-1``)."""
+        p = trees.numel()
         return cls(parent=[torch.full((p,), -1)], depth=[torch.zeros(p, dtype=torch.long)],
-                   node_tree=[torch.arange(p)], node_lp=[torch.zeros(p, device=device)],
+                   node_tree=[trees.clone()], node_lp=[torch.zeros(p, device=device)],
                    node_edge=[torch.full((p,), -1)], n_nodes=p)
+
+    @classmethod
+    def merge(cls, logs: list["_TreeLog"], firsts: list[int], per_tree: list[int], stored: list[int]) -> "_TreeLog":
+        """The log of all trees from the logs of consecutive tree chunks (chunk ``k`` holds trees
+        ``firsts[k]...``), renumbered as if all had grown together: node ids entry-major (roots, then
+        the children of each step), tree-major within an entry. ``per_tree[e]`` is the nodes per
+        tree of entry ``e``; ``stored`` the entries whose incoming edges are stored (edge ids alike)."""
+        p = sum(log.node_tree[0].numel() for log in logs)
+        edges_per_tree = [per_tree[e] for e in stored]
+        out = cls(n_nodes=sum(log.n_nodes for log in logs), n_edges=sum(log.n_edges for log in logs))
+        for e in range(len(per_tree)):
+            for log, a in zip(logs, firsts):
+                c = log.node_tree[0].numel()
+                out.parent.append(_renumber(log.parent[e], c, a, p, per_tree))
+                out.node_edge.append(_renumber(log.node_edge[e], c, a, p, edges_per_tree))
+                out.depth.append(log.depth[e])
+                out.node_tree.append(log.node_tree[e])
+                out.node_lp.append(log.node_lp[e])
+        out.parts = [Transitions.concat([log.parts[k] for log in logs]) if len(logs) > 1 else logs[0].parts[k]
+                     for k in range(len(stored))]
+        return out
 
     def add_children(self, i: int, node: torch.Tensor, tree: torch.Tensor, st: _Step, stored: bool) -> torch.Tensor:
         """Record the children made by step ``i`` (parents ``node[st.rep]``); ``stored``: the step
@@ -118,6 +141,18 @@ class _TreeLog:
         self.n_nodes += c
         return ids
 
+
+def _renumber(ids: torch.Tensor, c: int, a: int, p: int, sizes: list[int]) -> torch.Tensor:
+    """Ids [n] numbered entry-major within a chunk of ``c`` trees starting at tree ``a`` (``sizes[e]`` ids per
+    tree in entry ``e``; -1 kept) -> the same ids numbered among all ``p`` trees."""
+    if not sizes or ids.numel() == 0 or (ids < 0).all():
+        return ids
+    cum = torch.tensor([0] + list(sizes)).cumsum(0)  # [E + 1] ids per tree before each entry
+    e = (torch.searchsorted(c * cum[:-1], ids, right=True) - 1).clamp(min=0)  # [n] entry of each id
+    q = ids - c * cum[e]  # [n] position within the chunk's entry
+    return torch.where(ids >= 0, p * cum[e] + a * torch.tensor(list(sizes))[e] + q, ids)  # [n]
+
+
 @dataclass
 class BranchSampler:
     """One branching tree per prompt (BranchGRPO, arXiv 2509.06040), all trees batched per step.
@@ -137,7 +172,9 @@ class BranchSampler:
         window, window_start, window_shift_every: the mix-mode window: ``window`` consecutive
             steps from ``window_start``, sliding one step every ``window_shift_every``
             iterations (wrapping around), fixed if None.
-        max_batch: chunk velocity calls to at most this many rows (memory), None = all.
+        max_batch: chunk velocity calls to at most this many rows (memory), None = all; the
+            trees also grow in chunks of ``max_batch // leaves`` (at least one), each chunk's leaves
+            scored while the next chunk grows.
     """
 
     num_steps: int = 20
@@ -255,11 +292,25 @@ class BranchSampler:
         cond = policy.encode_prompts(list(prompts))  # per prompt [P, ...]
         x, sigmas, sig_dev = sampling_setup(policy, tree_seeds, self.num_steps)  # [P, C, H, W], [T + 1] CPU / device
         shape = tuple(x.shape[1:])
-        x, tree, node, log, counter = self._grow(policy, cond, x, sig_dev, tree_seeds, iteration)
-        t_roll = time.perf_counter() - t0
-
-        images = policy.decode(x).float().cpu()  # [N, 3, H, W], leaves only, each once
-        rewards, comps = score_images(reward, images, [prompts[t] for t in tree.tolist()])
+        counts = self.active_counts()  # nodes per tree of each log entry (roots, then each step's children)
+        stored = [i + 1 for i in range(self.num_steps) if i in set(self.sde_steps(iteration))]
+        counter = EvalCounter()
+        leaves, trees, nodes, logs, firsts, images = [], [], [], [], [], []
+        with ChunkScorer(reward) as scorer:
+            for ts in unit_chunks(p, self.num_leaves, self.max_batch):  # whole trees, scored while the next grow
+                c = ts.stop - ts.start
+                xc, tree, node, log = self._grow(policy, {k: v[ts] for k, v in cond.items()}, x[ts], sig_dev,
+                                                 tree_seeds, iteration, torch.arange(ts.start, ts.stop), counter)
+                leaves.append(xc)
+                trees.append(tree)
+                nodes.append(_renumber(node, c, ts.start, p, counts))
+                logs.append(log)
+                firsts.append(ts.start)
+                images.append(policy.decode(xc).float().cpu())  # [n_c, 3, H, W], leaves only, each once
+                scorer.submit(images[-1], [prompts[t] for t in tree.tolist()])
+            scores = scorer.result()
+        x, tree, node = torch.cat(leaves), torch.cat(trees), torch.cat(nodes)  # [N, C, H, W], [N], [N]
+        log = _TreeLog.merge(logs, firsts, counts, stored)
         layout = TreeStructure.from_tree(
             torch.cat(log.parent), torch.cat(log.depth), torch.cat(log.node_tree),
             torch.cat(log.node_lp).cpu(),  # one copy to the host
@@ -271,29 +322,30 @@ class BranchSampler:
         return Rollout(
             prompts=list(prompts), prompt_index=tree.clone(),
             seeds=torch.tensor([tree_seeds[t] for t in tree.tolist()], dtype=torch.long),
-            group_index=tree.clone(), x0=x, images=images, rewards=rewards, transitions=trans,
+            group_index=tree.clone(), x0=x, images=torch.cat(images), rewards=scores.rewards, transitions=trans,
             sigmas=sigmas, step_type=self.step, noise_level=float(self.noise_level),
-            layout=layout, reward_components=comps, cond=cond,
-            stats={"model_evals": counter.rows, "velocity_calls": counter.calls, "rollout_seconds": t_roll,
-                   "reward_seconds": time.perf_counter() - t0 - t_roll, "tree_nodes": log.n_nodes,
-                   "tree_edges": log.n_edges})
+            layout=layout, reward_components=scores.components, cond=cond,
+            stats={"model_evals": counter.rows, "velocity_calls": counter.calls,
+                   "rollout_seconds": time.perf_counter() - t0 - scores.wait_seconds, **scores.stats(),
+                   "tree_nodes": log.n_nodes, "tree_edges": log.n_edges})
 
     # --- steps of __call__ -----------------------------------------------------------------
     def _grow(self, policy: FlowPolicy, cond, x: torch.Tensor, sig_dev: torch.Tensor, tree_seeds: list[int],
-              iteration: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _TreeLog, EvalCounter]:
-        """Run the T steps of all trees, one batched velocity call per step.
+              iteration: int, trees: torch.Tensor, counter: EvalCounter
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _TreeLog]:
+        """Run the T steps of the trees ``trees`` [p] (a chunk), one batched velocity call per step.
 
-        ``x`` [P, C, H, W] are the roots' initial noises. Returns ``(leaves [N, C, H, W], tree
-        [N], leaf node ids [N], log, counter)``, leaves tree-major in path order.
+        ``x`` [p, C, H, W] are the roots' initial noises, ``cond`` [p, ...] their conditioning,
+        ``tree_seeds`` every tree's seed. Returns ``(leaves [n, C, H, W], tree [n], leaf node ids [n],
+        log)``, leaves tree-major in path order, node ids numbered within the chunk.
         """
         p, dev = x.shape[0], x.device
         splits, stoch = set(self.split_steps), set(self.sde_steps(iteration))
-        counter = EvalCounter()
-        tree = torch.arange(p)            # [R] tree of each active latent (non-decreasing)
-        tree_d = torch.arange(p, device=dev)  # [R] the same on x's device (conditioning rows)
+        tree = trees.clone()              # [R] tree of each active latent (non-decreasing)
+        tree_d = torch.arange(p, device=dev)  # [R] its row of the chunk's conditioning, on x's device
         pos = torch.zeros(p, dtype=torch.long)  # [R] index in its tree's active list (= path)
         node = torch.arange(p)            # [R] node id of each active latent
-        log = _TreeLog.roots(p, dev)
+        log = _TreeLog.roots(trees, dev)
         for i in range(self.num_steps):
             s, s_next = step_sigmas(sig_dev, i, x.shape[0])  # [R], [R] on x's device
             v = velocity_batched(policy, x, s, index_cond(cond, tree_d), self.max_batch, counter)  # [R, C, H, W]
@@ -304,7 +356,7 @@ class BranchSampler:
                 st = self._plain_step(i, v, x, s, s_next, pos, tree_d, row_seeds, stochastic=i in stoch)
             node = log.add_children(i, node, tree, st, stored=i in stoch)
             x, tree, pos, tree_d = st.out.sample, tree[st.rep], st.pos, st.tree_d
-        return x, tree, node, log, counter
+        return x, tree, node, log
 
     def _split_step(self, i: int, v: torch.Tensor, x: torch.Tensor, s: torch.Tensor, s_next: torch.Tensor,
                     pos: torch.Tensor, tree_d: torch.Tensor, row_seeds: list[int]) -> _Step:

@@ -12,8 +12,9 @@ from ..sde import DEFAULT_NOISE_LEVEL, get_step, ode_step
 from ..ode_solvers import SOLVERS, compressed_sigmas, data_prediction, dpmpp_2m_step, second_order
 from ..structures import GroupStructure
 from ..types import FlowPolicy, RewardFn, index_cond
-from .base import Rollout, Transitions, score_images
+from .base import Rollout, Transitions
 from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
+from .scoring import ChunkScorer, row_chunks
 
 
 @dataclass
@@ -128,41 +129,64 @@ class GroupSampler:
         cond_p = policy.encode_prompts(prompts)  # [P, ...]
         cond = index_cond(cond_p, prompt_index)  # [N, ...]
         x, sigmas, sig_dev = sampling_setup(policy, seeds, self.num_steps)  # [N, C, H, W], [T + 1] CPU / device
+        counter = EvalCounter()
+        by_step: dict[int, list[Transitions]] = {}  # step -> its transitions, one part per chunk
+        x0s = []
+        images = []
+        per_sample = [prompts[i] for i in prompt_index.tolist()]
+        with ChunkScorer(reward) as scorer:
+            for rows in row_chunks(n, self.max_batch):  # chunk-major: a finished chunk is scored while the next samples
+                x0, parts = self._denoise(policy, x[rows], {k: v[rows] for k, v in cond.items()}, sigmas, sig_dev,
+                                          seeds[rows], prompt_index[rows], torch.arange(rows.start, rows.stop),
+                                          iteration, counter)
+                for i, part in parts:
+                    by_step.setdefault(i, []).append(part)
+                x0s.append(x0)
+                images.append(policy.decode(x0).float().cpu())  # [n_c, 3, H, W]
+                scorer.submit(images[-1], per_sample[rows])
+            scores = scorer.result()
+        x = torch.cat(x0s)  # [N, C, H, W]
+        parts = [part for i in sorted(by_step) for part in by_step[i]]  # step-major, rows in sample order
+        return Rollout(
+            prompts=list(prompts), prompt_index=prompt_index, seeds=torch.tensor(seeds, dtype=torch.long),
+            group_index=prompt_index.clone(), x0=x, images=torch.cat(images), rewards=scores.rewards,
+            transitions=Transitions.concat(parts) if parts else Transitions.empty(tuple(x.shape[1:])),
+            sigmas=sigmas, step_type=self.step, noise_level=float(self.noise_level),
+            layout=GroupStructure(), reward_components=scores.components, cond=cond_p,
+            stats={"model_evals": counter.rows, "rollout_seconds": time.perf_counter() - t0 - scores.wait_seconds,
+                   **scores.stats()})
+
+    def _denoise(self, policy: FlowPolicy, x: torch.Tensor, cond, sigmas: torch.Tensor, sig_dev: torch.Tensor,
+                 seeds: list[int], prompt_index: torch.Tensor, sample_index: torch.Tensor, iteration: int,
+                 counter: EvalCounter) -> tuple[torch.Tensor, list[tuple[int, Transitions]]]:
+        """The step plan on one chunk: ``x`` [n, C, H, W] noise, ``cond`` / ``seeds`` / ``prompt_index`` /
+        ``sample_index`` [n] its rows. Returns ``(x0 [n, C, H, W], [(step, its transitions)])``, both
+        where the sampler made them (no per-step copy to the host)."""
+        n = x.shape[0]
         stoch, trained = set(self.sde_steps(iteration)), set(self.trained_steps(iteration))
         step_fn = get_step(self.step)
-        counter = EvalCounter()
         parts = []
         x0_prev = sig_prev = None  # the previous ODE step's data prediction (DPM-Solver++ 2M)
         for i, j in self.step_plan(iteration):
-            s, s_next = step_sigmas(sig_dev, i, n, j)  # [N] each, on x's device
-            v = velocity_batched(policy, x, s, cond, self.max_batch, counter)  # [N, C, H, W]
+            s, s_next = step_sigmas(sig_dev, i, n, j)  # [n] each, on x's device
+            v = velocity_batched(policy, x, s, cond, self.max_batch, counter)  # [n, C, H, W]
             if i in stoch:
                 noise = seeded_randn(seeds, tuple(x.shape[1:]), stream=1 + i, device=x.device)
                 out = step_fn(v, x, s, s_next, noise_level=self.noise_level, noise=noise)
                 x0_prev = sig_prev = None  # a noisy step leaves the ODE trajectory: restart at first order
             elif self.ode_solver == "dpmpp_2m":
                 si, sj = float(sigmas[i]), float(sigmas[j])
-                x0 = data_prediction(x, v, si)  # [N, C, H, W]
+                x0 = data_prediction(x, v, si)  # [n, C, H, W]
                 nxt = dpmpp_2m_step(x, x0, si, sj, x0_prev, sig_prev) if second_order(sig_prev, si, sj) else None
                 out = ode_step(v, x, s, s_next, prev_sample=nxt)  # first order (nxt None): Euler itself
                 x0_prev, sig_prev = x0, si
             else:
                 out = ode_step(v, x, s, s_next)
-            if i in trained:  # stored where they were made: no per-step copy to the host
-                parts.append(Transitions(
+            if i in trained:
+                parts.append((i, Transitions(
                     latents=x, next_latents=out.sample, sigma=s, sigma_next=s_next,
-                    prompt_index=prompt_index.clone(), sample_index=torch.arange(n),
+                    prompt_index=prompt_index.clone(), sample_index=sample_index.clone(),
                     step=torch.full((n,), i, dtype=torch.long), old_log_prob=out.log_prob,
-                    weight=torch.ones(n, device=x.device)))
+                    weight=torch.ones(n, device=x.device))))
             x = out.sample
-        t_roll = time.perf_counter() - t0
-        images = policy.decode(x).float().cpu()  # [N, 3, H, W]
-        rewards, comps = score_images(reward, images, [prompts[i] for i in prompt_index.tolist()])
-        return Rollout(
-            prompts=list(prompts), prompt_index=prompt_index, seeds=torch.tensor(seeds, dtype=torch.long),
-            group_index=prompt_index.clone(), x0=x, images=images, rewards=rewards,
-            transitions=Transitions.concat(parts) if parts else Transitions.empty(tuple(x.shape[1:])),
-            sigmas=sigmas, step_type=self.step, noise_level=float(self.noise_level),
-            layout=GroupStructure(), reward_components=comps, cond=cond_p,
-            stats={"model_evals": counter.rows, "rollout_seconds": t_roll,
-                   "reward_seconds": time.perf_counter() - t0 - t_roll})
+        return x, parts

@@ -12,8 +12,9 @@ from ..sde import ode_step
 from ..seeding import derive_seeds
 from ..structures import GroupStructure
 from ..types import FlowPolicy, RewardFn, index_cond
-from .base import Rollout, Transitions, score_images
+from .base import Rollout, Transitions
 from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
+from .scoring import ChunkScorer, Scores, ScoreFn, row_chunks
 
 
 def _unique_cond(policy: FlowPolicy, prompts: list[str]) -> tuple[list[str], torch.Tensor, dict]:
@@ -24,20 +25,51 @@ def _unique_cond(policy: FlowPolicy, prompts: list[str]) -> tuple[list[str], tor
     return uniq, index, policy.encode_prompts(uniq)
 
 
-@torch.no_grad()
-def ode_integrate(policy: FlowPolicy, cond, seeds: list[int], num_steps: int, max_batch: Optional[int] = None,
-                  counter: Optional[EvalCounter] = None) -> torch.Tensor:
-    """Euler-integrate one sample per seed under per-sample ``cond`` [N, ...] -> x0 [N, C, H, W]
-    on the policy's device."""
-    x, _, sigmas = sampling_setup(policy, seeds, num_steps)  # [N, C, H, W], [T + 1] on x's device
+def _euler(policy: FlowPolicy, x: torch.Tensor, sigmas: torch.Tensor, cond, num_steps: int,
+           max_batch: Optional[int], counter: Optional[EvalCounter]) -> torch.Tensor:
+    """Euler-integrate ``x`` [n, C, H, W] (noise) under per-row ``cond`` [n, ...] through ``sigmas`` [T + 1]
+    (on x's device) -> x0 [n, C, H, W]."""
     for i in range(num_steps):
         s, s_next = step_sigmas(sigmas, i, x.shape[0])
         v = velocity_batched(policy, x, s, cond, max_batch, counter)
         x = ode_step(v, x, s, s_next).sample
-    return x  # [N, C, H, W]
+    return x  # [n, C, H, W]
 
 
 @torch.no_grad()
+def ode_generate(policy: FlowPolicy, prompts: list[str], seeds: list[int], num_steps: int,
+                 reward: Optional[RewardFn] = None, max_batch: Optional[int] = None,
+                 counter: Optional[EvalCounter] = None, score: Optional[ScoreFn] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, Scores]:
+    """``len(prompts)`` ODE samples (prompt i with seed i), ``max_batch`` at a time, each chunk scored
+    while the next one samples (:class:`flowrl.rollout.scoring.ChunkScorer`; ``score`` replaces the
+    reward's scoring, e.g. to add held-out rewards).
+
+    Returns ``(x0 [N, C, H, W] on the policy's device, images [N, 3, H, W] on the CPU, scores)``."""
+    if len(prompts) != len(seeds):
+        raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds; pass one seed per prompt")
+    _, index, cond_u = _unique_cond(policy, list(prompts))
+    return _generate(policy, index_cond(cond_u, index), list(prompts), list(seeds), num_steps, reward, max_batch,
+                     counter, score)
+
+
+@torch.no_grad()
+def _generate(policy: FlowPolicy, cond, prompts: list[str], seeds: list[int], num_steps: int,
+              reward: Optional[RewardFn], max_batch: Optional[int], counter: Optional[EvalCounter],
+              score: Optional[ScoreFn] = None) -> tuple[torch.Tensor, torch.Tensor, Scores]:
+    """:func:`ode_generate` under per-sample ``cond`` [N, ...]."""
+    x, _, sigmas = sampling_setup(policy, list(seeds), num_steps)  # [N, C, H, W], [T + 1] on x's device
+    xs, images = [], []
+    with ChunkScorer(reward, score) as scorer:
+        for rows in row_chunks(x.shape[0], max_batch):
+            x0 = _euler(policy, x[rows], sigmas, {k: v[rows] for k, v in cond.items()}, num_steps, max_batch, counter)
+            xs.append(x0)
+            images.append(policy.decode(x0).float().cpu())  # [n_c, 3, H, W]
+            scorer.submit(images[-1], list(prompts[rows]))
+        scores = scorer.result()
+    return torch.cat(xs), torch.cat(images), scores
+
+
 def ode_sample(policy: FlowPolicy, prompts: list[str], seeds: list[int], num_steps: int,
                max_batch: Optional[int] = None, counter: Optional[EvalCounter] = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,16 +77,15 @@ def ode_sample(policy: FlowPolicy, prompts: list[str], seeds: list[int], num_ste
     both on the CPU."""
     if len(prompts) != len(seeds):
         raise ValueError(f"ode_sample got {len(prompts)} prompts but {len(seeds)} seeds; pass one seed per prompt")
-    _, index, cond_u = _unique_cond(policy, list(prompts))
-    x = ode_integrate(policy, index_cond(cond_u, index), list(seeds), num_steps, max_batch, counter)
-    return x.cpu(), policy.decode(x).float().cpu()
+    x0, images, _ = ode_generate(policy, list(prompts), list(seeds), num_steps, None, max_batch, counter)
+    return x0.cpu(), images
 
 
 def ode_rollout(policy: FlowPolicy, prompts: list[str], seeds: list[int], num_steps: int,
                 reward: Optional[RewardFn] = None, max_batch: Optional[int] = None) -> Rollout:
     """``len(seeds) // len(prompts)`` ODE samples per prompt (prompt-major seeds) as a
     :class:`Rollout` with no stochastic transitions (for DiffusionNFT); ``x0`` and the kept
-    conditioning stay on the policy's device."""
+    conditioning stay on the policy's device. Chunks of ``max_batch`` are scored while the next samples."""
     t0 = time.perf_counter()
     if not prompts or len(seeds) % len(prompts):
         raise ValueError(f"need a positive multiple of {len(prompts)} prompts' seeds, got {len(seeds)} seeds")
@@ -63,19 +94,17 @@ def ode_rollout(policy: FlowPolicy, prompts: list[str], seeds: list[int], num_st
     per_sample = [prompts[i] for i in prompt_index.tolist()]
     counter = EvalCounter()
     uniq, index, cond_u = _unique_cond(policy, per_sample)
-    x0 = ode_integrate(policy, index_cond(cond_u, index), list(seeds), num_steps, max_batch, counter)
-    images = policy.decode(x0).float().cpu()  # [N, 3, H, W]
-    t_roll = time.perf_counter() - t0
-    rewards, comps = score_images(reward, images, per_sample)
+    x0, images, scores = _generate(policy, index_cond(cond_u, index), per_sample, list(seeds), num_steps, reward,
+                                   max_batch, counter)
     pos = {p: i for i, p in enumerate(uniq)}
     cond_p = index_cond(cond_u, torch.tensor([pos[p] for p in prompts], dtype=torch.long))  # [P, ...]
     return Rollout(
         prompts=list(prompts), prompt_index=prompt_index, seeds=torch.tensor(list(seeds), dtype=torch.long),
-        group_index=prompt_index.clone(), x0=x0, images=images, rewards=rewards,
+        group_index=prompt_index.clone(), x0=x0, images=images, rewards=scores.rewards,
         transitions=Transitions.empty(tuple(x0.shape[1:])), sigmas=policy.sigmas(num_steps).float().cpu(),
-        step_type="ode", noise_level=0.0, layout=GroupStructure(), reward_components=comps, cond=cond_p,
-        stats={"model_evals": counter.rows, "rollout_seconds": t_roll,
-               "reward_seconds": time.perf_counter() - t0 - t_roll})
+        step_type="ode", noise_level=0.0, layout=GroupStructure(), reward_components=scores.components, cond=cond_p,
+        stats={"model_evals": counter.rows, "rollout_seconds": time.perf_counter() - t0 - scores.wait_seconds,
+               **scores.stats()})
 
 
 @dataclass

@@ -10,7 +10,8 @@ stochastic transition ``x_k -> child b``, the only transition stored for it.
 Batching: at step ``i`` the main latents and every live completion (children of all branch
 steps ``k < i``, all seeds, all prompts) go through the model as one batch (chunked by
 ``max_batch``). All completions reach ``x0`` at the last step together and are decoded and
-scored in one call.
+scored. With ``max_batch`` the main trajectories run in chunks of ``max_batch // (E |B|)`` (at
+least one), each chunk's completions scored while the next chunk samples.
 
 Model evaluations (latent rows through ``policy.velocity``), per (prompt, seed)::
 
@@ -37,8 +38,9 @@ from ..sde import ode_step, sde_step
 from ..seeding import derive_seeds, seeded_randn
 from ..structures import TempFlowStructure
 from ..types import FlowPolicy, RewardFn, index_cond
-from .base import Rollout, Transitions, score_images
+from .base import Rollout, Transitions
 from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
+from .scoring import ChunkScorer, unit_chunks
 
 MAX_BRANCHES = 1000  # noise streams are 1 + 1000 k + b (unique per (k, b), see branch_noise_stream)
 
@@ -183,33 +185,47 @@ class TempFlowSampler:
         if sigmas.shape != (t + 1,):
             raise ValueError(f"policy.sigmas({t}) returned shape {tuple(sigmas.shape)}, expected ({t + 1},)")
         step_w = self._step_weights(sigmas)  # [T]
-        main, live, parts, counter = self._denoise(policy, cond_p, main, sig_dev, seeds, main_prompt, step_w)
-        t_roll = time.perf_counter() - t0
+        counter = EvalCounter()
+        x0s, trans_parts, images, mains = [], [], [], []
+        completions = ChunkScorer(reward)
+        main_scorer = ChunkScorer(reward if self.finish_main and reward is not None else None)
+        with completions, main_scorer:
+            # trajectories in chunks of at most max_batch completions: a chunk is scored while the next samples
+            for js in unit_chunks(j, self.branches * len(branch_steps), self.max_batch):
+                jc = js.stop - js.start
+                main_c, live, parts = self._denoise(policy, cond_p, main[js], sig_dev, seeds[js], main_prompt[js],
+                                                    step_w, counter)
+                perm_c = self._completion_order(jc)[0]  # [n_c] the chunk's samples, (seed, step, branch) order
+                x0s.append(live[perm_c.to(live.device)])  # [n_c, C, H, W], on x's device
+                trans_parts.append(Transitions.concat(parts).select(perm_c))
+                images.append(policy.decode(x0s[-1]).float().cpu())  # [n_c, 3, H, W]
+                rows = main_prompt[js][self._completion_order(jc)[1]]  # [n_c] prompt of each sample
+                completions.submit(images[-1], [prompts[q] for q in rows.tolist()])
+                if self.finish_main and reward is not None:
+                    main_scorer.submit(policy.decode(main_c).float().cpu(), [prompts[q] for q in main_prompt[js].tolist()])
+            scores = completions.result()
+            main_scores = main_scorer.result()
 
         perm, trajectory, step_of, branch = self._completion_order(j)  # [N] each
-        x0 = live[perm.to(live.device)]  # [N, C, H, W], on x's device
-        trans = Transitions.concat(parts).select(perm)
+        x0 = torch.cat(x0s)  # [N, C, H, W], on x's device
+        trans = Transitions.concat(trans_parts)
         trans.sample_index = torch.arange(perm.numel())
         prompt_index = main_prompt[trajectory]  # [N]
         seed_t = torch.tensor(seeds, dtype=torch.long)  # [J]
-
-        images = policy.decode(x0).float().cpu()  # [N, 3, H, W]
-        rewards, comps = score_images(reward, images, [prompts[q] for q in prompt_index.tolist()])
-        main_rewards = torch.full((j,), float("nan"))  # [J]
-        if self.finish_main and reward is not None:
-            main_rewards, _ = score_images(reward, policy.decode(main).float().cpu(),
-                                           [prompts[q] for q in main_prompt.tolist()])
-        t_score = time.perf_counter() - t0 - t_roll
+        main_rewards = main_scores.rewards if self.finish_main and reward is not None \
+            else torch.full((j,), float("nan"))  # [J]
+        wait = scores.wait_seconds + main_scores.wait_seconds
         return Rollout(
             prompts=list(prompts), prompt_index=prompt_index, seeds=seed_t[trajectory],
             group_index=self._group_index(prompts, trajectory, prompt_index, step_of),
-            x0=x0, images=images, rewards=rewards, transitions=trans, sigmas=sigmas,
-            step_type="sde", noise_level=float(self.noise_level), reward_components=comps, cond=cond_p,
+            x0=x0, images=torch.cat(images), rewards=scores.rewards, transitions=trans, sigmas=sigmas,
+            step_type="sde", noise_level=float(self.noise_level), reward_components=scores.components, cond=cond_p,
             layout=TempFlowStructure(trajectory=trajectory, seed_slot=trajectory % s_per, step=step_of, branch=branch,
                                      group_by=self.group_by, branch_steps=branch_steps, step_weights=step_w,
                                      main_rewards=main_rewards),
             stats={"model_evals": counter.rows, "velocity_calls": counter.calls,
-                   "num_completions": float(perm.numel()), "rollout_seconds": t_roll, "reward_seconds": t_score})
+                   "num_completions": float(perm.numel()), "rollout_seconds": time.perf_counter() - t0 - wait,
+                   "reward_seconds": scores.seconds + main_scores.seconds, "reward_wait_seconds": wait})
 
     # --- steps of __call__ -----------------------------------------------------------------
     def _step_weights(self, sigmas: torch.Tensor) -> torch.Tensor:
@@ -221,12 +237,13 @@ class TempFlowSampler:
         return torch.zeros(self.num_steps).index_fill_(0, torch.tensor(branch_steps), 1.0)  # [T]
 
     def _denoise(self, policy: FlowPolicy, cond_p, main: torch.Tensor, sig_dev: torch.Tensor, seeds: list[int],
-                 main_prompt: torch.Tensor, step_w: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, list[Transitions], EvalCounter]:
+                 main_prompt: torch.Tensor, step_w: torch.Tensor, counter: EvalCounter
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[Transitions]]:
         """Run the T steps: main latents by ODE, children spawned at the branch steps, every
         live completion by ODE; one batched velocity call per step.
 
-        Returns ``(main [J, C, H, W], live [L, C, H, W], parts, counter)``: ``main`` after its
+        ``main`` [J, C, H, W] are a chunk's main trajectories (``seeds``, ``main_prompt`` [J] theirs;
+        ``cond_p`` every prompt's conditioning). Returns ``(main, live [L, C, H, W], parts)``: ``main`` after its
         ``main_evals()`` steps, ``live`` the completions at ``x0`` in (step, row, branch)
         order (blocks of J * E per branch step), ``parts`` the branching transitions of each
         branch step in the same order.
@@ -238,7 +255,6 @@ class TempFlowSampler:
         main_prompt_d = main_prompt.to(dev)  # [J]
         rep = torch.arange(j).repeat_interleave(e)  # [J * E] main row of each child, (row, branch) order
         rep_d = rep.to(dev)  # [J * E]
-        counter = EvalCounter()
         main_steps = self.main_evals()
         parts: list[Transitions] = []
         for i in range(self.num_steps):
@@ -260,7 +276,7 @@ class TempFlowSampler:
                 live_prompt = torch.cat([live_prompt, main_prompt_d[rep_d]])
             if run_main:
                 main = ode_step(v_main, main, s[:nm], s_next[:nm]).sample  # [J, C, H, W]
-        return main, live, parts, counter
+        return main, live, parts
 
     def _branch(self, i: int, main: torch.Tensor, v_main: torch.Tensor, s: torch.Tensor, s_next: torch.Tensor,
                 seeds: list[int], child_prompt: torch.Tensor, rep_d: torch.Tensor,

@@ -105,6 +105,8 @@ class RewardConfig:
     aggregate: str = _h("'sum': advantages of the weighted sum; 'per_reward': normalise each reward "
                         "within its group, then weight (MixGRPO advantage_aggr)", "sum")
     heldout: dict = _h("{reward name: {kwargs}} logged on the evaluation set, never trained on", factory=dict)
+    overlap: bool = _h("score each finished chunk of samples (sampler.max_batch) while the next one samples; "
+                       "false: score after sampling, on the training thread (same rewards either way)", True)
 
     def __post_init__(self):
         from flowrl.rewards import REGISTRY

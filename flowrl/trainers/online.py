@@ -12,6 +12,7 @@ of an epoch may be shorter). A minibatch's loss is divided by the number of mini
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Mapping
@@ -36,6 +37,7 @@ from ..utils.io import write_json
 
 # keys that may change between a run and its resume without changing its trajectory
 RESUME_FREE = {"train.iterations", "train.checkpoint_every", "train.keep_checkpoints", "logging", "model.device",
+               "reward.overlap",  # when chunks are scored, not what they score
                "model.path", "train.max_consecutive_skips", "model.text_embedding_cache", "model.drop_text_encoders",
                "train.cpu_offload"}  # offloading the FSDP shards changes where they live, not the numbers
 
@@ -142,7 +144,8 @@ class OnlineTrainer(TrainerBase):
         t0 = time.perf_counter()
         prompts = self._iteration_prompts(it)
         self.model.eval()
-        rollout = self.sampler(self.policy, prompts, self.reward, seed=self._rollout_seed(it), iteration=it)
+        with self._reward_available(it):
+            rollout = self.sampler(self.policy, prompts, self.reward, seed=self._rollout_seed(it), iteration=it)
         t1 = time.perf_counter()
         maybe_fault("after_rollout", it)
         with cfg_uncond_gradient(self.cfg.train.cfg_uncond_grad):
@@ -159,7 +162,8 @@ class OnlineTrainer(TrainerBase):
                "zero_var_fraction": float(info.get("zero_var_fraction", 0.0)),
                "lr": self.sched.get_last_lr()[0], "skipped_steps": self.skipped,
                "rollout_seconds": rollout.stats.get("rollout_seconds", t1 - t0),
-               "reward_seconds": rollout.stats.get("reward_seconds", 0.0), "update_seconds": t2 - t1,
+               "reward_seconds": rollout.stats.get("reward_seconds", 0.0),
+               "reward_wait_seconds": rollout.stats.get("reward_wait_seconds", 0.0), "update_seconds": t2 - t1,
                "model_evals": rollout.stats.get("model_evals", 0)}
         for k, v in rollout.reward_components.items():
             vv = self._gather(v)
@@ -173,9 +177,22 @@ class OnlineTrainer(TrainerBase):
     # ---------------------------------------------------------------- evaluation
     def evaluate(self, it: int) -> tuple[dict, torch.Tensor]:
         """Fixed prompts x fixed seeds, deterministic ODE: see :func:`evaluate_policy`."""
-        with self.evaluation_model():
+        with self.evaluation_model(), self._reward_available(it):
             return evaluate_policy(self.policy, self.reward, self.heldout, self.eval_prompts,
-                                   self.cfg.data.eval_seeds_per_prompt, self.sampler.num_steps, it)
+                                   self.cfg.data.eval_seeds_per_prompt, self.sampler.num_steps, it,
+                                   max_batch=getattr(self.sampler, "max_batch", None))
+
+    @contextlib.contextmanager
+    def _reward_available(self, it: int):
+        """A reward that became unreachable (its server gone) stops the run here, before the update."""
+        from flowrl.rewards import RewardUnavailable
+
+        try:
+            yield
+        except RewardUnavailable as e:
+            raise TrainingStopped(f"{e}. Training stopped at iteration {it}, before its update; the newest checkpoint "
+                                  f"in {self.run_dir / 'checkpoints'} is intact: bring the reward back and continue "
+                                  f"with --resume") from e
 
     # ---------------------------------------------------------------- the loop
     def train(self) -> dict:

@@ -1,0 +1,134 @@
+"""``remote``: a reward served by ``flowrl serve-reward`` in another process, environment, GPU or node.
+
+    reward:
+      weights: {remote: 1.0, pickscore: 0.5}     # alone or weighted with local rewards
+      options:
+        remote: {url: "http://127.0.0.1:8700", timeout: 60, retries: 3}
+
+Each call sends the images and prompts (and the reward's keyword arguments: JSON values, or image
+tensors such as an edit's source image) in requests of at most ``batch_size`` images, in the wire
+format of :mod:`flowrl.rewards._wire` (no pickle): ``encoding="uint8"`` (default: 8-bit, what the
+PIL-based references see, 4x smaller than float), ``"png"`` (smaller still, same values) or
+``"float32"`` (lossless: the served reward then scores exactly what a local one would).
+
+Failures: each request has a ``timeout`` (seconds); a refused or dropped connection, a timeout, and
+HTTP 408 / 429 / 502 / 503 / 504 are retried ``retries`` times with exponential backoff (``backoff``,
+``2 backoff``, ...), then :class:`RemoteRewardError` names the URL and the last error. A request the
+server refuses (4xx: malformed, too large, unauthorized) or a reward that failed there (500) is
+not retried: the error carries the server's message and the field it names. The constructor asks
+``/health`` first (with the same retries), so a wrong URL fails before any sampling. Errors are
+:class:`flowrl.rewards.RewardUnavailable`: training stops at the iteration boundary and continues
+with ``--resume`` once the server is back. The bearer token, if any, is read from the environment
+variable ``token_env`` and never logged.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import urllib.error
+import urllib.request
+from typing import Optional
+
+import torch
+
+from . import RewardUnavailable
+from ._clip_common import check_inputs, chunks
+from ._http import fetch
+from ._wire import CONTENT_TYPE, ENCODINGS, PROTOCOL, WireError, decode_response, encode_request
+
+RETRY_STATUS = {408, 429, 502, 503, 504}  # not 500: there the served reward itself failed, and would again
+
+
+class RemoteRewardError(RewardUnavailable):
+    """The reward server could not score a request (after retries, or a refusal it will repeat)."""
+
+
+class RemoteReward:
+    """Scores by ``POST {url}/score`` on a ``flowrl serve-reward`` server; float32 [B] on CPU."""
+
+    name = "remote"
+
+    def __init__(self, url: str, timeout: float = 60.0, retries: int = 3, backoff: float = 0.5,
+                 encoding: str = "uint8", batch_size: int = 64, token_env: Optional[str] = None, check: bool = True):
+        if not re.match(r"^https?://[^/\s]+", url or ""):
+            raise ValueError(f"url must be the http(s) address `flowrl serve-reward` printed (e.g. "
+                             f"http://127.0.0.1:8700), got {url!r}")
+        if not timeout > 0 or retries < 0 or backoff < 0 or batch_size < 1:
+            raise ValueError("need timeout > 0, retries >= 0, backoff >= 0 and batch_size >= 1")
+        if encoding not in ENCODINGS:
+            raise ValueError(f"encoding must be one of {ENCODINGS}, got {encoding!r}")
+        self.url = url.rstrip("/")
+        self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
+        self.encoding, self.batch_size = encoding, int(batch_size)
+        self._token: Optional[str] = None
+        if token_env:
+            self._token = os.environ.get(token_env)
+            if not self._token:
+                raise ValueError(f"environment variable {token_env!r} (token_env) is not set or empty: export the "
+                                 f"server's bearer token there")
+        self.served: Optional[str] = None  # the reward the server serves (its /health)
+        if check:
+            self.health()
+
+    def __repr__(self) -> str:  # no token in here
+        return f"RemoteReward(url={self.url!r}, served={self.served!r}, encoding={self.encoding!r})"
+
+    # ------------------------------------------------------------ HTTP with retries
+    def _request(self, path: str, body: Optional[bytes] = None) -> bytes:
+        headers = {"Content-Type": CONTENT_TYPE} if body is not None else {}
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
+        req = urllib.request.Request(self.url + path, data=body, headers=headers, method="POST" if body else "GET")
+        return fetch(req, timeout=self.timeout, retries=self.retries, backoff=self.backoff,
+                     what=f"reward server {self.url}{path}", error=RemoteRewardError, detail=_server_error,
+                     retry_status=RETRY_STATUS, hint=". Is `flowrl serve-reward` running there?")
+
+    def health(self) -> dict:
+        """The server's ``/health`` (checks that it is a flowrl reward server of this protocol)."""
+        raw = self._request("/health")
+        try:
+            info = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            info = None
+        if not isinstance(info, dict) or info.get("status") != "ok" or "protocol" not in info:
+            raise RemoteRewardError(f"{self.url}/health did not answer like `flowrl serve-reward`: "
+                                    f"{raw[:200].decode('utf-8', 'replace')!r}")
+        if info["protocol"] != PROTOCOL:
+            raise RemoteRewardError(f"reward server {self.url} speaks protocol {info['protocol']}, this client {PROTOCOL}: "
+                                    f"run the same flowrl version on both sides")
+        self.served = info.get("reward")
+        return info
+
+    # ------------------------------------------------------------ the reward
+    def __call__(self, images: torch.Tensor, prompts: list[str], **meta) -> torch.Tensor:
+        check_inputs(images, prompts, self.name)
+        prompts, out = list(prompts), []
+        for s in chunks(images.shape[0], self.batch_size):
+            part = {k: (v[s] if isinstance(v, torch.Tensor) else v) for k, v in meta.items()}
+            body = encode_request(images[s], prompts[s], part, self.encoding)
+            raw = self._request("/score", body)
+            try:
+                rewards, _ = decode_response(raw, len(prompts[s]))
+            except WireError as e:
+                raise RemoteRewardError(f"reward server {self.url}/score answered something that is not a score "
+                                        f"list: {e}") from None
+            out.append(rewards)
+        return torch.cat(out)  # [B]
+
+
+def _server_error(e: urllib.error.HTTPError) -> str:
+    """The server's ``{"error", "field"}`` message, or the start of its body."""
+    try:
+        raw = e.read()
+    except (OSError, http.client.HTTPException):
+        return str(e.reason)
+    try:
+        data = json.loads(raw)
+        if isinstance(data, dict) and "error" in data:
+            return str(data["error"])
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        pass
+    text = raw[:300].decode("utf-8", "replace")
+    return text or str(e.reason)
