@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("utils", ("flowrl.utils", "flowrl.faults", "flowrl.registry", "flowrl.seeding", "flowrl.layers",
                "flowrl.trainers.config_base")),
     ("math", ("flowrl.schedules", "flowrl.sde", "flowrl.noise", "flowrl.ode_solvers", "flowrl.types",
-              "flowrl.diagnostics", "flowrl.losses", "flowrl.advantages", "flowrl.structures")),
+              "flowrl.diagnostics", "flowrl.losses", "flowrl.advantages", "flowrl.structures", "flowrl.media")),
     ("components", ("flowrl.pipelines", "flowrl.rewards", "flowrl.data", "flowrl.quant", "flowrl.recipes",
                     "flowrl.trainers.weights")),
     ("rollout", ("flowrl.rollout",)),

@@ -82,8 +82,8 @@ class DigitsReward:
     """``p(digit named in the prompt | image)`` in [0, 1], float32 [B]; NaN if no digit is named."""
 
     name = "digits"
-    resident_params = 100_000  # parameters kept loaded, for `flowrl plan` (bytes: x the dtype option)
-    resident_note = "flowrl's digits classifier (a small CNN)"
+    resident_params = 19_210  # parameters kept loaded, for `flowrl plan` (bytes: x the dtype option)
+    resident_note = "flowrl's digits classifier (an MLP 64-256-10: 19.2K)"
 
     def __init__(self, device: str = "cpu", cache_dir: Optional[str] = None):
         self.device = torch.device(device)

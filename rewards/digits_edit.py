@@ -91,6 +91,8 @@ class DigitsEditReward:
     """
 
     name = "digits_edit"
+    resident_params = 19_210  # parameters kept loaded, for `flowrl plan`
+    resident_note = "flowrl's digits classifier (the digits reward's)"
 
     def __init__(self, device: str = "cpu", cache_dir: Optional[str] = None, stroke_change: float = 0.5):
         if not stroke_change > 0:

@@ -49,6 +49,8 @@ class RemoteReward:
     """Scores by ``POST {url}/score`` on a ``flowrl serve-reward`` server; float32 [B] on CPU."""
 
     name = "remote"
+    resident_params = 0  # parameters kept loaded, for `flowrl plan`
+    resident_note = "a reward served by `flowrl serve-reward`: its weights live in the server's process"
 
     def __init__(self, url: str, timeout: float = 60.0, retries: int = 3, backoff: float = 0.5,
                  encoding: str = "uint8", batch_size: int = 64, token_env: Optional[str] = None, check: bool = True):

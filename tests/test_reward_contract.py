@@ -19,6 +19,7 @@ import torch
 from flowrl import rewards
 from flowrl.types import Reward
 from helpers import chat_stub_server
+from helpers_reward_server import remote_kwargs, served
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
 
@@ -31,6 +32,17 @@ def chat_server():
             mp.delenv(var, raising=False)
         with chat_stub_server() as server:
             yield server
+
+
+@pytest.fixture(scope="module")
+def served_digits():
+    """The digits reward served from a thread of this process (``flowrl serve-reward``'s app), for ``remote``."""
+    with served("digits") as url:
+        yield url
+
+
+def _remote(request):
+    return rewards.build("remote", **remote_kwargs(request.getfixturevalue("served_digits")))
 
 
 def _clip_similarity(name):
@@ -95,6 +107,9 @@ CASES: dict[str, Case] = {
     "ocr": Case(lambda r: rewards.build("ocr", backend="easyocr"), applies=['a sign that says "hello"', 'the word "FLOW"'],
                 not_applicable=["a photo of a dog", "a sign with no quoted text"], size=48),
     "vlm_judge": Case(_vlm_judge),
+    # a served reward (here the digits reward behind flowrl serve-reward's app) scores as the reward itself
+    "remote": Case(_remote, applies=["a handwritten digit 3", "a handwritten digit 7"],
+                   not_applicable=["a photo of a dog", "a handwritten letter"], size=16),
     # an editing reward: each row's source image comes as metadata (here the row's own image)
     "digits_edit": Case(lambda r: rewards.build("digits_edit"), applies=["turn this 3 into a 7", "make the strokes thicker"],
                         not_applicable=["a photo of a dog"], size=16, meta=lambda x, p: {"sources": list(x)}),
