@@ -11,7 +11,7 @@ import torch
 from flowrl.pipelines.flux import pack_latents, unpack_latents
 from flowrl.pipelines.flux_kontext import FluxKontextPolicy
 from flowrl.pipelines.tiny import make_tiny
-from flowrl.rollout.ode import ode_integrate
+from helpers import ode_loop
 from model_parity import exported_lora
 
 PROMPTS = ["make the cat red", "add a hat"]
@@ -33,7 +33,7 @@ def _sources(size=(SIZE, SIZE)) -> list[torch.Tensor]:
 
 
 def _ours(policy, items) -> torch.Tensor:
-    return ode_integrate(policy, policy.encode_prompts(items), SEEDS, STEPS)  # [B, 16, 4, 4]
+    return ode_loop(policy, items, SEEDS, STEPS)  # [B, 16, 4, 4]
 
 
 def _pipeline(pipe, policy, image) -> torch.Tensor:
