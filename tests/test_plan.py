@@ -294,3 +294,21 @@ def test_video_and_editing_recipes_plan_their_media(tmp_path):
     flux = forward_bytes(["model.pipeline=flux", "model.path=black-forest-labs/FLUX.1-dev"])
     kontext = forward_bytes([])
     assert kontext > 1.5 * flux  # 2 x 1024 image tokens + 128 text tokens against 1024 + 128
+
+
+def test_report_rows_set_their_sharding(capsys):
+    """docs/memory.md's generator: a 'none' row is planned unsharded even where the recipe (or an override)
+    ships FSDP; on one GPU only the replica rows are made; --set / --label / --train select the variants."""
+    from flowrl.plan.report import _main
+
+    _main(["recipes/digits.yaml", "--gpus", "1", "--train", "LoRA", "--label", "(x)", "--set", "train.sharding=fsdp"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| digits")]
+    assert len(rows) == 1 and rows[0].startswith("| digits (x) | LoRA | none |")
+    _main(["recipes/digits.yaml", "--set", "train.sharding=fsdp"])
+    rows = [line.split(" | ")[1:4] for line in capsys.readouterr().out.splitlines() if line.startswith("| digits")]
+    assert rows == [["LoRA", "none", rows[0][2]], ["LoRA", "fsdp", rows[1][2]], ["full", "none", rows[2][2]],
+                    ["full", "fsdp", rows[3][2]]]
+    from flowrl.plan.report import VARIANTS
+
+    qwen = "recipes/qwen_image_group_pickscore.yaml"  # ships train.sharding: fsdp
+    assert [load_config(qwen, v).train.sharding for _, _, v in VARIANTS] == ["none", "fsdp", "none", "fsdp"]

@@ -115,7 +115,8 @@ def summary_row(recipe: str, train: str, sharding: str, plan: Plan) -> str:
 def summary_table(recipes: list[str], gpus: int = 8, gpu_memory: int = 80 * GiB, *, train: tuple = ("LoRA", "full"),
                   overrides: tuple = (), label: str = "") -> str:
     """docs/memory.md's table of the shipped recipes: each with LoRA / full fine-tune (``train``), DDP
-    replicas / FSDP, under ``overrides`` (e.g. another published model), named ``stem label``."""
+    replicas / FSDP (on one GPU replicas only: FSDP over one process divides nothing), under ``overrides``
+    (e.g. another published model), named ``stem label``."""
     from ..trainers.config import load_config
     from .core import plan_memory
 
@@ -124,7 +125,7 @@ def summary_table(recipes: list[str], gpus: int = 8, gpu_memory: int = 80 * GiB,
     for recipe in recipes:
         name = f"{Path(recipe).stem} {label}".strip()
         for kind, sharding, variant in VARIANTS:
-            if kind in train:
+            if kind in train and (gpus > 1 or sharding == "none"):
                 plan = plan_memory(load_config(recipe, list(overrides) + variant), gpus, gpu_memory, recipe)
                 lines.append(summary_row(name, kind, sharding, plan))
     return "\n".join(lines)
