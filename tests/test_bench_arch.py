@@ -118,3 +118,19 @@ def test_arch_bench_validates_before_building():
     add_precision_parser(parser.add_subparsers())
     with pytest.raises(SystemExit):  # an argparse error (rc 2) that lists the names
         parser.parse_args(["precision", "--pipeline", "sd4-arch"])
+
+
+def test_video_architecture_takes_a_frame_count(tmp_path):
+    """--num-frames sets a video architecture's frames (latents (C, (F - 1) / 4 + 1, h, w)); the record says so."""
+    import argparse
+
+    out = bench_arch("wan-14b-arch", ["full"], tmp_path / "w.json", resolutions=(32,), batch=1, steps=1, repeats=1,
+                     device="cpu", tiny=True, verbose=False, model_options={"num_frames": 9})
+    assert out["arch"]["frames"] == 9 and out["arch"]["config"]["num_layers"] == 2
+    assert out["backends"]["full"]["resolutions"]["32"]["images_per_second"] > 0
+    parser = argparse.ArgumentParser()
+    add_precision_parser(parser.add_subparsers())
+    assert parser.parse_args(["precision", "--pipeline", "wan-1.3b-arch", "--num-frames", "33"]).num_frames == 33
+    b = parser.parse_args(["precision", "--pipeline", "sd3-mid", "--num-frames", "33"])
+    with pytest.raises(ValueError, match="--num-frames apply to the architecture pipelines"):
+        b.fn(b)
