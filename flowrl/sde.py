@@ -104,6 +104,28 @@ def sde_step(velocity, latents, sigma: Sigma, sigma_next: Sigma, *, noise_level:
     return _finish(mean, scale, prev_sample, generator, noise)
 
 
+def sde_wan_step(velocity, latents, sigma: Sigma, sigma_next: Sigma, *, noise_level: float = 1.0,
+                 prev_sample=None, generator=None, noise=None) -> StepOutput:
+    """Flow-GRPO's SDE step for Wan2.1: :func:`sde_step`'s mean with a noise coefficient linear in sigma.
+
+    ``std_t = a sigma``; ``mean = x (1 + std_t^2 dt / (2 sigma)) + v (1 + std_t^2 (1 - sigma) / (2 sigma)) dt``
+    (Liu et al. 2025, arXiv 2505.05470, eq. 9); ``sample = mean + std_t sqrt(-dt) eps``. Flow-GRPO's
+    Wan code (yifan123/flow_grpo ``flow_grpo/diffusers_patch/wan_pipeline_with_logprob.py``,
+    ``sde_step_with_logprob``, called by ``scripts/train_wan2_1.py``) sets ``std_t = sigma_min +
+    (sigma_max - sigma_min) sigma`` with ``sigma_max = sigmas[1]`` and ``sigma_min = sigmas[-1] = 0``
+    of its schedule, i.e. ``a = sigmas[1]``: 0.9828 for Wan2.1's 20-step UniPC schedule at flow shift 3
+    (``noise_level`` is ``a``; 1.0 by default, the limit of many steps). Its KL to the reference divides by
+    the whole ``(std_t sqrt(-dt))^2`` (the exact form; see ``SCALE_IS_NOISE_COEFFICIENT``).
+    """
+    x, v = latents.to(torch.float32), velocity.to(torch.float32)
+    s, s_next = _bcast(sigma, x), _bcast(sigma_next, x)
+    dt = s_next - s
+    std_t = noise_level * s
+    mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt  # [B, ...]
+    scale = std_t * torch.sqrt(-dt)
+    return _finish(mean, scale, prev_sample, generator, noise)
+
+
 def dance_step(velocity, latents, sigma: Sigma, sigma_next: Sigma, *, noise_level: float = 0.3,
                prev_sample=None, generator=None, noise=None) -> StepOutput:
     """DanceGRPO SDE step (Xue et al. 2025, arXiv 2505.07818, ``flux_step`` with sde_solver).
@@ -155,11 +177,13 @@ def cps_flow_grpo_step(velocity, latents, sigma: Sigma, sigma_next: Sigma, *, no
 
 
 StepFn = Callable[..., StepOutput]
-STEPS: dict[str, StepFn] = {"ode": ode_step, "sde": sde_step, "dance": dance_step, "cps": cps_step,
-                            "cps_flow_grpo": cps_flow_grpo_step}
-DEFAULT_NOISE_LEVEL = {"ode": 0.0, "sde": 0.7, "dance": 0.3, "cps": 0.8, "cps_flow_grpo": 0.8}
-# steps whose Flow-GRPO noise coefficient ``std_dev_t`` is the step's scale itself (no sqrt(-dt) factor)
-SCALE_IS_NOISE_COEFFICIENT = frozenset({"cps", "cps_flow_grpo"})
+STEPS: dict[str, StepFn] = {"ode": ode_step, "sde": sde_step, "sde_wan": sde_wan_step, "dance": dance_step,
+                            "cps": cps_step, "cps_flow_grpo": cps_flow_grpo_step}
+DEFAULT_NOISE_LEVEL = {"ode": 0.0, "sde": 0.7, "sde_wan": 1.0, "dance": 0.3, "cps": 0.8, "cps_flow_grpo": 0.8}
+# steps whose Flow-GRPO KL divides by the step's whole scale squared (its ``kl_form: flow_grpo`` is then the exact
+# form): CPS, whose noise coefficient ``std_dev_t`` is the scale itself (no sqrt(-dt) factor), and the Wan step,
+# whose training script multiplies the coefficient by sqrt(-dt) again (scripts/train_wan2_1.py's kl_loss)
+SCALE_IS_NOISE_COEFFICIENT = frozenset({"cps", "cps_flow_grpo", "sde_wan"})
 
 
 def get_step(name: str) -> StepFn:

@@ -43,6 +43,8 @@ Model facts (``pipelines/facts.py``, class ``ModelFacts``: the defaults fit an M
 ``text_tokens(options)``                           sequence-conditioning tokens under ``model.options``
 ``geometry(configs, options)``                     ``Geometry(height, width, latent_shape, text_tokens,
                                                    frames)``: override for video (``(C, F, h, w)``)
+``vae_latents(latents)``                           the latents as the VAE decodes them (identity;
+                                                   a video VAE decoding images adds a frame axis)
 ``example_conditioning(configs, geometry, rows,    empty tensors shaped as ``encode_prompts``' output
 device, dtype)``                                   (the ``cond_keys``)
 ``cfg_rows(guidance_scale, options)``              rows per sample of a guided sampling forward (1/2)

@@ -210,6 +210,12 @@ class ModelFacts:
         return Geometry(h, w, (cls.latent_channels(configs.transformer), h // f, w // f), cls.text_tokens(options))
 
     @classmethod
+    def vae_latents(cls, latents: torch.Tensor) -> torch.Tensor:
+        """The policy's latents as its VAE decodes them (the layout ``decode`` passes, the planner's
+        decode pass too): unchanged by default; a video VAE decoding images adds a frame axis."""
+        return latents
+
+    @classmethod
     def example_conditioning(cls, configs: ModelConfigs, geometry: Geometry, rows: int, device, dtype: torch.dtype
                              ) -> dict[str, torch.Tensor]:
         """Empty tensors of the shapes ``encode_prompts`` returns for ``rows`` prompts without CFG

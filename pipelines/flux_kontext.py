@@ -35,7 +35,8 @@ import torch
 
 from .base import IMAGE_SIZE, encode_with_negative
 from .common import cfg_combine, cfg_halves, module_dtype, transformer_dtype
-from .flux import FLUX_LORA_TARGET_MODULES, FluxPolicy, latent_image_ids, pack_latents
+from .facts import ModelConfigs
+from .flux import FLUX_DEV, FLUX_LORA_TARGET_MODULES, FluxPolicy, latent_image_ids, pack_latents
 
 # Flow-GRPO's LoRA targets for FLUX.1 Kontext (scripts/train_flux_kontext.py): FLUX's (both streams'
 # attention projections and feed-forwards) plus the single-stream blocks' MLP input ``proj_mlp``.
@@ -68,6 +69,24 @@ class FluxKontextPolicy(FluxPolicy):
     lora_target_modules = FLUX_KONTEXT_LORA_TARGET_MODULES
     tiny_kinds = ("flux-kontext",)
     example_hub_id = "black-forest-labs/FLUX.1-Kontext-dev"
+    # Published configs of black-forest-labs/FLUX.1-Kontext-dev: FLUX.1-dev's (pipelines/flux.py). Black Forest
+    # Labs' reference code (black-forest-labs/flux, src/flux/util.py, configs["flux-dev-kontext"]) gives the
+    # Kontext transformer FLUX.1-dev's parameters exactly (64 packed channels, 19 double + 38 single blocks, 24
+    # heads of 128, guidance embedding) and the same autoencoder; the repository's diffusers text_encoder /
+    # text_encoder_2 are FLUX.1-dev's CLIP-L and T5-XXL (DiffSynth-Studio loads Kontext's DiT with FLUX.1-dev's
+    # encoders and VAE)
+    published = {example_hub_id: ModelConfigs(
+        FLUX_DEV, FluxPolicy.published["black-forest-labs/FLUX.1-dev"].text_encoders,
+        FluxPolicy.published["black-forest-labs/FLUX.1-dev"].vae, example_hub_id, "FLUX.1 Kontext [dev]",
+        "flux-kontext-arch")}
+
+    @classmethod
+    def example_conditioning(cls, configs, geometry, rows, device, dtype) -> dict[str, torch.Tensor]:
+        """FLUX's text entries plus the source's ``image_latents`` ``[rows, C, h, w]`` at the result's size
+        (what an editing batch holds): the transformer then runs on twice the image tokens."""
+        cond = super().example_conditioning(configs, geometry, rows, device, dtype)
+        cond["image_latents"] = torch.empty(rows, *geometry.latent_shape, device=device, dtype=dtype)  # [B, C, h, w]
+        return cond
 
     @classmethod
     def tiny_components(cls, kind: str = "flux-kontext", image_size: int = IMAGE_SIZE, seed: int = 0) -> dict:

@@ -37,9 +37,34 @@ import torch
 from flowrl.schedules import flow_sigmas, flux_mu
 
 from .base import IMAGE_SIZE, DiffusersPolicy, Resolution, resolve_resolution
-from .common import cfg_combine, cfg_halves, transformer_dtype
+from .common import cfg_combine, cfg_halves
+from .facts import Component, ModelConfigs
 from .flux import pack_latents, unpack_latents
-from .wan import video_vae_decode
+from .wan import WAN21_VAE, video_vae_decode
+
+# Published configs of Qwen/Qwen-Image (its */config.json; flowrl plan and bench precision build the models from them
+# on the meta device or with random weights, no download). transformer/config.json (QwenImageTransformer2DModel:
+# 60 double-stream blocks, 24 heads of 128 = 3072 wide, Qwen2.5-VL captions of 3584; as quoted by diffusers' own
+# __init__ defaults and third-party readers of the repository, e.g. musubi-tuner's qwen_image_model.py)
+QWEN_IMAGE_20B = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                      num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
+                      axes_dims_rope=(16, 56, 56))
+# text_encoder/config.json: Qwen/Qwen2.5-VL-7B-Instruct as Qwen2_5_VLForConditionalGeneration (the language model,
+# its lm_head and the 32-block vision tower; as copied in modelscope/DiffSynth-Studio's qwen_image_text_encoder.py
+# and VideoX-Fun's Qwen-Image loader)
+QWEN25_VL_7B = dict(
+    text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, hidden_act="silu", max_position_embeddings=128000,
+                     max_window_layers=28, rms_norm_eps=1e-6, rope_theta=1000000.0, use_sliding_window=False,
+                     sliding_window=32768, attention_dropout=0.0, bos_token_id=151643, eos_token_id=151645,
+                     rope_scaling={"type": "default", "rope_type": "default", "mrope_section": [16, 24, 24]}),
+    vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, in_channels=3,
+                       out_hidden_size=3584, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                       window_size=112, fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu", tokens_per_second=2),
+    image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+    tie_word_embeddings=False)
+# vae/config.json (AutoencoderKLQwenImage) holds Wan2.1's VAE values (pipelines/wan.py WAN21_VAE): base_dim 96,
+# dim_mult [1, 2, 4, 4], temporal downsampling [False, True, True], 16 channels and the same latent mean / std
 
 # Flow-GRPO's LoRA targets for Qwen-Image (scripts/train_qwenimage_edit_plus.py: r=64, alpha=128, gaussian
 # init): the joint attention's projections of both streams and both streams' feed-forwards.
@@ -142,6 +167,10 @@ class QwenImagePolicy(DiffusersPolicy):
     text_encoder_names = ("text_encoder",)
     tiny_kinds = ("qwen-image",)
     example_hub_id = "Qwen/Qwen-Image"
+    cond_keys = ("prompt_embeds", "prompt_embeds_mask")  # _forward(x, sigma, *these) (base)
+    published = {example_hub_id: ModelConfigs(
+        QWEN_IMAGE_20B, {"text_encoder": Component("transformers:Qwen2_5_VLForConditionalGeneration", QWEN25_VL_7B)},
+        Component("diffusers:AutoencoderKLQwenImage", WAN21_VAE), example_hub_id, "Qwen-Image", "qwen-image-arch")}
 
     def __init__(self, pipe, *, guidance_scale: float = 4.0, negative_prompt: str = " ",
                  max_sequence_length: int = 512, shift: Optional[float] = None, schedule: str = "diffusers",
@@ -175,6 +204,67 @@ class QwenImagePolicy(DiffusersPolicy):
                                                      self.lora_target_modules)
 
     # --- declarations ----------------------------------------------------------------------
+    @classmethod
+    def vae_factor(cls, configs: ModelConfigs) -> int:
+        """The causal video VAE: 2 per downsampling stage (one ``temperal_downsample`` entry each: 8)."""
+        return 2 ** len(configs.vae.config["temperal_downsample"])
+
+    @classmethod
+    def latent_channels(cls, transformer: dict) -> int:
+        """Unpacked latent channels: the transformer sees 2x2 patches of them (``in_channels / 4``)."""
+        return int(transformer["in_channels"]) // 4
+
+    @classmethod
+    def patch_size(cls, transformer: dict) -> int:
+        return 2  # the 2x2 packing
+
+    @classmethod
+    def default_resolution(cls, configs: ModelConfigs) -> int:
+        return 128 * cls.vae_factor(configs)  # the pipeline's default_sample_size x 8 = 1024 px
+
+    @classmethod
+    def vae_latents(cls, latents: torch.Tensor) -> torch.Tensor:
+        """``[B, C, h, w]`` -> ``[B, C, 1, h, w]``: the video VAE decodes a one-frame video."""
+        return latents[:, :, None]
+
+    @classmethod
+    def example_conditioning(cls, configs, geometry, rows, device, dtype) -> dict[str, torch.Tensor]:
+        """Qwen2.5-VL embeddings ``[rows, L, joint_attention_dim]`` and their int64 mask ``[rows, L]``."""
+        return {"prompt_embeds": torch.empty(rows, geometry.text_tokens, configs.transformer["joint_attention_dim"],
+                                             device=device, dtype=dtype),  # [B, L, D]
+                "prompt_embeds_mask": torch.empty(rows, geometry.text_tokens, device=device,
+                                                  dtype=torch.int64)}  # [B, L]
+
+    @classmethod
+    def transformer_inputs(cls, config, dtype, x, sigma, cond, **settings) -> dict:
+        """Unpacked latents ``[B, C, h, w]`` packed to ``[B, (h/2)(w/2), 4C]`` with their grid
+        (``img_shapes``, one frame), ``timestep = sigma``; the text trimmed to the batch's longest
+        prompt, its mask dropped when nothing is padded (module doc). Meta tensors (the planner's
+        shapes) keep every token, unmasked."""
+        b, _, h, w = x.shape
+        if h % 2 or w % 2:
+            raise ValueError(f"Qwen-Image latents need even height and width (2x2 packing), got {tuple(x.shape)}")
+        pe, mask = cond["prompt_embeds"], cond["prompt_embeds_mask"]  # [B, L, D], [B, L]
+        if mask.device.type == "meta":
+            mask = None
+        else:
+            keep = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1  # the batch's longest prompt
+            pe, mask = pe[:, :keep], mask[:, :keep]  # [B, keep, D], [B, keep]
+            mask = None if bool(mask.all()) else mask.to(x.device)
+        return dict(hidden_states=pack_latents(x).to(dtype), timestep=sigma,  # [B, (h/2)(w/2), 4C]
+                    encoder_hidden_states=pe.to(x.device, dtype), encoder_hidden_states_mask=mask,
+                    img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False)
+
+    @classmethod
+    def transformer_output(cls, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return unpack_latents(out, *x.shape[-2:])  # [B, C, h, w]
+
+    @classmethod
+    def shrink_config(cls, transformer: dict) -> dict:
+        return dict(patch_size=transformer["patch_size"], in_channels=transformer["in_channels"],
+                    out_channels=transformer["out_channels"], num_layers=2, attention_head_dim=16,
+                    num_attention_heads=2, joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4))
+
     @classmethod
     def tiny_components(cls, kind: str = "qwen-image", image_size: int = IMAGE_SIZE, seed: int = 0) -> dict:
         """A tiny ``QwenImagePipeline``: a 2-layer ``QwenImageTransformer2DModel`` (patch 2, 64 packed
@@ -230,36 +320,20 @@ class QwenImagePolicy(DiffusersPolicy):
         the cached ``negative_prompt_embeds`` / ``negative_prompt_embeds_mask``."""
         return super().encode_prompts(prompts)
 
-    def _forward(self, packed: torch.Tensor, sigma: torch.Tensor, pe: torch.Tensor, mask: torch.Tensor,
-                 grid: tuple[int, int]) -> torch.Tensor:
-        dtype = transformer_dtype(self.transformer)
-        keep = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1  # the batch's longest prompt
-        pe, mask = pe[:, :keep], mask[:, :keep]  # [B, keep, D], [B, keep]
-        return self.transformer(hidden_states=packed.to(dtype), timestep=sigma,
-                                encoder_hidden_states=pe.to(self.device, dtype),
-                                encoder_hidden_states_mask=None if bool(mask.all()) else mask.to(self.device),
-                                img_shapes=[[(1, *grid)]] * packed.shape[0],
-                                return_dict=False)[0]  # [B, (h/2)(w/2), 4C]
-
     def velocity(self, latents: torch.Tensor, sigma, cond) -> torch.Tensor:
         """``v_theta(x_t, sigma)`` float32 ``[B, C, h, w]`` for unpacked latents; ``sigma`` in [0, 1].
 
         Differentiable in the transformer's parameters; with guidance, ``u + s (c - u)`` rescaled
         per packed token to ``|c|`` (module doc; ``cfg_halves`` / ``cfg_combine`` for training).
         """
+        if self.guidance_scale == 1.0:
+            return super().velocity(latents, sigma, cond)  # [B, C, h, w]
         x = latents.to(self.device)  # [B, C, h, w]
         b, _, h, w = x.shape
-        if h % 2 or w % 2:
-            raise ValueError(f"Qwen-Image latents need even height and width (2x2 packing), got {tuple(x.shape)}")
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(b)  # [B]
-        packed = pack_latents(x)  # [B, (h/2)(w/2), 4C]
-        fwd = lambda p, s, pe, m: self._forward(p, s, pe, m, (h // 2, w // 2))  # noqa: E731
-        text = (packed, sigma, cond["prompt_embeds"], cond["prompt_embeds_mask"])
-        if self.guidance_scale == 1.0:
-            return unpack_latents(fwd(*text).float(), h, w)  # [B, C, h, w]
-        u, c = cfg_halves(fwd, (packed, sigma, cond["negative_prompt_embeds"], cond["negative_prompt_embeds_mask"]),
-                          text)  # [B, (h/2)(w/2), 4C] each
-        comb = cfg_combine(u, c, self.guidance_scale)  # float32
+        uncond = (x, sigma, *(cond["negative_" + k] for k in self.cond_keys))
+        u, c = cfg_halves(self._forward, uncond, (x, sigma, *(cond[k] for k in self.cond_keys)))  # [B, C, h, w] each
+        comb, c = pack_latents(cfg_combine(u, c, self.guidance_scale)), pack_latents(c)  # [B, (h/2)(w/2), 4C]
         comb = comb * (c.float().norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))  # the norm rescale
         return unpack_latents(comb, h, w)  # [B, C, h, w]
 
@@ -280,7 +354,7 @@ class QwenImagePolicy(DiffusersPolicy):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents ``[B, C, h, w]`` -> float32 images ``[B, 3, 8h, 8w]`` in [0, 1] through the video
         VAE with one frame (module doc); ``decode_batch`` images per VAE call."""
-        video = video_vae_decode(self.vae, latents[:, :, None], self.device, self.decode_batch)  # [B, 3, 1, H, W]
+        video = video_vae_decode(self.vae, self.vae_latents(latents), self.device, self.decode_batch)  # [B, 3, 1, H, W]
         return video[:, :, 0]  # [B, 3, H, W]
 
 

@@ -31,7 +31,8 @@ import torch
 from flowrl.schedules import flow_sigmas
 
 from .base import FLOWRL_JSON, IMAGE_SIZE, DiffusersPolicy, Resolution, read_flowrl_json, resolve_resolution
-from .common import DECODE_BATCH, DTypeArg, module_dtype, transformer_dtype
+from .common import DECODE_BATCH, DTypeArg, module_dtype
+from .facts import Component, Geometry, ModelConfigs
 
 # Flow-GRPO's LoRA targets for Wan2.1 (scripts/train_wan2_1.py: r=32, alpha=64, gaussian init) are
 # to_q / to_k / to_v / to_out.0 plus add_k_proj / add_q_proj / add_v_proj / to_add_out; as peft suffix
@@ -40,7 +41,38 @@ from .common import DECODE_BATCH, DTypeArg, module_dtype, transformer_dtype
 # them out.
 WAN_LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
 DEFAULT_NUM_FRAMES = 81  # WanPipeline's default
+DEFAULT_RESOLUTION = (480, 832)  # WanPipeline's default (H, W)
 TINY_NUM_FRAMES = 5  # two latent frames: the tiny model's default (flowrl.json)
+
+# Published configs of Wan-AI/Wan2.1-T2V-1.3B-Diffusers and Wan-AI/Wan2.1-T2V-14B-Diffusers (their */config.json;
+# flowrl plan and bench precision build the models from them, no download). transformer/config.json
+# (WanTransformer3DModel) as diffusers' scripts/convert_wan_to_diffusers.py writes it for "Wan-T2V-1.3B" (30 blocks,
+# 12 heads of 128 = 1536 wide, FFN 8960) and "Wan-T2V-14B" (40 blocks, 40 heads of 128 = 5120 wide, FFN 13824);
+# rope_max_seq_len is the class default the published files record (1024)
+_WAN_T2V = dict(patch_size=(1, 2, 2), attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
+                freq_dim=256, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None,
+                added_kv_proj_dim=None, rope_max_seq_len=1024)
+WAN21_T2V_1_3B = dict(_WAN_T2V, num_attention_heads=12, num_layers=30, ffn_dim=8960)
+WAN21_T2V_14B = dict(_WAN_T2V, num_attention_heads=40, num_layers=40, ffn_dim=13824)
+# text_encoder/config.json: google/umt5-xxl's encoder (UMT5EncoderModel; the conversion script loads that repository)
+UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
+                dropout_rate=0.1, layer_norm_epsilon=1e-6, is_encoder_decoder=False, use_cache=False,
+                tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+# vae/config.json: AutoencoderKLWan with its defaults (the conversion script builds AutoencoderKLWan() for
+# Wan2.1_VAE.pth): causal 3D convolutions, 8x spatial and 4x temporal downsampling, 16 latent channels, its
+# latent mean / std
+WAN21_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                 temperal_downsample=[False, True, True], dropout=0.0,
+                 latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134, -0.0715,
+                               0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921],
+                 latents_std=[2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743, 3.2687, 2.1526, 2.8652,
+                              1.5579, 1.6382, 1.1253, 2.8251, 1.916])
+
+
+def _published(hub_id: str, transformer: dict, title: str, arch: str) -> ModelConfigs:
+    return ModelConfigs(transformer, {"text_encoder": Component("transformers:UMT5EncoderModel", UMT5_XXL)},
+                        Component("diffusers:AutoencoderKLWan", WAN21_VAE), hub_id, title, arch)
 
 
 def video_vae_decode(vae, latents: torch.Tensor, device, batch: Optional[int] = DECODE_BATCH) -> torch.Tensor:
@@ -93,6 +125,10 @@ class WanPolicy(DiffusersPolicy):
     text_encoder_names = ("text_encoder",)
     tiny_kinds = ("wan",)
     example_hub_id = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+    cond_keys = ("prompt_embeds",)  # _forward(x, sigma, *these) (base velocity, on [B, C, F', h, w])
+    published = {m.source: m for m in (
+        _published(example_hub_id, WAN21_T2V_1_3B, "Wan2.1-T2V-1.3B", "wan-1.3b-arch"),
+        _published("Wan-AI/Wan2.1-T2V-14B-Diffusers", WAN21_T2V_14B, "Wan2.1-T2V-14B", "wan-14b-arch"))}
 
     def __init__(self, pipe, *, guidance_scale: float = 5.0, negative_prompt: str = "",
                  max_sequence_length: int = 512, num_frames: Optional[int] = None, shift: Optional[float] = None,
@@ -123,11 +159,55 @@ class WanPolicy(DiffusersPolicy):
         f, (_, ph, pw) = self.vae_scale_factor, cfg.patch_size
         if ph != pw:
             raise ValueError(f"WanPolicy expects a square spatial patch, got patch_size={tuple(cfg.patch_size)}")
-        self.height, self.width = resolve_resolution(resolution, (480, 832), f * ph)
+        self.height, self.width = resolve_resolution(resolution, DEFAULT_RESOLUTION, f * ph)
         self.latent_shape = (int(cfg.in_channels), (num_frames - 1) // ft + 1, self.height // f,
                              self.width // f)  # (C, F', h, w)
 
     # --- declarations ----------------------------------------------------------------------
+    @classmethod
+    def vae_factor(cls, configs: ModelConfigs) -> int:
+        """Spatial pixels per latent pixel: 2 per downsampling stage (``temperal_downsample`` has one entry
+        per stage; 8 for Wan2.1's three)."""
+        return 2 ** len(configs.vae.config["temperal_downsample"])
+
+    @classmethod
+    def patch_size(cls, transformer: dict) -> int:
+        """The spatial patch (``patch_size`` is ``(t, h, w)``)."""
+        return int(transformer["patch_size"][1])
+
+    @classmethod
+    def geometry(cls, configs: ModelConfigs, options: dict) -> Geometry:
+        """``options['num_frames']`` video frames (default 81, ``4 k + 1``) of ``options['resolution']``
+        (default 480 x 832): latents ``(C, (F - 1) / 4 + 1, H / 8, W / 8)``."""
+        f = cls.vae_factor(configs)
+        ft = 2 ** sum(bool(d) for d in configs.vae.config["temperal_downsample"])  # 4: temporal factor
+        frames = options.get("num_frames") or DEFAULT_NUM_FRAMES
+        if not isinstance(frames, int) or (frames - 1) % ft:
+            raise ValueError(f"num_frames must be {ft} k + 1 frames (k >= 0) for Wan's video VAE, got {frames!r}")
+        h, w = resolve_resolution(options.get("resolution") or DEFAULT_RESOLUTION, 0,
+                                  f * cls.patch_size(configs.transformer))
+        shape = (int(configs.transformer["in_channels"]), (frames - 1) // ft + 1, h // f, w // f)  # (C, F', h, w)
+        return Geometry(h, w, shape, cls.text_tokens(options), frames)
+
+    @classmethod
+    def example_conditioning(cls, configs, geometry, rows, device, dtype) -> dict[str, torch.Tensor]:
+        """UMT5 embeddings ``[rows, L, text_dim]`` (no mask: the pipeline passes none)."""
+        return {"prompt_embeds": torch.empty(rows, geometry.text_tokens, configs.transformer["text_dim"],
+                                             device=device, dtype=dtype)}  # [B, L, D]
+
+    @classmethod
+    def transformer_inputs(cls, config, dtype, x, sigma, cond, **settings) -> dict:
+        """Latents ``[B, C, F', h, w]``, ``timestep = sigma * 1000`` (the pipeline's ``scheduler.timesteps``)."""
+        return dict(hidden_states=x.to(dtype), timestep=sigma * 1000.0,
+                    encoder_hidden_states=cond["prompt_embeds"].to(x.device, dtype), return_dict=False)  # [B, L, D]
+
+    @classmethod
+    def shrink_config(cls, transformer: dict) -> dict:
+        return dict(patch_size=transformer["patch_size"], num_attention_heads=2, attention_head_dim=12,
+                    in_channels=transformer["in_channels"], out_channels=transformer["out_channels"], text_dim=32,
+                    freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                    rope_max_seq_len=32)
+
     @classmethod
     def tiny_components(cls, kind: str = "wan", image_size: int = IMAGE_SIZE, seed: int = 0) -> dict:
         """A tiny ``WanPipeline``: a 2-layer ``WanTransformer3DModel`` (patch (1, 2, 2), 16 latent
@@ -190,13 +270,6 @@ class WanPolicy(DiffusersPolicy):
         also the cached ``negative_prompt_embeds``."""
         return super().encode_prompts(prompts)
 
-    def _forward(self, x: torch.Tensor, sigma: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
-        dtype = transformer_dtype(self.transformer)
-        return self.transformer(hidden_states=x.to(dtype), timestep=sigma * 1000.0,  # [B, C, F', h, w]
-                                encoder_hidden_states=pe.to(self.device, dtype), return_dict=False)[0]
-
-    cond_keys = ("prompt_embeds",)  # _forward(x, sigma, *these) (base velocity, on [B, C, F', h, w])
-
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """``[num_steps + 1]`` float32 from 1 to 0: ``flow_sigmas(num_steps, shift, schedule)``."""
         return flow_sigmas(num_steps, self.shift, self.schedule)
@@ -206,4 +279,5 @@ class WanPolicy(DiffusersPolicy):
         return video_vae_decode(self.vae, latents, self.device, self.decode_batch)  # [B, 3, F, H, W]
 
 
-__all__ = ["DEFAULT_NUM_FRAMES", "TINY_NUM_FRAMES", "WAN_LORA_TARGET_MODULES", "WanPolicy", "video_vae_decode"]
+__all__ = ["DEFAULT_NUM_FRAMES", "DEFAULT_RESOLUTION", "TINY_NUM_FRAMES", "WAN_LORA_TARGET_MODULES", "WanPolicy",
+           "video_vae_decode"]

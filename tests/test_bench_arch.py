@@ -20,16 +20,27 @@ def test_the_architecture_names_are_the_adapters_published_models():
     from flowrl.pipelines.sana import SanaPolicy
     from flowrl.pipelines.sd3 import SD3Policy
 
+    from flowrl.pipelines.flux_kontext import FluxKontextPolicy
+    from flowrl.pipelines.qwen_image import QwenImagePolicy
+    from flowrl.pipelines.wan import WanPolicy
+
     models = arch_models()
-    assert {"sd35m-arch", "sd35l-arch", "flux-arch", "sana-arch"} <= set(models)  # public names
+    assert {"sd35m-arch", "sd35l-arch", "flux-arch", "sana-arch", "qwen-image-arch", "flux-kontext-arch",
+            "wan-1.3b-arch", "wan-14b-arch"} <= set(models)  # public names
     assert models["sd35m-arch"] == (SD3Policy, SD3Policy.published["stabilityai/stable-diffusion-3.5-medium"])
     assert models["flux-arch"][0] is FluxPolicy and models["sana-arch"][0] is SanaPolicy
+    assert models["qwen-image-arch"][0] is QwenImagePolicy and models["flux-kontext-arch"][0] is FluxKontextPolicy
+    assert models["wan-14b-arch"] == (WanPolicy, WanPolicy.published["Wan-AI/Wan2.1-T2V-14B-Diffusers"])
 
 
 @pytest.mark.parametrize("pipeline,low,high", [("sd35m-arch", 2.2e9, 2.3e9), ("sd35l-arch", 8.0e9, 8.1e9),
-                                                ("flux-arch", 11.8e9, 12.0e9), ("sana-arch", 1.59e9, 1.61e9)])
+                                                ("flux-arch", 11.8e9, 12.0e9), ("sana-arch", 1.59e9, 1.61e9),
+                                                ("qwen-image-arch", 20.42e9, 20.44e9),
+                                                ("flux-kontext-arch", 11.8e9, 12.0e9),
+                                                ("wan-1.3b-arch", 1.41e9, 1.43e9), ("wan-14b-arch", 14.2e9, 14.3e9)])
 def test_published_configs_have_the_published_sizes(pipeline, low, high):
-    """Built on the meta device (no memory): 2.24B (+0.23B position table) / 8.06B / 11.9B / 1.6B parameters."""
+    """Built on the meta device (no memory): 2.24B (+0.23B position table) / 8.06B / 11.9B / 1.6B parameters;
+    Qwen-Image 20.43B ("20B"), FLUX.1 Kontext [dev] 11.9B ("12B"), Wan2.1 1.42B ("1.3B") and 14.29B ("14B")."""
     adapter, model = arch_model(pipeline)
     m = build_transformer(adapter, model.transformer, torch.device("meta"), torch.bfloat16)
     n = sum(p.numel() for p in m.parameters())
@@ -48,7 +59,8 @@ def test_full_size_architectures_need_cuda():
 
 
 @pytest.mark.parametrize("pipeline,resolutions", [("sd35m-arch", (32, 48)), ("flux-arch", (32, 48)),
-                                                  ("sana-arch", (32, 64))])
+                                                  ("sana-arch", (32, 64)), ("qwen-image-arch", (32, 48)),
+                                                  ("flux-kontext-arch", (32, 48)), ("wan-1.3b-arch", (32, 48))])
 def test_arch_bench_end_to_end_tiny(tmp_path, pipeline, resolutions):
     out = bench_arch(pipeline, ["full", "fp8:simulate_on_cpu=true", "nvfp4-emulated:engine=torch"],
                      tmp_path / "a.json", resolutions=resolutions, batch=2, steps=2, repeats=1, device="cpu",
@@ -106,3 +118,19 @@ def test_arch_bench_validates_before_building():
     add_precision_parser(parser.add_subparsers())
     with pytest.raises(SystemExit):  # an argparse error (rc 2) that lists the names
         parser.parse_args(["precision", "--pipeline", "sd4-arch"])
+
+
+def test_video_architecture_takes_a_frame_count(tmp_path):
+    """--num-frames sets a video architecture's frames (latents (C, (F - 1) / 4 + 1, h, w)); the record says so."""
+    import argparse
+
+    out = bench_arch("wan-14b-arch", ["full"], tmp_path / "w.json", resolutions=(32,), batch=1, steps=1, repeats=1,
+                     device="cpu", tiny=True, verbose=False, model_options={"num_frames": 9})
+    assert out["arch"]["frames"] == 9 and out["arch"]["config"]["num_layers"] == 2
+    assert out["backends"]["full"]["resolutions"]["32"]["images_per_second"] > 0
+    parser = argparse.ArgumentParser()
+    add_precision_parser(parser.add_subparsers())
+    assert parser.parse_args(["precision", "--pipeline", "wan-1.3b-arch", "--num-frames", "33"]).num_frames == 33
+    b = parser.parse_args(["precision", "--pipeline", "sd3-mid", "--num-frames", "33"])
+    with pytest.raises(ValueError, match="--num-frames apply to the architecture pipelines"):
+        b.fn(b)

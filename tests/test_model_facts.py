@@ -104,17 +104,18 @@ def test_a_new_adapter_alone_is_arch_benchmarked(toy_registered, tmp_path, one_t
     assert out["backends"]["full"]["resolutions"]["32"]["images_per_second"] > 0
 
 
-@pytest.mark.parametrize("name", ["sd3", "flux", "sana", "digits"])
+@pytest.mark.parametrize("name", ["sd3", "flux", "sana", "digits", "qwen-image", "flux-kontext", "wan"])
 def test_shipped_adapters_declare_their_facts(name):
     """Each shipped adapter answers every fact the planner and the benchmark read, consistently with the
-    conditioning and geometry it declares."""
+    conditioning and geometry it declares (the published models at their default sizes, on the meta device)."""
     cls = policy_class(name)
     path = next(iter(cls.published), None) if cls.published else None
     configs = cls.model_configs(path)
     g = cls.geometry(configs, {})
     assert isinstance(g, Geometry) and g.latent_bytes > 0 and g.text_tokens > 0
     cond = cls.example_conditioning(configs, g, 2, "meta", torch.bfloat16)
-    assert tuple(cond) == cls.cond_keys and all(t.shape[0] == 2 for t in cond.values())
+    extra = ("image_latents",) if name == "flux-kontext" else ()  # an editing batch's source latents
+    assert tuple(cond) == cls.cond_keys + extra and all(t.shape[0] == 2 for t in cond.values())
     counts = cls.block_counts(configs.transformer)
     assert cls.block_counts(cls.with_block_counts(configs.transformer, counts)) == counts
     tr = build_component(Component("diffusers:" + cls.transformer_class, configs.transformer), "meta", torch.bfloat16)
@@ -124,7 +125,8 @@ def test_shipped_adapters_declare_their_facts(name):
     assert cls.transformer_output(out[0], x).shape == x.shape  # a velocity shaped like the latents
 
 
-@pytest.mark.parametrize("name,published", [("sd3", 2), ("flux", 1), ("sana", 1)])
+@pytest.mark.parametrize("name,published", [("sd3", 2), ("flux", 1), ("sana", 1), ("qwen-image", 1),
+                                            ("flux-kontext", 1), ("wan", 2)])
 def test_published_models_name_their_sources(name, published):
     cls = policy_class(name)
     assert len(cls.published) == published
@@ -152,3 +154,28 @@ def test_a_subclass_inheriting_published_models_adds_no_architecture_names(monke
 
     monkeypatch.setitem(pipelines.REGISTRY, "zz-variant", ZzVariant.from_pretrained)  # sorts after "flux"
     assert arch_models()["flux-arch"][0] is FluxPolicy
+
+
+def test_video_and_editing_geometry():
+    """Wan's geometry counts video frames ((F - 1) / 4 + 1 latent frames); Kontext's transformer call
+    appends the source's tokens (twice the image sequence) and keeps the generated ones in its output;
+    Qwen-Image's VAE decodes a one-frame video."""
+    wan = policy_class("wan")
+    configs = wan.model_configs("Wan-AI/Wan2.1-T2V-14B-Diffusers")
+    g = wan.geometry(configs, {"resolution": [240, 416], "num_frames": 33})
+    assert g.latent_shape == (16, 9, 30, 52) and g.frames == 33 and g.image_bytes == 3 * 33 * 240 * 416 * 4
+    assert wan.geometry(configs, {}).latent_shape == (16, 21, 60, 104)  # the pipeline's 81 frames of 480 x 832
+    with pytest.raises(ValueError, match="4 k \\+ 1"):
+        wan.geometry(configs, {"num_frames": 32})
+    kontext = policy_class("flux-kontext")
+    configs = kontext.model_configs("black-forest-labs/FLUX.1-Kontext-dev")
+    g = kontext.geometry(configs, {"resolution": 512})
+    cond = kontext.example_conditioning(configs, g, 2, "meta", torch.bfloat16)
+    x = torch.empty(2, *g.latent_shape, device="meta", dtype=torch.bfloat16)  # [2, 16, 64, 64]
+    kw = kontext.transformer_inputs(configs.transformer, torch.bfloat16, x, torch.empty(2, device="meta"), cond)
+    assert kw["hidden_states"].shape == (2, 2 * 32 * 32, 64) and kw["img_ids"].shape == (2 * 32 * 32, 3)
+    out = torch.empty(2, 2 * 32 * 32, 64, device="meta")
+    assert kontext.transformer_output(out, x).shape == x.shape
+    qwen = policy_class("qwen-image")
+    assert qwen.vae_latents(torch.empty(2, 16, 8, 8)).shape == (2, 16, 1, 8, 8)
+    assert policy_class("sd3").vae_latents(x) is x

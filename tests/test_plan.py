@@ -266,3 +266,49 @@ def test_fsdp_plan_matches_two_sharded_processes_measured(check_model, tmp_path)
     for rank in (0, 1):
         print(rank, _check_against_plan(plan, json.loads((tmp_path / f"measured_rank{rank}.json").read_text()),
                                         overrides))
+
+
+def test_video_and_editing_recipes_plan_their_media(tmp_path):
+    """Wan: the frames are in the latents and the decoded videos, and a local directory's flowrl.json gives
+    the frames a recipe leaves unset; FLUX.1 Kontext: the source's tokens double the transformer's image
+    sequence, so its sampling forward exceeds FLUX.1-dev's on the same settings."""
+    from flowrl.pipelines.tiny import make_tiny
+    from flowrl.plan.activations import recipe_geometry
+    from flowrl.plan.core import measured_setup
+    from flowrl.plan.models import model_configs
+
+    wan = _plan("recipes/wan_group_ocr.yaml")
+    assert wan.settings["resolution"] == [240, 416]
+    decoded = next(i for i in wan.items if i.name.startswith("rollout: decoded images"))
+    assert decoded.bytes == 16 * 3 * 33 * 240 * 416 * 4  # 16 videos of 33 frames, float32
+    tiny = make_tiny("wan", tmp_path / "wan", image_size=32)  # flowrl.json: num_frames 5
+    cfg = load_config("recipes/wan_group_ocr.yaml", [f"model.path={tiny}", "model.options.num_frames=null",
+                                                     "model.options.resolution=null"])
+    g = recipe_geometry(cfg, *model_configs(cfg))
+    assert g.frames == 5 and g.latent_shape == (16, 2, 4, 4)
+
+    def forward_bytes(overrides):
+        _, acts = measured_setup(load_config("recipes/flux_kontext_edit.yaml", overrides))
+        return acts.bytes("infer", 2)
+
+    flux = forward_bytes(["model.pipeline=flux", "model.path=black-forest-labs/FLUX.1-dev"])
+    kontext = forward_bytes([])
+    assert kontext > 1.5 * flux  # 2 x 1024 image tokens + 128 text tokens against 1024 + 128
+
+
+def test_report_rows_set_their_sharding(capsys):
+    """docs/memory.md's generator: a 'none' row is planned unsharded even where the recipe (or an override)
+    ships FSDP; on one GPU only the replica rows are made; --set / --label / --train select the variants."""
+    from flowrl.plan.report import _main
+
+    _main(["recipes/digits.yaml", "--gpus", "1", "--train", "LoRA", "--label", "(x)", "--set", "train.sharding=fsdp"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| digits")]
+    assert len(rows) == 1 and rows[0].startswith("| digits (x) | LoRA | none |")
+    _main(["recipes/digits.yaml", "--set", "train.sharding=fsdp"])
+    rows = [line.split(" | ")[1:4] for line in capsys.readouterr().out.splitlines() if line.startswith("| digits")]
+    assert rows == [["LoRA", "none", rows[0][2]], ["LoRA", "fsdp", rows[1][2]], ["full", "none", rows[2][2]],
+                    ["full", "fsdp", rows[3][2]]]
+    from flowrl.plan.report import VARIANTS
+
+    qwen = "recipes/qwen_image_group_pickscore.yaml"  # ships train.sharding: fsdp
+    assert [load_config(qwen, v).train.sharding for _, _, v in VARIANTS] == ["none", "fsdp", "none", "fsdp"]

@@ -34,6 +34,7 @@ PROMPTS = ["a handwritten digit 3", "a handwritten digit 7"]
 # backends and regenerations; each case runs in seconds on the 1-layer digits model
 CASES: dict[str, dict[str, dict]] = {
     "group": {"sde": dict(group_size=3, num_steps=4, step="sde"),
+              "sde_wan": dict(group_size=3, num_steps=4, step="sde_wan", noise_level=0.98),
               "dance": dict(group_size=3, num_steps=4, step="dance"),
               "cps": dict(group_size=3, num_steps=4, step="cps"),
               "sde_window": dict(group_size=3, num_steps=5, sde_window=2, window_start=1),

@@ -1,6 +1,8 @@
-"""``flowrl bench precision --pipeline NAME-arch`` (``sd35m-arch``, ``sd35l-arch``, ``flux-arch``, ``sana-arch``:
-every published model an adapter declares with an ``arch`` name): exploration backends on full-size
-architectures with random weights (no download), on a CUDA GPU.
+"""``flowrl bench precision --pipeline NAME-arch`` (``sd35m-arch``, ``sd35l-arch``, ``flux-arch``, ``sana-arch``,
+``qwen-image-arch``, ``flux-kontext-arch``, ``wan-1.3b-arch``, ``wan-14b-arch``: every published model an adapter
+declares with an ``arch`` name): exploration backends on full-size architectures with random weights (no
+download), on a CUDA GPU. A video architecture samples ``model_options['num_frames']`` frames per video at
+each square resolution (``--num-frames``; default the pipeline's 81): "images" below are then videos.
 
 Per backend (``full`` = the bf16 policy, then each quantized copy, one at a time so only one copy
 is resident beside the policy), per resolution (default 512 and 1024 px):
@@ -145,6 +147,7 @@ def bench_arch(pipeline: str = "sd35m-arch", backends: Optional[Sequence[str]] =
                resolutions: Sequence[int] = (512, 1024), batch: Optional[int] = None, steps: Optional[int] = None,
                repeats: int = 3, compile: str = "off", device: Optional[str] = None, dtype: Optional[str] = None,
                tiny: bool = False, iteration_timing: bool = False, iteration_options: Optional[dict] = None,
+               model_options: Optional[dict] = None,
                verbose: bool = True) -> dict:
     """Run the architecture benchmark (module doc); returns the result dict (also written to
     ``json_path``, a PNG chart beside it). ``backends``: as ``bench_precision`` (default ``full, fp8,
@@ -167,7 +170,7 @@ def bench_arch(pipeline: str = "sd35m-arch", backends: Optional[Sequence[str]] =
     title = arch_model(pipeline)[1].title
     log(f"[bench precision] building {pipeline} ({title}{', tiny' if tiny else ''}) on {dev} in "
         f"{dtype} ...", flush=True)
-    policy = ArchPolicy(pipeline, resolutions[0], dev, getattr(torch, dtype), tiny=tiny)
+    policy = ArchPolicy(pipeline, resolutions[0], dev, getattr(torch, dtype), tiny=tiny, options=model_options)
 
     def calibrate(module: torch.nn.Module) -> None:
         policy.set_resolution(resolutions[0])
@@ -196,7 +199,7 @@ def bench_arch(pipeline: str = "sd35m-arch", backends: Optional[Sequence[str]] =
            "arch": {"title": policy.model.title, "family": policy.family, "config": policy.config,
                     "config_source": f"{policy.model.source} transformer/config.json",
                     "parameters": policy.parameters_count(),
-                    "text_tokens": policy.text_tokens},
+                    "text_tokens": policy.text_tokens, "frames": policy.geometry.frames},
            "settings": settings, "machine": machine_info(), "backends": results,
            "fidelity_note": "fidelity off: random weights (speed, memory and numerics vs full precision only)"}
     if iteration_timing:

@@ -12,6 +12,7 @@ fidelity.
 """
 from __future__ import annotations
 
+from typing import Optional
 
 import torch
 
@@ -60,14 +61,16 @@ class ArchPolicy:
         pipeline: an architecture name (:func:`arch_models`, e.g. ``sd35m-arch``).
         resolution: image side in pixels (a multiple of the VAE factor x patch size).
         tiny: use the adapter's ``shrink_config`` (tests; the code path, not the size).
+        options: ``model.options`` the adapter's geometry reads besides the resolution (a video model's
+            ``num_frames``; default: the pipeline's).
     """
 
     def __init__(self, pipeline: str, resolution: int = 512, device: str | torch.device = "cuda",
                  dtype: torch.dtype = torch.bfloat16, tiny: bool = False, shift: float = 3.0,
-                 guidance_scale: float = 3.5):
+                 guidance_scale: float = 3.5, options: Optional[dict] = None):
         self.adapter, self.model = arch_model(pipeline)
         self.config = self.adapter.shrink_config(self.model.transformer) if tiny else dict(self.model.transformer)
-        self.options = {"max_sequence_length": TINY_TEXT_TOKENS} if tiny else {}
+        self.options = {**(options or {}), **({"max_sequence_length": TINY_TEXT_TOKENS} if tiny else {})}
         self.device, self.dtype = torch.device(device), dtype
         self.transformer = build_transformer(self.adapter, self.config, self.device, dtype)
         self.shift, self.guidance_scale = shift, guidance_scale

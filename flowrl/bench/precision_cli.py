@@ -50,10 +50,12 @@ def _run(a) -> int:
         bench_arch(a.pipeline, backends, a.json, png_path=a.png, resolutions=_ints(a.resolutions) or (512, 1024),
                    batch=a.batch, steps=a.steps, repeats=a.repeats, compile=a.compile, device=a.device,
                    dtype=a.dtype, tiny=a.tiny, iteration_timing=a.iteration_timing,
-                   iteration_options=_iteration_options(a))
+                   iteration_options=_iteration_options(a),
+                   model_options={"num_frames": a.num_frames} if a.num_frames else None)
         return 0
     arch_only = [f for f, on in (("--tiny", a.tiny), ("--iteration-timing", a.iteration_timing),
-                                 ("--resolutions", a.resolutions), ("--compile", a.compile != "off")) if on]
+                                 ("--resolutions", a.resolutions), ("--compile", a.compile != "off"),
+                                 ("--num-frames", a.num_frames)) if on]
     if arch_only:
         raise ValueError(f"{', '.join(arch_only)} apply to the architecture pipelines (NAME-arch), "
                          f"not --pipeline {a.pipeline}")
@@ -72,6 +74,8 @@ def _add_arch_arguments(p) -> None:
     g.add_argument("--compile", choices=COMPILE_CHOICES, default="off",
                    help="torch.compile every measured module with this mode (reduce-overhead: CUDA graphs)")
     g.add_argument("--tiny", action="store_true", help="shrunken configs (runs on a CPU in seconds: tests, smoke)")
+    g.add_argument("--num-frames", type=int, default=None,
+                   help="video architectures (wan-*-arch): frames per video, 4 k + 1 (default: the pipeline's 81)")
     g.add_argument("--iteration-timing", action="store_true",
                    help="also time one Sol-RL and one flat-GRPO iteration (explore, regenerate, update)")
     g.add_argument("--explore-backend", default=None, help="Sol-RL exploration backend (default: first quantized)")

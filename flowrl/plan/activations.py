@@ -31,14 +31,17 @@ from .tracker import LiveBytes, flash_attention
 
 
 def recipe_geometry(cfg, adapter: type, configs) -> Geometry:
-    """The adapter's :class:`~flowrl.pipelines.facts.Geometry` under ``model.options``; the resolution is
-    ``model.options.resolution``, else the local model's ``flowrl.json``, else the adapter's default."""
+    """The adapter's :class:`~flowrl.pipelines.facts.Geometry` under ``model.options``; an option the recipe
+    leaves unset (``resolution``, Wan's ``num_frames``) is the local model's ``flowrl.json`` entry, else the
+    adapter's default."""
     from ..pipelines.base import read_flowrl_json
     from ..trainers.config_base import ConfigError
 
     options = dict(cfg.model.options)
-    if options.get("resolution") is None and cfg.model.path:
-        options["resolution"] = read_flowrl_json(cfg.model.path).get("resolution")
+    if cfg.model.path:  # the local model's saved defaults (resolution, video frames) fill the unset options
+        for k, v in read_flowrl_json(cfg.model.path).items():
+            if options.get(k) is None:
+                options[k] = v
     try:
         return adapter.geometry(configs, options)
     except (ValueError, NotImplementedError) as e:
@@ -132,6 +135,7 @@ def _decode_pass(comp: MetaComponents, shapes: Geometry, rows: int) -> tuple[int
     if comp.vae is None:  # decoded without a VAE (pixel space): a cast and a clamp
         return 0, 0
     z = torch.empty(rows, *shapes.latent_shape, device="meta", dtype=comp.dtypes["vae"])  # [B, C, (F,) h, w]
+    z = comp.adapter.vae_latents(z)  # as the adapter's decode passes them
     with torch.no_grad(), flash_attention(), LiveBytes().tracking() as live:
         img = comp.vae.decode(z, return_dict=False)[0]  # [B, 3, (F,) H, W]
         img = (img.float() / 2 + 0.5).clamp(0, 1)

@@ -97,7 +97,8 @@ def format_measure(m: dict) -> str:
     return "\n".join(lines)
 
 
-VARIANTS = (("LoRA", "none", []), ("LoRA", "fsdp", ["train.sharding=fsdp"]), ("full", "none", ["train.lora_rank=0"]),
+VARIANTS = (("LoRA", "none", ["train.sharding=none"]), ("LoRA", "fsdp", ["train.sharding=fsdp"]),
+            ("full", "none", ["train.lora_rank=0", "train.sharding=none"]),
             ("full", "fsdp", ["train.lora_rank=0", "train.sharding=fsdp"]))
 
 
@@ -107,25 +108,47 @@ def summary_row(recipe: str, train: str, sharding: str, plan: Plan) -> str:
     act = sum(i.bytes for i in plan.items if i.group == "train" and i.name.startswith("activations"))
     transient = max((i.bytes for i in plan.items if i.group == "transient"), default=0)
     fit = "fits" if plan.fits else "no"
-    return (f"| {Path(recipe).stem} | {train} | {sharding} | {plan.resident_bytes / GiB:.1f} | {act / GiB:.1f} | "
+    return (f"| {recipe} | {train} | {sharding} | {plan.resident_bytes / GiB:.1f} | {act / GiB:.1f} | "
             f"{transient / GiB:.1f} | {plan.peak_bytes / GiB:.1f} ({fit}) |")
 
 
-def summary_table(recipes: list[str], gpus: int = 8, gpu_memory: int = 80 * GiB) -> str:
-    """docs/memory.md's table of the shipped recipes (each with LoRA / full fine-tune, DDP / FSDP)."""
+def summary_table(recipes: list[str], gpus: int = 8, gpu_memory: int = 80 * GiB, *, train: tuple = ("LoRA", "full"),
+                  overrides: tuple = (), label: str = "") -> str:
+    """docs/memory.md's table of the shipped recipes: each with LoRA / full fine-tune (``train``), DDP
+    replicas / FSDP (on one GPU replicas only: FSDP over one process divides nothing), under ``overrides``
+    (e.g. another published model), named ``stem label``."""
     from ..trainers.config import load_config
     from .core import plan_memory
 
     lines = ["| recipe | train | sharding | resident | act | transient | peak per GPU |",
              "|---|---|---|---|---|---|---|"]
     for recipe in recipes:
-        for train, sharding, overrides in VARIANTS:
-            plan = plan_memory(load_config(recipe, overrides), gpus, gpu_memory, recipe)
-            lines.append(summary_row(recipe, train, sharding, plan))
+        name = f"{Path(recipe).stem} {label}".strip()
+        for kind, sharding, variant in VARIANTS:
+            if kind in train and (gpus > 1 or sharding == "none"):
+                plan = plan_memory(load_config(recipe, list(overrides) + variant), gpus, gpu_memory, recipe)
+                lines.append(summary_row(name, kind, sharding, plan))
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m flowrl.plan.report recipes/*.yaml: the table in docs/memory.md
+def _main(argv: list[str]) -> None:
+    """``python -m flowrl.plan.report [--gpus N] [--gpu-memory 80GiB] [--train LoRA] [--label TEXT]
+    RECIPE... [--set KEY=VALUE ...]``: the table in docs/memory.md."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m flowrl.plan.report")
+    ap.add_argument("recipes", nargs="+")
+    ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--gpu-memory", default="80GiB")
+    ap.add_argument("--train", choices=("LoRA", "full"), action="append", help="only these (default: both)")
+    ap.add_argument("--label", default="", help="appended to each recipe's name (e.g. the model an override picks)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides of every recipe")
+    a = ap.parse_args(argv)
+    print(summary_table(a.recipes, a.gpus, parse_memory(a.gpu_memory), train=tuple(a.train or ("LoRA", "full")),
+                        overrides=tuple(a.set), label=a.label))
+
+
+if __name__ == "__main__":
     import sys
 
-    print(summary_table(sys.argv[1:]))
+    _main(sys.argv[1:])
