@@ -166,10 +166,17 @@ def decode_rows(cfg, samples: int) -> int:
     return min(samples, b) if b else samples
 
 
+def chunk_decode_rows(cfg, samples: int, chunk_rows: int) -> int:
+    """Images per VAE call when sampling runs ``chunk_rows`` rows at a time: each finished chunk is
+    decoded (and handed to the reward) on its own, ``model.options.decode_batch`` images per call."""
+    return min(decode_rows(cfg, samples), chunk_rows)
+
+
 def _working_set(cfg, comp, acts: Activations, samples: int, fwd_rows: int, k: int) -> tuple[int, int, int]:
-    """(kept bytes: conditioning + latents, denoiser forward peak, VAE decode peak) of sampling ``samples``."""
+    """(kept bytes: conditioning + latents, denoiser forward peak, VAE decode peak) of sampling ``samples``
+    in chunks of ``fwd_rows`` rows (the samplers decode each chunk as it finishes)."""
     kept = samples * (_cond_row_bytes(comp, acts) * k + 2 * acts.shapes.latent_bytes)
-    return kept, acts.bytes("infer", fwd_rows * k), acts.bytes("decode", decode_rows(cfg, samples))
+    return kept, acts.bytes("infer", fwd_rows * k), acts.bytes("decode", chunk_decode_rows(cfg, samples, fwd_rows))
 
 
 def rollout_items(cfg, comp: MetaComponents, acts: Activations) -> list[Item]:
@@ -190,7 +197,8 @@ def rollout_items(cfg, comp: MetaComponents, acts: Activations) -> list[Item]:
         items.append(Item(f"Sol exploration ({pool} seeds): latents + conditioning + max(forward, VAE decode)",
                           kept + max(fwd, dec), "transient", "gpu",
                           f"forward {max_rows(pool, sampler.explore_batch) * k} rows: {fwd / 2**30:.1f} GiB, "
-                          f"decode {decode_rows(cfg, pool)} images per VAE call: {dec / 2**30:.1f} GiB"))
+                          f"decode {chunk_decode_rows(cfg, pool, max_rows(pool, sampler.explore_batch))} images per "
+                          f"VAE call: {dec / 2**30:.1f} GiB"))
         items.append(Item("Sol re-sync: merged full-precision copy before quantizing",
                           exploration_copy_bytes(comp.transformer, "none", {}), "transient"))
     rows = max_rows(n, getattr(gen, "max_batch", None))
@@ -201,8 +209,8 @@ def rollout_items(cfg, comp: MetaComponents, acts: Activations) -> list[Item]:
                    note="latents + next latents per trained step; kept through the update"),
               Item(f"rollout: denoiser forward ({rows * k} rows, no grad)", fwd, "transient",
                    note="sampler.max_batch rows" + (" x 2 (CFG)" if k == 2 else ""), runs_transformer=True),
-              Item(f"rollout: VAE decode ({decode_rows(cfg, n)} images per call)", dec, "transient", "gpu",
-                   "model.options.decode_batch images per VAE call"),
+              Item(f"rollout: VAE decode ({chunk_decode_rows(cfg, n, rows)} images per call)", dec, "transient", "gpu",
+                   "each finished chunk of sampler.max_batch rows, model.options.decode_batch images per VAE call"),
               Item(f"rollout: decoded images ({n}, float32)", n * acts.shapes.image_bytes, "kept", "host")]
     return items
 

@@ -52,8 +52,13 @@ def cpu_peak(fn: Callable[[], None]) -> int:
         events = json.loads(open(path).read())["traceEvents"]
     finally:
         os.unlink(path)
-    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
-    return max(totals, default=0)
+    mem = [e["args"] for e in events if e.get("name") == "[memory]"]
+    if not mem:
+        return 0
+    # "Total Allocated" is the allocator's whole level, also what was held before fn (earlier objects of
+    # this process): the level at the start is the first event's total before its own allocation
+    start = mem[0]["Total Allocated"] - mem[0]["Bytes"]
+    return max(0, max(m["Total Allocated"] for m in mem) - start)
 
 
 def cuda_peak(fn: Callable[[], None]) -> int:
