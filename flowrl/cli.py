@@ -1,48 +1,233 @@
-"""``flowrl`` command line: parse, build, call. No logic lives here."""
+"""``flowrl`` command line: parse, build, call, and the one error boundary. No training logic lives here.
+
+- Every verb's handler returns its result (a dict, printed as JSON; a string; or None). While it
+  runs, ``sys.stdout`` is sent to stderr, so status lines (``[flowrl] ...``, progress) never mix
+  with the result a script reads from stdout.
+- A user mistake raises one of the types in :func:`user_errors`; :func:`main` prints it as ONE line,
+  ``flowrl VERB: error: ...``, and returns 2. Argument errors (argparse) have the same form and
+  code. Any other exception is a bug: its traceback is kept (rc 1).
+- Dotted overrides (``train.lr=3e-4``, ``"sampler={name: ode}"``) may stand anywhere on the line of a
+  verb that takes them, also after an option; argparse abbreviations are off (``--budget`` is never
+  read as ``--budget-seconds``).
+"""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
 import sys
 from pathlib import Path
+from typing import Any, Callable, Optional
+
+# ---------------------------------------------------------------- the parser
+_HELP_WITHOUT_DEFAULT = (None, False, [], argparse.SUPPRESS)
 
 
-def _train(a) -> int:
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Help with each option's default (unless it is None / False or the help already names it) and
+    the verb's example epilog printed as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.default in _HELP_WITHOUT_DEFAULT or "default" in text.lower() or "%(default)" in text
+                or not (action.option_strings or action.nargs in ("?", "*"))):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """flowrl's parsers: no prefix abbreviations, defaults in ``--help``, one-line errors (rc 2).
+    Sub-parsers inherit the class (``add_subparsers`` uses the parent's type)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):  # argparse's contract: never returns
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return v
+
+
+def _example(*lines: str) -> str:
+    return "example:\n" + "\n".join(f"  {ln}" for ln in lines)
+
+
+# ---------------------------------------------------------------- the error boundary
+def one_line(text: str) -> str:
+    """``text`` with its line breaks and runs of spaces folded into single spaces."""
+    return " ".join(str(text).split())
+
+
+def _os_error(e: OSError) -> str:
+    if e.filename is not None and e.strerror:  # raised by the OS: "[Errno 2] ..." -> what and where
+        return f"{e.strerror.lower()}: {e.filename}"
+    return str(e)
+
+
+def user_errors() -> dict[type, Callable[[BaseException], str]]:
+    """Exception types that mean "this cannot be done as asked" -> their one-line message. Their
+    messages already say what was wrong and how to fix it; anything not listed is a bug."""
+    import yaml
+
+    from flowrl.bench import BenchError
+    from flowrl.data.embeddings import TextCacheError
+    from flowrl.data.offline_store import DatasetError
+    from flowrl.data.prompts import PromptSetError
+    from flowrl.quant.common import BackendUnavailable
+    from flowrl.trainers.checkpoint import CheckpointError
+    from flowrl.trainers.common import TrainingStopped
+    from flowrl.trainers.config_base import ConfigError
+
+    plain = str
+    return {
+        ConfigError: plain,  # also ExportError
+        PromptSetError: plain,
+        DatasetError: plain,
+        TextCacheError: plain,
+        CheckpointError: plain,
+        TrainingStopped: plain,
+        BackendUnavailable: plain,
+        BenchError: plain,
+        yaml.YAMLError: lambda e: f"not valid YAML ({e}); quote the value and balance its brackets",
+        FileNotFoundError: _os_error,
+        FileExistsError: _os_error,
+        NotADirectoryError: _os_error,
+        IsADirectoryError: _os_error,
+        PermissionError: lambda e: f"{_os_error(e)} (check the directory's permissions or choose another path)",
+        KeyboardInterrupt: lambda e: "interrupted (Ctrl-C)",
+    }
+
+
+def _user_message(e: BaseException) -> Optional[str]:
+    for kind, message in user_errors().items():
+        if isinstance(e, kind):
+            return one_line(message(e))
+    return None
+
+
+def _emit(result: Any) -> None:
+    """Print a handler's result on stdout: a dict or list as JSON, anything else as text."""
+    if result is None or result == {}:
+        return
+    print(json.dumps(result, indent=2) if isinstance(result, (dict, list)) else result, flush=True)
+
+
+# ---------------------------------------------------------------- overrides anywhere on the line
+def _override_pattern() -> re.Pattern:
+    from flowrl.trainers.config_base import SECTION_NAMES
+
+    return re.compile(rf"^(?:{'|'.join(SECTION_NAMES)})(?:\.[\w-]+)*=")
+
+
+def _sub_actions(parser: argparse.ArgumentParser) -> list:
+    return [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+
+
+def _verb_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The (sub-)parser that the leading verb words of ``argv`` select (``bench offline`` -> its parser)."""
+    for tok in argv:
+        subs = _sub_actions(parser)
+        if not subs or tok not in subs[0].choices:
+            break
+        parser = subs[0].choices[tok]
+    return parser
+
+
+def split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` without the dotted overrides, and the overrides in order, for a verb whose parser takes
+    ``overrides``; so ``train --resume train.lr=1`` and ``sample --prompts a train.lr=1`` both work. A
+    token right after an option that takes a value stays that option's value."""
+    verb = _verb_parser(parser, argv)
+    if not any(a.dest == "overrides" for a in verb._actions):
+        return argv, []
+    pattern, rest, overrides = _override_pattern(), [], []
+    for i, tok in enumerate(argv):
+        prev = verb._option_string_actions.get(argv[i - 1]) if i else None
+        if pattern.match(tok) and not (prev is not None and prev.nargs != 0):
+            overrides.append(tok)
+        else:
+            rest.append(tok)
+    return rest, overrides
+
+
+# ---------------------------------------------------------------- the verbs
+def _load_config(path, overrides):
+    """The recipe with overrides, its device checked (a CUDA device without a GPU is a user error)."""
     from flowrl.trainers.config import load_config
+    from flowrl.utils.paths import require_device
+
+    cfg = load_config(path, overrides)
+    require_device(cfg.model.device, "model.device")
+    return cfg
+
+
+def _train(a) -> Optional[dict]:
     from flowrl.trainers.online import train
 
-    cfg = load_config(a.config, a.overrides)
+    if a.smoke:
+        from flowrl.smoke import smoke_run
+
+        return smoke_run(a.config, a.output_dir, a.overrides, resume=a.resume)
+    cfg = _load_config(a.config, a.overrides)
     if cfg.train.mode == "offline":
         from flowrl.trainers.offline import train
-    summary = train(cfg, a.output_dir, resume=a.resume)
-    print(json.dumps(summary, indent=2))
-    return 0
+    return train(cfg, a.output_dir, resume=a.resume) or None  # {} on a non-main rank: nothing to print
 
 
-def _generate_offline(a) -> int:
-    from flowrl.trainers.config import load_config
+def _generate_offline(a) -> dict:
     from flowrl.trainers.offline import generate_offline
 
-    cfg = load_config(a.config, a.overrides)
-    print(json.dumps(generate_offline(cfg, a.out, max_new_shards=a.max_shards), indent=2))
-    return 0
+    return generate_offline(_load_config(a.config, a.overrides), a.out, max_new_shards=a.max_shards)
 
 
-def _rescore_offline(a) -> int:
-    from flowrl.trainers.config import ConfigError, load_config
+def _rescore_offline(a) -> dict:
+    from flowrl.registry import Registry
+    from flowrl.rewards import available
+    from flowrl.trainers.config import ConfigError
     from flowrl.trainers.offline import rescore_offline
 
     try:
+        Registry("reward", dict.fromkeys(available())).check(a.reward)
+    except ValueError as e:
+        raise ConfigError(f"--reward {a.reward}: {e}") from None
+    try:
         options = json.loads(a.options) if a.options else {}
     except json.JSONDecodeError as e:
-        raise ConfigError(f"--options must be a JSON object of the reward's keyword arguments ({e})") from None
-    cfg = load_config(a.config, a.overrides) if a.config else None
-    print(json.dumps(rescore_offline(a.dataset, a.reward, options, cfg=cfg, overwrite=a.overwrite), indent=2))
-    return 0
+        raise ConfigError(f"--options must be a JSON object of the reward's keyword arguments, e.g. "
+                          f"'{{\"device\": \"cpu\"}}' ({e})") from None
+    if not isinstance(options, dict):
+        raise ConfigError(f"--options must be a JSON object (keyword arguments), got {a.options!r}")
+    cfg = _load_config(a.config, a.overrides) if a.config else None
+    if not Path(a.dataset).is_dir():
+        raise ConfigError(f"--dataset {a.dataset}: no such directory; give a dataset written by flowrl generate-offline")
+    return rescore_offline(a.dataset, a.reward, options, cfg=cfg, overwrite=a.overwrite)
 
 
-def _pretrain(a) -> int:
-    from flowrl.digits_report import sample_grid_report
+def _pretrain(a) -> dict:
+    from flowrl.digits_report import cached_report
     from flowrl.pipelines.digits import PretrainConfig, default_base_path, pretrain_digits
 
     out = Path(a.out) if a.out else default_base_path()
@@ -50,136 +235,173 @@ def _pretrain(a) -> int:
         print(f"[flowrl] digits base already at {out} (use --force to retrain)")
     else:
         given = {k: getattr(a, k) for k in ("steps", "batch_size", "lr", "seed", "max_seconds") if getattr(a, k) is not None}
-        summary = pretrain_digits(out, PretrainConfig(**given))
-        print(json.dumps(summary, indent=2))
-    print(json.dumps(sample_grid_report(out, out / "samples.png"), indent=2))
-    return 0
+        pretrain_digits(out, PretrainConfig(**given))
+    pretrained = json.loads((out / "pretrain.json").read_text()) if (out / "pretrain.json").is_file() else None
+    return {**cached_report(out, force=a.force), "model": str(out), "pretrain": pretrained}
 
 
-def _sample(a) -> int:
+def _sample(a) -> dict:
     from flowrl.sampling_cli import sample_command
 
     return sample_command(a)
 
 
-def _eval(a) -> int:
+def _eval(a) -> dict:
     from flowrl.sampling_cli import eval_command
 
     return eval_command(a)
 
 
-def _make_tiny(a) -> int:
+def _make_tiny(a) -> str:
     from flowrl.pipelines import tiny_kinds
     from flowrl.pipelines.tiny import make_tiny
+    from flowrl.trainers.config import ConfigError
 
     kinds = sorted(tiny_kinds())  # declared by each pipeline adapter (tiny_kinds)
     if a.kind not in kinds:
-        print(f"flowrl make-tiny: error: unknown kind {a.kind!r}; choose one of {', '.join(kinds)}", file=sys.stderr)
-        return 2
-    print(make_tiny(a.kind, a.out, overwrite=a.overwrite))
-    return 0
+        raise ConfigError(f"unknown kind {a.kind!r}; choose one of {', '.join(kinds)}")
+    out = Path(a.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not a.overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; choose another directory or pass --overwrite "
+                              f"to replace it")
+    return str(make_tiny(a.kind, a.out, overwrite=a.overwrite))
 
 
-def _export(a) -> int:
+def _export(a) -> dict:
     from flowrl.export import export_run
 
-    print(json.dumps(export_run(a.run_dir, a.out_dir, ema=a.ema, checkpoint=a.checkpoint,
-                                model_path=a.model_path, overwrite=a.overwrite), indent=2))
-    return 0
+    info = export_run(a.run_dir, a.out_dir, ema=a.ema, checkpoint=a.checkpoint, model_path=a.model_path,
+                      overwrite=a.overwrite)
+    print(f"[flowrl] exported {info['weights']} weights of {info['checkpoint']} (iteration {info['iteration']}) "
+          f"to {a.out_dir}")
+    return info
+
+
+# ---------------------------------------------------------------- the sub-parsers
+def _add_weights_arguments(p: argparse.ArgumentParser) -> None:
+    """``--checkpoint`` / ``--ema``: which of a run's weights ``sample``, ``eval`` and ``export`` use
+    (the same default everywhere: the latest checkpoint's trained weights)."""
+    p.add_argument("--checkpoint", default=None,
+                   help="with a run: checkpoint directory or name (iter_NNNNNN); default: the latest")
+    p.add_argument("--ema", action="store_true",
+                   help="with a run: use its EMA weights (runs with train.ema: true; training evaluates with "
+                        "them) instead of the trained ones (the default)")
 
 
 def _add_train_parser(sub) -> None:
     """`flowrl train`: online or offline RL training from a recipe."""
-    t = sub.add_parser("train", help="RL training from a YAML recipe (online, or offline GDRO with train.mode=offline)")
-    t.add_argument("--config", required=True, help="recipe YAML, e.g. recipes/digits.yaml")
+    t = sub.add_parser("train", help="RL training from a YAML recipe (online, or offline GDRO with train.mode=offline)",
+                       epilog=_example("flowrl train --config recipes/digits.yaml --output-dir runs/a train.lr=3e-4",
+                                       "flowrl train --config recipes/digits.yaml --output-dir runs/a --resume "
+                                       "train.lr=3e-4",
+                                       "flowrl train --config recipes/sd3_group_pickscore.yaml --output-dir "
+                                       "runs/smoke --smoke"))
+    t.add_argument("--config", required=True, help="recipe YAML or shipped recipe name, e.g. recipes/digits.yaml")
     t.add_argument("--output-dir", required=True, help="run directory (checkpoints, metrics, images)")
-    t.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its latest checkpoint")
+    t.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its latest "
+                   "checkpoint (pass the same overrides as the first run)")
+    t.add_argument("--smoke", action="store_true",
+                   help="validate the recipe on this machine in a minute: the recipe's tiny random model "
+                        "(make-tiny) and every size shrunk (flowrl/smoke.py); nothing is downloaded")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 sampler.group_size=8")
     t.set_defaults(fn=_train)
 
 
 def _add_generate_offline_parser(sub) -> None:
     """`flowrl generate-offline`: write (or resume) a GDRO dataset."""
-    g = sub.add_parser("generate-offline", help="GDRO dataset: k reference-model samples per prompt, scored")
+    g = sub.add_parser("generate-offline", help="GDRO dataset: k reference-model samples per prompt, scored",
+                       epilog=_example("flowrl generate-offline --config recipes/digits_gdro.yaml --out data/gdro"))
     g.add_argument("--config", required=True, help="recipe YAML with an offline section, e.g. recipes/digits_gdro.yaml")
     g.add_argument("--out", default=None, help="dataset directory (default: offline.dataset); an existing one resumes")
-    g.add_argument("--max-shards", type=int, default=None, help="stop after writing this many shards (rerun to continue)")
+    g.add_argument("--max-shards", type=positive_int, default=None,
+                   help="stop after writing this many shards (rerun to continue)")
     g.add_argument("overrides", nargs="*", help="dotted overrides, e.g. offline.k=6 offline.groups_per_prompt=4")
     g.set_defaults(fn=_generate_offline)
 
 
 def _add_rescore_offline_parser(sub) -> None:
     """`flowrl rescore-offline`: add a reward column to a GDRO dataset."""
-    rs = sub.add_parser("rescore-offline", help="add a reward column to a GDRO dataset without regenerating it")
+    rs = sub.add_parser("rescore-offline", help="add a reward column to a GDRO dataset without regenerating it",
+                        epilog=_example("flowrl rescore-offline --dataset data/gdro --reward jpeg_incompressibility"))
     rs.add_argument("--dataset", required=True, help="dataset directory written by generate-offline")
     rs.add_argument("--reward", required=True, help="reward name, e.g. ocr, pickscore, jpeg_compressibility")
     rs.add_argument("--options", default=None, help="the reward's keyword arguments as JSON, e.g. '{\"device\": \"cuda\"}'")
     rs.add_argument("--config", default=None, help="recipe whose model decodes the latents (default: the dataset's)")
     rs.add_argument("--overwrite", action="store_true", help="rescore a column that already exists")
-    rs.add_argument("overrides", nargs="*")
+    rs.add_argument("overrides", nargs="*", help="dotted overrides of --config")
     rs.set_defaults(fn=_rescore_offline)
 
 
 def _add_pretrain_digits_parser(sub) -> None:
     """`flowrl pretrain-digits`: pretrain the tiny digits base model."""
-    pt = sub.add_parser("pretrain-digits", help="pretrain (and cache) the tiny offline digits base model")
+    pt = sub.add_parser("pretrain-digits", help="pretrain (and cache) the tiny offline digits base model",
+                        epilog=_example("flowrl pretrain-digits", "flowrl pretrain-digits --out /tmp/digits --steps 100"))
     pt.add_argument("--out", default=None, help="directory (default: $FLOWRL_HOME/digits-base-v1)")
-    pt.add_argument("--steps", type=int, default=None)
-    pt.add_argument("--batch-size", type=int, default=None)
-    pt.add_argument("--lr", type=float, default=None)
+    pt.add_argument("--steps", type=positive_int, default=None, help="training steps (default: 600)")
+    pt.add_argument("--batch-size", type=positive_int, default=None, help="images per step (default: 64)")
+    pt.add_argument("--lr", type=positive_float, default=None, help="AdamW learning rate (default: 1e-3)")
     pt.add_argument("--seed", type=int, default=0)
-    pt.add_argument("--max-seconds", type=float, default=None)
-    pt.add_argument("--force", action="store_true", help="retrain even if the directory holds a model")
+    pt.add_argument("--max-seconds", type=positive_float, default=None, help="stop training after this long")
+    pt.add_argument("--force", action="store_true",
+                    help="retrain (and re-measure the sample report) even if the directory holds a model")
     pt.set_defaults(fn=_pretrain)
 
 
 def _add_sample_parser(sub) -> None:
     """`flowrl sample`: an image grid from a base model or a run."""
-    s = sub.add_parser("sample", help="images from a base model or a trained run")
-    s.add_argument("--config", default=None, help="recipe YAML (base model); or --run")
-    s.add_argument("--run", default=None, help="a run directory: its config and latest checkpoint")
-    s.add_argument("--prompts", nargs="+", required=True)
-    s.add_argument("--per-prompt", type=int, default=8)
-    s.add_argument("--steps", type=int, default=None, help="ODE steps (default: the sampler's)")
+    s = sub.add_parser("sample", help="images from a base model or a trained run",
+                       epilog=_example('flowrl sample --run runs/a --prompts "a handwritten digit 3" --out three.png',
+                                       'flowrl sample --config recipes/digits.yaml --prompts "a handwritten digit 3" '
+                                       '--out base.png'))
+    s.add_argument("--config", default=None, help="recipe YAML (its base model); or --run")
+    s.add_argument("--run", default=None, help="a run directory: its config and (by default) latest checkpoint")
+    _add_weights_arguments(s)
+    s.add_argument("--prompts", nargs="+", required=True, help="one or more prompts (quote each)")
+    s.add_argument("--per-prompt", type=positive_int, default=8, help="images per prompt (a row of the grid each)")
+    s.add_argument("--steps", type=positive_int, default=None, help="ODE steps (default: the recipe sampler's)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", required=True, help="PNG grid path")
-    s.add_argument("overrides", nargs="*")
+    s.add_argument("overrides", nargs="*", help="dotted overrides of the recipe")
     s.set_defaults(fn=_sample)
 
 
 def _add_eval_parser(sub) -> None:
     """`flowrl eval`: mean reward on held-out prompts."""
-    e = sub.add_parser("eval", help="mean reward of a run (or base model) on held-out prompts")
-    e.add_argument("--config", default=None)
-    e.add_argument("--run", default=None)
+    e = sub.add_parser("eval", help="mean reward of a run (or base model) on held-out prompts",
+                       epilog=_example("flowrl eval --run runs/a --per-prompt 32",
+                                       "flowrl eval --config recipes/digits.yaml --per-prompt 8 --json base.json"))
+    e.add_argument("--config", default=None, help="recipe YAML (its base model); or --run")
+    e.add_argument("--run", default=None, help="a run directory: its config and (by default) latest checkpoint")
+    _add_weights_arguments(e)
     e.add_argument("--prompts", nargs="*", default=None, help="default: the config's data.eval_prompts")
-    e.add_argument("--per-prompt", type=int, default=16)
-    e.add_argument("--steps", type=int, default=None)
+    e.add_argument("--per-prompt", type=positive_int, default=16, help="samples per prompt")
+    e.add_argument("--steps", type=positive_int, default=None, help="ODE steps (default: the recipe sampler's)")
     e.add_argument("--seed", type=int, default=12345)
-    e.add_argument("--json", default=None, help="write the result here too")
-    e.add_argument("overrides", nargs="*")
+    e.add_argument("--json", default=None, help="also write the result here")
+    e.add_argument("overrides", nargs="*", help="dotted overrides of the recipe")
     e.set_defaults(fn=_eval)
 
 
 def _add_make_tiny_parser(sub) -> None:
     """`flowrl make-tiny`: a tiny random-weight model for smoke tests."""
-    m = sub.add_parser("make-tiny", help="write a tiny random-weight model (offline smoke tests)")
+    m = sub.add_parser("make-tiny", help="write a tiny random-weight model (offline smoke tests)",
+                       epilog=_example("flowrl make-tiny sd3 /tmp/tiny-sd3"))
     # the kinds are declared by the pipeline adapters (``tiny_kinds``), checked when the command runs
     # (listing them here would import every adapter for every flowrl command)
     m.add_argument("kind", help="a tiny kind declared by a pipeline adapter (its tiny_kinds), e.g. sd3; "
                                 "an unknown kind lists them all")
-    m.add_argument("out")
+    m.add_argument("out", help="output directory (absent or empty)")
     m.add_argument("--overwrite", action="store_true", help="replace an existing directory")
     m.set_defaults(fn=_make_tiny)
 
 
 def _add_export_parser(sub) -> None:
     """`flowrl export`: a run's LoRA as a diffusers LoRA file."""
-    x = sub.add_parser("export", help="write a run's LoRA as a diffusers LoRA file (pipe.load_lora_weights(OUT_DIR))")
+    x = sub.add_parser("export", help="write a run's LoRA as a diffusers LoRA file (pipe.load_lora_weights(OUT_DIR))",
+                       epilog=_example("flowrl export runs/a lora_out", "flowrl export runs/a lora_ema --ema"))
     x.add_argument("run_dir", help="a training run directory")
     x.add_argument("out_dir", help="output directory (absent or empty)")
-    x.add_argument("--ema", action="store_true", help="export the EMA weights (runs with train.ema: true)")
-    x.add_argument("--checkpoint", default=None, help="checkpoint directory or name (iter_NNNNNN); default: latest")
+    _add_weights_arguments(x)
     x.add_argument("--model-path", default=None, help="base model, if not the run's model.path (reads its config)")
     x.add_argument("--overwrite", action="store_true", help="replace a previous export in out_dir")
     x.set_defaults(fn=_export)
@@ -187,11 +409,13 @@ def _add_export_parser(sub) -> None:
 
 def _add_bench_parser(sub) -> None:
     """`flowrl bench`: the benchmark sub-verbs (each bench module adds its own)."""
-    b = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run (JSON + table + PNG)")
-    bsub = b.add_subparsers(dest="bench", required=True)
+    b = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run (table; JSON + PNG "
+                                     "where asked)",
+                       epilog=_example("flowrl bench branch --pipeline digits --budget 120 --out bench"))
+    bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
     from flowrl.bench.host import add_host_parser
     from flowrl.bench.offline import add_offline_parser
-    from flowrl.bench.precision import add_precision_parser
+    from flowrl.bench.precision_cli import add_precision_parser
     from flowrl.bench.samplers import add_parsers as add_sampler_benches
 
     for add in (add_sampler_benches, add_precision_parser, add_offline_parser, add_host_parser):
@@ -203,12 +427,16 @@ def _add_plan_parser(sub) -> None:
     from flowrl.plan.cli import add_plan_parser
 
     add_plan_parser(sub)
+    sub.choices["plan"].epilog = _example("flowrl plan --config recipes/sd3_group_pickscore.yaml --gpus 8 "
+                                          "--gpu-memory 80GiB")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The `flowrl` parser: one sub-command per verb, each added by its ``_add_<verb>_parser``."""
-    p = argparse.ArgumentParser(prog="flowrl", description="RL alignment of flow-matching image models")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="flowrl", description="RL alignment of flow-matching image models",
+                epilog=_example("flowrl train --config recipes/digits.yaml --output-dir runs/a",
+                                "flowrl VERB --help"))
+    sub = p.add_subparsers(dest="command", required=True, metavar="VERB")
     for add in (_add_train_parser, _add_generate_offline_parser, _add_rescore_offline_parser,
                 _add_pretrain_digits_parser, _add_sample_parser, _add_eval_parser, _add_make_tiny_parser,
                 _add_export_parser, _add_bench_parser, _add_plan_parser):
@@ -216,19 +444,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    from flowrl.data.offline import DatasetError
-    from flowrl.quant.common import BackendUnavailable
-    from flowrl.trainers.checkpoint import CheckpointError
-    from flowrl.trainers.config import ConfigError
-    from flowrl.trainers.online import TrainingStopped
+# verbs whose handler prints its own output (flowrl plan: its table and JSON)
+_PRINTS_ITS_OWN = {"plan"}
 
-    args = build_parser().parse_args(argv)
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run one ``flowrl`` command line; returns the exit code (0, 2 for a user error)."""
+    parser = build_parser()
+    rest, overrides = split_overrides(parser, list(sys.argv[1:] if argv is None else argv))
+    args, unknown = parser.parse_known_args(rest)
+    if unknown:  # named by the verb's own parser (argparse would blame the top-level one)
+        _verb_parser(parser, rest).error(f"unrecognized arguments: {' '.join(unknown)}")
+    if overrides:
+        args.overrides = [*overrides, *(args.overrides or [])]
+    verb = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
     try:
-        return args.fn(args)
-    except (ConfigError, CheckpointError, TrainingStopped, DatasetError, FileNotFoundError, BackendUnavailable) as e:
-        print(f"flowrl {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        if args.command in _PRINTS_ITS_OWN:
+            return args.fn(args)
+        with contextlib.redirect_stdout(sys.stderr):  # status lines to stderr: stdout holds the result only
+            result = args.fn(args)
+        _emit(result)
+        return 0
+    except BaseException as e:  # noqa: B036 (KeyboardInterrupt is a user action too)
+        message = _user_message(e) if not isinstance(e, SystemExit) else None
+        if message is None:
+            raise
+        print(f"flowrl {verb}: error: {message}", file=sys.stderr, flush=True)
+        return 130 if isinstance(e, KeyboardInterrupt) else 2
 
 
 def run() -> None:

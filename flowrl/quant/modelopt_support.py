@@ -11,6 +11,7 @@ import contextlib
 import copy
 import importlib.util
 import io
+import logging
 import warnings
 from typing import Any, Callable, ClassVar, Optional
 
@@ -29,13 +30,21 @@ def modelopt_problem() -> Optional[str]:
 
 
 def import_mtq():
-    """``modelopt.torch.quantization``, its import-time warnings silenced (slow: ~5-15 s)."""
+    """``modelopt.torch.quantization``, its import-time warnings silenced (slow: ~5-15 s): among them
+    torch's ``No CUDA runtime is found`` log line, which its import of ``torch.utils.cpp_extension``
+    prints on every machine without a GPU."""
     problem = modelopt_problem()
     if problem:
         raise ImportError(problem)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import modelopt.torch.quantization as mtq
+    cpp_log = logging.getLogger("torch.utils.cpp_extension")
+    level = cpp_log.level
+    cpp_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import modelopt.torch.quantization as mtq
+    finally:
+        cpp_log.setLevel(level)
     return mtq
 
 
