@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -174,13 +175,24 @@ def split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[l
 
 
 # ---------------------------------------------------------------- the verbs
+def require_device(device, setting: str = "model.device") -> None:
+    """A ``ConfigError`` when ``device`` names CUDA and no CUDA GPU is visible (torch would fail later
+    with 'Found no NVIDIA driver'); ``setting`` is the name the user gave it by."""
+    import torch
+
+    from flowrl.trainers.config_base import ConfigError
+
+    if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"{setting}={device} but no CUDA GPU is visible here (torch.cuda.is_available() is "
+                          f"False); use {setting}=auto (GPU when there is one, else CPU) or {setting}=cpu")
+
+
 def _load_config(path, overrides):
     """The recipe with overrides, its device checked (a CUDA device without a GPU is a user error)."""
     from flowrl.trainers.config import load_config
-    from flowrl.utils.paths import require_device
 
     cfg = load_config(path, overrides)
-    require_device(cfg.model.device, "model.device")
+    require_device(cfg.model.device)
     return cfg
 
 
@@ -458,6 +470,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if overrides:
         args.overrides = [*overrides, *(args.overrides or [])]
     verb = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
+    if not getattr(sys.stderr, "isatty", lambda: False)():  # a log: no carriage-return bars from the hub libraries
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         if args.command in _PRINTS_ITS_OWN:
             return args.fn(args)

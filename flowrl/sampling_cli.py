@@ -19,7 +19,7 @@ from .seeding import derive_seeds
 from .trainers.config import ConfigError, load_config
 from .utils.images import save_grid
 from .utils.io import write_json
-from .utils.paths import require_device, resolve_device
+from .utils.paths import resolve_device
 
 
 def run_weights(run_dir: Path, checkpoint: Optional[str] = None, ema: bool = False) -> tuple[Path, dict, str]:
@@ -51,7 +51,9 @@ def load_policy(config_path, run_dir, overrides, checkpoint: Optional[str] = Non
         if checkpoint is not None or ema:
             raise ConfigError("--checkpoint and --ema choose a run's weights: give --run RUN_DIR with them")
         cfg = load_config(config_path, overrides)
-    require_device(cfg.model.device, "model.device")
+    from .cli import require_device
+
+    require_device(cfg.model.device)
     if run_dir:
         _, tensors, which = run_weights(Path(run_dir), checkpoint, ema)
     policy = build_policy_from_config(cfg, str(resolve_device(cfg.model.device)))

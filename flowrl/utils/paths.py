@@ -25,13 +25,3 @@ def resolve_device(device: Union[str, torch.device, None] = "auto") -> torch.dev
     if device is None or (isinstance(device, str) and device == "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def require_device(device: Union[str, torch.device, None], setting: str = "device") -> None:
-    """Raise a one-line ``ConfigError`` when ``device`` names CUDA and no CUDA GPU is visible (torch
-    would fail later with 'Found no NVIDIA driver'); ``setting`` is the name the user gave it by."""
-    from ..trainers.config_base import ConfigError
-
-    if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"{setting}={device} but no CUDA GPU is visible here (torch.cuda.is_available() is "
-                          f"False); use {setting}=auto (GPU when there is one, else CPU) or {setting}=cpu")
