@@ -3,7 +3,8 @@
 - Every verb's handler returns its result (a dict, printed as JSON; a string; or None). While it
   runs, ``sys.stdout`` is sent to stderr, so status lines (``[flowrl] ...``, progress) never mix
   with the result a script reads from stdout.
-- A user mistake raises one of the types in :func:`user_errors`; :func:`main` prints it as ONE line,
+- A user mistake raises one of the types in :func:`flowrl.command_line.user_errors`; :func:`main`
+  prints it as ONE line,
   ``flowrl VERB: error: ...``, and returns 2. Argument errors (argparse) have the same form and
   code. Any other exception is a bug: its traceback is kept (rc 1).
 - Dotted overrides (``train.lr=3e-4``, ``"sampler={name: ode}"``) may stand anywhere on the line of a
@@ -16,162 +17,12 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Optional
 
-# ---------------------------------------------------------------- the parser
-_HELP_WITHOUT_DEFAULT = (None, False, [], argparse.SUPPRESS)
-
-
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Help with each option's default (unless it is None / False or the help already names it) and
-    the verb's example epilog printed as written."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if (action.default in _HELP_WITHOUT_DEFAULT or "default" in text.lower() or "%(default)" in text
-                or not (action.option_strings or action.nargs in ("?", "*"))):
-            return text
-        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
-
-
-class _Parser(argparse.ArgumentParser):
-    """flowrl's parsers: no prefix abbreviations, defaults in ``--help``, one-line errors (rc 2).
-    Sub-parsers inherit the class (``add_subparsers`` uses the parent's type)."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs["allow_abbrev"] = False
-        kwargs.setdefault("formatter_class", _Formatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str):  # argparse's contract: never returns
-        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
-    return v
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
-    return v
-
-
-def _example(*lines: str) -> str:
-    return "example:\n" + "\n".join(f"  {ln}" for ln in lines)
-
-
-# ---------------------------------------------------------------- the error boundary
-def one_line(text: str) -> str:
-    """``text`` with its line breaks and runs of spaces folded into single spaces."""
-    return " ".join(str(text).split())
-
-
-def _os_error(e: OSError) -> str:
-    if e.filename is not None and e.strerror:  # raised by the OS: "[Errno 2] ..." -> what and where
-        return f"{e.strerror.lower()}: {e.filename}"
-    return str(e)
-
-
-def user_errors() -> dict[type, Callable[[BaseException], str]]:
-    """Exception types that mean "this cannot be done as asked" -> their one-line message. Their
-    messages already say what was wrong and how to fix it; anything not listed is a bug."""
-    import yaml
-
-    from flowrl.bench import BenchError
-    from flowrl.data.embeddings import TextCacheError
-    from flowrl.data.offline_store import DatasetError
-    from flowrl.data.prompts import PromptSetError
-    from flowrl.quant.common import BackendUnavailable
-    from flowrl.trainers.checkpoint import CheckpointError
-    from flowrl.trainers.common import TrainingStopped
-    from flowrl.trainers.config_base import ConfigError
-
-    plain = str
-    return {
-        ConfigError: plain,  # also ExportError
-        PromptSetError: plain,
-        DatasetError: plain,
-        TextCacheError: plain,
-        CheckpointError: plain,
-        TrainingStopped: plain,
-        BackendUnavailable: plain,
-        BenchError: plain,
-        yaml.YAMLError: lambda e: f"not valid YAML ({e}); quote the value and balance its brackets",
-        FileNotFoundError: _os_error,
-        FileExistsError: _os_error,
-        NotADirectoryError: _os_error,
-        IsADirectoryError: _os_error,
-        PermissionError: lambda e: f"{_os_error(e)} (check the directory's permissions or choose another path)",
-        KeyboardInterrupt: lambda e: "interrupted (Ctrl-C)",
-    }
-
-
-def _user_message(e: BaseException) -> Optional[str]:
-    for kind, message in user_errors().items():
-        if isinstance(e, kind):
-            return one_line(message(e))
-    return None
-
-
-def _emit(result: Any) -> None:
-    """Print a handler's result on stdout: a dict or list as JSON, anything else as text."""
-    if result is None or result == {}:
-        return
-    print(json.dumps(result, indent=2) if isinstance(result, (dict, list)) else result, flush=True)
-
-
-# ---------------------------------------------------------------- overrides anywhere on the line
-def _override_pattern() -> re.Pattern:
-    from flowrl.trainers.config_base import SECTION_NAMES
-
-    return re.compile(rf"^(?:{'|'.join(SECTION_NAMES)})(?:\.[\w-]+)*=")
-
-
-def _sub_actions(parser: argparse.ArgumentParser) -> list:
-    return [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-
-
-def _verb_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
-    """The (sub-)parser that the leading verb words of ``argv`` select (``bench offline`` -> its parser)."""
-    for tok in argv:
-        subs = _sub_actions(parser)
-        if not subs or tok not in subs[0].choices:
-            break
-        parser = subs[0].choices[tok]
-    return parser
-
-
-def split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
-    """``argv`` without the dotted overrides, and the overrides in order, for a verb whose parser takes
-    ``overrides``; so ``train --resume train.lr=1`` and ``sample --prompts a train.lr=1`` both work. A
-    token right after an option that takes a value stays that option's value."""
-    verb = _verb_parser(parser, argv)
-    if not any(a.dest == "overrides" for a in verb._actions):
-        return argv, []
-    pattern, rest, overrides = _override_pattern(), [], []
-    for i, tok in enumerate(argv):
-        prev = verb._option_string_actions.get(argv[i - 1]) if i else None
-        if pattern.match(tok) and not (prev is not None and prev.nargs != 0):
-            overrides.append(tok)
-        else:
-            rest.append(tok)
-    return rest, overrides
+from .command_line import (Parser, emit, example, positive_float, positive_int, split_overrides, user_message,
+                           verb_parser)
 
 
 # ---------------------------------------------------------------- the verbs
@@ -300,10 +151,18 @@ def _add_weights_arguments(p: argparse.ArgumentParser) -> None:
                         "them) instead of the trained ones (the default)")
 
 
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """What ``sample`` and ``eval`` draw with: a recipe's base model or a run's weights, and the steps."""
+    p.add_argument("--config", default=None, help="recipe YAML (its base model); or --run")
+    p.add_argument("--run", default=None, help="a run directory: its config and (by default) latest checkpoint")
+    _add_weights_arguments(p)
+    p.add_argument("--steps", type=positive_int, default=None, help="ODE steps (default: the recipe sampler's)")
+
+
 def _add_train_parser(sub) -> None:
     """`flowrl train`: online or offline RL training from a recipe."""
     t = sub.add_parser("train", help="RL training from a YAML recipe (online, or offline GDRO with train.mode=offline)",
-                       epilog=_example("flowrl train --config recipes/digits.yaml --output-dir runs/a train.lr=3e-4",
+                       epilog=example("flowrl train --config recipes/digits.yaml --output-dir runs/a train.lr=3e-4",
                                        "flowrl train --config recipes/digits.yaml --output-dir runs/a --resume "
                                        "train.lr=3e-4",
                                        "flowrl train --config recipes/sd3_group_pickscore.yaml --output-dir "
@@ -322,7 +181,7 @@ def _add_train_parser(sub) -> None:
 def _add_generate_offline_parser(sub) -> None:
     """`flowrl generate-offline`: write (or resume) a GDRO dataset."""
     g = sub.add_parser("generate-offline", help="GDRO dataset: k reference-model samples per prompt, scored",
-                       epilog=_example("flowrl generate-offline --config recipes/digits_gdro.yaml --out data/gdro"))
+                       epilog=example("flowrl generate-offline --config recipes/digits_gdro.yaml --out data/gdro"))
     g.add_argument("--config", required=True, help="recipe YAML with an offline section, e.g. recipes/digits_gdro.yaml")
     g.add_argument("--out", default=None, help="dataset directory (default: offline.dataset); an existing one resumes")
     g.add_argument("--max-shards", type=positive_int, default=None,
@@ -334,7 +193,7 @@ def _add_generate_offline_parser(sub) -> None:
 def _add_rescore_offline_parser(sub) -> None:
     """`flowrl rescore-offline`: add a reward column to a GDRO dataset."""
     rs = sub.add_parser("rescore-offline", help="add a reward column to a GDRO dataset without regenerating it",
-                        epilog=_example("flowrl rescore-offline --dataset data/gdro --reward jpeg_incompressibility"))
+                        epilog=example("flowrl rescore-offline --dataset data/gdro --reward jpeg_incompressibility"))
     rs.add_argument("--dataset", required=True, help="dataset directory written by generate-offline")
     rs.add_argument("--reward", required=True, help="reward name, e.g. ocr, pickscore, jpeg_compressibility")
     rs.add_argument("--options", default=None, help="the reward's keyword arguments as JSON, e.g. '{\"device\": \"cuda\"}'")
@@ -347,7 +206,7 @@ def _add_rescore_offline_parser(sub) -> None:
 def _add_pretrain_digits_parser(sub) -> None:
     """`flowrl pretrain-digits`: pretrain the tiny digits base model."""
     pt = sub.add_parser("pretrain-digits", help="pretrain (and cache) the tiny offline digits base model",
-                        epilog=_example("flowrl pretrain-digits", "flowrl pretrain-digits --out /tmp/digits --steps 100"))
+                        epilog=example("flowrl pretrain-digits", "flowrl pretrain-digits --out /tmp/digits --steps 100"))
     pt.add_argument("--out", default=None, help="directory (default: $FLOWRL_HOME/digits-base-v1)")
     pt.add_argument("--steps", type=positive_int, default=None, help="training steps (default: 600)")
     pt.add_argument("--batch-size", type=positive_int, default=None, help="images per step (default: 64)")
@@ -362,15 +221,12 @@ def _add_pretrain_digits_parser(sub) -> None:
 def _add_sample_parser(sub) -> None:
     """`flowrl sample`: an image grid from a base model or a run."""
     s = sub.add_parser("sample", help="images from a base model or a trained run",
-                       epilog=_example('flowrl sample --run runs/a --prompts "a handwritten digit 3" --out three.png',
+                       epilog=example('flowrl sample --run runs/a --prompts "a handwritten digit 3" --out three.png',
                                        'flowrl sample --config recipes/digits.yaml --prompts "a handwritten digit 3" '
                                        '--out base.png'))
-    s.add_argument("--config", default=None, help="recipe YAML (its base model); or --run")
-    s.add_argument("--run", default=None, help="a run directory: its config and (by default) latest checkpoint")
-    _add_weights_arguments(s)
+    _add_model_arguments(s)
     s.add_argument("--prompts", nargs="+", required=True, help="one or more prompts (quote each)")
     s.add_argument("--per-prompt", type=positive_int, default=8, help="images per prompt (a row of the grid each)")
-    s.add_argument("--steps", type=positive_int, default=None, help="ODE steps (default: the recipe sampler's)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", required=True, help="PNG grid path")
     s.add_argument("overrides", nargs="*", help="dotted overrides of the recipe")
@@ -380,14 +236,11 @@ def _add_sample_parser(sub) -> None:
 def _add_eval_parser(sub) -> None:
     """`flowrl eval`: mean reward on held-out prompts."""
     e = sub.add_parser("eval", help="mean reward of a run (or base model) on held-out prompts",
-                       epilog=_example("flowrl eval --run runs/a --per-prompt 32",
+                       epilog=example("flowrl eval --run runs/a --per-prompt 32",
                                        "flowrl eval --config recipes/digits.yaml --per-prompt 8 --json base.json"))
-    e.add_argument("--config", default=None, help="recipe YAML (its base model); or --run")
-    e.add_argument("--run", default=None, help="a run directory: its config and (by default) latest checkpoint")
-    _add_weights_arguments(e)
+    _add_model_arguments(e)
     e.add_argument("--prompts", nargs="*", default=None, help="default: the config's data.eval_prompts")
     e.add_argument("--per-prompt", type=positive_int, default=16, help="samples per prompt")
-    e.add_argument("--steps", type=positive_int, default=None, help="ODE steps (default: the recipe sampler's)")
     e.add_argument("--seed", type=int, default=12345)
     e.add_argument("--json", default=None, help="also write the result here")
     e.add_argument("overrides", nargs="*", help="dotted overrides of the recipe")
@@ -397,7 +250,7 @@ def _add_eval_parser(sub) -> None:
 def _add_make_tiny_parser(sub) -> None:
     """`flowrl make-tiny`: a tiny random-weight model for smoke tests."""
     m = sub.add_parser("make-tiny", help="write a tiny random-weight model (offline smoke tests)",
-                       epilog=_example("flowrl make-tiny sd3 /tmp/tiny-sd3"))
+                       epilog=example("flowrl make-tiny sd3 /tmp/tiny-sd3"))
     # the kinds are declared by the pipeline adapters (``tiny_kinds``), checked when the command runs
     # (listing them here would import every adapter for every flowrl command)
     m.add_argument("kind", help="a tiny kind declared by a pipeline adapter (its tiny_kinds), e.g. sd3; "
@@ -410,7 +263,7 @@ def _add_make_tiny_parser(sub) -> None:
 def _add_export_parser(sub) -> None:
     """`flowrl export`: a run's LoRA as a diffusers LoRA file."""
     x = sub.add_parser("export", help="write a run's LoRA as a diffusers LoRA file (pipe.load_lora_weights(OUT_DIR))",
-                       epilog=_example("flowrl export runs/a lora_out", "flowrl export runs/a lora_ema --ema"))
+                       epilog=example("flowrl export runs/a lora_out", "flowrl export runs/a lora_ema --ema"))
     x.add_argument("run_dir", help="a training run directory")
     x.add_argument("out_dir", help="output directory (absent or empty)")
     _add_weights_arguments(x)
@@ -423,7 +276,7 @@ def _add_bench_parser(sub) -> None:
     """`flowrl bench`: the benchmark sub-verbs (each bench module adds its own)."""
     b = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run (table; JSON + PNG "
                                      "where asked)",
-                       epilog=_example("flowrl bench branch --pipeline digits --budget 120 --out bench"))
+                       epilog=example("flowrl bench branch --pipeline digits --budget 120 --out bench"))
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
     from flowrl.bench.host import add_host_parser
     from flowrl.bench.offline import add_offline_parser
@@ -439,14 +292,14 @@ def _add_plan_parser(sub) -> None:
     from flowrl.plan.cli import add_plan_parser
 
     add_plan_parser(sub)
-    sub.choices["plan"].epilog = _example("flowrl plan --config recipes/sd3_group_pickscore.yaml --gpus 8 "
+    sub.choices["plan"].epilog = example("flowrl plan --config recipes/sd3_group_pickscore.yaml --gpus 8 "
                                           "--gpu-memory 80GiB")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The `flowrl` parser: one sub-command per verb, each added by its ``_add_<verb>_parser``."""
-    p = _Parser(prog="flowrl", description="RL alignment of flow-matching image models",
-                epilog=_example("flowrl train --config recipes/digits.yaml --output-dir runs/a",
+    p = Parser(prog="flowrl", description="RL alignment of flow-matching image models",
+                epilog=example("flowrl train --config recipes/digits.yaml --output-dir runs/a",
                                 "flowrl VERB --help"))
     sub = p.add_subparsers(dest="command", required=True, metavar="VERB")
     for add in (_add_train_parser, _add_generate_offline_parser, _add_rescore_offline_parser,
@@ -466,7 +319,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rest, overrides = split_overrides(parser, list(sys.argv[1:] if argv is None else argv))
     args, unknown = parser.parse_known_args(rest)
     if unknown:  # named by the verb's own parser (argparse would blame the top-level one)
-        _verb_parser(parser, rest).error(f"unrecognized arguments: {' '.join(unknown)}")
+        verb_parser(parser, rest).error(f"unrecognized arguments: {' '.join(unknown)}")
     if overrides:
         args.overrides = [*overrides, *(args.overrides or [])]
     verb = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
@@ -477,10 +330,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             return args.fn(args)
         with contextlib.redirect_stdout(sys.stderr):  # status lines to stderr: stdout holds the result only
             result = args.fn(args)
-        _emit(result)
+        emit(result)
         return 0
     except BaseException as e:  # noqa: B036 (KeyboardInterrupt is a user action too)
-        message = _user_message(e) if not isinstance(e, SystemExit) else None
+        message = user_message(e) if not isinstance(e, SystemExit) else None
         if message is None:
             raise
         print(f"flowrl {verb}: error: {message}", file=sys.stderr, flush=True)

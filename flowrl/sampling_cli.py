@@ -29,8 +29,8 @@ def run_weights(run_dir: Path, checkpoint: Optional[str] = None, ema: bool = Fal
     tensors = checkpoint_weights(ck, "ema" if ema else "trainable")
     if tensors is None:
         raise ConfigError(f"{ck} has no EMA weights (the run was trained without train.ema); drop --ema")
-    has_ema = ema or checkpoint_weights(ck, "ema") is not None
-    which = "EMA" if ema else "trained" + (" (this run also keeps EMA weights: --ema)" if has_ema else "")
+    also_ema = not ema and (ck / "ema.safetensors").is_file()
+    which = "EMA" if ema else "trained" + (" (this run also keeps EMA weights: --ema)" if also_ema else "")
     latest = " (latest)" if checkpoint is None else ""
     return ck, tensors, f"checkpoint {ck}{latest}, {which} weights"
 

@@ -207,7 +207,8 @@ def test_a_bug_keeps_its_traceback(monkeypatch, capsys):
 
 def test_overrides_anywhere_on_the_line(env, capsys):
     """Dotted overrides after an option (even after --prompts' list) are overrides, in order."""
-    from flowrl.cli import build_parser, split_overrides
+    from flowrl.cli import build_parser
+    from flowrl.command_line import split_overrides
 
     p = build_parser()
     rest, ov = split_overrides(p, ["train", "--config", "x", "train.lr=1", "--resume", "train.loss=dpo",

@@ -33,8 +33,9 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..cli import positive_int
+from ..command_line import positive_int
 from ..rollout.group import GroupSampler
+from ..utils.io import write_json
 from ..utils.paths import resolve_device
 
 PIPELINES = ("digits", "sd3", "flux", "sd35m")
@@ -370,8 +371,6 @@ def table(report: dict) -> str:
 
 
 def _run(a) -> str:
-    from ..utils.io import write_json
-
     keys = set(HostOptions.__dataclass_fields__) - {"update"}
     o = HostOptions(**{k: v for k, v in vars(a).items() if k in keys}, update=not a.no_update)
     report = run_host_bench(o, a.profile)
@@ -383,19 +382,16 @@ def _run(a) -> str:
 
 def add_host_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``host`` under the ``flowrl bench`` sub-commands."""
-    p = subparsers.add_parser("host", help="host overhead of one iteration: syncs, copies, re-encodes, "
-                                           "rollout wall time vs the bare transformer forwards",
-                              epilog="example:\n  flowrl bench host --pipeline digits --json bench/host.json")
+    p = subparsers.add_parser("host", epilog="example:\n  flowrl bench host --json bench/host.json", help="host overhead "
+                              "of one iteration: syncs, copies, re-encodes, rollout wall time vs the bare forwards")
     p.add_argument("--pipeline", choices=PIPELINES, default="digits")
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto")
     p.add_argument("--dtype", default="float32", help="sd3 / flux / sd35m weights: float32 or bfloat16")
     p.add_argument("--resolution", type=positive_int, default=None, help="pixels (sd35m default 512)")
     p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: digits 1.0, sd3 4.5, flux 3.5)")
-    for name, default, text in (("prompts", 2, "prompts in the rollout"), ("group-size", 4, "samples per prompt"),
-                                ("num-steps", 4, "SDE steps"), ("minibatch", 4, "transitions per backward pass"),
-                                ("grad-accum", 2, "minibatches per optimizer step"),
-                                ("max-batch", None, "rows per rollout forward pass (default: all)")):
-        p.add_argument(f"--{name}", type=positive_int, default=default, help=text)
+    for name, default in (("prompts", 2), ("group-size", 4), ("num-steps", 4), ("minibatch", 4), ("grad-accum", 2),
+                          ("max-batch", None)):
+        p.add_argument(f"--{name}", type=positive_int, default=default)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-update", action="store_true", help="time the rollout only")
     p.add_argument("--profile", default=None, help="directory for a torch.profiler trace of one more rollout")

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..cli import positive_float
+from ..command_line import positive_float
 from ..utils.io import save_figure, write_json
 from . import BenchError
 

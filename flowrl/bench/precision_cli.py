@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..cli import positive_int
+from ..command_line import positive_int
 from . import BenchError
 from .precision_arch_models import ARCH_PIPELINES
 from .precision_policy import PIPELINES

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from ..cli import positive_float
+from ..command_line import positive_float
 from ..trainers.config import recipes_dir
 from ..utils.io import write_json
 from . import BenchError
