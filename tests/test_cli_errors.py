@@ -272,3 +272,14 @@ def test_console_script_prints_one_line(tmp_path):
         r = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300, env=env)
         assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith(start), r.stderr
         assert r.stderr.count("\n") == 1, r.stderr
+
+
+def test_ctrl_c_is_one_line(monkeypatch, capsys):
+    """Ctrl-C outside training (the trainer checkpoints on its own) ends in one line, exit code 130."""
+    import flowrl.cli as cli
+
+    def interrupted(a):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "_make_tiny", interrupted)
+    rc, out, err = _run(["make-tiny", "digits", "/nonexistent/x"], capsys)
+    assert rc == 130 and out == "" and err == "flowrl make-tiny: error: interrupted (Ctrl-C)\n"
