@@ -61,6 +61,7 @@ def positive_float(text: str) -> float:
 
 
 def example(*lines: str) -> str:
+    """A verb's ``--help`` epilog: the example command lines, indented under ``example:``."""
     return "example:\n" + "\n".join(f"  {ln}" for ln in lines)
 
 
@@ -111,6 +112,7 @@ def user_errors() -> dict[type, Callable[[BaseException], str]]:
 
 
 def user_message(e: BaseException) -> Optional[str]:
+    """The one-line message of a user error (:func:`user_errors`), or None for anything else (a bug)."""
     for kind, message in user_errors().items():
         if isinstance(e, kind):
             return one_line(message(e))
