@@ -163,10 +163,10 @@ def _add_train_parser(sub) -> None:
     """`flowrl train`: online or offline RL training from a recipe."""
     t = sub.add_parser("train", help="RL training from a YAML recipe (online, or offline GDRO with train.mode=offline)",
                        epilog=example("flowrl train --config recipes/digits.yaml --output-dir runs/a train.lr=3e-4",
-                                       "flowrl train --config recipes/digits.yaml --output-dir runs/a --resume "
-                                       "train.lr=3e-4",
-                                       "flowrl train --config recipes/sd3_group_pickscore.yaml --output-dir "
-                                       "runs/smoke --smoke"))
+                                      "flowrl train --config recipes/digits.yaml --output-dir runs/a --resume "
+                                      "train.lr=3e-4",
+                                      "flowrl train --config recipes/sd3_group_pickscore.yaml --output-dir "
+                                      "runs/smoke --smoke"))
     t.add_argument("--config", required=True, help="recipe YAML or shipped recipe name, e.g. recipes/digits.yaml")
     t.add_argument("--output-dir", required=True, help="run directory (checkpoints, metrics, images)")
     t.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its latest "
@@ -222,8 +222,8 @@ def _add_sample_parser(sub) -> None:
     """`flowrl sample`: an image grid from a base model or a run."""
     s = sub.add_parser("sample", help="images from a base model or a trained run",
                        epilog=example('flowrl sample --run runs/a --prompts "a handwritten digit 3" --out three.png',
-                                       'flowrl sample --config recipes/digits.yaml --prompts "a handwritten digit 3" '
-                                       '--out base.png'))
+                                      'flowrl sample --config recipes/digits.yaml --prompts "a handwritten digit 3" '
+                                      '--out base.png'))
     _add_model_arguments(s)
     s.add_argument("--prompts", nargs="+", required=True, help="one or more prompts (quote each)")
     s.add_argument("--per-prompt", type=positive_int, default=8, help="images per prompt (a row of the grid each)")
@@ -237,7 +237,7 @@ def _add_eval_parser(sub) -> None:
     """`flowrl eval`: mean reward on held-out prompts."""
     e = sub.add_parser("eval", help="mean reward of a run (or base model) on held-out prompts",
                        epilog=example("flowrl eval --run runs/a --per-prompt 32",
-                                       "flowrl eval --config recipes/digits.yaml --per-prompt 8 --json base.json"))
+                                      "flowrl eval --config recipes/digits.yaml --per-prompt 8 --json base.json"))
     _add_model_arguments(e)
     e.add_argument("--prompts", nargs="*", default=None, help="default: the config's data.eval_prompts")
     e.add_argument("--per-prompt", type=positive_int, default=16, help="samples per prompt")
@@ -293,14 +293,13 @@ def _add_plan_parser(sub) -> None:
 
     add_plan_parser(sub)
     sub.choices["plan"].epilog = example("flowrl plan --config recipes/sd3_group_pickscore.yaml --gpus 8 "
-                                          "--gpu-memory 80GiB")
+                                         "--gpu-memory 80GiB")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The `flowrl` parser: one sub-command per verb, each added by its ``_add_<verb>_parser``."""
     p = Parser(prog="flowrl", description="RL alignment of flow-matching image models",
-                epilog=example("flowrl train --config recipes/digits.yaml --output-dir runs/a",
-                                "flowrl VERB --help"))
+               epilog=example("flowrl train --config recipes/digits.yaml --output-dir runs/a", "flowrl VERB --help"))
     sub = p.add_subparsers(dest="command", required=True, metavar="VERB")
     for add in (_add_train_parser, _add_generate_offline_parser, _add_rescore_offline_parser,
                 _add_pretrain_digits_parser, _add_sample_parser, _add_eval_parser, _add_make_tiny_parser,
