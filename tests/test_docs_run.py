@@ -38,8 +38,11 @@ DIGITS_RUN = ("train.batch_size=16 train.minibatch_size=16 sampler.num_steps=4 d
 GDRO = ("offline.groups_per_prompt=1 offline.k=2 offline.num_steps=2 offline.batch_groups=5 offline.epochs=1 "
         "offline.eval_steps=2 offline.eval_every=100 data.eval_seeds_per_prompt=2 train.grad_accum=1 "
         "logging.progress=false")
-BENCH_VARIANTS = {"branch": "flat_grpo branch", "tempflow": "flat_grpo tempflow", "sol": "flat_grpo sol_nft_int8",
-                  "preference": "flat_grpo online_dpo"}
+# flat GRPO and the method only, 16 samples per iteration (tempflow: its recipe's 64, one tree per prompt)
+BENCH_SHRINK = {"branch": "--variants flat_grpo branch train.batch_size=16",
+                "tempflow": "--variants flat_grpo tempflow",
+                "sol": "--variants flat_grpo sol_nft_int8 train.batch_size=16",
+                "preference": "--variants flat_grpo online_dpo train.batch_size=16"}
 OFFLINE_BENCH = " ".join(f"--offline-override {o}" for o in GDRO.split()) + \
     " --online-override data.eval_seeds_per_prompt=2 --online-override train.batch_size=16 " \
     "--online-override sampler.group_size=4 --online-override train.minibatch_size=16"
@@ -59,9 +62,8 @@ SUBSTITUTIONS = [
      "one image, one step, one timed round"),
     (r"^flowrl bench (branch|tempflow|sol|preference) (.*?)--budget \d+(.*?)(\s+#.*)?$",
      lambda m: (f"flowrl bench {m.group(1)} {m.group(2)}--budget 1 --eval-every 1{m.group(3)} "
-                f"--variants {BENCH_VARIANTS[m.group(1)]} train.batch_size=16 data.eval_seeds_per_prompt=2"),
-     "1 training second per variant (one iteration of 16 samples), flat GRPO and the method only, a small "
-     "evaluation"),
+                f"{BENCH_SHRINK[m.group(1)]} data.eval_seeds_per_prompt=2"),
+     "1 training second per variant (one iteration), flat GRPO and the method only, a small evaluation"),
     (r"^flowrl bench offline (.*?)--budget \d+(.*?)(\s+#.*)?$",
      lambda m: f"flowrl bench offline {m.group(1)}--budget 1 --eval-every 1{m.group(2)} {OFFLINE_BENCH}",
      "1 compute second per method on the tiny GDRO dataset (GDRO then makes no step and says so)"),
