@@ -1,48 +1,96 @@
-"""``flowrl`` command line: parse, build, call. No logic lives here."""
+"""``flowrl`` command line: parse, build, call, and the one error boundary. No training logic lives here.
+
+- Every verb's handler returns its result (a dict, printed as JSON; a string; or None). While it
+  runs, ``sys.stdout`` is sent to stderr, so status lines (``[flowrl] ...``, progress) never mix
+  with the result a script reads from stdout.
+- A user mistake raises one of the types in :func:`flowrl.command_line.user_errors`; :func:`main`
+  prints it as ONE line,
+  ``flowrl VERB: error: ...``, and returns 2. Argument errors (argparse) have the same form and
+  code. Any other exception is a bug: its traceback is kept (rc 1).
+- Dotted overrides (``train.lr=3e-4``, ``"sampler={name: ode}"``) may stand anywhere on the line of a
+  verb that takes them, also after an option; argparse abbreviations are off (``--budget`` is never
+  read as ``--budget-seconds``).
+"""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
+from typing import Optional
+
+from .command_line import (Parser, emit, example, positive_float, positive_int, split_overrides, user_message,
+                           verb_parser)
 
 
-def _train(a) -> int:
+# ---------------------------------------------------------------- the verbs
+def require_device(device, setting: str = "model.device") -> None:
+    """A ``ConfigError`` when ``device`` names CUDA and no CUDA GPU is visible (torch would fail later
+    with 'Found no NVIDIA driver'); ``setting`` is the name the user gave it by."""
+    import torch
+
+    from flowrl.trainers.config_base import ConfigError
+
+    if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"{setting}={device} but no CUDA GPU is visible here (torch.cuda.is_available() is "
+                          f"False); use {setting}=auto (GPU when there is one, else CPU) or {setting}=cpu")
+
+
+def _load_config(path, overrides):
+    """The recipe with overrides, its device checked (a CUDA device without a GPU is a user error)."""
     from flowrl.trainers.config import load_config
+
+    cfg = load_config(path, overrides)
+    require_device(cfg.model.device)
+    return cfg
+
+
+def _train(a) -> Optional[dict]:
     from flowrl.trainers.online import train
 
-    cfg = load_config(a.config, a.overrides)
+    if a.smoke:
+        from flowrl.smoke import smoke_run
+
+        return smoke_run(a.config, a.output_dir, a.overrides, resume=a.resume)
+    cfg = _load_config(a.config, a.overrides)
     if cfg.train.mode == "offline":
         from flowrl.trainers.offline import train
-    summary = train(cfg, a.output_dir, resume=a.resume)
-    print(json.dumps(summary, indent=2))
-    return 0
+    return train(cfg, a.output_dir, resume=a.resume) or None  # {} on a non-main rank: nothing to print
 
 
-def _generate_offline(a) -> int:
-    from flowrl.trainers.config import load_config
+def _generate_offline(a) -> dict:
     from flowrl.trainers.offline import generate_offline
 
-    cfg = load_config(a.config, a.overrides)
-    print(json.dumps(generate_offline(cfg, a.out, max_new_shards=a.max_shards), indent=2))
-    return 0
+    return generate_offline(_load_config(a.config, a.overrides), a.out, max_new_shards=a.max_shards)
 
 
-def _rescore_offline(a) -> int:
-    from flowrl.trainers.config import ConfigError, load_config
+def _rescore_offline(a) -> dict:
+    from flowrl.registry import Registry
+    from flowrl.rewards import available
+    from flowrl.trainers.config import ConfigError
     from flowrl.trainers.offline import rescore_offline
 
     try:
+        Registry("reward", dict.fromkeys(available())).check(a.reward)
+    except ValueError as e:
+        raise ConfigError(f"--reward {a.reward}: {e}") from None
+    try:
         options = json.loads(a.options) if a.options else {}
     except json.JSONDecodeError as e:
-        raise ConfigError(f"--options must be a JSON object of the reward's keyword arguments ({e})") from None
-    cfg = load_config(a.config, a.overrides) if a.config else None
-    print(json.dumps(rescore_offline(a.dataset, a.reward, options, cfg=cfg, overwrite=a.overwrite), indent=2))
-    return 0
+        raise ConfigError(f"--options must be a JSON object of the reward's keyword arguments, e.g. "
+                          f"'{{\"device\": \"cpu\"}}' ({e})") from None
+    if not isinstance(options, dict):
+        raise ConfigError(f"--options must be a JSON object (keyword arguments), got {a.options!r}")
+    cfg = _load_config(a.config, a.overrides) if a.config else None
+    if not Path(a.dataset).is_dir():
+        raise ConfigError(f"--dataset {a.dataset}: no such directory; give a dataset written by flowrl generate-offline")
+    return rescore_offline(a.dataset, a.reward, options, cfg=cfg, overwrite=a.overwrite)
 
 
-def _pretrain(a) -> int:
-    from flowrl.digits_report import sample_grid_report
+def _pretrain(a) -> dict:
+    from flowrl.digits_report import cached_report
     from flowrl.pipelines.digits import PretrainConfig, default_base_path, pretrain_digits
 
     out = Path(a.out) if a.out else default_base_path()
@@ -50,136 +98,175 @@ def _pretrain(a) -> int:
         print(f"[flowrl] digits base already at {out} (use --force to retrain)")
     else:
         given = {k: getattr(a, k) for k in ("steps", "batch_size", "lr", "seed", "max_seconds") if getattr(a, k) is not None}
-        summary = pretrain_digits(out, PretrainConfig(**given))
-        print(json.dumps(summary, indent=2))
-    print(json.dumps(sample_grid_report(out, out / "samples.png"), indent=2))
-    return 0
+        pretrain_digits(out, PretrainConfig(**given))
+    pretrained = json.loads((out / "pretrain.json").read_text()) if (out / "pretrain.json").is_file() else None
+    return {**cached_report(out, force=a.force), "model": str(out), "pretrain": pretrained}
 
 
-def _sample(a) -> int:
+def _sample(a) -> dict:
     from flowrl.sampling_cli import sample_command
 
     return sample_command(a)
 
 
-def _eval(a) -> int:
+def _eval(a) -> dict:
     from flowrl.sampling_cli import eval_command
 
     return eval_command(a)
 
 
-def _make_tiny(a) -> int:
+def _make_tiny(a) -> str:
     from flowrl.pipelines import tiny_kinds
     from flowrl.pipelines.tiny import make_tiny
+    from flowrl.trainers.config import ConfigError
 
     kinds = sorted(tiny_kinds())  # declared by each pipeline adapter (tiny_kinds)
     if a.kind not in kinds:
-        print(f"flowrl make-tiny: error: unknown kind {a.kind!r}; choose one of {', '.join(kinds)}", file=sys.stderr)
-        return 2
-    print(make_tiny(a.kind, a.out, overwrite=a.overwrite))
-    return 0
+        raise ConfigError(f"unknown kind {a.kind!r}; choose one of {', '.join(kinds)}")
+    out = Path(a.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not a.overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; choose another directory or pass --overwrite "
+                              f"to replace it")
+    return str(make_tiny(a.kind, a.out, overwrite=a.overwrite))
 
 
-def _export(a) -> int:
+def _export(a) -> dict:
     from flowrl.export import export_run
 
-    print(json.dumps(export_run(a.run_dir, a.out_dir, ema=a.ema, checkpoint=a.checkpoint,
-                                model_path=a.model_path, overwrite=a.overwrite), indent=2))
-    return 0
+    info = export_run(a.run_dir, a.out_dir, ema=a.ema, checkpoint=a.checkpoint, model_path=a.model_path,
+                      overwrite=a.overwrite)
+    print(f"[flowrl] exported {info['weights']} weights of {info['checkpoint']} (iteration {info['iteration']}) "
+          f"to {a.out_dir}")
+    return info
+
+
+# ---------------------------------------------------------------- the sub-parsers
+def _add_weights_arguments(p: argparse.ArgumentParser) -> None:
+    """``--checkpoint`` / ``--ema``: which of a run's weights ``sample``, ``eval`` and ``export`` use
+    (the same default everywhere: the latest checkpoint's trained weights)."""
+    p.add_argument("--checkpoint", default=None,
+                   help="with a run: checkpoint directory or name (iter_NNNNNN); default: the latest")
+    p.add_argument("--ema", action="store_true",
+                   help="with a run: use its EMA weights (runs with train.ema: true; training evaluates with "
+                        "them) instead of the trained ones (the default)")
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """What ``sample`` and ``eval`` draw with: a recipe's base model or a run's weights, and the steps."""
+    p.add_argument("--config", default=None, help="recipe YAML (its base model); or --run")
+    p.add_argument("--run", default=None, help="a run directory: its config and (by default) latest checkpoint")
+    _add_weights_arguments(p)
+    p.add_argument("--steps", type=positive_int, default=None, help="ODE steps (default: the recipe sampler's)")
 
 
 def _add_train_parser(sub) -> None:
     """`flowrl train`: online or offline RL training from a recipe."""
-    t = sub.add_parser("train", help="RL training from a YAML recipe (online, or offline GDRO with train.mode=offline)")
-    t.add_argument("--config", required=True, help="recipe YAML, e.g. recipes/digits.yaml")
+    t = sub.add_parser("train", help="RL training from a YAML recipe (online, or offline GDRO with train.mode=offline)",
+                       epilog=example("flowrl train --config recipes/digits.yaml --output-dir runs/a train.lr=3e-4",
+                                      "flowrl train --config recipes/digits.yaml --output-dir runs/a --resume "
+                                      "train.lr=3e-4",
+                                      "flowrl train --config recipes/sd3_group_pickscore.yaml --output-dir "
+                                      "runs/smoke --smoke"))
+    t.add_argument("--config", required=True, help="recipe YAML or shipped recipe name, e.g. recipes/digits.yaml")
     t.add_argument("--output-dir", required=True, help="run directory (checkpoints, metrics, images)")
-    t.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its latest checkpoint")
+    t.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its latest "
+                   "checkpoint (pass the same overrides as the first run)")
+    t.add_argument("--smoke", action="store_true",
+                   help="validate the recipe on this machine in a minute: the recipe's tiny random model "
+                        "(make-tiny) and every size shrunk (flowrl/smoke.py); nothing is downloaded")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 sampler.group_size=8")
     t.set_defaults(fn=_train)
 
 
 def _add_generate_offline_parser(sub) -> None:
     """`flowrl generate-offline`: write (or resume) a GDRO dataset."""
-    g = sub.add_parser("generate-offline", help="GDRO dataset: k reference-model samples per prompt, scored")
+    g = sub.add_parser("generate-offline", help="GDRO dataset: k reference-model samples per prompt, scored",
+                       epilog=example("flowrl generate-offline --config recipes/digits_gdro.yaml --out data/gdro"))
     g.add_argument("--config", required=True, help="recipe YAML with an offline section, e.g. recipes/digits_gdro.yaml")
     g.add_argument("--out", default=None, help="dataset directory (default: offline.dataset); an existing one resumes")
-    g.add_argument("--max-shards", type=int, default=None, help="stop after writing this many shards (rerun to continue)")
+    g.add_argument("--max-shards", type=positive_int, default=None,
+                   help="stop after writing this many shards (rerun to continue)")
     g.add_argument("overrides", nargs="*", help="dotted overrides, e.g. offline.k=6 offline.groups_per_prompt=4")
     g.set_defaults(fn=_generate_offline)
 
 
 def _add_rescore_offline_parser(sub) -> None:
     """`flowrl rescore-offline`: add a reward column to a GDRO dataset."""
-    rs = sub.add_parser("rescore-offline", help="add a reward column to a GDRO dataset without regenerating it")
+    rs = sub.add_parser("rescore-offline", help="add a reward column to a GDRO dataset without regenerating it",
+                        epilog=example("flowrl rescore-offline --dataset data/gdro --reward jpeg_incompressibility"))
     rs.add_argument("--dataset", required=True, help="dataset directory written by generate-offline")
     rs.add_argument("--reward", required=True, help="reward name, e.g. ocr, pickscore, jpeg_compressibility")
     rs.add_argument("--options", default=None, help="the reward's keyword arguments as JSON, e.g. '{\"device\": \"cuda\"}'")
     rs.add_argument("--config", default=None, help="recipe whose model decodes the latents (default: the dataset's)")
     rs.add_argument("--overwrite", action="store_true", help="rescore a column that already exists")
-    rs.add_argument("overrides", nargs="*")
+    rs.add_argument("overrides", nargs="*", help="dotted overrides of --config")
     rs.set_defaults(fn=_rescore_offline)
 
 
 def _add_pretrain_digits_parser(sub) -> None:
     """`flowrl pretrain-digits`: pretrain the tiny digits base model."""
-    pt = sub.add_parser("pretrain-digits", help="pretrain (and cache) the tiny offline digits base model")
+    pt = sub.add_parser("pretrain-digits", help="pretrain (and cache) the tiny offline digits base model",
+                        epilog=example("flowrl pretrain-digits", "flowrl pretrain-digits --out /tmp/digits --steps 100"))
     pt.add_argument("--out", default=None, help="directory (default: $FLOWRL_HOME/digits-base-v1)")
-    pt.add_argument("--steps", type=int, default=None)
-    pt.add_argument("--batch-size", type=int, default=None)
-    pt.add_argument("--lr", type=float, default=None)
+    pt.add_argument("--steps", type=positive_int, default=None, help="training steps (default: 600)")
+    pt.add_argument("--batch-size", type=positive_int, default=None, help="images per step (default: 64)")
+    pt.add_argument("--lr", type=positive_float, default=None, help="AdamW learning rate (default: 1e-3)")
     pt.add_argument("--seed", type=int, default=0)
-    pt.add_argument("--max-seconds", type=float, default=None)
-    pt.add_argument("--force", action="store_true", help="retrain even if the directory holds a model")
+    pt.add_argument("--max-seconds", type=positive_float, default=None, help="stop training after this long")
+    pt.add_argument("--force", action="store_true",
+                    help="retrain (and re-measure the sample report) even if the directory holds a model")
     pt.set_defaults(fn=_pretrain)
 
 
 def _add_sample_parser(sub) -> None:
     """`flowrl sample`: an image grid from a base model or a run."""
-    s = sub.add_parser("sample", help="images from a base model or a trained run")
-    s.add_argument("--config", default=None, help="recipe YAML (base model); or --run")
-    s.add_argument("--run", default=None, help="a run directory: its config and latest checkpoint")
-    s.add_argument("--prompts", nargs="+", required=True)
-    s.add_argument("--per-prompt", type=int, default=8)
-    s.add_argument("--steps", type=int, default=None, help="ODE steps (default: the sampler's)")
+    s = sub.add_parser("sample", help="images from a base model or a trained run",
+                       epilog=example('flowrl sample --run runs/a --prompts "a handwritten digit 3" --out three.png',
+                                      'flowrl sample --config recipes/digits.yaml --prompts "a handwritten digit 3" '
+                                      '--out base.png'))
+    _add_model_arguments(s)
+    s.add_argument("--prompts", nargs="+", required=True, help="one or more prompts (quote each)")
+    s.add_argument("--per-prompt", type=positive_int, default=8, help="images per prompt (a row of the grid each)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", required=True, help="PNG grid path")
-    s.add_argument("overrides", nargs="*")
+    s.add_argument("overrides", nargs="*", help="dotted overrides of the recipe")
     s.set_defaults(fn=_sample)
 
 
 def _add_eval_parser(sub) -> None:
     """`flowrl eval`: mean reward on held-out prompts."""
-    e = sub.add_parser("eval", help="mean reward of a run (or base model) on held-out prompts")
-    e.add_argument("--config", default=None)
-    e.add_argument("--run", default=None)
+    e = sub.add_parser("eval", help="mean reward of a run (or base model) on held-out prompts",
+                       epilog=example("flowrl eval --run runs/a --per-prompt 32",
+                                      "flowrl eval --config recipes/digits.yaml --per-prompt 8 --json base.json"))
+    _add_model_arguments(e)
     e.add_argument("--prompts", nargs="*", default=None, help="default: the config's data.eval_prompts")
-    e.add_argument("--per-prompt", type=int, default=16)
-    e.add_argument("--steps", type=int, default=None)
+    e.add_argument("--per-prompt", type=positive_int, default=16, help="samples per prompt")
     e.add_argument("--seed", type=int, default=12345)
-    e.add_argument("--json", default=None, help="write the result here too")
-    e.add_argument("overrides", nargs="*")
+    e.add_argument("--json", default=None, help="also write the result here")
+    e.add_argument("overrides", nargs="*", help="dotted overrides of the recipe")
     e.set_defaults(fn=_eval)
 
 
 def _add_make_tiny_parser(sub) -> None:
     """`flowrl make-tiny`: a tiny random-weight model for smoke tests."""
-    m = sub.add_parser("make-tiny", help="write a tiny random-weight model (offline smoke tests)")
+    m = sub.add_parser("make-tiny", help="write a tiny random-weight model (offline smoke tests)",
+                       epilog=example("flowrl make-tiny sd3 /tmp/tiny-sd3"))
     # the kinds are declared by the pipeline adapters (``tiny_kinds``), checked when the command runs
     # (listing them here would import every adapter for every flowrl command)
     m.add_argument("kind", help="a tiny kind declared by a pipeline adapter (its tiny_kinds), e.g. sd3; "
                                 "an unknown kind lists them all")
-    m.add_argument("out")
+    m.add_argument("out", help="output directory (absent or empty)")
     m.add_argument("--overwrite", action="store_true", help="replace an existing directory")
     m.set_defaults(fn=_make_tiny)
 
 
 def _add_export_parser(sub) -> None:
     """`flowrl export`: a run's LoRA as a diffusers LoRA file."""
-    x = sub.add_parser("export", help="write a run's LoRA as a diffusers LoRA file (pipe.load_lora_weights(OUT_DIR))")
+    x = sub.add_parser("export", help="write a run's LoRA as a diffusers LoRA file (pipe.load_lora_weights(OUT_DIR))",
+                       epilog=example("flowrl export runs/a lora_out", "flowrl export runs/a lora_ema --ema"))
     x.add_argument("run_dir", help="a training run directory")
     x.add_argument("out_dir", help="output directory (absent or empty)")
-    x.add_argument("--ema", action="store_true", help="export the EMA weights (runs with train.ema: true)")
-    x.add_argument("--checkpoint", default=None, help="checkpoint directory or name (iter_NNNNNN); default: latest")
+    _add_weights_arguments(x)
     x.add_argument("--model-path", default=None, help="base model, if not the run's model.path (reads its config)")
     x.add_argument("--overwrite", action="store_true", help="replace a previous export in out_dir")
     x.set_defaults(fn=_export)
@@ -187,11 +274,13 @@ def _add_export_parser(sub) -> None:
 
 def _add_bench_parser(sub) -> None:
     """`flowrl bench`: the benchmark sub-verbs (each bench module adds its own)."""
-    b = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run (JSON + table + PNG)")
-    bsub = b.add_subparsers(dest="bench", required=True)
+    b = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run (table; JSON + PNG "
+                                     "where asked)",
+                       epilog=example("flowrl bench branch --pipeline digits --budget 120 --out bench"))
+    bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
     from flowrl.bench.host import add_host_parser
     from flowrl.bench.offline import add_offline_parser
-    from flowrl.bench.precision import add_precision_parser
+    from flowrl.bench.precision_cli import add_precision_parser
     from flowrl.bench.reward import add_reward_parser
     from flowrl.bench.samplers import add_parsers as add_sampler_benches
 
@@ -233,12 +322,15 @@ def _add_plan_parser(sub) -> None:
     from flowrl.plan.cli import add_plan_parser
 
     add_plan_parser(sub)
+    sub.choices["plan"].epilog = example("flowrl plan --config recipes/sd3_group_pickscore.yaml --gpus 8 "
+                                         "--gpu-memory 80GiB")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The `flowrl` parser: one sub-command per verb, each added by its ``_add_<verb>_parser``."""
-    p = argparse.ArgumentParser(prog="flowrl", description="RL alignment of flow-matching image models")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = Parser(prog="flowrl", description="RL alignment of flow-matching image models",
+               epilog=example("flowrl train --config recipes/digits.yaml --output-dir runs/a", "flowrl VERB --help"))
+    sub = p.add_subparsers(dest="command", required=True, metavar="VERB")
     for add in (_add_train_parser, _add_generate_offline_parser, _add_rescore_offline_parser,
                 _add_pretrain_digits_parser, _add_sample_parser, _add_eval_parser, _add_make_tiny_parser,
                 _add_export_parser, _add_bench_parser, _add_plan_parser, _add_serve_reward_parser):
@@ -246,19 +338,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    from flowrl.data.offline import DatasetError
-    from flowrl.quant.common import BackendUnavailable
-    from flowrl.trainers.checkpoint import CheckpointError
-    from flowrl.trainers.config import ConfigError
-    from flowrl.trainers.online import TrainingStopped
+# verbs whose handler prints its own output (flowrl plan: its table and JSON)
+_PRINTS_ITS_OWN = {"plan"}
 
-    args = build_parser().parse_args(argv)
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run one ``flowrl`` command line; returns the exit code (0, 2 for a user error)."""
+    parser = build_parser()
+    rest, overrides = split_overrides(parser, list(sys.argv[1:] if argv is None else argv))
+    args, unknown = parser.parse_known_args(rest)
+    if unknown:  # named by the verb's own parser (argparse would blame the top-level one)
+        verb_parser(parser, rest).error(f"unrecognized arguments: {' '.join(unknown)}")
+    if overrides:
+        args.overrides = [*overrides, *(args.overrides or [])]
+    verb = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
+    if not getattr(sys.stderr, "isatty", lambda: False)():  # a log: no carriage-return bars from the hub libraries
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
-        return args.fn(args)
-    except (ConfigError, CheckpointError, TrainingStopped, DatasetError, FileNotFoundError, BackendUnavailable) as e:
-        print(f"flowrl {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        if args.command in _PRINTS_ITS_OWN:
+            return args.fn(args)
+        with contextlib.redirect_stdout(sys.stderr):  # status lines to stderr: stdout holds the result only
+            result = args.fn(args)
+        emit(result)
+        return 0
+    except BaseException as e:  # noqa: B036 (KeyboardInterrupt is a user action too)
+        message = user_message(e) if not isinstance(e, SystemExit) else None
+        if message is None:
+            raise
+        print(f"flowrl {verb}: error: {message}", file=sys.stderr, flush=True)
+        return 130 if isinstance(e, KeyboardInterrupt) else 2
 
 
 def run() -> None:

@@ -286,7 +286,7 @@ def pretrain_digits(out_dir: str | os.PathLike, config: PretrainConfig = Pretrai
     Writes ``out_dir/{transformer,text_encoder}`` and ``pretrain.json`` atomically (into a
     temporary sibling, then renamed), and returns the summary dict.
     """
-    from tqdm.auto import tqdm
+    from flowrl.utils.progress import progress as progress_bar
 
     torch.manual_seed(config.seed)
     x, y = digits_dataset("all")
@@ -298,7 +298,7 @@ def pretrain_digits(out_dir: str | os.PathLike, config: PretrainConfig = Pretrai
         opt, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(s, config.steps) / config.steps)))
     g = torch.Generator().manual_seed(config.seed)
     t0, losses = time.perf_counter(), []
-    bar = tqdm(range(config.steps), desc="pretrain digits", disable=not progress)
+    bar = progress_bar(range(config.steps), desc="pretrain digits", disable=not progress)
     step = 0
     for step in bar:
         idx = torch.randint(0, len(y), (config.batch_size,), generator=g)

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import tiny_train_overrides
-from flowrl.bench.samplers import KINDS, bench_sampler
+from flowrl.bench.samplers import KINDS, bench_sampler, report
 from flowrl.bench.training import time_to_reach
 
 
@@ -16,7 +16,7 @@ def test_time_to_reach():
     assert time_to_reach(curve, 0.71) is None
 
 
-def test_bench_sol_smoke(tiny_digits_dir, tmp_path, capsys):
+def test_bench_sol_smoke(tiny_digits_dir, tmp_path):
     extra = [o for o in tiny_train_overrides(tiny_digits_dir, **{"data.eval_prompts": "[a handwritten digit 3]"})
              if not o.startswith(("sampler.", "train.batch_size"))]
     out = bench_sampler("sol", budget_seconds=0.5, eval_every_seconds=0.25, out_dir=str(tmp_path),
@@ -36,7 +36,7 @@ def test_bench_sol_smoke(tiny_digits_dir, tmp_path, capsys):
     assert flat["seconds_to_flat_final_reward"] <= flat["curve"][-1]["train_seconds"] <= flat["train_seconds"]
     assert sol["samples_per_iteration"] == 40 and flat["samples_per_iteration"] == 80
     assert (tmp_path / "sol.png").exists() and out["variants"].keys() == saved["variants"].keys()
-    assert "reaches flat GRPO's final eval reward" in capsys.readouterr().out
+    assert "reaches flat GRPO's final eval reward" in report(out)
 
 
 def test_bench_report_times_each_variant_to_flat_final_reward(tmp_path, monkeypatch, capsys):

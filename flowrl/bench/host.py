@@ -33,7 +33,9 @@ from typing import Iterator, Optional
 
 import torch
 
+from ..command_line import positive_int
 from ..rollout.group import GroupSampler
+from ..utils.io import write_json
 from ..utils.paths import resolve_device
 
 PIPELINES = ("digits", "sd3", "flux", "sd35m")
@@ -368,33 +370,31 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _run(a) -> int:
-    from ..utils.io import write_json
-
+def _run(a) -> str:
     keys = set(HostOptions.__dataclass_fields__) - {"update"}
     o = HostOptions(**{k: v for k, v in vars(a).items() if k in keys}, update=not a.no_update)
     report = run_host_bench(o, a.profile)
-    print(table(report))
     if a.json:
         write_json(report, Path(a.json))
-        print(f"wrote {a.json}")
-    return 0
+        print(f"[bench host] wrote {a.json}")
+    return table(report)
 
 
 def add_host_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``host`` under the ``flowrl bench`` sub-commands."""
-    p = subparsers.add_parser("host", help="host overhead of one iteration: syncs, copies, re-encodes, "
-                                           "rollout wall time vs the bare transformer forwards")
+    p = subparsers.add_parser("host", epilog="example:\n  flowrl bench host --json bench/host.json", help="host overhead "
+                              "of one iteration: syncs, copies, re-encodes, rollout wall time vs the bare forwards")
     p.add_argument("--pipeline", choices=PIPELINES, default="digits")
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto")
     p.add_argument("--dtype", default="float32", help="sd3 / flux / sd35m weights: float32 or bfloat16")
-    p.add_argument("--resolution", type=int, default=None, help="pixels (sd35m default 512)")
+    p.add_argument("--resolution", type=positive_int, default=None, help="pixels (sd35m default 512)")
     p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: digits 1.0, sd3 4.5, flux 3.5)")
     for name, default in (("prompts", 2), ("group-size", 4), ("num-steps", 4), ("minibatch", 4), ("grad-accum", 2),
-                          ("seed", 0), ("max-batch", None)):
-        p.add_argument(f"--{name}", type=int, default=default)
+                          ("max-batch", None)):
+        p.add_argument(f"--{name}", type=positive_int, default=default)
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-update", action="store_true", help="time the rollout only")
     p.add_argument("--profile", default=None, help="directory for a torch.profiler trace of one more rollout")
-    p.add_argument("--json", default="bench_host.json")
+    p.add_argument("--json", default=None, help="write the report here (default: nothing written, the table only)")
     p.set_defaults(fn=_run)
     return p

@@ -6,8 +6,10 @@ seeds, ODE steps). Compute is wall-clock seconds of work on this machine, evalua
   its curve starts at the generation cost, where the reward is still the base model's;
 - online: rollouts + rewards + updates (``flowrl.bench.training.run_variant``).
 Online GRPO trains for the whole budget of total compute seconds; offline GDRO runs the steps its
-recipe plans (``offline.epochs``), cut short if it would exceed the same budget. Writes a JSON
-and a PNG.
+recipe plans (``offline.epochs``), cut short if it would exceed the same budget. When generating
+the dataset alone spends the budget, GDRO makes no step: the result carries a warning (and the
+table prints it) naming the budget that would leave time for training. JSON and PNG are written
+where asked (``--out DIR``, or ``--json`` / ``--png``).
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..command_line import positive_float
 from ..utils.io import save_figure, write_json
+from . import BenchError
 
 QUIET = ["logging.trackers=[]", "logging.progress=false"]
 
@@ -99,12 +103,19 @@ def bench_offline(offline_recipe: str = "recipes/digits_gdro.yaml", online_recip
     import torch
 
     if not budget_seconds > 0 or not eval_every_seconds > 0:
-        raise ValueError(f"budget_seconds and eval_every_seconds must be > 0, got {budget_seconds}, {eval_every_seconds}")
+        raise BenchError(f"budget_seconds and eval_every_seconds must be > 0, got {budget_seconds}, {eval_every_seconds}")
     wd = Path(workdir or tempfile.mkdtemp(prefix="flowrl-bench-offline-"))
     wd.mkdir(parents=True, exist_ok=True)
     if progress:
         print(f"[bench offline] GDRO: {offline_recipe} {' '.join(offline_overrides)}", flush=True)
     off = run_offline(offline_recipe, offline_overrides, budget_seconds, eval_every_seconds, wd, dataset, progress)
+    warnings = []
+    if off["steps"] == 0:
+        warnings.append(f"generating the dataset took {off['generation_seconds']:.0f} s of the {budget_seconds:g} s "
+                        f"budget, so GDRO made no training step and its curve is the base model's: raise --budget "
+                        f"well above {off['generation_seconds']:.0f} s (generation counts against it, also for a "
+                        f"reused --dataset)")
+        print(f"[bench offline] WARNING: {warnings[-1]}", flush=True)
     if progress:
         print(f"[bench offline] online GRPO: {online_recipe} {' '.join(online_overrides)}", flush=True)
     on = run_online(online_recipe, online_overrides, budget_seconds, eval_every_seconds, wd, progress)
@@ -117,7 +128,8 @@ def bench_offline(offline_recipe: str = "recipes/digits_gdro.yaml", online_recip
                               "online": time_to_reach(on["curve"], best_common)},
            "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                        "cuda": torch.cuda.is_available()},
-           "note": "compute = wall seconds of generation + scoring + training on this machine, evaluation excluded"}
+           "note": "compute = wall seconds of generation + scoring + training on this machine, evaluation excluded",
+           "warnings": warnings}
     if json_path:
         write_json(out, Path(json_path))
     if png_path:
@@ -154,31 +166,41 @@ def table(out: dict) -> str:
                     f"{r['final_eval_reward']:>14.4f}{(f'{tt:.1f}' if tt is not None else '-'):>13}")
     rows.append(f"base model eval reward {out['base_eval_reward']:.4f}; target = best reward both reached "
                 f"{out['target_reward']:.4f}")
+    rows += [f"WARNING: {w}" for w in out.get("warnings", [])]
     return "\n".join(rows)
 
 
-def _run(a) -> int:
+def _run(a) -> str:
+    json_path, png_path = a.json, a.png
+    if a.out:
+        json_path, png_path = json_path or str(Path(a.out) / "offline.json"), png_path or str(Path(a.out) / "offline.png")
     out = bench_offline(a.offline_recipe, a.online_recipe, a.budget_seconds, a.eval_every_seconds,
-                        a.offline_override or [], a.online_override or [], a.dataset, a.json, a.png, a.workdir)
-    print(table(out))
-    if a.json:
-        print(f"wrote {a.json}" + (f" and {a.png}" if a.png else ""))
-    return 0
+                        a.offline_override or [], a.online_override or [], a.dataset, json_path, png_path, a.workdir)
+    for path in filter(None, (json_path, png_path)):
+        print(f"[bench offline] wrote {path}")
+    return table(out)
 
 
 def add_offline_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``offline`` under the ``flowrl bench`` sub-commands."""
-    p = subparsers.add_parser("offline", help="offline GDRO vs online GRPO: reward vs total compute seconds")
+    p = subparsers.add_parser("offline", help="offline GDRO vs online GRPO: reward vs total compute seconds",
+                              epilog="example:\n  flowrl bench offline --pipeline digits --budget 300 --out bench")
+    p.add_argument("--pipeline", choices=["digits"], default="digits",
+                   help="the model (digits only; the recipes below choose it)")
     p.add_argument("--offline-recipe", default="recipes/digits_gdro.yaml")
     p.add_argument("--online-recipe", default="recipes/digits.yaml")
-    p.add_argument("--budget-seconds", type=float, default=300.0, help="total compute per method (generation counts)")
-    p.add_argument("--eval-every-seconds", type=float, default=30.0)
+    p.add_argument("--budget", "--budget-seconds", dest="budget_seconds", type=positive_float, default=300.0,
+                   help="total compute seconds per method (dataset generation counts)")
+    p.add_argument("--eval-every", "--eval-every-seconds", dest="eval_every_seconds", type=positive_float, default=30.0,
+                   help="evaluate every N compute seconds")
     p.add_argument("--offline-override", action="append", help="dotted override for the GDRO recipe (repeatable)")
     p.add_argument("--online-override", action="append", help="dotted override for the online recipe (repeatable)")
     p.add_argument("--dataset", default=None, help="reuse (or resume) this dataset directory; its recorded "
                                                    "generation seconds still count")
     p.add_argument("--workdir", default=None, help="where datasets and runs go (default: a temporary directory)")
-    p.add_argument("--json", default="bench_offline.json")
-    p.add_argument("--png", default="bench_offline.png")
+    p.add_argument("--out", default=None, help="write OUT/offline.json and OUT/offline.png (default: nothing "
+                                               "written, the table only)")
+    p.add_argument("--json", default=None, help="write the result JSON here (overrides --out's)")
+    p.add_argument("--png", default=None, help="write the plot here (overrides --out's)")
     p.set_defaults(fn=_run)
     return p

@@ -245,7 +245,7 @@ def bench_precision(pipeline: str = "digits", backends: Optional[Sequence[str]] 
     }
     if pipeline == "sd3-mid":
         out["model_parameters"] = sum(p.numel() for p in policy.transformer.parameters())
-    return write_outputs(out, json_path, png_path, log, plot_precision, format_table)
+    return write_outputs(out, json_path, png_path, log, plot_precision)
 
 
 def _batch_check(policy, module, reward_fn, prompts, seeds, steps, chunk, rewards, groups) -> dict:
@@ -265,7 +265,7 @@ def _batch_check(policy, module, reward_fn, prompts, seeds, steps, chunk, reward
 
 
 # the command line lives in precision_cli (argument definitions) and dispatches here or to precision_arch
-from .precision_cli import add_precision_parser  # noqa: E402  (re-export: flowrl.cli imports it from here)
+from .precision_cli import add_precision_parser  # noqa: E402  (re-export: public here too)
 
 __all__ = ["DEFAULTS", "PIPELINES", "SD3MidPolicy", "add_precision_parser", "bench_precision", "build_copies",
            "build_quantizers", "default_backends", "format_table", "plot_precision", "sd3_mid_config"]

@@ -39,7 +39,7 @@ from ..quant.sync import swapped_transformer
 from ..rollout.ode import ode_sample
 from ..seeding import derive_seeds
 from .precision_arch_models import ArchPolicy, arch_model
-from .precision_arch_report import format_arch_table, plot_arch
+from .precision_arch_report import plot_arch
 from .precision_measure import PeakMemory, machine_info, sync_device, timed, write_outputs
 from ..utils.paths import resolve_device
 
@@ -206,4 +206,4 @@ def bench_arch(pipeline: str = "sd35m-arch", backends: Optional[Sequence[str]] =
         from .precision_iteration import time_iterations
 
         out["iteration_timing"] = time_iterations(policy, quantizers, log=log, **(iteration_options or {}))
-    return write_outputs(out, json_path, png_path, log, plot_arch, format_arch_table)
+    return write_outputs(out, json_path, png_path, log, plot_arch)

@@ -125,17 +125,20 @@ def machine_info() -> dict:
     return info
 
 
-def write_outputs(out: dict, json_path, png_path, log: Callable[[str], None], plot: Callable[[dict, Path], None],
-                  table: Callable[[dict], str]) -> dict:
-    """Write a benchmark result: JSON (atomic), its plot (beside the JSON unless ``png_path``), the table to ``log``."""
+def write_outputs(out: dict, json_path, png_path, log: Callable[[str], None],
+                  plot: Callable[[dict, Path], None]) -> dict:
+    """Write a benchmark result where asked: JSON (atomic) at ``json_path``, its plot at ``png_path``
+    (default beside the JSON); each file written is named to ``log``. The table is the caller's to
+    print (``flowrl bench precision`` prints it on stdout)."""
     from ..utils.io import write_json
 
     if json_path:
         jp = Path(json_path)
         write_json(out, jp)
         png_path = png_path or jp.with_suffix(".png")
+        log(f"[bench precision] wrote {jp}")
     if png_path:
         plot(out, Path(png_path))
         out["png"] = str(png_path)
-    log(table(out))
+        log(f"[bench precision] wrote {png_path}")
     return out

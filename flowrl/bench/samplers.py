@@ -3,9 +3,12 @@ loss against flat GRPO, on one machine in one run (docs/algorithms.md §4-6; onl
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
+from ..command_line import positive_float
 from ..trainers.config import recipes_dir
 from ..utils.io import write_json
+from . import BenchError
 from .training import Variant, compare, table, time_to_reach
 
 
@@ -58,17 +61,21 @@ KINDS = {"branch": ("digits_branch.yaml", BRANCH_VARIANTS), "tempflow": ("digits
 
 
 def bench_sampler(kind: str, pipeline: str = "digits", budget_seconds: float = 120.0, eval_every_seconds: float = 20.0,
-                  out_dir: str = "bench", variants: list[str] | None = None, extra: list[str] | None = None) -> dict:
+                  out_dir: Optional[str] = None, variants: list[str] | None = None,
+                  extra: list[str] | None = None) -> dict:
+    """Train every variant of ``kind`` for ``budget_seconds`` of training time each -> the result dict
+    (:func:`report` formats it); written as ``out_dir/<kind>.json`` and ``.png`` when ``out_dir`` is given."""
     if pipeline != "digits":
-        raise ValueError(f"bench {kind} runs on the offline digits pipeline only (got {pipeline!r}); "
+        raise BenchError(f"bench {kind} runs on the offline digits pipeline only (got {pipeline!r}); "
                          f"for SD3/FLUX run the recipes under recipes/ with `flowrl train` on a GPU machine")
     recipe_name, all_variants = KINDS[kind]
+    unknown = sorted(set(variants or ()) - set(all_variants))
     chosen = {k: v for k, v in all_variants.items() if not variants or k in variants}
-    if not chosen:
-        raise ValueError(f"no variant among {variants}; choose from {sorted(all_variants)}")
-    out = Path(out_dir)
+    if unknown or not chosen:
+        raise BenchError(f"unknown variant(s) {unknown or variants} of bench {kind}; choose from {sorted(all_variants)}")
+    out = Path(out_dir) if out_dir else None
     res = compare(chosen, str(recipes_dir() / recipe_name), budget_seconds, eval_every_seconds,
-                  json_path=str(out / f"{kind}.json"), png_path=str(out / f"{kind}.png"),
+                  json_path=str(out / f"{kind}.json") if out else None, png_path=str(out / f"{kind}.png") if out else None,
                   title=f"{kind} vs flat GRPO on digits ({budget_seconds:.0f} s each)", extra=extra)
     if "flat_grpo" in res["variants"]:
         flat = res["variants"]["flat_grpo"]
@@ -79,30 +86,40 @@ def bench_sampler(kind: str, pipeline: str = "digits", budget_seconds: float = 1
                 * flat["samples_per_iteration"] / r["samples_per_iteration"]
             # wall-clock to reach the flat baseline's final eval reward (None: never within the budget)
             r["seconds_to_flat_final_reward"] = time_to_reach(r["curve"], flat["final_eval_reward"])
-        write_json(res, out / f"{kind}.json")
-    print(table(res))
+        if out:
+            write_json(res, out / f"{kind}.json")
+    if out:
+        print(f"[bench {kind}] wrote {out / (kind + '.json')} and {out / (kind + '.png')}")
+    return res
+
+
+def report(res: dict) -> str:
+    """The table of a :func:`bench_sampler` result, then each variant's cost and time to flat GRPO's reward."""
+    lines = [table(res)]
     for name, r in res["variants"].items():
         if "rollout_time_ratio_vs_flat" in r:
-            print(f"{name:<20} rollout time per sample vs flat {r['rollout_time_ratio_vs_flat']:.3f}   "
-                  f"model evaluations per sample vs flat {r['model_eval_ratio_vs_flat']:.3f}")
+            lines.append(f"{name:<20} rollout time per sample vs flat {r['rollout_time_ratio_vs_flat']:.3f}   "
+                         f"model evaluations per sample vs flat {r['model_eval_ratio_vs_flat']:.3f}")
     if "flat_grpo" in res["variants"]:
         target = res["variants"]["flat_grpo"]["final_eval_reward"]
         for name, r in res["variants"].items():
             t = r.get("seconds_to_flat_final_reward")
-            print(f"{name:<20} reaches flat GRPO's final eval reward {target:.4f} at "
-                  + (f"{t:.1f} training s" if t is not None else "never (within the budget)"))
-    print(f"wrote {out / (kind + '.json')} and {out / (kind + '.png')}")
-    return res
+            lines.append(f"{name:<20} reaches flat GRPO's final eval reward {target:.4f} at "
+                         + (f"{t:.1f} training s" if t is not None else "never (within the budget)"))
+    return "\n".join(lines)
 
 
 def add_parsers(bench_sub) -> None:
     for kind in KINDS:
-        p = bench_sub.add_parser(kind, help=f"{kind} vs flat GRPO: reward per wall-clock second (JSON + PNG)")
-        p.add_argument("--pipeline", default="digits")
-        p.add_argument("--budget", type=float, default=120.0, help="training seconds per variant")
-        p.add_argument("--eval-every", type=float, default=20.0, help="evaluate every N training seconds")
-        p.add_argument("--out", default="bench", help="directory for JSON and PNG")
+        p = bench_sub.add_parser(kind, help=f"{kind} vs flat GRPO: reward per wall-clock second (table; JSON + PNG "
+                                            f"with --out)",
+                                 epilog=f"example:\n  flowrl bench {kind} --pipeline digits --budget 120 --out bench")
+        p.add_argument("--pipeline", choices=["digits"], default="digits", help="the model (digits only)")
+        p.add_argument("--budget", type=positive_float, default=120.0, help="training seconds per variant")
+        p.add_argument("--eval-every", type=positive_float, default=20.0, help="evaluate every N training seconds")
+        p.add_argument("--out", default=None, help=f"write OUT/{kind}.json and OUT/{kind}.png here "
+                                                   f"(default: nothing written, the table only)")
         p.add_argument("--variants", nargs="*", default=None, help=f"subset of {sorted(KINDS[kind][1])}")
         p.add_argument("overrides", nargs="*", help="dotted overrides applied to every variant")
-        p.set_defaults(fn=lambda a, k=kind: (bench_sampler(k, a.pipeline, a.budget, a.eval_every, a.out, a.variants,
-                                                           a.overrides), 0)[1])
+        p.set_defaults(fn=lambda a, k=kind: report(bench_sampler(k, a.pipeline, a.budget, a.eval_every, a.out,
+                                                                 a.variants, a.overrides)))

@@ -18,7 +18,7 @@ import numpy as np
 
 import yaml
 
-from ..trainers.config import Config, apply_overrides
+from ..trainers.config import Config, apply_overrides, resolve_recipe
 from ..trainers.online import OnlineTrainer
 from ..utils.io import save_figure, write_json
 
@@ -33,9 +33,10 @@ class Variant:
     recipe: Optional[str] = None
 
     def config(self, recipe: str, extra: list[str]) -> Config:
+        path = resolve_recipe(recipe)  # a file, or a shipped recipe by name (recipes/digits.yaml from anywhere)
         if self.recipe is not None:
-            recipe = str(Path(recipe).parent / self.recipe)
-        d = yaml.safe_load(Path(recipe).read_text())
+            path = resolve_recipe(path.parent / self.recipe)
+        d = yaml.safe_load(path.read_text())
         if self.sampler is not None:
             d["sampler"] = dict(self.sampler)
         d = apply_overrides(d, list(self.overrides) + list(extra))

@@ -89,9 +89,9 @@ class TextEmbeddingCache:
             self._find_shared(encode, new)
         chunks = [new[i:i + batch_size] for i in range(0, len(new), batch_size)]
         if progress:
-            from tqdm.auto import tqdm
+            from ..utils.progress import progress as progress_bar
 
-            chunks = tqdm(chunks, desc="text embeddings", unit="batch")
+            chunks = progress_bar(chunks, desc="text embeddings", unit="batch")
         for chunk in chunks:
             cond = encode(list(chunk))
             missing = set(self.keys) - set(cond)

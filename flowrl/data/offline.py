@@ -254,7 +254,7 @@ def generate_dataset(out: str | os.PathLike, policy, prompts: Sequence[str], rew
     (except ``groups_per_prompt``, which may grow: new groups are appended). ``max_new_shards``
     stops after writing that many shards (a budget; rerun to continue).
     """
-    from tqdm.auto import tqdm
+    from ..utils.progress import progress as progress_bar
 
     root = Path(out)
     prompts = list(prompts)
@@ -266,7 +266,7 @@ def generate_dataset(out: str | os.PathLike, policy, prompts: Sequence[str], rew
     _drop_missing_shards(root, idx, settings.k * evals_per_sample)
     total = len(prompts) * settings.groups_per_prompt
     done_groups = sum(s["count"] for s in idx["shards"])
-    bar = tqdm(total=total, initial=done_groups, desc="generate groups", unit="group", disable=not progress)
+    bar = progress_bar(total=total, initial=done_groups, desc="generate groups", unit="group", disable=not progress)
     written = 0
     while (nxt := _next_shard(idx, total, settings.groups_per_shard)) is not None:
         if max_new_shards is not None and written >= max_new_shards:
@@ -306,16 +306,16 @@ def add_reward_column(path: str | os.PathLike, name: str, reward: Callable, deco
     written atomically, then the index is updated: an interrupted rescore resumes at the first
     shard without the column. ``overwrite`` rescores shards that already have it.
     """
-    from tqdm.auto import tqdm
+    from ..utils.progress import progress as progress_bar
 
     root = Path(path)
     idx = read_index(root)
     col = f"reward/{name}"
     _remove_leftovers(root)
     if not overwrite and all(col in s["columns"] for s in idx["shards"]) and idx["shards"]:
-        raise DatasetError(f"{root} already has column {col!r}; pass overwrite=True (--overwrite) to rescore it")
+        raise DatasetError(f"{root} already has column {col!r}; rescore it with --overwrite (overwrite=True)")
     ds = OfflineDataset(root)
-    for s in tqdm(idx["shards"], desc=f"score {name}", disable=not progress):
+    for s in progress_bar(idx["shards"], desc=f"score {name}", disable=not progress):
         if col in s["columns"] and not overwrite:
             continue
         t0 = time.perf_counter()

@@ -22,6 +22,11 @@ NAMED = {
 PROMPT_COLUMNS = ("prompt", "caption", "text")
 
 
+class PromptSetError(ValueError):
+    """A prompt set cannot be read (empty, not UTF-8, a row without the prompt field, ...); the
+    message names the file and the fix. (A missing file raises ``FileNotFoundError``.)"""
+
+
 def available_sets() -> list[str]:
     """Names ``load_prompts`` accepts without a path."""
     return sorted([*BUILTIN, *NAMED])
@@ -52,9 +57,9 @@ def load_prompts(source: Union[str, list, tuple], column: Optional[str] = None, 
             prompts = _load_file(p, column)
     bad = [i for i, x in enumerate(prompts) if not isinstance(x, str)]
     if bad:
-        raise ValueError(f"prompt {bad[0]} of {source!r} is {type(prompts[bad[0]]).__name__}, expected a string")
+        raise PromptSetError(f"prompt {bad[0]} of {source!r} is {type(prompts[bad[0]]).__name__}, expected a string")
     if not prompts:
-        raise ValueError(f"prompt set {source!r} is empty; add at least one prompt")
+        raise PromptSetError(f"prompt set {str(source)!r} is empty; add at least one prompt (one per line in a .txt file)")
     return prompts
 
 
@@ -62,7 +67,7 @@ def _load_file(p: Path, column: Optional[str]) -> list:
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"prompt file {p} is not UTF-8 ({e}); re-save it as UTF-8") from None
+        raise PromptSetError(f"prompt file {p} is not UTF-8 ({e}); re-save it as UTF-8") from None
     if p.suffix != ".jsonl":
         return [ln.strip() for ln in text.splitlines() if ln.strip()]
     prompts = []
@@ -72,13 +77,13 @@ def _load_file(p: Path, column: Optional[str]) -> list:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{p}:{i}: not valid JSON ({e})") from None
+            raise PromptSetError(f"{p}:{i}: not valid JSON ({e})") from None
         if not isinstance(rec, dict):
             prompts.append(rec)
             continue
         key = column or next((c for c in PROMPT_COLUMNS if c in rec), None)
         if key is None or key not in rec:
-            raise ValueError(f"{p}:{i}: each JSONL line needs a {column or 'prompt'!r} field "
+            raise PromptSetError(f"{p}:{i}: each JSONL line needs a {column or 'prompt'!r} field "
                              f"(found {sorted(rec)}); name the field with data.prompt_column")
         prompts.append(rec[key])
     return prompts
@@ -93,21 +98,21 @@ def _load_hf_dataset(p: Path, column: Optional[str], split: Optional[str]) -> li
     try:
         import datasets
     except ImportError:
-        raise ImportError(f"{p} is a Hugging Face dataset; reading it needs the `datasets` package: "
+        raise PromptSetError(f"{p} is a Hugging Face dataset; reading it needs the `datasets` package: "
                           f"pip install 'flowrl[data]' (or pip install datasets)") from None
     ds = datasets.load_from_disk(str(p))
     if isinstance(ds, datasets.DatasetDict):
         names = list(ds)
         name = split or ("train" if "train" in ds else names[0] if len(names) == 1 else None)
         if name is None or name not in ds:
-            raise ValueError(f"{p} holds splits {names}; choose one with data.prompt_split"
+            raise PromptSetError(f"{p} holds splits {names}; choose one with data.prompt_split"
                              + (f" ({split!r} is not among them)" if split else ""))
         ds = ds[name]
     elif split is not None:
-        raise ValueError(f"{p} is a single dataset without splits; remove data.prompt_split={split!r}")
+        raise PromptSetError(f"{p} is a single dataset without splits; remove data.prompt_split={split!r}")
     cols = list(ds.column_names)
     key = column or next((c for c in PROMPT_COLUMNS if c in cols), None)
     if key is None or key not in cols:
-        raise ValueError(f"{p}: no prompt column {column or ' / '.join(PROMPT_COLUMNS)!r}; its columns are {cols}. "
+        raise PromptSetError(f"{p}: no prompt column {column or ' / '.join(PROMPT_COLUMNS)!r}; its columns are {cols}. "
                          f"Name the column with data.prompt_column")
     return list(ds[key])

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..faults import maybe_fault
-from ..utils.io import fsync_dir, fsync_file
+from ..utils.io import fsync_dir, fsync_file, share_permissions
 
 __all__ = ["CheckpointError", "save_checkpoint", "list_checkpoints", "load_checkpoint", "fsync_dir", "PATTERN",
            "STATE_FILE"]  # fsync_dir lives in flowrl.utils.io (re-exported here)
@@ -58,6 +58,7 @@ def save_checkpoint(root: Path, iteration: int, *, trainable: dict[str, torch.Te
         torch.save(optimizer, tmp / "optimizer.pt")
         torch.save({"scheduler": scheduler, "torch_rng": torch.get_rng_state()}, tmp / "scheduler.pt")
         (tmp / STATE_FILE).write_text(json.dumps({**state, "iteration": iteration}, indent=2))
+        share_permissions(tmp)  # safetensors writes 0600 files: readable by the team like the others
         _fsync_tree(tmp)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # e.g. disk full: leave nothing that could be mistaken for a checkpoint

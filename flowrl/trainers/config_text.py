@@ -19,7 +19,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {text!r} must look like section.key=value, e.g. train.lr=3e-4")
     key, val = text.split("=", 1)
     parts = key.strip().split(".")
-    value = yaml.safe_load(val) if val.strip() else ""
+    try:
+        value = yaml.safe_load(val) if val.strip() else ""
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({problem}); balance its brackets and "
+                          f"quote the whole override for the shell, e.g. \"sampler={{name: ode, group_size: 8}}\"") from None
     if len(parts) == 1 and parts[0] in SECTION_NAMES and isinstance(value, dict):
         return parts, value
     if len(parts) < 2 or not all(parts):

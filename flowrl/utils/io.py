@@ -4,6 +4,10 @@ after a crash or power loss.
 
 The temporary name is ``.<name>.tmp-<pid>`` (hidden, per process); a crash leaves at most such a
 file behind, which callers that resume may delete (``<dir>.glob(".*.tmp-*")``).
+
+What is published gets the permissions the umask allows (:func:`share_permissions`), as a plain
+``open()`` would give: some writers create private 0600 files (safetensors 0.8's ``save_file``),
+which teammates on a shared filesystem could not read.
 """
 from __future__ import annotations
 
@@ -37,6 +41,19 @@ def fsync_file(path: PathLike) -> None:
         os.fsync(f.fileno())
 
 
+def share_permissions(path: PathLike) -> None:
+    """Add to ``path`` (a file, or every file under a directory) the read/write bits the process's
+    umask allows (``0o666 & ~umask``: 0644 under the usual 022), never removing any."""
+    mask = os.umask(0)
+    os.umask(mask)
+    allowed = 0o666 & ~mask
+    p = Path(path)
+    for f in [p] if p.is_file() else (f for f in p.rglob("*") if f.is_file()):
+        mode = f.stat().st_mode & 0o777
+        if mode | allowed != mode:
+            os.chmod(f, mode | allowed)
+
+
 def atomic_write(path: PathLike, write: Callable[[Path], None]) -> Path:
     """Create or replace the file ``path`` atomically and durably.
 
@@ -50,6 +67,7 @@ def atomic_write(path: PathLike, write: Callable[[Path], None]) -> Path:
     tmp = temp_path(path)
     try:
         write(tmp)
+        share_permissions(tmp)
         fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
@@ -70,6 +88,7 @@ def atomic_dir(out_dir: PathLike, write: Callable[[Path], None]) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         write(tmp)
+        share_permissions(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -1,0 +1,131 @@
+"""``flowrl train --smoke``: any recipe, checked on a CPU in a minute before GPU hours are spent on it.
+
+The recipe keeps its structure (pipeline, sampler and its step type, loss, guidance, KL, EMA, LoRA
+targets, sharding) and :func:`smoke_overrides` shrinks everything else:
+
+- the model: the pipeline's tiny random model (``flowrl make-tiny``, cached in
+  ``$FLOWRL_HOME/smoke/``), on the CPU in float32, the recipe's model options shrunk
+  (:data:`MODEL_OPTIONS`: 32 px, 8 text tokens, no gradient checkpointing);
+- the sampler: the few steps and samples of its row in :data:`SAMPLERS` (a new sampler adds a row);
+  Sol's exploration runs ``int8-dynamic`` (the recipes' NVFP4 needs CUDA);
+- training: 1 iteration of 4 samples, one pass, a checkpoint; evaluation on one prompt;
+- reward: ``jpeg_compressibility`` (no download; the recipe's reward models need their weights);
+- offline GDRO recipes (``train.mode: offline``): a dataset of 2 groups x 2 images is generated first.
+
+Files besides the run (the dataset, a text-embedding cache) go to a temporary directory removed at
+the end, never to the recipe's own cache paths, so the real run finds no stale cache.
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Sequence
+
+SMOKE_PIXELS = 32  # tiny diffusers models: 16 x 4 x 4 latents
+PROMPTS = {"digits": ["a handwritten digit 3", "a handwritten digit 7"]}
+DEFAULT_PROMPTS = ["a photo of a cat", "a red apple on a table"]
+# recipe model.options -> its smoke value (only keys the recipe sets are changed)
+MODEL_OPTIONS = {"resolution": SMOKE_PIXELS, "max_sequence_length": 8, "dtype": "float32",
+                 "gradient_checkpointing": "false", "decode_batch": "null"}
+TRAIN = {"train.iterations": 1, "train.batch_size": 4, "train.minibatch_size": 64, "train.grad_accum": 1,
+         "train.mixed_precision": "'no'", "train.checkpoint_every": 1, "train.ema_every": 1,
+         "data.eval_seeds_per_prompt": 2, "reward.weights": "{jpeg_compressibility: 1.0}", "reward.options": "{}",
+         "reward.heldout": "{}", "logging.trackers": "[]", "logging.eval_every": 100, "logging.image_every": 100}
+OFFLINE = {"offline.groups_per_prompt": 1, "offline.k": 2, "offline.num_steps": 2, "offline.eval_steps": 2,
+           "offline.batch_groups": 2, "offline.epochs": 1, "offline.max_steps": "null", "offline.eval_every": 100,
+           "offline.generation_batch": 256, "offline.save_png": "false", "offline.judge": "{}"}
+
+
+def _group(sampler: dict) -> dict:
+    return {"group_size": 2, "num_steps": 2, "max_batch": "null"}
+
+
+def _branch(sampler: dict) -> dict:
+    return {"num_steps": 3, "split_steps": "[0, 1]", "window": 2, "window_start": 0, "max_batch": "null"}
+
+
+def _tempflow(sampler: dict) -> dict:
+    return {"num_steps": 3, "branch_steps": "[0, 1]", "branches": 2, "seeds_per_prompt": 1, "max_batch": "null"}
+
+
+def _sol(sampler: dict) -> dict:
+    return {"pool_size": 4, "preview_steps": 2, "keep": 2, "regen_options.num_steps": 2,
+            "explore_backend": "int8-dynamic", "explore_batch": "null"}
+
+
+# sampler name -> its options shrunk (every row keeps train.batch_size = 4 a multiple of its samples per prompt)
+SAMPLERS: dict[str, Callable[[dict], dict]] = {"group": _group, "ode": _group, "branch": _branch,
+                                               "tempflow": _tempflow, "sol": _sol}
+
+
+def tiny_model(pipeline: str) -> Path:
+    """The tiny random model of ``pipeline`` for smoke runs (built once, then reused from
+    ``$FLOWRL_HOME/smoke/<kind>``; deterministic, seed 0)."""
+    from .pipelines import policy_class
+    from .pipelines.tiny import make_tiny
+    from .trainers.config import ConfigError
+    from .utils.paths import flowrl_home
+
+    kinds = getattr(policy_class(pipeline), "tiny_kinds", ())
+    if not kinds:
+        raise ConfigError(f"--smoke needs a tiny model of pipeline {pipeline!r}, and its adapter declares none "
+                          f"(tiny_kinds in pipelines/base.py)")
+    out = flowrl_home() / "smoke" / kinds[0]
+    if not (out.is_dir() and any(out.iterdir())):
+        make_tiny(kinds[0], out, image_size=None if pipeline == "digits" else SMOKE_PIXELS, overwrite=True)
+    return out
+
+
+def smoke_overrides(cfg, model_dir: Path, scratch: Path) -> list[str]:
+    """Overrides (applied after the user's) that shrink the recipe ``cfg`` as the module doc says;
+    ``scratch`` is a temporary directory for a text-embedding cache."""
+    from .trainers.config import ConfigError
+
+    shrink = SAMPLERS.get(cfg.sampler.name)
+    if shrink is None:
+        raise ConfigError(f"--smoke knows the samplers {', '.join(sorted(SAMPLERS))}, not {cfg.sampler.name!r}: "
+                          f"add its row to flowrl/smoke.py (SAMPLERS)")
+    prompts = PROMPTS.get(cfg.model.pipeline, DEFAULT_PROMPTS)
+    ov = {"model.path": str(model_dir), "model.device": "cpu",
+          **{f"model.options.{k}": v for k, v in MODEL_OPTIONS.items() if k in cfg.model.options},
+          **{f"sampler.{k}": v for k, v in shrink(cfg.sampler.to_dict()).items()},
+          **TRAIN, "data.prompts": f"[{', '.join(prompts)}]", "data.eval_prompts": f"[{prompts[0]}]"}
+    if cfg.model.text_embedding_cache:  # never the recipe's own (relative, shared) cache directory
+        ov["model.text_embedding_cache"] = str(scratch / "text-embeddings")
+    if cfg.train.mode == "offline":
+        ov.update(OFFLINE)
+    return [f"{k}={v}" for k, v in ov.items()]
+
+
+def smoke_config(recipe: str, overrides: Sequence[str], scratch: Path) -> tuple:
+    """(the smoke-sized config of ``recipe`` with the user's ``overrides``, all the overrides applied)."""
+    from .trainers.config import load_config
+
+    first = load_config(recipe, list(overrides))
+    ov = [*overrides, *smoke_overrides(first, tiny_model(first.model.pipeline), scratch)]
+    return load_config(recipe, ov), ov
+
+
+def smoke_run(recipe: str, output_dir: str, overrides: Sequence[str] = (), resume: bool = False) -> dict:
+    """``flowrl train --smoke``: train the smoke-sized ``recipe`` into ``output_dir`` (an offline
+    GDRO recipe generates its tiny dataset first); returns the run's summary plus ``smoke``."""
+    from .trainers.config import load_config
+
+    with tempfile.TemporaryDirectory(prefix="flowrl-smoke-") as tmp:
+        scratch = Path(tmp)
+        cfg, ov = smoke_config(recipe, overrides, scratch)
+        print(f"[flowrl] smoke run of {recipe}: tiny random {cfg.model.pipeline} model ({cfg.model.path}), "
+              f"{cfg.sampler.name} sampler shrunk, 1 iteration on the CPU, reward jpeg_compressibility "
+              f"(flowrl/smoke.py)", file=sys.stderr, flush=True)
+        if cfg.train.mode == "offline":
+            from .trainers.offline import generate_offline, train
+
+            generate_offline(cfg, str(scratch / "dataset"), progress=cfg.logging.progress)
+            cfg = load_config(recipe, [*ov, f"offline.dataset={scratch / 'dataset'}"])
+        else:
+            from .trainers.online import train
+        summary = train(cfg, output_dir, resume=resume)
+    if not summary:  # a process other than the main one
+        return summary
+    return {**summary, "smoke": {"recipe": str(recipe), "model": cfg.model.path, "sampler": cfg.sampler.name}}

@@ -1,0 +1,285 @@
+"""The command line's one error boundary: every verb, every bad input -> exit code 2, exactly one
+stderr line ``flowrl VERB: error: ...`` naming the problem, no traceback, nothing half-written.
+
+Each row of ``CASES`` is (id, verb as printed, argv builder, words the message must hold, paths that
+must not exist afterwards). The rows run in this process through ``flowrl.cli.main`` (what the
+console script calls); ``test_console_script_*`` checks the same form end to end in a subprocess.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_train_overrides
+from flowrl.cli import main
+
+RECIPE = "recipes/digits.yaml"
+QUIET = ["logging.trackers=[]", "logging.progress=false"]
+
+
+@pytest.fixture(scope="module")
+def env(tiny_digits_dir, tmp_path_factory):
+    """Inputs shared by the rows: the tiny model, a finished 1-iteration run (no EMA), an empty run,
+    a made model directory, bad prompt files."""
+    from flowrl.trainers.config import load_config
+    from flowrl.trainers.online import train
+
+    root = tmp_path_factory.mktemp("cli-errors")
+    run = root / "run"
+    train(load_config(RECIPE, tiny_train_overrides(tiny_digits_dir, **{"train.iterations": 1})), run)
+    empty_run = root / "empty_run"
+    empty_run.mkdir()
+    (empty_run / "config.yaml").write_text((run / "config.yaml").read_text())  # a run that never checkpointed
+    (root / "empty.txt").write_text("")
+    (root / "blank.txt").write_text("\n   \n\t\n")
+    (root / "rows.jsonl").write_text('{"title": "a cat"}\n')
+    (root / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    made = root / "made"
+    made.mkdir()
+    (made / "keep.txt").write_text("mine")
+    return {"root": root, "model": tiny_digits_dir, "run": run, "empty_run": empty_run, "made": made}
+
+
+def train_args(e, *extra):
+    return ["train", "--config", RECIPE, "--output-dir", str(e["root"] / "new_run"), f"model.path={e['model']}",
+            *QUIET, *extra]
+
+
+def sample_args(e, *extra):
+    return ["sample", "--run", str(e["run"]), "--prompts", "a handwritten digit 1", "--per-prompt", "1",
+            "--steps", "2", "--out", str(e["root"] / "new.png"), *extra]
+
+
+CASES = [
+    # --- train
+    ("no such recipe", "train", lambda e: ["train", "--config", "nope.yaml", "--output-dir", str(e["root"] / "new_run")],
+     ["recipe 'nope.yaml' not found", "Shipped recipes"], ["new_run"]),
+    ("empty prompt file", "train", lambda e: train_args(e, f"data.prompts={e['root'] / 'empty.txt'}"),
+     ["is empty", "add at least one prompt"], ["new_run"]),
+    ("blank prompt file", "train", lambda e: train_args(e, f"data.prompts={e['root'] / 'blank.txt'}"),
+     ["is empty", "add at least one prompt"], ["new_run"]),
+    ("jsonl rows without prompt", "train", lambda e: train_args(e, f"data.prompts={e['root'] / 'rows.jsonl'}"),
+     ["needs a 'prompt' field", "data.prompt_column"], ["new_run"]),
+    ("prompt file not UTF-8", "train", lambda e: train_args(e, f"data.eval_prompts={e['root'] / 'latin1.txt'}"),
+     ["not UTF-8", "re-save it as UTF-8"], ["new_run"]),
+    ("missing prompt file", "train", lambda e: train_args(e, f"data.prompts={e['root'] / 'none.txt'}"),
+     ["not found", ".jsonl"], ["new_run"]),
+    ("unbalanced YAML override", "train", lambda e: train_args(e, "sampler={name: ode"),
+     ["sampler={name: ode", "not valid YAML", "balance its brackets"], ["new_run"]),
+    ("unknown key", "train", lambda e: train_args(e, "train.lrr=1"), ["train.lrr", "Did you mean train.lr"], ["new_run"]),
+    ("undotted override", "train", lambda e: train_args(e, "lr=1"), ["must be dotted"], ["new_run"]),
+    ("unknown option", "train", lambda e: train_args(e, "--lr", "1e-3"), ["unrecognized arguments: --lr"],
+     ["new_run"]),
+    ("abbreviated option", "train", lambda e: ["train", "--config", RECIPE, "--output", str(e["root"] / "new_run")],
+     ["--output-dir"], ["new_run"]),
+    ("missing model", "train", lambda e: train_args(e, f"model.path={e['root'] / 'no-model'}"),
+     ["flowrl pretrain-digits"], ["new_run"]),
+    ("resume with other settings", "train", lambda e: ["train", "--config", RECIPE, "--output-dir", str(e["run"]),
+                                                       "--resume", *tiny_train_overrides(e["model"],
+                                                                                         **{"train.lr": 0.5})],
+     ["train.lr", "new --output-dir"], []),
+    # --- generate-offline / rescore-offline
+    ("no dataset directory", "generate-offline", lambda e: ["generate-offline", "--config", "recipes/digits_gdro.yaml",
+                                                            f"model.path={e['model']}"],
+     ["--out DIR", "offline.dataset"], []),
+    ("zero shards", "generate-offline", lambda e: ["generate-offline", "--config", "recipes/digits_gdro.yaml",
+                                                   "--max-shards", "0"], ["--max-shards", "positive integer"], []),
+    ("misspelt reward", "rescore-offline", lambda e: ["rescore-offline", "--dataset", str(e["root"]), "--reward",
+                                                      "pickscor"], ["Did you mean 'pickscore'"], []),
+    ("options not JSON", "rescore-offline", lambda e: ["rescore-offline", "--dataset", str(e["root"]), "--reward",
+                                                       "pickscore", "--options", "{device: cpu"],
+     ["--options must be a JSON object"], []),
+    ("options not an object", "rescore-offline", lambda e: ["rescore-offline", "--dataset", str(e["root"]),
+                                                            "--reward", "pickscore", "--options", "[1]"],
+     ["--options must be a JSON object"], []),
+    ("no such dataset", "rescore-offline", lambda e: ["rescore-offline", "--dataset", str(e["root"] / "nope"),
+                                                      "--reward", "pickscore"], ["no such directory"], []),
+    # --- pretrain-digits
+    ("zero pretraining steps", "pretrain-digits", lambda e: ["pretrain-digits", "--out", str(e["root"] / "base"),
+                                                             "--steps", "0"], ["--steps", "positive integer"], ["base"]),
+    ("negative learning rate", "pretrain-digits", lambda e: ["pretrain-digits", "--out", str(e["root"] / "base"),
+                                                             "--lr", "-1"], ["--lr", "> 0"], ["base"]),
+    # --- sample / eval
+    ("negative per-prompt", "sample", lambda e: sample_args(e, "--per-prompt", "-1"), ["--per-prompt", "got -1"],
+     ["new.png"]),
+    ("zero steps", "sample", lambda e: sample_args(e, "--steps", "0"), ["--steps", "got 0"], ["new.png"]),
+    ("no such run", "sample", lambda e: ["sample", "--run", str(e["root"] / "nope"), "--prompts", "x", "--out",
+                                         str(e["root"] / "new.png")], ["not a flowrl run directory"], ["new.png"]),
+    ("run without checkpoints", "sample", lambda e: ["sample", "--run", str(e["empty_run"]), "--prompts", "x",
+                                                     "--out", str(e["root"] / "new.png")],
+     ["has no checkpoint yet"], ["new.png"]),
+    ("both config and run", "sample", lambda e: sample_args(e, "--config", RECIPE), ["exactly one of --config"],
+     ["new.png"]),
+    ("no such checkpoint", "sample", lambda e: sample_args(e, "--checkpoint", "iter_000099"),
+     ["--checkpoint iter_000099", "iter_000001"], ["new.png"]),
+    ("EMA of a run without one", "sample", lambda e: sample_args(e, "--ema"), ["no EMA weights", "drop --ema"],
+     ["new.png"]),
+    ("weights flag without a run", "sample", lambda e: ["sample", "--config", RECIPE, "--ema", "--prompts", "x",
+                                                        "--out", str(e["root"] / "new.png")], ["--run RUN_DIR"],
+     ["new.png"]),
+    ("zero per-prompt", "eval", lambda e: ["eval", "--run", str(e["run"]), "--per-prompt", "0"],
+     ["--per-prompt", "got 0"], []),
+    ("steps not a number", "eval", lambda e: ["eval", "--run", str(e["run"]), "--steps", "ten"],
+     ["--steps", "'ten' is not an integer"], []),
+    # --- make-tiny / export
+    ("existing directory", "make-tiny", lambda e: ["make-tiny", "digits", str(e["made"])], ["--overwrite"], []),
+    ("unknown kind", "make-tiny", lambda e: ["make-tiny", "sdxl", str(e["root"] / "tiny")], ["unknown kind 'sdxl'"],
+     ["tiny"]),
+    ("export a run without checkpoints", "export", lambda e: ["export", str(e["empty_run"]), str(e["root"] / "x")],
+     ["has no checkpoint yet"], ["x"]),
+    ("export into a used directory", "export", lambda e: ["export", str(e["run"]), str(e["made"])], ["--overwrite"],
+     []),
+    ("export EMA without one", "export", lambda e: ["export", str(e["run"]), str(e["root"] / "x"), "--ema"],
+     ["export without --ema"], ["x"]),
+    # --- bench / plan / the top level
+    ("zero budget", "bench offline", lambda e: ["bench", "offline", "--budget", "0"], ["--budget", "> 0"], []),
+    ("abbreviated budget", "bench offline", lambda e: ["bench", "offline", "--budget-s", "5"],
+     ["unrecognized arguments: --budget-s"], []),
+    ("bench on another pipeline", "bench branch", lambda e: ["bench", "branch", "--pipeline", "sd3"],
+     ["--pipeline", "invalid choice"], []),
+    ("unknown bench variant", "bench sol", lambda e: ["bench", "sol", "--variants", "nope", "--budget", "1"],
+     ["unknown variant", "choose from"], []),
+    ("architecture flag on a CPU pipeline", "bench precision", lambda e: ["bench", "precision", "--tiny"],
+     ["--tiny apply to the architecture pipelines"], []),
+    ("plan without a recipe", "plan", lambda e: ["plan", "--config", "nope.yaml"], ["not found"], []),
+    ("unknown verb", "", lambda e: ["trian"], ["invalid choice: 'trian'"], []),
+]
+
+
+def _run(argv, capsys) -> tuple[int, str, str]:
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse errors leave through SystemExit(2), as in the console script
+        rc = e.code
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+@pytest.mark.parametrize("name,verb,argv,words,absent", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line(env, capsys, name, verb, argv, words, absent):
+    rc, out, err = _run(argv(env), capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    prefix = f"flowrl {verb}: error: " if verb else "flowrl: error: "
+    assert lines[0].startswith(prefix), lines[0]
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    assert out == ""
+    for rel in absent:
+        assert not (env["root"] / rel).exists(), rel
+    assert (env["made"] / "keep.txt").read_text() == "mine" and sorted(p.name for p in env["made"].iterdir()) == [
+        "keep.txt"]
+
+
+def test_every_verb_has_bad_input_rows():
+    from flowrl.cli import build_parser
+
+    verbs = set(next(a for a in build_parser()._actions if a.dest == "command").choices)
+    covered = {c[1].split()[0] for c in CASES if c[1]}
+    assert verbs <= covered, verbs - covered
+    assert len(CASES) >= 40
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU: model.device=cuda is valid here")
+def test_cuda_device_without_a_gpu(env, capsys):
+    rc, _, err = _run(train_args(env, "model.device=cuda"), capsys)
+    assert rc == 2 and err.count("\n") == 1 and "no CUDA GPU is visible" in err and "model.device=auto" in err
+    assert not (env["root"] / "new_run").exists()
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch, capsys):
+    """Only the listed user-error types become one line: an unexpected exception propagates (rc 1)."""
+    import flowrl.cli as cli
+
+    def broken(a):
+        raise ZeroDivisionError("a bug")
+    monkeypatch.setattr(cli, "_make_tiny", broken)
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["make-tiny", "digits", "/nonexistent/x"])
+
+
+def test_overrides_anywhere_on_the_line(env, capsys):
+    """Dotted overrides after an option (even after --prompts' list) are overrides, in order."""
+    from flowrl.cli import build_parser
+    from flowrl.command_line import split_overrides
+
+    p = build_parser()
+    rest, ov = split_overrides(p, ["train", "--config", "x", "train.lr=1", "--resume", "train.loss=dpo",
+                                   "--output-dir", "o", "sampler={name: ode}"])
+    assert rest == ["train", "--config", "x", "--resume", "--output-dir", "o"]
+    assert ov == ["train.lr=1", "train.loss=dpo", "sampler={name: ode}"]
+    rest, ov = split_overrides(p, ["sample", "--prompts", "a cat", "train.lr=1", "--out", "x.png"])
+    assert rest == ["sample", "--prompts", "a cat", "--out", "x.png"] and ov == ["train.lr=1"]
+    # an option's own value stays that option's (bench offline takes overrides as --offline-override values)
+    rest, ov = split_overrides(p, ["bench", "offline", "--offline-override", "offline.k=2"])
+    assert ov == [] and rest[-1] == "offline.k=2"
+    png = env["root"] / "anywhere.png"
+    rc, out, err = _run(["sample", "--run", str(env["run"]), "--prompts", "a handwritten digit 1",
+                         "model.guidance_scale=1.5", "--per-prompt", "1", "--steps", "2", "--out", str(png)], capsys)
+    assert rc == 0 and png.is_file(), err
+    assert json.loads(out) == {"samples": 1, "out": str(png), "steps": 2}  # stdout: the result only
+    assert "guidance 1.5" in err and "iter_000001 (latest), trained weights" in err  # what was used, on stderr
+
+
+def test_no_prefix_abbreviations_anywhere():
+    from flowrl.cli import build_parser
+
+    def parsers(p):
+        yield p
+        for a in p._actions:
+            if a.dest in ("command", "bench") and a.choices:
+                for sub in a.choices.values():
+                    yield from parsers(sub)
+    assert all(not p.allow_abbrev for p in parsers(build_parser()))
+
+
+@pytest.mark.parametrize("verb", ["train", "generate-offline", "rescore-offline", "pretrain-digits", "sample", "eval",
+                                  "make-tiny", "export", "plan", "bench branch", "bench offline", "bench precision",
+                                  "bench host"])
+def test_help_has_defaults_and_an_example(verb, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*verb.split(), "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "example:\n  flowrl " in out
+    if verb not in ("train", "make-tiny", "export"):  # (their options have no default worth printing)
+        assert "(default: " in out, out
+
+
+def test_sample_eval_export_share_the_weights_flags():
+    from flowrl.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices
+    flags = {v: {a.dest: (a.default, a.help) for a in sub[v]._actions if a.dest in ("checkpoint", "ema")}
+             for v in ("sample", "eval", "export")}
+    assert flags["sample"] == flags["eval"] == flags["export"] and set(flags["export"]) == {"checkpoint", "ema"}
+    assert flags["export"]["ema"][0] is False  # trained weights by default, everywhere
+
+
+def test_console_script_prints_one_line(tmp_path):
+    """The installed entry point: argparse and boundary errors alike, rc 2, one line, no usage block."""
+    script = Path(sys.executable).parent / "flowrl"
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "flowrl"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    for args, start in ((["eval", "--config", RECIPE, "--per-prompt", "0"], "flowrl eval: error: argument --per-prompt"),
+                        (["make-tiny", "nope", str(tmp_path / "t")], "flowrl make-tiny: error: unknown kind 'nope'")):
+        r = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith(start), r.stderr
+        assert r.stderr.count("\n") == 1, r.stderr
+
+
+def test_ctrl_c_is_one_line(monkeypatch, capsys):
+    """Ctrl-C outside training (the trainer checkpoints on its own) ends in one line, exit code 130."""
+    import flowrl.cli as cli
+
+    def interrupted(a):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "_make_tiny", interrupted)
+    rc, out, err = _run(["make-tiny", "digits", "/nonexistent/x"], capsys)
+    assert rc == 130 and out == "" and err == "flowrl make-tiny: error: interrupted (Ctrl-C)\n"

@@ -1,0 +1,224 @@
+"""The documentation's commands run as printed, in the order printed.
+
+Every ```bash / ```sh / ```console block of README.md and docs/*.md is run, command after command,
+with bash in a fresh working directory per file (and a private, empty ``FLOWRL_HOME``), or is
+marked on purpose by an HTML comment on the line before it, which this test reports as a skip:
+
+    <!-- docs-run: gpu-only: why -->     needs a CUDA GPU (or several)
+    <!-- docs-run: skip: why -->         needs something else this machine cannot give (the network)
+
+The commands are the documented ones at full size (real budgets, hub models, GPU launchers); the
+table ``SUBSTITUTIONS`` below is every change this test makes before running one, each with its
+reason: it shrinks sizes and budgets and swaps a GPU launcher for ``flowrl train --smoke``, and
+never rewrites what a command does. A README that says a command writes a file is checked too: the
+README's working directory holds exactly what its comments name.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SHELL = {"bash", "sh", "console"}
+MARKER = re.compile(r"^<!--\s*docs-run:\s*(gpu-only|skip)\s*:\s*(.+?)\s*-->\s*$")
+FENCE = re.compile(r"^```\s*([\w+-]*)\s*$")
+
+DIGITS_RUN = ("train.batch_size=16 train.minibatch_size=16 sampler.num_steps=4 data.eval_seeds_per_prompt=2 "
+              "logging.eval_every=100 logging.progress=false")
+GDRO = ("offline.groups_per_prompt=1 offline.k=2 offline.num_steps=2 offline.batch_groups=5 offline.epochs=1 "
+        "offline.eval_steps=2 offline.eval_every=100 data.eval_seeds_per_prompt=2 train.grad_accum=1 "
+        "logging.progress=false")
+# flat GRPO and the method only, 16 samples per iteration (tempflow: its recipe's 64, one tree per prompt)
+BENCH_SHRINK = {"branch": "--variants flat_grpo branch train.batch_size=16",
+                "tempflow": "--variants flat_grpo tempflow",
+                "sol": "--variants flat_grpo sol_nft_int8 train.batch_size=16",
+                "preference": "--variants flat_grpo online_dpo train.batch_size=16"}
+OFFLINE_BENCH = " ".join(f"--offline-override {o}" for o in GDRO.split()) + \
+    " --online-override data.eval_seeds_per_prompt=2 --online-override train.batch_size=16 " \
+    "--online-override sampler.group_size=4 --online-override train.minibatch_size=16"
+
+# (pattern, replacement, why): applied in order to every command; the replacement may be a function
+SUBSTITUTIONS = [
+    (r"^accelerate launch .*?-m flowrl train\b", "flowrl train --smoke",
+     "a multi-GPU launch: the same recipe and overrides as a --smoke run on this CPU"),
+    (r"^(flowrl pretrain-digits)$", r"\1 --steps 20", "600 pretraining steps: 20 (the model is a placeholder here)"),
+    (r"^(flowrl train (?!.*--smoke).*recipes/digits\.yaml.*?)(\s+#.*)?$",
+     lambda m: f"{m.group(1)} {DIGITS_RUN} train.iterations={2 if '--resume' in m.group(1) else 1}",
+     "the digits demo: 1 iteration (2 when resumed) of 16 samples, 4 steps, a small evaluation"),
+    (r"^(flowrl (?:generate-offline|train) (?!.*--smoke).*recipes/digits_gdro\.yaml.*?)(\s+#.*)?$",
+     lambda m: f"{m.group(1)} {GDRO}", "the GDRO dataset: 10 groups of 2 images, 2 steps; 2 GDRO steps"),
+    (r"^(flowrl eval .*)--per-prompt 32", r"\1--per-prompt 2", "32 samples per prompt: 2"),
+    (r"^(flowrl bench precision --pipeline sd3-mid .*?)(\s+#.*)?$", r"\1 --batch 1 --steps 1 --repeats 1",
+     "one image, one step, one timed round"),
+    (r"^flowrl bench (branch|tempflow|sol|preference) (.*?)--budget \d+(.*?)(\s+#.*)?$",
+     lambda m: (f"flowrl bench {m.group(1)} {m.group(2)}--budget 1 --eval-every 1{m.group(3)} "
+                f"{BENCH_SHRINK[m.group(1)]} data.eval_seeds_per_prompt=2"),
+     "1 training second per variant (one iteration), flat GRPO and the method only, a small evaluation"),
+    (r"^flowrl bench offline (.*?)--budget \d+(.*?)(\s+#.*)?$",
+     lambda m: f"flowrl bench offline {m.group(1)}--budget 1 --eval-every 1{m.group(2)} {OFFLINE_BENCH}",
+     "1 compute second per method on the tiny GDRO dataset (GDRO then makes no step and says so)"),
+    (r"^flowrl bench reward (.*?)(\s+#.*)?$",
+     r"flowrl bench reward \1 --iterations 1 --resolution 64 --prompts 2 --group-size 2 --num-steps 2 --max-batch 2 "
+     r"--judge-delay 0.05", "one timed iteration per variant of 4 samples at 64 px, 2 steps; a 50 ms judge"),
+    (r"--checkpoint iter_000020\b", "--checkpoint iter_000001", "the smoke run's only checkpoint"),
+    (r"^python -m flowrl\b", f"{sys.executable} -m flowrl", "this test's Python"),
+]
+# commands not run, with the reason (their block runs the rest)
+NOT_RUN = [(r"^make test\b", "the whole suite, which includes this test")]
+
+
+@dataclass
+class Block:
+    path: Path
+    line: int  # 1-based line of the opening fence
+    lang: str
+    text: str
+    marker: Optional[tuple[str, str]]  # (gpu-only | skip, reason)
+
+    @property
+    def id(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def shell_blocks(path: Path) -> list[Block]:
+    """The shell blocks of a markdown file, each with the docs-run marker on the line before it."""
+    lines, out, i = path.read_text().splitlines(), [], 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        if m.group(1) in SHELL:
+            prev = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+            mk = MARKER.match(prev)
+            out.append(Block(path, i + 1, m.group(1), "\n".join(lines[i + 1:end]),
+                             (mk.group(1), mk.group(2)) if mk else None))
+        i = end + 1
+    return out
+
+
+def commands(block: Block) -> list[str]:
+    """One string per command: continuation lines joined, blank and comment lines dropped (``$ ``
+    prompts of a console block stripped, its output lines dropped)."""
+    text = block.text.replace("\\\n", " ")
+    out = []
+    for ln in text.splitlines():
+        ln = ln.strip()
+        if block.lang == "console":
+            if not ln.startswith("$ "):
+                continue
+            ln = ln[2:]
+        if ln and not ln.startswith("#"):
+            out.append(re.sub(r"\s+", " ", ln))
+    return out
+
+
+def makefile_target(name: str) -> list[str]:
+    """The commands of a Makefile target, as a user's shell would run them after the install step."""
+    lines = (ROOT / "Makefile").read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"{name}:"))
+    body = []
+    for ln in lines[start + 1:]:
+        if not ln.startswith("\t"):
+            break
+        body.append(ln.strip().replace("$(VENV)/bin/", ""))
+    return body
+
+
+def prepare(cmd: str) -> tuple[list[str], Optional[str]]:
+    """(the commands to run for one documented command, or the reason it is not run)."""
+    for pattern, reason in NOT_RUN:
+        if re.search(pattern, cmd):
+            return [], reason
+    if re.match(r"^make demo\b", cmd):  # the demo is the Makefile's commands (the install step is this venv)
+        return [c for target in makefile_target("demo") for c in prepare(target)[0]], None
+    for pattern, repl, _why in SUBSTITUTIONS:
+        cmd = re.sub(pattern, repl, cmd)
+    return [cmd], None
+
+
+BLOCKS = [b for p in DOCS for b in shell_blocks(p)]
+# one test per documented command (a marked block: one skip), in the order printed
+COMMANDS = [(b, None) if b.marker else (b, cmd) for b in BLOCKS for cmd in ([None] if b.marker else commands(b))]
+
+
+def test_markers_are_well_formed():
+    """A misspelt marker would silently run (or fail) its block: every docs-run comment parses."""
+    for p in DOCS:
+        for n, ln in enumerate(p.read_text().splitlines(), 1):
+            if "docs-run" in ln:
+                assert MARKER.match(ln.strip()), f"{p.name}:{n}: {ln}"
+    assert len(BLOCKS) >= 15 and sum(b.marker is None for b in BLOCKS) >= 5
+
+
+def test_substitutions_only_shrink():
+    """The table changes sizes, budgets and launchers: the verb and the recipe of a command stay."""
+    for b in BLOCKS:
+        if b.marker is None:
+            for cmd in commands(b):
+                for run in prepare(cmd)[0]:
+                    verb = lambda c: c.split()[:2]  # noqa: E731
+                    recipe = lambda c: re.findall(r"recipes/\w+\.yaml", c)  # noqa: E731
+                    if not cmd.startswith(("make ", "accelerate ")):
+                        assert verb(run) == verb(cmd) or "-m flowrl" in run, (cmd, run)
+                        assert recipe(run) == recipe(cmd), (cmd, run)
+
+
+@pytest.fixture(scope="module")
+def workdirs(tmp_path_factory):
+    """One working directory per markdown file, and one private FLOWRL_HOME for all of them."""
+    root = tmp_path_factory.mktemp("docs-run")
+    home = root / "flowrl-home"
+    home.mkdir()
+    env = {**os.environ, "FLOWRL_HOME": str(home), "HF_HUB_OFFLINE": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("PYTHONPATH", None)
+    dirs = {}
+    for p in DOCS:
+        d = root / p.stem
+        d.mkdir()
+        dirs[p] = d
+    return dirs, env
+
+
+@pytest.mark.parametrize("block,cmd", COMMANDS, ids=[
+    b.id if cmd is None else f"{b.id}#{commands(b).index(cmd) + 1}" for b, cmd in COMMANDS])
+def test_command_runs(block, cmd, workdirs):
+    if block.marker is not None:
+        pytest.skip(f"{block.marker[0]}: {block.marker[1]}")
+    dirs, env = workdirs
+    assert shutil.which("flowrl", path=env["PATH"]), "the flowrl console script is not on PATH"
+    runs, reason = prepare(cmd)
+    if reason:
+        pytest.skip(f"{cmd!r}: {reason}")
+    for run in runs:
+        t0 = time.perf_counter()
+        r = subprocess.run(["bash", "-c", f"set -euo pipefail\n{run}"], cwd=dirs[block.path], env=env,
+                           capture_output=True, text=True, timeout=590)
+        print(f"{block.id}: {time.perf_counter() - t0:6.1f} s  {run}")  # (pytest -s shows where time goes)
+        assert r.returncode == 0, f"{block.id}: {run}\n--- stderr ---\n{r.stderr[-4000:]}"
+        assert "Traceback" not in r.stderr, f"{block.id}: {run}\n{r.stderr[-4000:]}"
+
+
+def test_readme_writes_only_what_it_says(workdirs):
+    """After the README's blocks: the working directory holds what its comments name, nothing else
+    (no stray benchmark JSON or PNG in the working directory)."""
+    dirs, _ = workdirs
+    wd = dirs[ROOT / "README.md"]
+    if not (wd / "runs").exists():
+        pytest.skip("the README blocks did not run in this session")
+    assert sorted(p.name for p in wd.iterdir()) == ["bench", "data", "lora_out", "runs", "three.png"]
+    assert sorted(p.name for p in (wd / "runs").iterdir()) == ["a", "demo", "gdro", "smoke"]
+    assert sorted(p.name for p in (wd / "bench").iterdir()) == sorted(
+        f"{k}.{ext}" for k in ("branch", "tempflow", "sol", "preference", "offline") for ext in ("json", "png"))

@@ -1,0 +1,56 @@
+"""``flowrl train --smoke``: every shipped recipe, shrunk by ``flowrl/smoke.py`` onto its pipeline's
+tiny random model, trains one iteration on the CPU (the check a cluster user runs before spending
+GPU hours), and the shrinking never touches the recipe's own cache paths."""
+import json
+from pathlib import Path
+
+import pytest
+
+from flowrl.smoke import SAMPLERS, smoke_config, smoke_run
+from flowrl.trainers.checkpoint import list_checkpoints
+from flowrl.trainers.config import load_config, shipped_recipes
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
+RECIPES = [p.stem for p in shipped_recipes()]
+
+
+def test_every_shipped_sampler_has_a_row():
+    assert {load_config(f"{r}.yaml").sampler.name for r in RECIPES} <= set(SAMPLERS)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_smoke_run(recipe, tmp_path):
+    run = tmp_path / "run"
+    summary = smoke_run(f"recipes/{recipe}.yaml", str(run), ["logging.progress=false"])
+    full = load_config(f"{recipe}.yaml")
+    assert summary["smoke"]["sampler"] == full.sampler.name
+    assert summary.get("iterations_done", summary.get("steps_done")) >= 1
+    assert list_checkpoints(run / "checkpoints")
+    saved = (run / "config.yaml").read_text()
+    for kept in (f"pipeline: {full.model.pipeline}", f"name: {full.sampler.name}", f"loss: {full.train.loss}",
+                 f"mode: {full.train.mode}"):
+        assert kept in saved, kept  # the recipe's structure survives the shrinking
+
+
+def test_smoke_keeps_the_recipes_cache_paths_clean(tmp_path):
+    """A recipe with a relative text-embedding cache (shared with the real run) gets a scratch one."""
+    cfg, ov = smoke_config("recipes/sd3_sol_nvfp4.yaml", [], tmp_path)
+    assert load_config("recipes/sd3_sol_nvfp4.yaml").model.text_embedding_cache.startswith("cache/")
+    assert Path(cfg.model.text_embedding_cache).parent == tmp_path
+    assert cfg.sampler.to_dict()["explore_backend"] == "int8-dynamic" and cfg.model.device == "cpu"
+    assert cfg.model.options["resolution"] == 32 and cfg.train.iterations == 1
+    assert "reward.weights={jpeg_compressibility: 1.0}" in ov
+
+
+def test_user_overrides_apply_under_the_smoke_sizes(tmp_path):
+    cfg, _ = smoke_config("recipes/digits.yaml", ["train.loss=dpo", "train.iterations=50"], tmp_path)
+    assert cfg.train.loss == "dpo" and cfg.train.iterations == 1  # the user's choice kept, the size shrunk
+
+
+def test_smoke_from_the_command_line(tmp_path, capsys):
+    from flowrl.cli import main
+
+    assert main(["train", "--smoke", "--config", "recipes/digits_tempflow.yaml", "--output-dir",
+                 str(tmp_path / "run"), "logging.progress=false"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["smoke"]["sampler"] == "tempflow" and "[flowrl] smoke run of" in cap.err
