@@ -338,8 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# verbs whose handler prints its own output (flowrl plan: its table and JSON)
-_PRINTS_ITS_OWN = {"plan"}
+# verbs whose handler prints its own output (flowrl plan: its table and JSON; flowrl serve-reward: its URL
+# line once it serves, which a client or a launcher script reads from stdout)
+_PRINTS_ITS_OWN = {"plan", "serve-reward"}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

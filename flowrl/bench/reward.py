@@ -192,10 +192,10 @@ def bench_reward(a) -> dict:
                 res[name]["speedup_vs_serial"] = s["iteration_seconds"] / res[name]["iteration_seconds"]
                 res[name]["bound_max_rollout_reward_plus_update"] = max(s["rollout_seconds"], s["reward_seconds"]) \
                     + s["update_seconds"]
-    path = Path(a.out) / "reward.json"
-    write_json(out, path)
-    print(table(out))
-    print(f"wrote {path}")
+    if a.out:
+        path = Path(a.out) / "reward.json"
+        write_json(out, path)
+        print(f"[bench reward] wrote {path}", flush=True)
     return out
 
 
@@ -228,6 +228,7 @@ def add_reward_parser(bench_sub) -> None:
                                                          "judge's time per iteration = the serial OCR rollout's")
     p.add_argument("--judge-concurrency", type=int, default=4)
     p.add_argument("--variants", nargs="*", default=None, help=f"subset of {list(VARIANTS)}")
-    p.add_argument("--out", default="bench", help="directory for reward.json")
-    p.set_defaults(fn=lambda a: (bench_reward(a), 0)[1])
+    p.add_argument("--out", default=None, help="directory for reward.json (default: none written; the table is "
+                                               "printed on stdout)")
+    p.set_defaults(fn=lambda a: table(bench_reward(a)))
 
