@@ -29,7 +29,8 @@ def _generate_offline(a) -> int:
 
 
 def _rescore_offline(a) -> int:
-    from flowrl.trainers.config import ConfigError, load_config
+    from flowrl.trainers.config import load_config
+    from flowrl.errors import ConfigError
     from flowrl.trainers.offline import rescore_offline
 
     try:
@@ -191,7 +192,7 @@ def _add_bench_parser(sub) -> None:
     bsub = b.add_subparsers(dest="bench", required=True)
     from flowrl.bench.host import add_host_parser
     from flowrl.bench.offline import add_offline_parser
-    from flowrl.bench.precision import add_precision_parser
+    from flowrl.bench.precision_cli import add_precision_parser
     from flowrl.bench.samplers import add_parsers as add_sampler_benches
 
     for add in (add_sampler_benches, add_precision_parser, add_offline_parser, add_host_parser):
@@ -219,9 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from flowrl.data.offline import DatasetError
     from flowrl.quant.common import BackendUnavailable
-    from flowrl.trainers.checkpoint import CheckpointError
-    from flowrl.trainers.config import ConfigError
-    from flowrl.trainers.online import TrainingStopped
+    from flowrl.checkpoints.common import CheckpointError
+    from flowrl.errors import ConfigError
+    from flowrl.trainers.common import TrainingStopped
 
     args = build_parser().parse_args(argv)
     try:

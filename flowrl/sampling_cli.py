@@ -6,11 +6,13 @@ from pathlib import Path
 
 import torch
 
+from .checkpoints import load_checkpoint
+from .checkpoints.common import list_checkpoints
+from .errors import ConfigError
 from .rollout.base import score_images
 from .rollout.ode import ode_sample
 from .seeding import derive_seeds
-from .trainers.checkpoint import list_checkpoints, load_checkpoint
-from .trainers.config import ConfigError, load_config
+from .trainers.config import load_config
 from .utils.images import save_grid
 from .utils.io import write_json
 from .utils.paths import resolve_device
@@ -19,7 +21,7 @@ from .utils.paths import resolve_device
 def load_policy(config_path, run_dir, overrides):
     """(config, policy) with a run's latest trained weights applied when ``run_dir`` is given."""
     from .builders import build_policy_from_config
-    from .trainers.weights import add_lora, load_trainable_state
+    from .trainable import load_trainable_state, set_up_trainable
 
     if bool(config_path) == bool(run_dir):
         raise ConfigError("give exactly one of --config (a base model recipe) or --run (a training run directory)")
@@ -36,11 +38,8 @@ def load_policy(config_path, run_dir, overrides):
         if not ckpts:
             raise ConfigError(f"run {run_dir} has no checkpoint yet")
         ck = load_checkpoint(ckpts[-1])
-        if cfg.train.lora_rank > 0:
-            add_lora(policy.transformer, cfg.train.lora_rank, cfg.train.lora_alpha,
-                     cfg.train.lora_targets or getattr(policy, "lora_target_modules", None))
-        else:
-            policy.transformer.requires_grad_(True)
+        set_up_trainable(policy.transformer, cfg.train.lora_rank, cfg.train.lora_alpha, cfg.train.lora_targets,
+                         getattr(policy, "lora_target_modules", None), seed=cfg.train.seed)
         load_trainable_state(policy.transformer, ck["ema"] if ck["ema"] is not None else ck["trainable"])
         policy.transformer.requires_grad_(False)
     return cfg, policy

@@ -1,8 +1,7 @@
 """Model-independent pieces the adapters share: classifier-free guidance, dtypes, paths, VAE decoding.
 
 The diffusers adapter base (``from_pretrained``, negative-prompt cache, resolutions, export and
-tiny-model declarations) is ``pipelines/base.py``; its ``encode_with_negative``,
-``resolve_resolution`` and ``read_flowrl_json`` are also importable from here.
+tiny-model declarations) is ``pipelines/base.py``.
 """
 from __future__ import annotations
 
@@ -185,15 +184,3 @@ def vae_decode(vae, latents: torch.Tensor, device, batch: Optional[int] = DECODE
             img = vae.decode(z, return_dict=False)[0]  # [b, 3, H, W] in ~[-1, 1]
         out.append((img.float() / 2 + 0.5).clamp(0, 1))  # [b, 3, H, W]
     return torch.cat(out)  # [B, 3, H, W]
-
-
-_MOVED_TO_BASE = ("encode_with_negative", "resolve_resolution", "read_flowrl_json", "FLOWRL_JSON", "Resolution")
-
-
-def __getattr__(name: str):
-    """Names that moved to ``pipelines/base.py`` (imported lazily: the base imports this module)."""
-    if name in _MOVED_TO_BASE:
-        from . import base
-
-        return getattr(base, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

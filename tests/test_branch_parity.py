@@ -16,7 +16,8 @@ from flowrl.advantages.tree import branch_structure, depth_window_mask, fuse_rew
 from flowrl.advantages.tree_pruning import exclude_window, peer_width_mask, preorder_key
 from flowrl.rollout import BranchSampler
 from flowrl.structures import TreeStructure
-from flowrl.trainers.config import load_config, shipped_recipes
+from flowrl.trainers.config import load_config
+from flowrl.trainers.config_text import shipped_recipes
 
 SPLITS = (0, 3, 6, 9)
 

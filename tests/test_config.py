@@ -2,8 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.trainers.config import (Config, ConfigError, dump_config, load_config, parse_override, samples_per_prompt,
-                                   shipped_recipes)
+from flowrl.trainers.config import Config, dump_config, load_config, samples_per_prompt
+from flowrl.errors import ConfigError
+from flowrl.trainers.config_text import parse_override, shipped_recipes
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,9 +18,11 @@ import pytest
 import torch
 
 from flowrl.pipelines.tiny import make_tiny
-from flowrl.trainers.checkpoint import list_checkpoints, load_checkpoint
-from flowrl.trainers.checkpoint_sharded import read_full_tensors
-from flowrl.trainers.config import ConfigError, load_config
+from flowrl.checkpoints.common import list_checkpoints
+from flowrl.checkpoints import load_checkpoint
+from flowrl.checkpoints.sharded import ShardedCheckpoint
+from flowrl.trainers.config import load_config
+from flowrl.errors import ConfigError
 from test_sd3_flux_training import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,7 +129,7 @@ def test_one_process_resumes_a_two_process_checkpoint(runs, tiny_sd3, tmp_path):
         tr.setup()
         assert tr.acc.num_processes == 1 and tr.start_iteration == 1 and is_sharded(tr.model)
         ck = list_checkpoints(run / "checkpoints")[-1]
-        saved, saved_opt = read_full_tensors(ck, "trainable"), read_full_tensors(ck, "optimizer.state")
+        saved, saved_opt = ShardedCheckpoint.tensors(ck, "trainable"), ShardedCheckpoint.tensors(ck, "optimizer.state")
         trained = {n: p for n, p in tr.model.named_parameters() if p.requires_grad}
         assert _max_diff(saved, {n: full_tensor(p.detach()) for n, p in trained.items()}) == 0.0
         for key in ("exp_avg", "exp_avg_sq"):  # AdamW moments, by parameter name

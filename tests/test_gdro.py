@@ -116,7 +116,7 @@ def test_ranking_stats():
 
 # ---------------------------------------------------------------- implicit rewards through a model
 def test_implicit_rewards_from_a_lora_policy(tiny_digits_policy):
-    from flowrl.trainers.weights import Reference, add_lora
+    from flowrl.trainable import Reference, add_lora
 
     pol = tiny_digits_policy
     add_lora(pol.transformer, 4, 8.0, pol.lora_target_modules)
@@ -137,7 +137,7 @@ def test_implicit_rewards_from_a_lora_policy(tiny_digits_policy):
 
 
 def _lora_setup(policy, g, k, seed):
-    from flowrl.trainers.weights import Reference, add_lora
+    from flowrl.trainable import Reference, add_lora
 
     torch.manual_seed(0)
     add_lora(policy.transformer, 4, 8.0, policy.lora_target_modules)
@@ -210,7 +210,7 @@ def tiny_dataset(tiny_digits_dir, tmp_path_factory):
 def _weights(run):
     from safetensors.torch import load_file
 
-    from flowrl.trainers.checkpoint import list_checkpoints
+    from flowrl.checkpoints.common import list_checkpoints
 
     return load_file(str(list_checkpoints(run / "checkpoints")[-1] / "trainable.safetensors"))
 
@@ -258,7 +258,7 @@ def test_offline_exact_resume(tiny_digits_dir, tiny_dataset, full_run, tmp_path)
 
 def test_offline_config_errors_name_the_fix(tiny_digits_dir, tiny_dataset, tmp_path):
     from flowrl.data.offline import DatasetError
-    from flowrl.trainers.config import ConfigError
+    from flowrl.errors import ConfigError
     from flowrl.trainers.offline import OfflineTrainer
 
     with pytest.raises(ConfigError, match="generate-offline"):

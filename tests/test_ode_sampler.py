@@ -6,8 +6,8 @@ from safetensors.torch import load_file
 
 from conftest import tiny_train_overrides
 from flowrl.rollout.ode import ODEGroupSampler, ode_sample
-from flowrl.trainers.checkpoint import list_checkpoints
-from flowrl.trainers.config import ConfigError
+from flowrl.checkpoints.common import list_checkpoints
+from flowrl.errors import ConfigError
 from flowrl.trainers.online import train
 
 
@@ -27,7 +27,8 @@ def test_ode_group_sampler_matches_ode_sample(tiny_digits_policy):
 def test_grpo_needs_stochastic_transitions(tiny_digits_dir, sampler):
     import yaml
 
-    from flowrl.trainers.config import Config, apply_overrides
+    from flowrl.trainers.config import Config
+    from flowrl.trainers.config_text import apply_overrides
 
     d = yaml.safe_load(open("recipes/digits.yaml"))
     d["sampler"] = {}
@@ -40,7 +41,8 @@ def test_grpo_needs_stochastic_transitions(tiny_digits_dir, sampler):
 def test_flat_nft_trains(tiny_digits_dir, tmp_path):
     import yaml
 
-    from flowrl.trainers.config import Config, apply_overrides
+    from flowrl.trainers.config import Config
+    from flowrl.trainers.config_text import apply_overrides
 
     d = yaml.safe_load(open("recipes/digits_sol_nft.yaml"))
     d["sampler"] = {"name": "ode", "group_size": 4, "num_steps": 4}

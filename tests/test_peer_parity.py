@@ -12,7 +12,8 @@ from flowrl.advantages import group_advantages
 from flowrl.advantages.group import group_structure
 from flowrl.losses import kl_form_for_step, kl_to_reference
 from flowrl.sde import cps_flow_grpo_step, cps_step, sde_step
-from flowrl.trainers.config import ConfigError, TrainConfig
+from flowrl.trainers.config import TrainConfig
+from flowrl.errors import ConfigError
 
 torch.manual_seed(0)
 X = torch.randn(3, 4, 5, 5)

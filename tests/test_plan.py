@@ -9,7 +9,8 @@ import pytest
 from flowrl.cli import main
 from flowrl.plan.core import GiB, plan_memory
 from flowrl.plan.report import parse_memory
-from flowrl.trainers.config import ConfigError, load_config
+from flowrl.trainers.config import load_config
+from flowrl.errors import ConfigError
 
 SHIPPED = ["recipes/sd3_group_pickscore.yaml", "recipes/flux_group_pickscore.yaml", "recipes/sd3_sol_nvfp4.yaml",
            "recipes/flux_sol_nvfp4.yaml"]

@@ -10,10 +10,12 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import tiny_train_overrides
-from flowrl.trainers.checkpoint import list_checkpoints
-from flowrl.trainers.config import Config, ConfigError, apply_overrides
+from flowrl.checkpoints.common import list_checkpoints
+from flowrl.trainers.config import Config
+from flowrl.errors import ConfigError
+from flowrl.trainers.config_text import apply_overrides
 from flowrl.trainers.online import OnlineTrainer, train
-from flowrl.trainers.preference_update import grouped, preference_update
+from flowrl.updates.preference import grouped
 
 
 def _cfg(path, loss, **extra):
@@ -29,9 +31,10 @@ def test_update_lowers_its_loss_on_a_fixed_rollout(tiny_digits_dir, tmp_path, lo
     tr = OnlineTrainer(_cfg(tiny_digits_dir, loss, **{"train.pref_beta": 50.0}), tmp_path / "run")
     tr.setup()
     rollout = tr.sampler(tr.policy, tr._iteration_prompts(0), tr.reward, seed=1)
-    first = preference_update(tr, rollout, it=0, pairwise=loss == "dpo")
+    update = tr.update_object(loss)
+    first, _ = update(rollout, 0)
     for _ in range(6):
-        last = preference_update(tr, rollout, it=0, pairwise=loss == "dpo")  # same (t, eps): a fixed objective
+        last, _ = update(rollout, 0)  # same (t, eps): a fixed objective
     assert first["zero_var_fraction"] < 1 and first["transitions_trained"] > 0
     assert last["pref_loss"] < first["pref_loss"] and last["margin"] > first["margin"]
     tr.acc.end_training()

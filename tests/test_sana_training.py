@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flowrl.pipelines.tiny import make_tiny
-from flowrl.trainers.checkpoint import list_checkpoints
+from flowrl.checkpoints.common import list_checkpoints
 from flowrl.trainers.config import load_config
 from flowrl.trainers.online import train
 from test_sd3_flux_training import IMAGE, ROOT, _lora, _train_records, tiny_overrides

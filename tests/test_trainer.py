@@ -5,9 +5,11 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_train_overrides
-from flowrl.trainers.checkpoint import list_checkpoints
-from flowrl.trainers.config import ConfigError, load_config
-from flowrl.trainers.online import OnlineTrainer, TrainingStopped, train
+from flowrl.checkpoints.common import list_checkpoints
+from flowrl.trainers.config import load_config
+from flowrl.errors import ConfigError
+from flowrl.trainers.common import TrainingStopped
+from flowrl.trainers.online import OnlineTrainer, train
 
 RECIPE = "recipes/digits.yaml"
 

@@ -15,7 +15,8 @@ from typing import Callable
 import torch
 
 from .group import ADV_CLIP, GROUP_EPS, combine_component_advantages, group_advantages, group_structure
-from .tempflow import noise_aware_weights, tempflow_structure
+from .tempflow import tempflow_structure
+from ..noise import noise_aware_weights
 from .tree import branch_structure, depthwise_advantages, fuse_rewards
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, dict]]

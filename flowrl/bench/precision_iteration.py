@@ -129,7 +129,7 @@ def time_iterations(policy, quantizers: dict, *, log=print, **options) -> dict:
     """Time one Sol-RL and one flat-GRPO iteration (module doc) -> a JSON-able dict."""
     from ..rollout.group import GroupSampler
     from ..rollout.sol import SolSampler
-    from ..trainers.weights import add_lora
+    from ..trainable import add_lora
 
     opts = IterationOptions(**options)
     spec = opts.explore_backend or next(iter(quantizers), "none")

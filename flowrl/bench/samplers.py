@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..trainers.config import recipes_dir
+from ..trainers.config_text import recipes_dir
 from ..utils.io import write_json
 from .training import Variant, compare, table, time_to_reach
 

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from ..trainers.config_base import ConfigError
+from ..errors import ConfigError
 from .activations import max_rows, transformer_inputs
 from .budget import cfg_rows, train_rows
 from .core import measured_setup

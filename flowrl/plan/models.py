@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..bench.precision_arch_models import build_transformer
-from ..trainers.config_base import ConfigError
+from ..errors import ConfigError
 from .specs import HUB_MODELS, ModelSpec, TextEncoderSpec
 
 FAMILIES = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}
@@ -127,17 +127,13 @@ def _vae(config: dict, dtype: torch.dtype) -> nn.Module:
 
 
 def set_up_trained(transformer: nn.Module, cfg) -> nn.Module:
-    """``transformer`` set up as the trainer sets it up (``TrainerBase._prepare_model``): the recipe's
-    LoRA (its targets, else the pipeline's) or, at ``train.lora_rank: 0``, every weight trained."""
+    """``transformer`` set up as the trainer sets it up (:func:`flowrl.trainable.set_up_trainable`): the
+    recipe's LoRA (its targets, else the pipeline's) or, at ``train.lora_rank: 0``, every weight trained."""
     from ..pipelines import policy_class
-    from ..trainers.weights import add_lora
+    from ..trainable import set_up_trainable
 
-    if cfg.train.lora_rank > 0:
-        add_lora(transformer, cfg.train.lora_rank, cfg.train.lora_alpha,
-                 cfg.train.lora_targets or list(policy_class(cfg.model.pipeline).lora_target_modules))
-    else:
-        transformer.requires_grad_(True)
-    return transformer
+    return set_up_trainable(transformer, cfg.train.lora_rank, cfg.train.lora_alpha, cfg.train.lora_targets,
+                            policy_class(cfg.model.pipeline).lora_target_modules)
 
 
 def meta_components(cfg, with_text_encoders: bool = True) -> MetaComponents:

@@ -12,16 +12,18 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..checkpoints.common import CheckpointError, list_checkpoints
+from ..checkpoints.sharded import ShardedCheckpoint
+from ..checkpoints.unsharded import UnshardedCheckpoint
 from ..diagnostics import high_frequency_energy, within_group_diversity
+from ..errors import ConfigError
 from ..rollout.base import score_images
+from ..trainable import EMA, Reference, load_trainable_state, set_up_trainable, trainable_state
 from ..types import swapped_transformer
-from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
-from .checkpoint_sharded import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
-from .config import Config, ConfigError, dump_config, load_config
-from .reporting import MetricsLog, plot_curves, read_metrics, side_by_side  # noqa: F401 (side_by_side: public here too)
-from .sharding import check_launcher, clip_grad_norm, shard_model
-from .weights import EMA, Reference, add_lora, load_trainable_state, trainable_state
 from ..utils.io import write_text
+from .config import Config, dump_config, load_config
+from .reporting import MetricsLog, plot_curves, read_metrics, side_by_side
+from .sharding import check_launcher, clip_grad_norm, shard_model
 
 
 class TrainingStopped(RuntimeError):
@@ -118,14 +120,9 @@ class TrainerBase:
         """LoRA (seeded init) or full fine-tune on ``self.policy.transformer``, the reference (the
         adapter-disabled model), AdamW with linear warm-up, ``accelerate.prepare``, EMA."""
         cfg = self.cfg
-        tr = self.policy.transformer
-        if cfg.train.lora_rank > 0:
-            with torch.random.fork_rng(devices=[]):  # LoRA init depends on train.seed only
-                torch.manual_seed(cfg.train.seed)
-                add_lora(tr, cfg.train.lora_rank, cfg.train.lora_alpha,
-                         cfg.train.lora_targets or getattr(self.policy, "lora_target_modules", None))
-        else:
-            tr.requires_grad_(True)
+        tr = set_up_trainable(self.policy.transformer, cfg.train.lora_rank, cfg.train.lora_alpha,
+                              cfg.train.lora_targets, getattr(self.policy, "lora_target_modules", None),
+                              seed=cfg.train.seed)  # LoRA init depends on train.seed only
         self.ref = Reference(tr, need=need_reference)
         if self.sharded:  # FSDP2 in place (blocks, then the root); a full fine-tune's frozen reference too
             for m in (tr, self.ref.copy):
@@ -162,7 +159,7 @@ class TrainerBase:
         counters = {"opt_steps": self.opt_steps, "skipped": self.skipped, "consecutive_skips": self.consecutive_skips,
                     **(state or {})}
         if self.sharded:  # every process writes its shards (collective)
-            save_sharded_checkpoint(self.run_dir / "checkpoints", done, model=self.model, optimizer=self.opt,
+            ShardedCheckpoint.save(self.run_dir / "checkpoints", done, model=self.model, optimizer=self.opt,
                                     scheduler=self.sched.state_dict(), state=counters,
                                     ema=self.ema.shadow if self.ema else None, extra=extra or {},
                                     keep=self.cfg.train.keep_checkpoints, is_main=self.acc.is_main_process,
@@ -170,7 +167,7 @@ class TrainerBase:
             return
         self.acc.wait_for_everyone()
         if self.acc.is_main_process:
-            save_checkpoint(self.run_dir / "checkpoints", done,
+            UnshardedCheckpoint.save(self.run_dir / "checkpoints", done,
                             trainable=trainable_state(self.unwrapped), optimizer=self.opt.state_dict(),
                             scheduler=self.sched.state_dict(), ema=self.ema.shadow if self.ema else None,
                             extra=extra or None, state=counters, keep=self.cfg.train.keep_checkpoints)
@@ -207,11 +204,11 @@ class TrainerBase:
     def _read_checkpoint(self, path: Path) -> dict:
         """One checkpoint: read (unsharded), or restored into the sharded model, optimizer and EMA (collective)."""
         if not self.sharded:
-            return load_checkpoint(path)
-        if not is_sharded_checkpoint(path):
+            return UnshardedCheckpoint.load(path)
+        if not ShardedCheckpoint.is_one(path):
             raise CheckpointError(f"{path} is not a sharded checkpoint (written with train.sharding=none)")
-        return load_sharded_checkpoint(path, model=self.model, optimizer=self.opt,
-                                       ema=self.ema.shadow if self.ema is not None else None)
+        return ShardedCheckpoint.restore(path, model=self.model, optimizer=self.opt,
+                                         ema=self.ema.shadow if self.ema is not None else None)
 
     # ---------------------------------------------------------------- optimizer
     def _finite_everywhere(self, ok: torch.Tensor) -> torch.Tensor:

@@ -13,16 +13,15 @@ from typing import Optional, Union
 
 import yaml
 
+from ..errors import ConfigError
 from ..registry import SAMPLERS
-from .config_base import SECTION_NAMES, ConfigError, _h
-from .config_text import _fix_floats, apply_overrides, parse_override, recipes_dir, resolve_recipe, shipped_recipes
 from ..updates import UPDATES, online_losses
+from .config_base import SECTION_NAMES, _h
+from .config_text import _fix_floats, apply_overrides, resolve_recipe
 from .offline_config import OfflineConfig
 
-# ConfigError, the override parser and the recipe lookup live in config_base / config_text (re-exported here)
-__all__ = ["Config", "ConfigError", "ModelConfig", "SamplerConfig", "RewardConfig", "TrainConfig", "DataConfig",
-           "LoggingConfig", "OfflineConfig", "SECTIONS", "LOSSES", "load_config", "dump_config", "parse_override",
-           "apply_overrides", "recipes_dir", "shipped_recipes", "resolve_recipe", "samples_per_prompt"]
+__all__ = ["Config", "ModelConfig", "SamplerConfig", "RewardConfig", "TrainConfig", "DataConfig", "LoggingConfig",
+           "SECTIONS", "LOSSES", "load_config", "dump_config", "samples_per_prompt"]
 
 
 # train.loss values: the online updates registered in flowrl.updates.UPDATES

@@ -1,6 +1,6 @@
 """Recipe text: dotted ``section.key=value`` overrides, YAML number fixes, shipped recipe lookup.
 
-Pure functions on dicts and paths; ``config.load_config`` puts them together (and re-exports them).
+Pure functions on dicts and paths; ``config.load_config`` puts them together.
 """
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any, Union
 
 import yaml
 
-from .config_base import SECTION_NAMES, ConfigError
+from .config_base import SECTION_NAMES
+from ..errors import ConfigError
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -26,12 +26,13 @@ from ..data.embeddings import attach_text_cache
 from ..data.offline import DatasetError, GenerationSettings, OfflineDataset, add_reward_column, generate_dataset
 from ..pipelines.common import cfg_uncond_gradient
 from ..rollout.base import score_images
-from .config import Config, ConfigError
+from .config import Config
+from ..errors import ConfigError
 from .common import TrainerBase
-from ..builders import build_policy_from_config, build_reward, evaluate_policy
+from ..builders import build_policy_from_config, build_reward, build_rewards, evaluate_policy
 from ..updates.base import UpdateContext
-from ..updates.offline_gdro import OfflineGDROUpdate, ranking_rewards, sample_t  # noqa: F401 (public here too)
-from .reporting import save_grid
+from ..updates.offline_gdro import OfflineGDROUpdate
+from ..utils.images import save_grid
 from ..utils.paths import resolve_device
 from ..utils.io import write_json
 
@@ -55,12 +56,9 @@ def generation_settings(cfg: Config) -> GenerationSettings:
 def dataset_rewards(cfg: Config) -> dict:
     """name -> reward callable for every reward stored at generation: ``reward.weights`` (with
     ``reward.options``) and, with ``offline.score_heldout``, ``reward.heldout``."""
-    from flowrl.rewards import build
-
-    out = {k: build(k, **cfg.reward.options.get(k, {})) for k in cfg.reward.weights}
+    out = dict(build_reward(cfg).rewards)
     if cfg.offline.score_heldout:
-        for k, opts in cfg.reward.heldout.items():
-            out.setdefault(k, build(k, **(opts or {})))
+        out.update(build_rewards({k: v for k, v in cfg.reward.heldout.items() if k not in out}))
     return out
 
 
@@ -198,10 +196,8 @@ class OfflineTrainer(TrainerBase):
             self.total_steps = min(self.total_steps, cfg.offline.max_steps)
         self.eval_prompts = cfg.data.eval_prompt_set()
         self.reward = build_reward(cfg)
-        from flowrl.rewards import build
-
-        self.heldout = {k: build(k, **(v or {})) for k, v in cfg.reward.heldout.items()}
-        self.judge = {k: build(k, **(v or {})) for k, v in cfg.offline.judge.items()}
+        self.heldout = build_rewards(cfg.reward.heldout)
+        self.judge = build_rewards(cfg.offline.judge)
         self.policy = build_policy_from_config(cfg, device)
         self.policy = attach_text_cache(self.policy, cfg.model, list(self.ds.prompts) + self.eval_prompts,
                                         is_main=self.acc.is_main_process, barrier=self.acc.wait_for_everyone,

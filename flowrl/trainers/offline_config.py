@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .config_base import ConfigError, _h
+from .config_base import _h
+from ..errors import ConfigError
 
 SAMPLERS = ("euler", "heun")
 T_SAMPLING = ("uniform", "logit_normal")

@@ -28,10 +28,11 @@ from ..rollout.base import Rollout
 from ..seeding import stream_seed, stream_sequence
 from ..updates import UPDATES as UPDATES_REGISTRY
 from ..updates.base import Update, UpdateContext, build_options
-from .common import TrainerBase, TrainingStopped  # noqa: F401 (TrainingStopped: public here too)
-from .config import LOSSES, Config, ConfigError
-from .reporting import save_grid
-from ..builders import EVAL_SEED, build_policy_from_config, build_reward, evaluate_policy  # noqa: F401 (public here too)
+from .common import TrainerBase
+from .config import LOSSES, Config
+from ..errors import ConfigError
+from ..utils.images import save_grid
+from ..builders import build_policy_from_config, build_reward, build_rewards, evaluate_policy
 from ..utils.io import write_json
 
 # keys that may change between a run and its resume without changing its trajectory
@@ -78,11 +79,7 @@ class OnlineTrainer(TrainerBase):
                                         is_main=self.acc.is_main_process, barrier=self.acc.wait_for_everyone,
                                         progress=cfg.logging.progress and self.acc.is_main_process)
         self.reward = build_reward(cfg)
-        self.heldout = {}
-        if cfg.reward.heldout:
-            from flowrl.rewards import build
-
-            self.heldout = {k: build(k, **(v or {})) for k, v in cfg.reward.heldout.items()}
+        self.heldout = build_rewards(cfg.reward.heldout)
         self._prepare_model(need_reference=cfg.train.beta_kl > 0)
         self.start_iteration = 0
         if self.resume:

@@ -17,7 +17,7 @@ from ..advantages import transition_advantages
 from ..losses import grpo_clipped_loss, kl_form_for_step, kl_to_reference
 from ..sde import get_step
 from ..seeding import stream_seed
-from ..trainers.config_base import ConfigError
+from ..errors import ConfigError
 from ..types import index_cond
 from .base import Update, train_epochs
 

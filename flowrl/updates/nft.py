@@ -16,7 +16,7 @@ import torch
 from ..advantages import group_advantages
 from ..losses import nft_loss
 from ..seeding import stream_seed
-from ..trainers.weights import EMA
+from ..trainable import EMA
 from ..types import index_cond
 from .base import Update, train_epochs
 
