@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from flowrl.data.offline import DatasetError
+    from flowrl.data.offline_store import DatasetError
     from flowrl.quant.common import BackendUnavailable
     from flowrl.checkpoints.common import CheckpointError
     from flowrl.errors import ConfigError

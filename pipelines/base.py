@@ -121,6 +121,9 @@ class DiffusersPolicy:
     text_encoder_names: ClassVar[tuple[str, ...]] = ("text_encoder",)
     tiny_kinds: ClassVar[tuple[str, ...]] = ()
     example_hub_id: ClassVar[str] = ""  # named in the missing-path error
+    # with CFG in a differentiable forward: gradient through the unconditional half too (True), or that
+    # half without gradient (False, Flow-GRPO's training forward); the trainer sets train.cfg_uncond_grad
+    cfg_uncond_grad: bool = True
 
     # --- declarations with defaults ---------------------------------------------------------
     @classmethod
@@ -235,8 +238,8 @@ class DiffusersPolicy:
     def velocity(self, latents: torch.Tensor, sigma, cond) -> torch.Tensor:
         """``v_theta(x_t, sigma)`` float32 ``[B, C, h, w]`` through ``self._forward`` with the entries
         ``cond_keys``; with guidance, ``u + s (c - u)`` (``pipelines.common.cfg_halves``: one doubled
-        batch, or in training with ``train.cfg_uncond_grad`` off the unconditional half alone under
-        ``no_grad``). Differentiable in the transformer's parameters."""
+        batch, or in a differentiable forward with ``cfg_uncond_grad`` off the unconditional half alone
+        under ``no_grad``). Differentiable in the transformer's parameters."""
         x = latents.to(self.device)  # [B, C, h, w]
         b = x.shape[0]
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(b)  # [B]
@@ -244,8 +247,8 @@ class DiffusersPolicy:
         if self.guidance_scale == 1.0:
             return self._forward(*text).float()
         uncond = (x, sigma, *(cond["negative_" + k] for k in self.cond_keys))
-        u, c = cfg_halves(self._forward, uncond, text)  # [B, C, h, w] each
-        return cfg_combine(u, c, self.guidance_scale)
+        u, c = cfg_halves(self._forward, uncond, text, uncond_grad=self.cfg_uncond_grad)  # [B, C, h, w] each
+        return cfg_combine(u, c, self.guidance_scale, uncond_grad=self.cfg_uncond_grad)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents ``[B, C, h, w]`` -> float32 images ``[B, 3, f h, f w]`` in [0, 1] (f = VAE factor):

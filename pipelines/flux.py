@@ -182,7 +182,7 @@ class FluxPolicy(DiffusersPolicy):
 
         Differentiable in the transformer's parameters (no ``no_grad`` here); true CFG as in
         ``pipelines.common.cfg_halves`` (doubled batch; the unconditional half alone under
-        ``no_grad`` in training with ``train.cfg_uncond_grad`` off).
+        ``no_grad`` in a differentiable forward with ``cfg_uncond_grad`` off).
         """
         x = latents.to(self.device)  # [B, C, h, w]
         b, _, h, w = x.shape
@@ -197,8 +197,10 @@ class FluxPolicy(DiffusersPolicy):
         fwd = lambda p, s, pe, pooled: self._forward(p, s, pe, pooled, img_ids)  # noqa: E731
         uncond, text = cfg_halves(fwd, (packed, sigma, cond["negative_prompt_embeds"],  # [B, (h/2)(w/2), 4C] each
                                         cond["negative_pooled_prompt_embeds"]),
-                                  (packed, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"]))
-        return unpack_latents(cfg_combine(uncond, text, self.true_cfg_scale), h, w)  # [B, C, h, w]
+                                  (packed, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"]),
+                                  uncond_grad=self.cfg_uncond_grad)
+        guided = cfg_combine(uncond, text, self.true_cfg_scale, uncond_grad=self.cfg_uncond_grad)
+        return unpack_latents(guided, h, w)  # [B, C, h, w]
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """``[num_steps + 1]`` float32 ending in 0; by default exactly what ``FluxPipeline`` gives its

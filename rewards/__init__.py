@@ -6,10 +6,11 @@ a weighted combination. Heavy reward models are imported lazily, on first build.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Callable, Mapping, Optional, Union
 
 import torch
+
+from flowrl.registry import resolve_target
 
 # name -> "module:attribute" (lazy: importing flowrl.rewards loads no reward model library)
 REGISTRY: dict[str, str] = {
@@ -44,10 +45,7 @@ def _resolve(name: str) -> Callable:
         close = difflib.get_close_matches(name, REGISTRY, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"unknown reward {name!r}.{hint} Valid rewards: {', '.join(available())}") from None
-    if callable(target):
-        return target
-    mod, attr = target.split(":")
-    return getattr(importlib.import_module(mod), attr)
+    return target if callable(target) else resolve_target(target)
 
 
 def build(name: str, **kwargs):

@@ -257,7 +257,7 @@ def test_offline_exact_resume(tiny_digits_dir, tiny_dataset, full_run, tmp_path)
 
 
 def test_offline_config_errors_name_the_fix(tiny_digits_dir, tiny_dataset, tmp_path):
-    from flowrl.data.offline import DatasetError
+    from flowrl.data.offline_store import DatasetError
     from flowrl.errors import ConfigError
     from flowrl.trainers.offline import OfflineTrainer
 
@@ -345,7 +345,7 @@ def test_bench_offline_smoke(tiny_digits_dir, tmp_path):
 
 def test_generate_offline_with_text_cache_writes_the_same_dataset(tiny_digits_dir, tiny_dataset, tmp_path):
     """``model.text_embedding_cache`` during generation: the cache is written, the latents are unchanged."""
-    from flowrl.data.offline import OfflineDataset
+    from flowrl.data.offline_store import OfflineDataset
     from flowrl.trainers.offline import generate_offline
 
     ds = tmp_path / "ds"

@@ -10,7 +10,7 @@ from diffusers import SD3Transformer2DModel
 
 from flowrl.bench.host import HostOptions, bench_trainer, host_counters
 from flowrl.pipelines import common
-from flowrl.pipelines.common import cfg_uncond_gradient, forget_module_dtype, module_dtype, transformer_dtype
+from flowrl.pipelines.common import forget_module_dtype, module_dtype, transformer_dtype
 from flowrl.pipelines.digits import tiny_transformer_config
 from flowrl.rollout.branch import BranchSampler
 from flowrl.rollout.group import GroupSampler
@@ -117,13 +117,13 @@ def test_training_cfg_runs_the_unconditional_half_outside_the_graph(tiny_digits_
     pol.transformer.requires_grad_(True)
     x, s, cond = pol.initial_noise([1, 2]), torch.tensor([0.8, 0.4]), pol.encode_prompts(P)
     log, hook = _forward_log(pol.transformer)
-    with cfg_uncond_gradient(False):
-        v_split, split_bytes = _saved_bytes(lambda: pol.velocity(x, s, cond))
-        assert log == [(2, False), (2, True)]  # uncond alone under no_grad, then cond with the graph
-        log.clear()
-        with torch.no_grad():
-            v_sample = pol.velocity(x, s, cond)
-        assert log == [(4, False)]  # sampling keeps the one doubled batch
+    pol.cfg_uncond_grad = False  # as the trainer sets it from train.cfg_uncond_grad (default)
+    v_split, split_bytes = _saved_bytes(lambda: pol.velocity(x, s, cond))
+    assert log == [(2, False), (2, True)]  # uncond alone under no_grad, then cond with the graph
+    log.clear()
+    with torch.no_grad():
+        v_sample = pol.velocity(x, s, cond)
+    assert log == [(4, False)]  # sampling keeps the one doubled batch
 
     def doubled_detached():  # what the trainer ran before: one [2B] graph, uncond detached after
         out = pol._forward(torch.cat([x, x]), torch.cat([s, s]),
@@ -150,10 +150,10 @@ def test_sd3_and_flux_training_cfg_split(tiny_pipelines, kind):
     pol.transformer.requires_grad_(True)
     x, s, cond = pol.initial_noise([1, 2]), torch.tensor([0.8, 0.4]), pol.encode_prompts(["a cat", "a dog"])
     log, hook = _forward_log(pol.transformer)
-    with cfg_uncond_gradient(False):
-        v = pol.velocity(x, s, cond)
-        with torch.no_grad():
-            v_sample = pol.velocity(x, s, cond)
+    pol.cfg_uncond_grad = False
+    v = pol.velocity(x, s, cond)
+    with torch.no_grad():
+        v_sample = pol.velocity(x, s, cond)
     hook.remove()
     assert log == [(2, False), (2, True), (4, False)]
     torch.testing.assert_close(v, v_sample, rtol=1e-4, atol=1e-5)

@@ -252,6 +252,7 @@ def bench_trainer(policy, o: HostOptions, workdir: Path, overrides: tuple[str, .
     trainer = OnlineTrainer(cfg, workdir / "run")
     trainer._make_accelerator()
     trainer.policy = policy
+    policy.cfg_uncond_grad = cfg.train.cfg_uncond_grad
     trainer._prepare_model(need_reference=cfg.train.beta_kl > 0)
     return trainer
 
@@ -306,8 +307,6 @@ def counted_calls(obj, name: str, counter: collections.Counter) -> Iterator[None
 
 
 def _timed_update(trainer, rollout, o: HostOptions) -> dict:
-    from ..pipelines.common import cfg_uncond_gradient
-
     dev, n = torch.device(o.device), collections.Counter()
     steps0 = trainer.opt_steps + trainer.skipped
     upd = trainer.update_object("grpo")
@@ -315,8 +314,7 @@ def _timed_update(trainer, rollout, o: HostOptions) -> dict:
             host_counters(trainer.policy.transformer) as c:
         _sync(dev)
         t0 = time.perf_counter()
-        with cfg_uncond_gradient(trainer.cfg.train.cfg_uncond_grad):
-            stats, _ = upd(rollout, 0)
+        stats, _ = upd(rollout, 0)
         _sync(dev)
         wall = time.perf_counter() - t0
     m = max(1, n["minibatch_loss"])

@@ -167,7 +167,7 @@ def measure_fidelity(policy, modules, results, reward_fn, pool_prompts, pool_see
 
 def _default_prompts(pipeline: str) -> list[str]:
     if pipeline == "digits":
-        from ..pipelines.digits import digit_prompt
+        from ..data.digits import digit_prompt
 
         return [digit_prompt(d) for d in range(10)]
     return list(GENERIC_PROMPTS)

@@ -8,6 +8,7 @@ from typing import ClassVar, Optional
 
 import torch
 
+from ..ode_solvers import heun_update
 from ..sde import ode_step
 from ..seeding import derive_seeds
 from ..structures import GroupStructure
@@ -24,29 +25,41 @@ def _unique_cond(policy: FlowPolicy, prompts: list[str]) -> tuple[list[str], tor
     return uniq, index, policy.encode_prompts(uniq)
 
 
+SOLVERS = ("euler", "heun")  # ode_integrate's solvers
+
+
 @torch.no_grad()
 def ode_integrate(policy: FlowPolicy, cond, seeds: list[int], num_steps: int, max_batch: Optional[int] = None,
-                  counter: Optional[EvalCounter] = None) -> torch.Tensor:
-    """Euler-integrate one sample per seed under per-sample ``cond`` [N, ...] -> x0 [N, C, H, W]
-    on the policy's device."""
-    x, _, sigmas = sampling_setup(policy, seeds, num_steps)  # [N, C, H, W], [T + 1] on x's device
+                  counter: Optional[EvalCounter] = None, solver: str = "euler") -> torch.Tensor:
+    """Integrate the probability-flow ODE from ``policy.initial_noise(seeds)`` under per-sample ``cond``
+    [N, ...] -> x0 [N, C, H, W] float32 on the policy's device. ``solver``: ``"euler"`` (``num_steps``
+    model evaluations per sample) or ``"heun"`` (:func:`flowrl.ode_solvers.heun_update`, Euler on the
+    last step to sigma = 0: ``2 * num_steps - 1`` evaluations)."""
+    if solver not in SOLVERS:
+        raise ValueError(f"ODE solver must be one of {SOLVERS}, got {solver!r}")
+    x, sig_cpu, sigmas = sampling_setup(policy, seeds, num_steps)  # [N, C, H, W], [T + 1] (CPU, x's device)
     for i in range(num_steps):
-        s, s_next = step_sigmas(sigmas, i, x.shape[0])
-        v = velocity_batched(policy, x, s, cond, max_batch, counter)
-        x = ode_step(v, x, s, s_next).sample
+        s, s_next = step_sigmas(sigmas, i, x.shape[0])  # [N] each
+        v = velocity_batched(policy, x, s, cond, max_batch, counter)  # [N, C, H, W]
+        euler = ode_step(v, x, s, s_next).sample  # [N, C, H, W]
+        if solver == "euler" or float(sig_cpu[i + 1]) == 0.0:
+            x = euler
+            continue
+        v_next = velocity_batched(policy, euler, s_next, cond, max_batch, counter).float()  # [N, C, H, W]
+        x = heun_update(x, v.float(), v_next, sigmas[i], sigmas[i + 1])
     return x  # [N, C, H, W]
 
 
 @torch.no_grad()
 def ode_sample(policy: FlowPolicy, prompts: list[str], seeds: list[int], num_steps: int,
-               max_batch: Optional[int] = None, counter: Optional[EvalCounter] = None
+               max_batch: Optional[int] = None, counter: Optional[EvalCounter] = None, solver: str = "euler"
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Euler-integrate ``len(prompts)`` samples (prompt i with seed i) -> (x0 [N, ...], images [N, 3, H, W]),
-    both on the CPU."""
+    """Integrate ``len(prompts)`` samples (prompt i with seed i; :func:`ode_integrate`) -> (x0 [N, ...],
+    images [N, 3, H, W]), both on the CPU."""
     if len(prompts) != len(seeds):
         raise ValueError(f"ode_sample got {len(prompts)} prompts but {len(seeds)} seeds; pass one seed per prompt")
     _, index, cond_u = _unique_cond(policy, list(prompts))
-    x = ode_integrate(policy, index_cond(cond_u, index), list(seeds), num_steps, max_batch, counter)
+    x = ode_integrate(policy, index_cond(cond_u, index), list(seeds), num_steps, max_batch, counter, solver)
     return x.cpu(), policy.decode(x).float().cpu()
 
 

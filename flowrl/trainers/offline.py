@@ -23,8 +23,8 @@ from typing import Optional
 import torch
 
 from ..data.embeddings import attach_text_cache
-from ..data.offline import DatasetError, GenerationSettings, OfflineDataset, add_reward_column, generate_dataset
-from ..pipelines.common import cfg_uncond_gradient
+from ..data.offline import GenerationSettings, add_reward_column, generate_dataset
+from ..data.offline_store import DatasetError, OfflineDataset
 from ..rollout.base import score_images
 from .config import Config
 from ..errors import ConfigError
@@ -199,6 +199,7 @@ class OfflineTrainer(TrainerBase):
         self.heldout = build_rewards(cfg.reward.heldout)
         self.judge = build_rewards(cfg.offline.judge)
         self.policy = build_policy_from_config(cfg, device)
+        self.policy.cfg_uncond_grad = cfg.train.cfg_uncond_grad  # CFG's unconditional half in the update's forwards
         self.policy = attach_text_cache(self.policy, cfg.model, list(self.ds.prompts) + self.eval_prompts,
                                         is_main=self.acc.is_main_process, barrier=self.acc.wait_for_everyone,
                                         progress=cfg.logging.progress and self.acc.is_main_process)
@@ -251,8 +252,7 @@ class OfflineTrainer(TrainerBase):
         """One optimizer step (``grad_accum`` passes) -> metrics."""
         t0 = time.perf_counter()
         passes = self.step_groups(step)
-        with cfg_uncond_gradient(self.cfg.train.cfg_uncond_grad):
-            stats = self._update()(passes, step)
+        stats = self._update()(passes, step)
         self.sched.step()
         dt = time.perf_counter() - t0
         self.train_seconds += dt

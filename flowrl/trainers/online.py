@@ -23,7 +23,6 @@ import torch
 
 from ..data.embeddings import attach_text_cache
 from ..faults import maybe_fault
-from ..pipelines.common import cfg_uncond_gradient
 from ..rollout.base import Rollout
 from ..seeding import stream_seed, stream_sequence
 from ..updates import UPDATES as UPDATES_REGISTRY
@@ -75,6 +74,7 @@ class OnlineTrainer(TrainerBase):
         except ValueError as e:
             raise ConfigError(f"sampler.explore_backend: {e}") from None
         self.policy = build_policy_from_config(cfg, device)  # before the rewards: a bad model path fails fast
+        self.policy.cfg_uncond_grad = cfg.train.cfg_uncond_grad  # CFG's unconditional half in the update's forwards
         self.policy = attach_text_cache(self.policy, cfg.model, self.prompts + self.eval_prompts,
                                         is_main=self.acc.is_main_process, barrier=self.acc.wait_for_everyone,
                                         progress=cfg.logging.progress and self.acc.is_main_process)
@@ -142,8 +142,7 @@ class OnlineTrainer(TrainerBase):
         rollout = self.sampler(self.policy, prompts, self.reward, seed=self._rollout_seed(it), iteration=it)
         t1 = time.perf_counter()
         maybe_fault("after_rollout", it)
-        with cfg_uncond_gradient(self.cfg.train.cfg_uncond_grad):
-            upd, info = self.update_object()(rollout, it)
+        upd, info = self.update_object()(rollout, it)
         maybe_fault("after_update", it)
         t2 = time.perf_counter()
         r_all = self._gather(rollout.rewards)

@@ -36,7 +36,8 @@ class GRPOUpdate(Update):
         return self.update(rollout, adv, info, it), info
 
     def advantages(self, rollout, it: int) -> tuple[torch.Tensor, dict]:
-        """Per-transition advantages ``[M]`` of the rollout's structure (clipped), and its info."""
+        """Per-transition advantages ``[M]`` of the rollout's structure (clipped to ``+-train.adv_clip_max``
+        by the structure's function), and its info."""
         ctx, cfg = self.ctx, self.ctx.train
         opts = dict(cfg.advantage_options)
         opts.setdefault("global_std", cfg.global_std)
@@ -52,8 +53,7 @@ class GRPOUpdate(Update):
                 group_index=ctx.gather(rollout.group_index + rank * p),
                 reward_components={k: ctx.gather(v) for k, v in rollout.reward_components.items()},
                 transitions=SimpleNamespace(sample_index=rollout.transitions.sample_index + rank * n))
-        adv, info = transition_advantages(view, iteration=it, **opts)
-        return adv.clamp(-cfg.adv_clip_max, cfg.adv_clip_max), info
+        return transition_advantages(view, iteration=it, **opts)
 
     def update(self, rollout, adv: torch.Tensor, info: dict, it: int) -> dict:
         """The epochs of clipped-ratio minibatches over the transitions with signal -> averaged stats."""

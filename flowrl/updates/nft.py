@@ -15,6 +15,7 @@ import torch
 
 from ..advantages import group_advantages
 from ..losses import nft_loss
+from ..sde import flow_interpolate
 from ..seeding import stream_seed
 from ..trainable import EMA
 from ..types import index_cond
@@ -68,7 +69,7 @@ class NFTUpdate(Update):
         if self.old_policy is None:
             self.old_policy = OldPolicy(ctx.unwrapped)
         adv, zero = group_advantages(rollout.rewards, rollout.group_index, global_std=cfg.global_std,
-                                     clip=cfg.adv_clip_max)
+                                     clip=None)  # nft_loss clips to +-adv_clip_max (and scales by it)
         rows_all = torch.nonzero(~zero).flatten()
         dev = ctx.device
         cond_all = rollout.conditioning(ctx.policy)  # the rollout's own: prompts are not encoded again
@@ -80,7 +81,7 @@ class NFTUpdate(Update):
 
         def loss_of(mb: torch.Tensor, d: dict) -> tuple[torch.Tensor, dict]:
             x0, t = x0_all[mb], d["t"][mb]  # [m, C, H, W], [m]
-            x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * d["eps"][mb]
+            x_t = flow_interpolate(x0, d["eps"][mb], t.view(-1, 1, 1, 1))  # [m, C, H, W]
             c = index_cond(cond_all, prompt_d[mb])
             with torch.no_grad(), self.old_policy.applied(ctx.unwrapped):
                 v_old = ctx.policy.velocity(x_t, t, c)
