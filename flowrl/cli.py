@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     from flowrl.quant.common import BackendUnavailable
     from flowrl.checkpoints.common import CheckpointError
     from flowrl.errors import ConfigError
-    from flowrl.trainers.common import TrainingStopped
+    from flowrl.trainers.steps import TrainingStopped
 
     args = build_parser().parse_args(argv)
     try:

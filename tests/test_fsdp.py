@@ -1,4 +1,4 @@
-"""`train.sharding=fsdp` (FSDP2, trainers/sharding.py) under two CPU processes (gloo), against DDP.
+"""`train.sharding=fsdp` (FSDP2, flowrl/distributed/fsdp.py) under two CPU processes (gloo), against DDP.
 
 The tiny SD3 pipeline through the shipped recipes: the sharded run's losses, rewards, gradient norms,
 learning rates and final weights equal the DDP run's; a SIGKILL in the middle of a sharded checkpoint
@@ -199,7 +199,7 @@ def test_fsdp_matches_ddp_across_samplers_and_updates(tiny_sd3, tmp_path, case):
 def test_fsdp_units_are_the_blocks_the_models_list(tmp_path):
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
-    from flowrl.trainers.sharding import block_modules
+    from flowrl.distributed.fsdp import block_modules
 
     sd3 = SD3Transformer2DModel.from_pretrained(make_tiny("sd3", tmp_path / "sd3", image_size=32), subfolder="transformer")
     assert [type(b).__name__ for b in block_modules(sd3)] == ["JointTransformerBlock"] * sd3.config.num_layers
@@ -213,7 +213,7 @@ def test_fsdp_units_are_the_blocks_the_models_list(tmp_path):
 def test_sharding_settings_fail_clearly(tiny_sd3):
     from accelerate.utils import DistributedType
 
-    from flowrl.trainers.sharding import check_launcher, shard_model
+    from flowrl.distributed.fsdp import check_launcher, shard_model
 
     with pytest.raises(ConfigError, match="train.sharding must be one of none, fsdp"):
         load_config(ROOT / "recipes" / "sd3_group_pickscore.yaml", ["train.sharding=zero3"])

@@ -221,8 +221,6 @@ def _encode_spy(pol, monkeypatch):
 
 @pytest.mark.parametrize("loss", ["grpo", "nft", "dpo"])
 def test_update_reuses_the_rollout_conditioning(tiny_digits_policy, tmp_path, loss, monkeypatch):
-    from flowrl.trainers.online import UPDATES
-
     pol = tiny_digits_policy
     tr = _digits_trainer(pol, tmp_path, f"train.loss={loss}")
     ro = (GroupSampler(group_size=4, num_steps=2)(pol, P, _mean_pixel, seed=3) if loss == "grpo" else
@@ -231,10 +229,10 @@ def test_update_reuses_the_rollout_conditioning(tiny_digits_policy, tmp_path, lo
         want = pol.encode_prompts(ro.prompts)
     assert all(torch.equal(ro.cond[k], want[k]) for k in want)  # encoded in the same batch: bit for bit
     calls = _encode_spy(pol, monkeypatch)
-    UPDATES[loss](tr, ro, 0)
+    tr.update_object(loss)(ro, 0)
     assert calls == []  # before: one encode_prompts(rollout.prompts) per update
     ro.cond = None  # a rollout that kept none: encoded once, as before
-    UPDATES[loss](tr, ro, 1)
+    tr.update_object(loss)(ro, 1)
     assert calls == [list(ro.prompts)]
 
 
@@ -256,11 +254,11 @@ def test_update_reads_device_values_once_per_optimizer_step(tiny_digits_policy, 
     upd.minibatch_loss = counted
     stats, _ = upd(ro, 0)
     assert per_minibatch == [0] * 4  # before: 5 each (.item() of 3 loss stats, the loss, the KL)
-    assert tr.opt_steps + tr.skipped == 2 and not any(isinstance(v, torch.Tensor) for v in stats.values())
+    assert tr.steps.opt_steps + tr.steps.skipped == 2 and not any(isinstance(v, torch.Tensor) for v in stats.values())
     sums, mbs = {}, list(torch.arange(len(ro.transitions)).split(4))
     cond, (adv, _) = ro.conditioning(pol), transition_advantages(ro)
     with host_counters() as c:
-        n = tr._accumulate(mbs, lambda mb: mbl(ro, cond, mb, adv), sums)
+        n = tr.steps.accumulate(mbs, lambda mb: mbl(ro, cond, mb, adv), sums)
     # one step-or-skip read per optimizer step, one for all the stats (before: 3 per minibatch + 2 per step)
     assert n == 4 and c["reads_flowrl"] == 2 + 1
     assert {"loss", "kl", "clip_fraction", "ratio_mean", "grad_norm", "policy_loss"} <= set(sums)
@@ -280,10 +278,10 @@ def test_nonfinite_pass_skips_its_group_and_leaves_the_weights_alone(tiny_digits
 
     sums = {}
     with host_counters() as c:
-        n = trs[0]._accumulate([False, True, False, False], loss_of(pols[0]), sums)  # group 1 has a NaN pass
-    trs[1]._accumulate([False, False], loss_of(pols[1]), {})  # group 2 alone
+        n = trs[0].steps.accumulate([False, True, False, False], loss_of(pols[0]), sums)  # group 1 has a NaN pass
+    trs[1].steps.accumulate([False, False], loss_of(pols[1]), {})  # group 2 alone
     assert c["reads_flowrl"] == 2 + 1
-    assert n == 3 and sums["stat"] == 3.0 and trs[0].skipped == 1 and trs[0].opt_steps == 1
+    assert n == 3 and sums["stat"] == 3.0 and trs[0].steps.skipped == 1 and trs[0].steps.opt_steps == 1
     assert torch.isnan(torch.as_tensor(sums["grad_norm"])).item()  # NaN logged for the skipped step, as before
     w = [{k: v for k, v in t.unwrapped.state_dict().items() if "lora" in k} for t in trs]
     assert w[0] and all(torch.equal(w[0][k], w[1][k]) for k in w[0])  # the NaN group left no trace
@@ -333,7 +331,7 @@ def test_cuda_rollout_and_update_sync_per_step_not_per_row(tmp_path):
     tr = bench_trainer(pol, o, tmp_path)
     with host_counters(pol.transformer) as c:
         tr.update_object("grpo")(ro, 0)
-    assert c["cuda_syncs"] <= (tr.opt_steps + tr.skipped) + 8  # per optimizer step, not per minibatch
+    assert c["cuda_syncs"] <= (tr.steps.opt_steps + tr.steps.skipped) + 8  # per optimizer step, not per minibatch
 
 
 def test_bench_host_sd35m_path_with_a_small_config(monkeypatch):

@@ -26,7 +26,7 @@ __all__ = ["Config", "ModelConfig", "SamplerConfig", "RewardConfig", "TrainConfi
 
 # train.loss values: the online updates registered in flowrl.updates.UPDATES
 LOSSES = online_losses()
-SHARDINGS = ("none", "fsdp")  # train.sharding: DDP replicas, or FSDP2 shards (flowrl.trainers.sharding)
+SHARDINGS = ("none", "fsdp")  # train.sharding: DDP replicas, or FSDP2 shards (flowrl.distributed.strategy)
 
 
 @dataclass

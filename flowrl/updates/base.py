@@ -28,7 +28,7 @@ class UpdateContext:
     reference: Callable[[], ContextManager]       # inside it, policy.velocity evaluates the reference model
     gather: Callable[[torch.Tensor], torch.Tensor]  # concatenation over processes (identity on one)
     min_over_processes: Callable[[int], int]      # the smallest of an int over processes (DDP: equal pass counts)
-    accumulate: Callable[..., int]                # TrainerBase._accumulate(passes, loss_of, sums, after_step, counts)
+    accumulate: Callable[..., int]                # OptimizerSteps.accumulate(passes, loss_of, sums, after_step, counts)
     optimizer_steps: Callable[[], int]            # optimizer steps taken so far
     train: Any                                    # the TrainConfig (seed, minibatch_size, inner_epochs, ...)
     reward: Any = None                            # the RewardConfig (aggregate, weights), when the update needs it
