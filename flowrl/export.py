@@ -40,7 +40,7 @@ import torch
 
 from .checkpoints import checkpoint_tensors, format_of
 from .checkpoints.common import list_checkpoints
-from .trainers.config import Config, load_config
+from .trainers.config import Config, load_run_config
 from .errors import ConfigError
 from .utils.io import atomic_dir, write_json
 
@@ -237,7 +237,7 @@ def export_run(run_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike
     run, out = Path(run_dir), Path(out_dir)
     if not (run / "config.yaml").is_file():
         raise ExportError(f"{run} is not a flowrl run directory (no config.yaml)")
-    cfg = load_config(run / "config.yaml")
+    cfg = load_run_config(run / "config.yaml")
     adapter_class(cfg.model.pipeline)  # raises the explanation when the adapter declares no export writer
     ck = resolve_checkpoint(run, checkpoint)
     fname = "ema.safetensors" if ema else "trainable.safetensors"

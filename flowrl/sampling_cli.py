@@ -12,7 +12,7 @@ from .errors import ConfigError
 from .rollout.base import score_images
 from .rollout.ode import ode_sample
 from .seeding import derive_seeds
-from .trainers.config import load_config
+from .trainers.config import load_config, load_run_config
 from .utils.images import save_grid
 from .utils.io import write_json
 from .utils.paths import resolve_device
@@ -29,7 +29,7 @@ def load_policy(config_path, run_dir, overrides):
         run = Path(run_dir)
         if not (run / "config.yaml").exists():
             raise ConfigError(f"{run} is not a flowrl run directory (no config.yaml)")
-        cfg = load_config(run / "config.yaml", overrides)
+        cfg = load_run_config(run / "config.yaml", overrides)
     else:
         cfg = load_config(config_path, overrides)
     policy = build_policy_from_config(cfg, str(resolve_device(cfg.model.device)))

@@ -314,7 +314,7 @@ def test_branch_recipes_options_are_valid_and_peer_compatible():
     assert {r.name for r in recipes} >= {"sd3_branch_hps.yaml", "flux_branch_hps.yaml", "digits_branch.yaml"}
     ro = fake_rollout()
     for r in recipes:
-        opts = load_config(r).train.advantage_options
+        opts = load_config(r).train.loss_options.get("advantage_options", {})
         _, info = branch_structure(ro, iteration=0, **opts)
         assert info["train_mask"].dtype == torch.bool
         if r.name != "digits_branch.yaml":  # the HPS recipes reproduce the peer's script

@@ -292,10 +292,11 @@ def test_every_gdro_recipe_loads():
 
     for name, mode in (("digits_gdro.yaml", "offline"), ("flux_gdro_ocr.yaml", "offline"), ("sd3_gdro_ocr.yaml", "offline")):
         cfg = load_config(ROOT / "recipes" / name)
-        assert cfg.train.mode == mode
+        assert cfg.train.mode == mode and cfg.train.loss == "offline_gdro"
     for name in ("flux_gdro_ocr.yaml", "sd3_gdro_ocr.yaml"):
-        o = load_config(ROOT / "recipes" / name).offline
-        assert (o.k, o.tau, o.beta, o.gamma) == (6, 0.05, 12.0, 0.5), name  # the paper's OCR settings
+        cfg = load_config(ROOT / "recipes" / name)
+        o = cfg.effective_loss_options()
+        assert (cfg.offline.k, o["tau"], o["beta"], o["gamma"]) == (6, 0.05, 12.0, 0.5), name  # the paper's OCR settings
 
 
 def test_cli_generate_train_rescore(tiny_digits_dir, tmp_path, capsys):

@@ -222,7 +222,8 @@ def _encode_spy(pol, monkeypatch):
 @pytest.mark.parametrize("loss", ["grpo", "nft", "dpo"])
 def test_update_reuses_the_rollout_conditioning(tiny_digits_policy, tmp_path, loss, monkeypatch):
     pol = tiny_digits_policy
-    tr = _digits_trainer(pol, tmp_path, f"train.loss={loss}")
+    own = [] if loss == "grpo" else ["train.loss_options={}"] + (["train.beta_kl=0"] if loss == "dpo" else [])
+    tr = _digits_trainer(pol, tmp_path, f"train.loss={loss}", *own)  # (the recipe's options and KL are GRPO's)
     ro = (GroupSampler(group_size=4, num_steps=2)(pol, P, _mean_pixel, seed=3) if loss == "grpo" else
           ode_rollout(pol, P, list(range(8)), 2, _mean_pixel))
     with torch.no_grad():

@@ -24,6 +24,7 @@ def _recipe(tmp_path, regen="ode"):
 
 def _cfg(path, model_dir, **extra):
     ov = [o for o in tiny_train_overrides(model_dir, **{"train.lr": 1e-2, "train.batch_size": 8, "train.loss": "nft",
+                                                        "train.loss_options": "{}",
                                                         "train.minibatch_size": 4, **extra})
           if not o.startswith("sampler.")]
     return load_config(path, ov)

@@ -34,7 +34,7 @@ def test_grpo_needs_stochastic_transitions(tiny_digits_dir, sampler):
     d["sampler"] = {}
     with pytest.raises(ConfigError, match="stores no stochastic transitions.*train.loss=nft"):
         Config.from_dict(apply_overrides(d, sampler + ["train.batch_size=16"]))
-    cfg = Config.from_dict(apply_overrides(d, sampler + ["train.batch_size=16", "train.loss=nft"]))
+    cfg = Config.from_dict(apply_overrides(d, sampler + ["train.batch_size=16", "train.loss=nft", "train.loss_options={}"]))
     assert cfg.prompts_per_iteration == 4
 
 

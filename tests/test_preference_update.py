@@ -21,14 +21,15 @@ from flowrl.updates.preference import grouped
 def _cfg(path, loss, **extra):
     d = yaml.safe_load(open("recipes/digits.yaml"))
     d["sampler"] = {"name": "ode", "group_size": 4, "num_steps": 4}
-    ov = [o for o in tiny_train_overrides(path, **{"train.loss": loss, "train.lr": 1e-2, "train.beta_kl": 0,
+    ov = [o for o in tiny_train_overrides(path, **{"train.loss": loss, "train.loss_options": "{}", "train.lr": 1e-2,
+                                                   "train.beta_kl": 0,
                                                    "train.grad_accum": 1, **extra}) if not o.startswith("sampler.")]
     return Config.from_dict(apply_overrides(d, ov))
 
 
 @pytest.mark.parametrize("loss", ["dpo", "gdro"])
 def test_update_lowers_its_loss_on_a_fixed_rollout(tiny_digits_dir, tmp_path, loss):
-    tr = OnlineTrainer(_cfg(tiny_digits_dir, loss, **{"train.pref_beta": 50.0}), tmp_path / "run")
+    tr = OnlineTrainer(_cfg(tiny_digits_dir, loss, **{"train.loss_options.beta": 50.0}), tmp_path / "run")
     tr.setup()
     rollout = tr.sampler(tr.policy, tr._iteration_prompts(0), tr.reward, seed=1)
     update = tr.update_object(loss)
@@ -61,7 +62,10 @@ def test_unequal_groups_are_refused():
 
 
 def test_bad_preference_settings(tiny_digits_dir):
-    with pytest.raises(ConfigError, match="train.loss must be one of grpo, nft, dpo, gdro"):
+    with pytest.raises(ConfigError, match="train.loss: unknown update 'ppo'.*dpo, gdro, grpo"):
         _cfg(tiny_digits_dir, "ppo")
-    with pytest.raises(ConfigError, match="pref_beta must be > 0"):
-        _cfg(tiny_digits_dir, "dpo", **{"train.pref_beta": 0})
+    with pytest.raises(ConfigError, match="beta must be > 0"):
+        _cfg(tiny_digits_dir, "dpo", **{"train.loss_options.beta": 0})
+    with pytest.raises(ConfigError, match=r"unknown key train\.pref_beta\. It is an option of the update now: "
+                                          r"train\.loss_options\.beta \(train\.loss: dpo / gdro\)"):
+        _cfg(tiny_digits_dir, "dpo", **{"train.pref_beta": 2.0})

@@ -18,7 +18,7 @@ class Normalisation:
     eps: float
 
 
-# named group normalisations of the peers' code (train.advantage_options.normalisation)
+# named group normalisations of the peers' code (train.loss_options.advantage_options.normalisation)
 NORMALISATIONS = {
     "flow_grpo": Normalisation(unbiased=False, eps=GROUP_EPS),  # Flow-GRPO (numpy std) + 1e-4
     "dance_grpo": Normalisation(unbiased=True, eps=1e-8),       # DanceGRPO (torch std) + 1e-8

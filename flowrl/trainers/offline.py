@@ -28,7 +28,6 @@ from ..data.offline import GenerationSettings, add_reward_column, generate_datas
 from ..data.offline_store import DatasetError, OfflineDataset
 from ..errors import ConfigError
 from ..rollout.base import score_images
-from ..updates.offline_gdro import OfflineGDROUpdate
 from ..utils.paths import resolve_device
 from .config import Config
 from .trainer import Trainer
@@ -153,7 +152,7 @@ class OfflineTrainer(Trainer):
 
     RESUME_FREE = RESUME_FREE
     unit = "step"
-    stop_causes = "offline.beta too large, "
+    stop_causes = "train.loss_options.beta too large, "
     progress_desc = "flowrl gdro"
 
     def __init__(self, config: Config, output_dir: str | os.PathLike, resume: bool = False, *, policy=None,
@@ -207,9 +206,6 @@ class OfflineTrainer(Trainer):
     def eval_steps(self) -> int:
         return self.cfg.offline.eval_steps or self.cfg.offline.num_steps
 
-    def needs_reference(self) -> bool:
-        return True  # GDRO's implicit reward always compares with the reference
-
     def checkpoint_state(self) -> dict:
         return {"train_seconds": self.train_seconds, "dataset_groups": len(self.ds)}
 
@@ -249,16 +245,6 @@ class OfflineTrainer(Trainer):
         ga, bg = self.cfg.train.grad_accum, self.cfg.offline.batch_groups
         chunk = chunk.view(ga, self.acc.num_processes, bg)[:, self.acc.process_index]  # [ga, bg]
         return list(chunk)
-
-    def update_object(self, name: Optional[str] = None) -> OfflineGDROUpdate:
-        """The offline GDRO step (flowrl.updates.offline_gdro), made on first use."""
-        if "offline_gdro" not in self._updates:
-            o = self.cfg.offline
-            upd = OfflineGDROUpdate(self.update_context(), OfflineGDROUpdate.options_of(o), dataset=self.ds,
-                                    offline_cfg=o)
-            upd.load_state_dict(self._update_state)
-            self._updates["offline_gdro"] = upd
-        return self._updates["offline_gdro"]
 
     def run_unit(self, i: int) -> tuple[dict, Optional[torch.Tensor]]:
         return self.run_step(i), None

@@ -87,9 +87,6 @@ class OnlineTrainer(Trainer):
     def eval_steps(self) -> int:
         return self.sampler.num_steps
 
-    def needs_reference(self) -> bool:
-        return self.cfg.train.beta_kl > 0
-
     def report_title(self) -> str:
         return f"{self.cfg.model.pipeline} / {self.cfg.sampler.name}"
 

@@ -15,7 +15,7 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..utils.io import write_json, write_text
-from .config import Config, dump_config, load_config
+from .config import Config, dump_config, load_run_config
 from .reporting import MetricsLog, plot_curves, read_metrics, side_by_side
 
 # option dicts compared whole by the resume check (their keys are not config keys)
@@ -36,8 +36,10 @@ def flat_config(d: dict, prefix: str = "") -> dict:
 
 def config_differences(a: Config, b: Config, free: set) -> list[str]:
     """Keys whose values differ between ``a`` and ``b``, except those in ``free`` or under a free prefix
-    (``logging`` frees ``logging.eval_every``, ``offline.judge`` frees ``offline.judge.vlm_judge.url``)."""
+    (``logging`` frees ``logging.eval_every``, ``offline.judge`` frees ``offline.judge.vlm_judge.url``).
+    ``train.loss_options`` compare as the update uses them (defaults filled in)."""
     fa, fb = flat_config(a.to_dict()), flat_config(b.to_dict())
+    fa["train.loss_options"], fb["train.loss_options"] = a.effective_loss_options(), b.effective_loss_options()
 
     def is_free(k: str) -> bool:
         parts = k.split(".")
@@ -76,7 +78,7 @@ class RunDirectory:
             raise ConfigError(f"output dir {self.path} already holds a run (config.yaml). Pass --resume to "
                               f"continue it, or choose another --output-dir.")
         try:
-            old = load_config(saved)
+            old = load_run_config(saved)
         except ConfigError as e:
             raise ConfigError(f"{saved} is not a valid flowrl config ({e}); use another --output-dir") from None
         diff = config_differences(old, self.cfg, resume_free)

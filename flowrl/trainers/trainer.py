@@ -92,10 +92,6 @@ class Trainer:
     def progress_postfix(self, met: dict) -> dict:
         return {"loss": f"{met.get('loss', float('nan')):.2e}"}
 
-    def needs_reference(self) -> bool:
-        """Whether the update evaluates the frozen reference (KL, implicit rewards)."""
-        raise NotImplementedError
-
     def checkpoint_state(self) -> dict:
         """JSON-able counters of the subclass saved with each checkpoint."""
         return {}
@@ -131,7 +127,7 @@ class Trainer:
                                         progress=cfg.logging.progress and self.acc.is_main_process)
         self.reward = self._given_reward if self._given_reward is not None else build_reward(cfg)
         self.heldout = build_rewards(cfg.reward.heldout)
-        self._prepare_model(self.needs_reference())
+        self._prepare_model(cfg.train.update_class.needs_reference(cfg.train))  # as the update declares
         self.start_iteration = 0  # first unit to train (an offline run's unit is an optimizer step)
         if self.resume:
             ck = self._load_latest()
@@ -188,20 +184,18 @@ class Trainer:
             min_over_processes=self._min_over_processes, accumulate=self.steps.accumulate,
             optimizer_steps=lambda: self.steps.opt_steps, train=self.cfg.train, reward=self.cfg.reward,
             sampler_name=self.cfg.sampler.name, num_processes=self.acc.num_processes,
-            process_index=self.acc.process_index)
+            process_index=self.acc.process_index, dataset=getattr(self, "ds", None))
 
     def update_object(self, name: Optional[str] = None) -> Update:
         """The update ``name`` (default ``train.loss``) of this trainer, made on first use with its options
         (``train.loss_options``) and any state a resumed checkpoint holds for it."""
         name = name or self.cfg.train.loss
         if name not in self._updates:
-            upd = self._make_update(self.updates.get(name))
+            cls = self.updates.get(name)
+            upd = cls(self.update_context(), build_options(cls, self.cfg.train))
             upd.load_state_dict(self._update_state)
             self._updates[name] = upd
         return self._updates[name]
-
-    def _make_update(self, cls: type) -> Update:
-        return cls(self.update_context(), build_options(cls, self.cfg.train))
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         if self.acc.num_processes == 1:

@@ -44,13 +44,15 @@ class NFTUpdate(Update):
 
     @dataclass
     class Options:
-        beta: float = 1.0  # strength of the implicit positive / negative policies (alias: train.nft_beta)
+        beta: float = 1.0  # strength of the implicit positive / negative policies (DiffusionNFT beta)
+        global_std: bool = False  # normalise advantages by the whole batch's std instead of the group's
 
         def __post_init__(self):
             if not self.beta > 0:
                 raise ValueError(f"train.loss_options.beta (nft) must be > 0, got {self.beta}")
 
-    ALIASES = {"nft_beta": "beta"}
+    kl_term = True  # train.beta_kl x the velocity distance to the reference
+    keeps_old_policy = True
 
     def __init__(self, ctx, options=None):
         super().__init__(ctx, options)
@@ -68,7 +70,7 @@ class NFTUpdate(Update):
         ctx, cfg = self.ctx, self.ctx.train
         if self.old_policy is None:
             self.old_policy = OldPolicy(ctx.unwrapped)
-        adv, zero = group_advantages(rollout.rewards, rollout.group_index, global_std=cfg.global_std,
+        adv, zero = group_advantages(rollout.rewards, rollout.group_index, global_std=self.opts.global_std,
                                      clip=None)  # nft_loss clips to +-adv_clip_max (and scales by it)
         rows_all = torch.nonzero(~zero).flatten()
         dev = ctx.device
