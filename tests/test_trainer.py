@@ -156,3 +156,8 @@ def test_the_trainer_takes_policy_reward_and_sampler_objects(tiny_digits_dir, tm
     with pytest.raises(ConfigError, match="multiple of the sampler's 3 samples per prompt"):
         OnlineTrainer(_cfg(tiny_digits_dir), tmp_path / "run2", policy=policy,
                       sampler=GroupSampler(group_size=3, num_steps=2)).setup()
+    from flowrl.rollout.ode import ODEGroupSampler
+
+    with pytest.raises(ConfigError, match="'ODEGroupSampler' sampler .* stores no stochastic transitions"):
+        OnlineTrainer(_cfg(tiny_digits_dir), tmp_path / "run3", policy=policy,
+                      sampler=ODEGroupSampler(group_size=4, num_steps=2)).setup()  # GRPO needs transitions

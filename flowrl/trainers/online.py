@@ -25,6 +25,8 @@ from ..errors import ConfigError
 from ..faults import maybe_fault
 from ..rollout.base import Rollout
 from ..seeding import stream_seed, stream_sequence
+from ..updates import updates_by_input
+from ..updates.base import incompatibility
 from .config import Config
 from .trainer import Trainer
 
@@ -65,6 +67,14 @@ class OnlineTrainer(Trainer):
         cfg = self.cfg
         self.prompts = cfg.data.train_prompts()
         self.sampler = self._given_sampler if self._given_sampler is not None else cfg.sampler.build()
+        t = cfg.train
+        if self._given_sampler is not None:  # a sampler object: the checks the config made on its own sampler
+            reason = incompatibility(t.update_class, t.loss, mode=t.mode, sampler=type(self.sampler).__name__,
+                                     stores_transitions=bool(self.sampler.stores_transitions), beta_kl=t.beta_kl,
+                                     aggregate=cfg.reward.aggregate, inner_epochs=t.inner_epochs,
+                                     alternatives=updates_by_input())
+            if reason:
+                raise ConfigError(reason)
         per_prompt = int(self.sampler.samples_per_prompt)
         if cfg.train.batch_size % per_prompt:
             raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not a multiple of the sampler's "
