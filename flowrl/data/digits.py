@@ -11,7 +11,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..utils.paths import default_cache_dir
 
 IMAGE_SIZE = 16
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")

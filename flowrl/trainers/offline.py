@@ -2,9 +2,10 @@
 update through implicit rewards; no sampler in the loop.
 
 ``flowrl generate-offline`` writes the dataset (:func:`generate_offline`), ``flowrl train`` with
-``train.mode: offline`` trains on it (:class:`OfflineTrainer`). The run directory, checkpoints,
-resume, metrics and evaluation are the online trainer's (``checkpoint.py``, ``reporting.py``,
-``flowrl.builders.evaluate_policy``), so runs of both kinds compare point for point.
+``train.mode: offline`` (``train.loss: offline_gdro``) trains on it (:class:`OfflineTrainer`). The loop,
+run directory, checkpoints, resume, metrics and evaluation are the online trainer's
+(:class:`flowrl.trainers.trainer.Trainer`, ``flowrl.builders.evaluate_policy``), so runs of both
+kinds compare point for point.
 
 Accounting: one *step* is one optimizer step. Each step takes ``offline.batch_groups`` groups
 per process per forward/backward pass, ``train.grad_accum`` passes per step, from the epoch's
