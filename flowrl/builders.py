@@ -1,5 +1,8 @@
-"""Builders shared by the trainers, the CLI, export and the benchmarks: the policy and the reward of a
-config, and the fixed evaluation (reward-hacking watch). Nothing here imports a trainer."""
+"""Builders shared by the trainers, the CLI, export and the benchmarks: the policy and the rewards of a
+config, and the fixed evaluation (reward-hacking watch). Nothing here imports a trainer.
+
+The config's sampler is built by ``cfg.sampler.build()`` (the same call validates its options).
+"""
 from __future__ import annotations
 
 from typing import Optional
@@ -15,10 +18,18 @@ EVAL_SEED = 20251121  # evaluation seeds are fixed, independent of the training 
 
 
 def build_reward(cfg):
-    from flowrl.rewards import MultiReward, build
+    """The trained reward: ``reward.weights`` with each reward's ``reward.options``, as a ``MultiReward``."""
+    from flowrl.rewards import build_multi
 
-    return MultiReward({k: build(k, **cfg.reward.options.get(k, {})) for k in cfg.reward.weights}, cfg.reward.weights,
-                       overlap=cfg.reward.overlap)
+    return build_multi(cfg.reward.weights, {k: cfg.reward.options.get(k, {}) for k in cfg.reward.weights},
+                       overlap=cfg.reward.overlap, frame_stride=cfg.reward.frame_stride)
+
+
+def build_rewards(spec: dict) -> dict:
+    """``{name: {kwargs}}`` (``reward.heldout``, ``offline.judge``) -> ``{name: reward}``, built in order."""
+    from flowrl.rewards import build
+
+    return {k: build(k, **(v or {})) for k, v in spec.items()}
 
 
 def build_policy_from_config(cfg, device):

@@ -21,23 +21,11 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from .command_line import (Parser, emit, example, positive_float, positive_int, split_overrides, user_message,
-                           verb_parser)
+from .command_line import (Parser, emit, example, positive_float, positive_int, require_device, split_overrides,
+                           user_message, verb_parser)
 
 
 # ---------------------------------------------------------------- the verbs
-def require_device(device, setting: str = "model.device") -> None:
-    """A ``ConfigError`` when ``device`` names CUDA and no CUDA GPU is visible (torch would fail later
-    with 'Found no NVIDIA driver'); ``setting`` is the name the user gave it by."""
-    import torch
-
-    from flowrl.trainers.config_base import ConfigError
-
-    if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"{setting}={device} but no CUDA GPU is visible here (torch.cuda.is_available() is "
-                          f"False); use {setting}=auto (GPU when there is one, else CPU) or {setting}=cpu")
-
-
 def _load_config(path, overrides):
     """The recipe with overrides, its device checked (a CUDA device without a GPU is a user error)."""
     from flowrl.trainers.config import load_config
@@ -69,7 +57,7 @@ def _generate_offline(a) -> dict:
 def _rescore_offline(a) -> dict:
     from flowrl.registry import Registry
     from flowrl.rewards import available
-    from flowrl.trainers.config import ConfigError
+    from flowrl.errors import ConfigError
     from flowrl.trainers.offline import rescore_offline
 
     try:
@@ -118,7 +106,7 @@ def _eval(a) -> dict:
 def _make_tiny(a) -> str:
     from flowrl.pipelines import tiny_kinds
     from flowrl.pipelines.tiny import make_tiny
-    from flowrl.trainers.config import ConfigError
+    from flowrl.errors import ConfigError
 
     kinds = sorted(tiny_kinds())  # declared by each pipeline adapter (tiny_kinds)
     if a.kind not in kinds:
@@ -304,12 +292,15 @@ def _add_serve_reward_parser(sub) -> None:
 
     def run(a) -> int:
         from flowrl.rewards.server import ServeOptions, serve_reward_command
-        from flowrl.trainers.config import ConfigError
+        from flowrl.errors import ConfigError
 
         try:
             opts = ServeOptions(host=a.host, port=a.port, max_batch=a.max_batch, max_wait=a.max_wait_ms / 1000,
                                 max_request_mb=a.max_request_mb, token_env=a.token_env)
             opts.token()  # an unset --token-env fails here, before the reward loads
+            from flowrl.rewards.server import parse_options
+
+            require_device(parse_options(a.options).get("device"), "--options device")
             return serve_reward_command(a.name, a.options, opts)
         except (ValueError, ImportError) as e:
             raise ConfigError(str(e)) from None

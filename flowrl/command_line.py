@@ -87,9 +87,9 @@ def user_errors() -> dict[type, Callable[[BaseException], str]]:
     from flowrl.data.offline_store import DatasetError
     from flowrl.data.prompts import PromptSetError
     from flowrl.quant.common import BackendUnavailable
-    from flowrl.trainers.checkpoint import CheckpointError
-    from flowrl.trainers.common import TrainingStopped
-    from flowrl.trainers.config_base import ConfigError
+    from flowrl.checkpoints.common import CheckpointError
+    from flowrl.trainers.steps import TrainingStopped
+    from flowrl.errors import ConfigError
 
     plain = str
     return {
@@ -124,6 +124,18 @@ def emit(result: Any) -> None:
     if result is None or result == {}:
         return
     print(json.dumps(result, indent=2) if isinstance(result, (dict, list)) else result, flush=True)
+
+
+def require_device(device, setting: str = "model.device") -> None:
+    """A ``ConfigError`` when ``device`` names CUDA and no CUDA GPU is visible (torch would fail later
+    with 'Found no NVIDIA driver'); ``setting`` is the name the user gave it by."""
+    import torch
+
+    from .errors import ConfigError
+
+    if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"{setting}={device} but no CUDA GPU is visible here (torch.cuda.is_available() is "
+                          f"False); use {setting}=auto (GPU when there is one, else CPU) or {setting}=cpu")
 
 
 # ---------------------------------------------------------------- overrides anywhere on the line

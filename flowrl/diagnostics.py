@@ -8,8 +8,8 @@ import torch.nn.functional as F
 def within_group_diversity(images: torch.Tensor, groups: torch.Tensor) -> float:
     """Mean pairwise RMS distance between images of the same group (prompt), averaged over groups.
 
-    ``images`` [N, C, H, W] in [0, 1], ``groups`` [N]. Units: RMS pixel difference (0..1).
-    Mode collapse shows as a falling value.
+    ``images`` [N, C, H, W] (or videos [N, C, F, H, W]: the RMS over whole videos) in [0, 1],
+    ``groups`` [N]. Units: RMS pixel difference (0..1). Mode collapse shows as a falling value.
     """
     flat = images.float().flatten(1)  # [N, D]
     vals = []
@@ -27,8 +27,11 @@ def high_frequency_energy(images: torch.Tensor, factor: int = 2) -> float:
     """Mean squared residual after ``factor`` x ``factor`` average pooling and nearest upsampling.
 
     The energy a reward that looks at a ``factor``-times downsampled view cannot see (2-pixel
-    checkerboards, grid artifacts). ``images`` [N, C, H, W] in [0, 1]; units: pixel value^2.
+    checkerboards, grid artifacts). ``images`` [N, C, H, W] in [0, 1], or videos [N, C, F, H, W] (every
+    frame counted); units: pixel value^2.
     """
     x = images.float()
+    if x.ndim == 5:
+        x = x.transpose(1, 2).flatten(0, 1)  # [N * F, C, H, W]
     low = F.interpolate(F.avg_pool2d(x, factor), scale_factor=factor, mode="nearest")  # [N, C, H, W]
     return float(((x - low) ** 2).mean())

@@ -38,9 +38,10 @@ from typing import Optional, Union
 
 import torch
 
-from .trainers.checkpoint import list_checkpoints
-from .trainers.checkpoint_sharded import is_sharded_checkpoint, read_full_tensors
-from .trainers.config import Config, ConfigError, load_config
+from .checkpoints import checkpoint_tensors, format_of
+from .checkpoints.common import list_checkpoints
+from .trainers.config import Config, load_run_config
+from .errors import ConfigError
 from .utils.io import atomic_dir, write_json
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
@@ -63,7 +64,7 @@ def resolve_checkpoint(run_dir: Path, checkpoint: Optional[Union[str, os.PathLik
             p = run_dir / "checkpoints" / str(checkpoint)
         if p.is_file() and p.name.endswith(".safetensors"):
             p = p.parent
-        if not (p / "trainable.safetensors").is_file() and not is_sharded_checkpoint(p):
+        if not format_of(p).is_one(p):
             have = ", ".join(c.name for c in list_checkpoints(run_dir / "checkpoints")) or "none"
             raise ExportError(f"--checkpoint {checkpoint}: not a checkpoint directory (no trainable.safetensors). "
                               f"Checkpoints of {run_dir}: {have}")
@@ -73,17 +74,6 @@ def resolve_checkpoint(run_dir: Path, checkpoint: Optional[Union[str, os.PathLik
         raise ExportError(f"run {run_dir} has no checkpoint yet (checkpoints/iter_NNNNNN is written every "
                           f"train.checkpoint_every iterations and at the end); train it first or wait for one")
     return ckpts[-1]
-
-
-def checkpoint_weights(ck: Path, group: str) -> Optional[dict]:
-    """The whole ``trainable`` or ``ema`` tensors of a checkpoint (a sharded one is gathered from its
-    shards on this process), or None when it has none."""
-    from safetensors.torch import load_file
-
-    if is_sharded_checkpoint(ck):
-        return read_full_tensors(ck, group)
-    f = ck / f"{group}.safetensors"
-    return load_file(str(f)) if f.is_file() else None
 
 
 def base_model_path(cfg: Config, model_path: Optional[str] = None) -> str:
@@ -178,7 +168,7 @@ def write_lora(pipeline: str, tensors: dict[str, torch.Tensor], out_dir: Path, b
     ``lora_writer().save_lora_weights`` with the ``LoraConfig`` as metadata; returns a summary."""
     from peft.utils import get_peft_model_state_dict
 
-    from .trainers.weights import add_lora
+    from .trainable import add_lora
 
     adapter = adapter_class(pipeline)
     modules = _lora_modules(tensors)
@@ -209,7 +199,7 @@ def write_lora(pipeline: str, tensors: dict[str, torch.Tensor], out_dir: Path, b
 
 def export_full(cfg: Config, tensors: dict[str, torch.Tensor], out_dir: Path, base: str) -> dict:
     """Full fine-tune: the base transformer with every trained tensor replaced, ``save_pretrained``."""
-    from .trainers.weights import load_trainable_state
+    from .trainable import load_trainable_state
 
     cls = _transformer_class(cfg.model.pipeline)
     dtype = next(iter(tensors.values())).dtype
@@ -247,11 +237,11 @@ def export_run(run_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike
     run, out = Path(run_dir), Path(out_dir)
     if not (run / "config.yaml").is_file():
         raise ExportError(f"{run} is not a flowrl run directory (no config.yaml)")
-    cfg = load_config(run / "config.yaml")
+    cfg = load_run_config(run / "config.yaml")
     adapter_class(cfg.model.pipeline)  # raises the explanation when the adapter declares no export writer
     ck = resolve_checkpoint(run, checkpoint)
     fname = "ema.safetensors" if ema else "trainable.safetensors"
-    tensors = checkpoint_weights(ck, "ema" if ema else "trainable")
+    tensors = checkpoint_tensors(ck, "ema" if ema else "trainable")
     if tensors is None:
         raise ExportError(f"{ck} has no {fname}: the run was trained without train.ema; export without --ema")
     if out.exists() and any(out.iterdir()):
@@ -276,12 +266,3 @@ def export_run(run_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike
 
     atomic_dir(out, write)
     return info
-
-
-def __getattr__(name: str):
-    if name == "PIPELINES":  # the former table, now read from the adapters' declarations
-        from flowrl.pipelines import policy_class
-
-        return {n: (policy_class(n).transformer_class, policy_class(n).lora_writer().__name__,
-                    policy_class(n).lora_load_hint()) for n in exportable_pipelines()}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,12 +7,14 @@ imports (module level and inside functions) and fails on any import from a highe
 Registry targets (``"module:attr"`` strings) are data, not imports, and are not checked.
 
 Why this order: the bottom layers are pure helpers and math that any part may use; components
-(models, rewards, data) implement the seams; samplers drive components; builders and updates
-assemble them from a config; the offline dataset generator samples with the rollout code; the
-trainers run everything; the application layer is the command line and the benchmarks.
-Two trainer modules sit lower than their package: ``trainers.config_base`` (ConfigError, no flowrl
-imports) in utils, and ``trainers.weights`` (LoRA, EMA, the frozen reference) in components, so
-the updates can use them.
+(models, rewards, data) implement the seams; the training infrastructure (trained parameters, EMA
+and reference, checkpoint formats, the distribution strategy) works on any model; samplers drive
+components; builders and updates assemble them from a config; the offline dataset generator
+samples with the rollout code; the trainers run everything; the application layer is the command
+line and the benchmarks. Every package sits whole in one layer.
+
+Besides the order, the module graph has no cycles (:func:`import_cycles`), counting imports inside
+functions too: a lazy import is still a dependency.
 """
 from __future__ import annotations
 
@@ -23,11 +25,11 @@ from typing import Iterator, Optional
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("utils", ("flowrl.utils", "flowrl.faults", "flowrl.registry", "flowrl.seeding", "flowrl.layers",
-               "flowrl.trainers.config_base")),
+               "flowrl.errors")),
     ("math", ("flowrl.schedules", "flowrl.sde", "flowrl.noise", "flowrl.ode_solvers", "flowrl.types",
               "flowrl.diagnostics", "flowrl.losses", "flowrl.advantages", "flowrl.structures", "flowrl.media")),
-    ("components", ("flowrl.pipelines", "flowrl.rewards", "flowrl.data", "flowrl.quant", "flowrl.recipes",
-                    "flowrl.trainers.weights")),
+    ("components", ("flowrl.pipelines", "flowrl.rewards", "flowrl.data", "flowrl.quant", "flowrl.recipes")),
+    ("training", ("flowrl.trainable", "flowrl.checkpoints", "flowrl.distributed")),
     ("rollout", ("flowrl.rollout",)),
     ("builders", ("flowrl.builders", "flowrl.updates")),
     ("data.offline", ("flowrl.data.offline",)),
@@ -126,6 +128,69 @@ def upward_imports(edges: Iterator[Edge]) -> list[str]:
             bad.append(f"{e.module}:{e.line} (layer {layer_name(src)}) imports {e.target} "
                        f"(layer {layer_name(dst)}, above it)")
     return bad
+
+
+def module_graph(repo_root: Path) -> dict[str, set[str]]:
+    """Every flowrl module -> the flowrl modules it imports (module level and inside functions). An
+    import of a name resolves to the longest known module it names (``flowrl.rollout.ode``, or the
+    package ``flowrl.rollout`` for ``from flowrl.rollout import GroupSampler``); self-imports drop out."""
+    mods = discover(repo_root)
+    known = set(mods)
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for name, (path, is_pkg) in mods.items():
+        for e in imports_of(path.read_text(), name, is_pkg, known):
+            target = e.target
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                graph[name].add(target)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module (each sorted): every
+    set of modules that import each other, directly or around a loop. Empty when the graph is a DAG."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm, iterative over each node's successors
+        work = [(v, iter(sorted(graph.get(v, ()))))]
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        while work:
+            node, succ = work[-1]
+            nxt = next(succ, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == node:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
 
 
 def check_tree(repo_root: Path) -> list[str]:

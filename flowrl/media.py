@@ -19,7 +19,7 @@ from .utils.io import atomic_write
 ANIMATION_FORMATS = ("gif", "webp")
 
 __all__ = ["is_video", "video_frames", "score_per_frame", "temporal_consistency", "frame_strip", "save_animation",
-           "animation_formats", "ANIMATION_FORMATS"]
+           "animation_formats", "ANIMATION_FORMATS", "save_samples"]
 
 
 def is_video(x: torch.Tensor) -> bool:
@@ -162,3 +162,20 @@ def save_animation(video: torch.Tensor, path: Union[str, os.PathLike], fps: floa
             tmp, format=fmt.upper(), save_all=True, append_images=frames[1:], duration=duration, loop=0, **options))
         written.append(out)
     return written
+
+
+def save_samples(samples: torch.Tensor, path: Union[str, os.PathLike], nrow: int, scale: int = 1,
+                 fps: float = 8.0) -> list[Path]:
+    """Save a batch of samples for people to look at: images ``[N, 3, H, W]`` as one PNG grid at
+    ``path``; videos ``[N, 3, F, H, W]`` as a PNG grid of frame strips (:func:`frame_strip`) at ``path``
+    and beside it the grid animated over the frames (:func:`save_animation`: ``.gif``, ``.webp``).
+    Returns the paths written."""
+    from .utils.images import image_grid, save_grid
+
+    if not is_video(samples):
+        save_grid(samples, path, nrow=nrow, scale=scale)
+        return [Path(path)]
+    save_grid(frame_strip(samples), path, nrow=nrow, scale=scale)
+    frames = [torch.from_numpy(image_grid(samples[:, :, f], nrow, scale=scale)).permute(2, 0, 1).float() / 255
+              for f in range(samples.shape[2])]  # F x [3, H', W']
+    return [Path(path), *save_animation(torch.stack(frames, 1), Path(path).with_name(Path(path).stem + "_anim"), fps)]

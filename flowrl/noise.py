@@ -1,7 +1,7 @@
 """Noise scales of the Flow-GRPO SDE step, and TempFlow-GRPO's noise-aware step weights. Pure functions.
 
-Step math (how much noise each step of a schedule injects), used by the TempFlow sampler and the
-TempFlow advantages alike; ``flowrl.advantages`` re-exports both names.
+Step math (how much noise each step of a schedule injects), used by the TempFlow sampler. Issue 5 named
+``flowrl.advantages.noise_aware_weights`` as public API, so that import path works too.
 """
 from __future__ import annotations
 

@@ -77,3 +77,11 @@ def compressed_sigmas(sigmas: torch.Tensor, start: int, steps: Optional[int]) ->
         raise ValueError(f"steps must be >= 1, got {steps}")
     idx = torch.linspace(start, t, steps + 1).round().long().tolist()
     return sorted(set(idx))
+
+
+def heun_update(x: torch.Tensor, v: torch.Tensor, v_next: torch.Tensor, sigma: torch.Tensor,
+                sigma_next: torch.Tensor) -> torch.Tensor:
+    """Heun's second-order step (Karras et al. 2022, arXiv 2206.00364, Alg. 1): ``x + dt (v + v') / 2``
+    with ``v'`` the velocity at the Euler prediction ``x + dt v`` at ``sigma_next``; ``dt = sigma_next - sigma``
+    (0-dim or broadcastable). Float32 ``x`` [N, ...] -> [N, ...]."""
+    return x + (sigma_next - sigma) * 0.5 * (v + v_next)

@@ -6,6 +6,15 @@ import importlib
 from typing import Any, Union
 
 
+def resolve_target(target: str) -> Any:
+    """The object a ``"package.module:attr"`` (or ``"module:Class.attr"``) string names, imported now."""
+    mod, attr = target.split(":")
+    obj: Any = importlib.import_module(mod)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 class Registry:
     """Maps names to ``"module:attr"`` strings (imported on first use) or objects."""
 
@@ -31,11 +40,7 @@ class Registry:
         self.check(name)
         target = self.entries[name]
         if isinstance(target, str):
-            mod, attr = target.split(":")
-            obj: Any = importlib.import_module(mod)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-            self.entries[name] = target = obj
+            self.entries[name] = target = resolve_target(target)
         return target
 
 

@@ -12,12 +12,15 @@ from typing import Optional
 
 import torch
 
-from .export import checkpoint_weights, resolve_checkpoint
+from .checkpoints import checkpoint_tensors
+from .command_line import require_device
+from .errors import ConfigError
+from .export import resolve_checkpoint
+from .media import save_samples
 from .rollout.base import score_images
 from .rollout.ode import ode_sample
 from .seeding import derive_seeds
-from .trainers.config import ConfigError, load_config
-from .utils.images import save_grid
+from .trainers.config import load_config, load_run_config
 from .utils.io import write_json
 from .utils.paths import resolve_device
 
@@ -26,7 +29,7 @@ def run_weights(run_dir: Path, checkpoint: Optional[str] = None, ema: bool = Fal
     """(checkpoint directory, tensors, one-line description) of the weights ``--checkpoint`` /
     ``--ema`` select in a run: the latest checkpoint's trained weights by default."""
     ck = resolve_checkpoint(run_dir, checkpoint)
-    tensors = checkpoint_weights(ck, "ema" if ema else "trainable")
+    tensors = checkpoint_tensors(ck, "ema" if ema else "trainable")
     if tensors is None:
         raise ConfigError(f"{ck} has no EMA weights (the run was trained without train.ema); drop --ema")
     also_ema = not ema and (ck / "ema.safetensors").is_file()
@@ -38,7 +41,7 @@ def run_weights(run_dir: Path, checkpoint: Optional[str] = None, ema: bool = Fal
 def load_policy(config_path, run_dir, overrides, checkpoint: Optional[str] = None, ema: bool = False):
     """(config, policy) with a run's weights applied when ``run_dir`` is given (see :func:`run_weights`)."""
     from .builders import build_policy_from_config
-    from .trainers.weights import add_lora, load_trainable_state
+    from .trainable import load_trainable_state, set_up_trainable
 
     if bool(config_path) == bool(run_dir):
         raise ConfigError("give exactly one of --config (a base model recipe) or --run (a training run directory)")
@@ -46,24 +49,19 @@ def load_policy(config_path, run_dir, overrides, checkpoint: Optional[str] = Non
         run = Path(run_dir)
         if not (run / "config.yaml").exists():
             raise ConfigError(f"{run} is not a flowrl run directory (no config.yaml)")
-        cfg = load_config(run / "config.yaml", overrides)
+        cfg = load_run_config(run / "config.yaml", overrides)
     else:
         if checkpoint is not None or ema:
             raise ConfigError("--checkpoint and --ema choose a run's weights: give --run RUN_DIR with them")
         cfg = load_config(config_path, overrides)
-    from .cli import require_device
-
     require_device(cfg.model.device)
     if run_dir:
         _, tensors, which = run_weights(Path(run_dir), checkpoint, ema)
     policy = build_policy_from_config(cfg, str(resolve_device(cfg.model.device)))
     if run_dir:
         print(f"[flowrl] {run_dir}: {which}", file=sys.stderr, flush=True)
-        if cfg.train.lora_rank > 0:
-            add_lora(policy.transformer, cfg.train.lora_rank, cfg.train.lora_alpha,
-                     cfg.train.lora_targets or getattr(policy, "lora_target_modules", None))
-        else:
-            policy.transformer.requires_grad_(True)
+        set_up_trainable(policy.transformer, cfg.train.lora_rank, cfg.train.lora_alpha, cfg.train.lora_targets,
+                         getattr(policy, "lora_target_modules", None), seed=cfg.train.seed)
         load_trainable_state(policy.transformer, tensors)
         policy.transformer.requires_grad_(False)
     return cfg, policy
@@ -85,7 +83,7 @@ def _generate(a):
 def sample_command(a) -> dict:
     """``flowrl sample``: write the grid (a row per prompt); returns what was written."""
     _, rows, images, steps = _generate(a)
-    save_grid(images, Path(a.out), nrow=a.per_prompt, scale=max(1, 64 // images.shape[-1]))
+    save_samples(images, Path(a.out), nrow=a.per_prompt, scale=max(1, 64 // images.shape[-1]))
     return {"samples": len(rows), "out": str(a.out), "steps": steps}
 
 

@@ -36,6 +36,13 @@ class StepOutput:
     log_prob: torch.Tensor  # [B] float32, mean over non-batch dims of the Gaussian log-density
 
 
+def flow_interpolate(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The rectified-flow forward process ``x_t = (1 - t) x0 + t eps`` (Liu et al. 2022, arXiv 2209.03003;
+    flowrl's sigma is ``t``); its velocity target is ``eps - x0``. ``t`` broadcasts against ``x0``
+    (e.g. ``[B, 1, 1, 1]`` for ``x0`` [B, C, H, W]); the caller chooses the dtype."""
+    return (1 - t) * x0 + t * noise
+
+
 def _bcast(s: Sigma, ref: torch.Tensor) -> torch.Tensor:
     """Float or [B] sigma -> float32 tensor broadcastable against ``ref`` [B, ...]."""
     t = torch.as_tensor(s, dtype=torch.float32, device=ref.device)

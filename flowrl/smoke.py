@@ -64,7 +64,7 @@ def tiny_model(pipeline: str) -> Path:
     ``$FLOWRL_HOME/smoke/<kind>``; deterministic, seed 0)."""
     from .pipelines import policy_class
     from .pipelines.tiny import make_tiny
-    from .trainers.config import ConfigError
+    from .errors import ConfigError
     from .utils.paths import flowrl_home
 
     kinds = getattr(policy_class(pipeline), "tiny_kinds", ())
@@ -80,7 +80,7 @@ def tiny_model(pipeline: str) -> Path:
 def smoke_overrides(cfg, model_dir: Path, scratch: Path) -> list[str]:
     """Overrides (applied after the user's) that shrink the recipe ``cfg`` as the module doc says;
     ``scratch`` is a temporary directory for a text-embedding cache."""
-    from .trainers.config import ConfigError
+    from .errors import ConfigError
 
     shrink = SAMPLERS.get(cfg.sampler.name)
     if shrink is None:

@@ -7,9 +7,10 @@ and ``tiny_kinds()`` collects the ``flowrl make-tiny`` kinds.
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Callable, Union
+
+from flowrl.registry import resolve_target
 
 # name -> "module:callable(path, **kwargs) -> FlowPolicy"
 REGISTRY: dict[str, str] = {
@@ -32,13 +33,7 @@ def _loader(name: str) -> Callable:
         target: Union[str, Callable] = REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown pipeline {name!r}; valid pipelines: {', '.join(available())}") from None
-    if callable(target):
-        return target
-    mod, attr = target.split(":")
-    obj = importlib.import_module(mod)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return target if callable(target) else resolve_target(target)
 
 
 def build_policy(name: str, path=None, **kwargs):

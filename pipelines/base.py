@@ -78,29 +78,12 @@ import torch
 from flowrl.seeding import seeded_randn
 from flowrl.utils.io import atomic_dir
 
-from .common import DECODE_BATCH, DTypeArg, cfg_combine, cfg_halves, check_model_path, resolve_dtype, \
-    transformer_dtype, vae_decode
+from .common import (DECODE_BATCH, DTypeArg, Resolution, cfg_combine, cfg_halves, check_model_path, resolve_dtype,
+                     transformer_dtype, vae_decode)
 from .facts import ModelFacts
 
 FLOWRL_JSON = "flowrl.json"
 IMAGE_SIZE = 64  # pixels: the default tiny resolution
-Resolution = Union[int, Sequence[int], None]
-
-
-def resolve_resolution(resolution: Resolution, default: int, multiple: int) -> tuple[int, int]:
-    """``(H, W)`` in pixels from an int, a pair or None (-> ``default``), checked against ``multiple``."""
-    if resolution is None:
-        resolution = default
-    hw = (resolution, resolution) if isinstance(resolution, int) else tuple(int(r) for r in resolution)
-    if len(hw) != 2:
-        raise ValueError(f"resolution must be an int or an (H, W) pair, got {resolution!r}")
-    h, w = hw
-    if h <= 0 or w <= 0 or h % multiple or w % multiple:
-        raise ValueError(f"resolution must be positive multiples of {multiple} pixels (VAE factor x patch size), "
-                         f"got {(h, w)}")
-    return h, w
-
-
 def read_flowrl_json(path: Union[str, os.PathLike]) -> dict:
     """The optional ``flowrl.json`` defaults of a local model directory ({} if absent)."""
     p = Path(os.path.expanduser(str(path))) / FLOWRL_JSON
@@ -163,6 +146,9 @@ class DiffusersPolicy(ModelFacts):
     text_encoder_names: ClassVar[tuple[str, ...]] = ("text_encoder",)
     tiny_kinds: ClassVar[tuple[str, ...]] = ()
     example_hub_id: ClassVar[str] = ""  # named in the missing-path error
+    # with CFG in a differentiable forward: gradient through the unconditional half too (True), or that
+    # half without gradient (False, Flow-GRPO's training forward); the trainer sets train.cfg_uncond_grad
+    cfg_uncond_grad: bool = True
 
     # --- declarations with defaults ---------------------------------------------------------
     @classmethod
@@ -291,7 +277,7 @@ class DiffusersPolicy(ModelFacts):
     def velocity(self, latents: torch.Tensor, sigma, cond) -> torch.Tensor:
         """``v_theta(x_t, sigma)`` float32 ``[B, C, h, w]`` through ``self._forward`` with the entries
         ``cond_keys``; with guidance (``cfg_scale > 1``), ``u + s (c - u)`` (``pipelines.common.cfg_halves``:
-        one doubled batch, or in training with ``train.cfg_uncond_grad`` off the unconditional half alone
+        one doubled batch, or in a differentiable forward with ``cfg_uncond_grad`` off the unconditional half alone
         under ``no_grad``). Differentiable in the transformer's parameters."""
         x = latents.to(self.device)  # [B, C, h, w]
         b = x.shape[0]
@@ -300,8 +286,8 @@ class DiffusersPolicy(ModelFacts):
         if self.cfg_scale == 1.0:
             return self._forward(*text).float()
         uncond = (x, sigma, *(cond["negative_" + k] for k in self.cond_keys))
-        u, c = cfg_halves(self._forward, uncond, text)  # [B, C, h, w] each
-        return cfg_combine(u, c, self.cfg_scale)
+        u, c = cfg_halves(self._forward, uncond, text, uncond_grad=self.cfg_uncond_grad)  # [B, C, h, w] each
+        return cfg_combine(u, c, self.cfg_scale, uncond_grad=self.cfg_uncond_grad)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents ``[B, C, h, w]`` -> float32 images ``[B, 3, f h, f w]`` in [0, 1] (f = VAE factor):

@@ -1,13 +1,10 @@
 """Model-independent pieces the adapters share: classifier-free guidance, dtypes, paths, VAE decoding.
 
 The diffusers adapter base (``from_pretrained``, negative-prompt cache, resolutions, export and
-tiny-model declarations) is ``pipelines/base.py``; its ``encode_with_negative``,
-``resolve_resolution`` and ``read_flowrl_json`` are also importable from here.
+tiny-model declarations) is ``pipelines/base.py``.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import os
 import weakref
 from pathlib import Path
@@ -19,57 +16,50 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 DTypeArg = Union[torch.dtype, str, dict]
 
-
-_UNCOND_GRAD: contextvars.ContextVar[bool] = contextvars.ContextVar("flowrl_cfg_uncond_grad", default=True)
-
-
-@contextlib.contextmanager
-def cfg_uncond_gradient(enabled: bool):
-    """Within this block :func:`cfg_combine` lets the gradient flow through the unconditional half
-    (``enabled``) or detaches it (Flow-GRPO's training forward); with it detached, a differentiable
-    :func:`cfg_halves` runs that half as its own ``no_grad`` pass. Values are unchanged either way
-    (up to batch-composition float rounding)."""
-    token = _UNCOND_GRAD.set(bool(enabled))
-    try:
-        yield
-    finally:
-        _UNCOND_GRAD.reset(token)
+Resolution = Union[int, Sequence[int], None]
 
 
-def cfg_combine(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
+def resolve_resolution(resolution: Resolution, default: int, multiple: int) -> tuple[int, int]:
+    """``(H, W)`` in pixels from an int, a pair or None (-> ``default``), checked against ``multiple``."""
+    if resolution is None:
+        resolution = default
+    hw = (resolution, resolution) if isinstance(resolution, int) else tuple(int(r) for r in resolution)
+    if len(hw) != 2:
+        raise ValueError(f"resolution must be an int or an (H, W) pair, got {resolution!r}")
+    h, w = hw
+    if h <= 0 or w <= 0 or h % multiple or w % multiple:
+        raise ValueError(f"resolution must be positive multiples of {multiple} pixels (VAE factor x patch size), "
+                         f"got {(h, w)}")
+    return h, w
+
+
+def cfg_combine(uncond: torch.Tensor, cond: torch.Tensor, scale: float, *, uncond_grad: bool) -> torch.Tensor:
     """Classifier-free guidance ``u + s (c - u)`` (Ho & Salimans 2022), computed in float32.
 
-    ``u`` is detached inside ``cfg_uncond_gradient(False)`` (the trainer's setting
-    ``train.cfg_uncond_grad``), so only the conditional half carries the gradient.
+    ``uncond_grad=False`` detaches ``u`` (Flow-GRPO's training forward), so only the conditional half
+    carries the gradient; adapters pass their ``cfg_uncond_grad`` attribute (the trainer sets it from
+    ``train.cfg_uncond_grad``). Values are the same either way.
     """
     u, c = uncond.float(), cond.float()
-    if not _UNCOND_GRAD.get():
+    if not uncond_grad:
         u = u.detach()
     return u + scale * (c - u)
 
 
-def uncond_without_grad() -> bool:
-    """Whether a guided forward runs its unconditional half as a separate pass under
-    ``torch.no_grad()``: in a differentiable forward (gradients on) inside
-    ``cfg_uncond_gradient(False)``. Then the unconditional activations are neither kept for
-    backward nor back-propagated through (the doubled batch with a detach keeps and walks both)."""
-    return torch.is_grad_enabled() and not _UNCOND_GRAD.get()
-
-
 def cfg_halves(forward: Callable[..., torch.Tensor], uncond: Sequence[torch.Tensor],
-               cond: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+               cond: Sequence[torch.Tensor], *, uncond_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The unconditional and conditional outputs ``(u, c)`` [B, ...] each of ``forward(*args)`` for
     classifier-free guidance; ``uncond`` / ``cond`` are its batch-first arguments per half. The caller
-    combines them with :func:`cfg_combine`.
+    combines them with :func:`cfg_combine` (same ``uncond_grad``).
 
-    Sampling, and training with ``cfg_uncond_gradient(True)``: one doubled batch
-    ``forward(cat(uncond_i, cond_i) ...)`` split in halves, as the diffusers pipelines do. Training
-    with the gradient off the unconditional half (:func:`uncond_without_grad`): that half runs alone
-    under ``no_grad`` and only the conditional half enters the autograd graph (half the saved
-    activations and backward work). Values agree with the doubled batch up to batch-composition
-    float rounding; the gradient is the same.
+    Sampling (gradients off), and training with ``uncond_grad=True``: one doubled batch
+    ``forward(cat(uncond_i, cond_i) ...)`` split in halves, as the diffusers pipelines do. A
+    differentiable forward with ``uncond_grad=False``: the unconditional half runs alone under
+    ``no_grad`` and only the conditional half enters the autograd graph (half the saved activations
+    and backward work). Values agree with the doubled batch up to batch-composition float rounding;
+    the gradient is the same as the doubled batch's with ``u`` detached.
     """
-    if uncond_without_grad():
+    if torch.is_grad_enabled() and not uncond_grad:
         with torch.no_grad():
             u = forward(*uncond)  # [B, ...], no graph
         return u, forward(*cond)
@@ -185,15 +175,3 @@ def vae_decode(vae, latents: torch.Tensor, device, batch: Optional[int] = DECODE
             img = vae.decode(z, return_dict=False)[0]  # [b, 3, H, W] in ~[-1, 1]
         out.append((img.float() / 2 + 0.5).clamp(0, 1))  # [b, 3, H, W]
     return torch.cat(out)  # [B, 3, H, W]
-
-
-_MOVED_TO_BASE = ("encode_with_negative", "resolve_resolution", "read_flowrl_json", "FLOWRL_JSON", "Resolution")
-
-
-def __getattr__(name: str):
-    """Names that moved to ``pipelines/base.py`` (imported lazily: the base imports this module)."""
-    if name in _MOVED_TO_BASE:
-        from . import base
-
-        return getattr(base, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,10 +24,12 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
-from flowrl.data.digits import DIGIT_WORDS, IMAGE_SIZE, default_cache_dir, digit_prompt, digits_dataset, parse_digit
+from flowrl.data.digits import DIGIT_WORDS, IMAGE_SIZE, digit_prompt, digits_dataset, parse_digit
 from flowrl.schedules import flow_sigmas
+from flowrl.sde import flow_interpolate
 from flowrl.seeding import seeded_randn
 from flowrl.utils.io import atomic_dir, write_json
+from flowrl.utils.paths import default_cache_dir
 
 from .common import cfg_combine, cfg_halves, transformer_dtype
 from .facts import Component, Geometry, ModelConfigs, ModelFacts
@@ -35,11 +37,9 @@ from .sd3 import SD3Policy
 
 PAD, OTHER = 0, 11  # token ids; digits are 1..10
 
-# The digits data and prompts live in flowrl.data.digits (shared with the digits reward);
-# the data names are re-exported here. The sample report (sample_grid_report) moved to
-# flowrl.digits_report: it samples with flowrl.rollout, a layer above the models.
-__all__ = ["IMAGE_SIZE", "DIGIT_WORDS", "digit_prompt", "parse_digit", "digits_dataset", "default_cache_dir",
-           "default_base_path", "tokenize", "DigitTextEncoder", "DigitsPolicy", "PretrainConfig", "pretrain_digits",
+# The digits data and prompts are flowrl.data.digits' (shared with the digits reward). The sample
+# report (sample_grid_report) is flowrl.digits_report's: it samples with flowrl.rollout, a layer above.
+__all__ = ["default_base_path", "tokenize", "DigitTextEncoder", "DigitsPolicy", "PretrainConfig", "pretrain_digits",
            "tiny_transformer_config", "load_digits_policy"]
 
 
@@ -110,6 +110,7 @@ class DigitsPolicy(ModelFacts):
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
     tiny_kinds = ("digits",)
     cond_keys = ("encoder_hidden_states", "pooled_projections")
+    cfg_uncond_grad = True  # CFG in a differentiable forward: gradient through the unconditional half (base.py)
 
     # --- model facts (pipelines/facts.py): pixel space, no VAE, its own text encoder -----------
     @classmethod
@@ -231,8 +232,9 @@ class DigitsPolicy(ModelFacts):
         if self.guidance_scale == 1.0:
             return self._forward(x, sigma, cond["encoder_hidden_states"], cond["pooled_projections"]).float()
         u, c = cfg_halves(self._forward, (x, sigma, cond["neg_encoder_hidden_states"], cond["neg_pooled_projections"]),
-                          (x, sigma, cond["encoder_hidden_states"], cond["pooled_projections"]))  # [B, 1, 16, 16] each
-        return cfg_combine(u, c, self.guidance_scale)
+                          (x, sigma, cond["encoder_hidden_states"], cond["pooled_projections"]),
+                          uncond_grad=self.cfg_uncond_grad)  # [B, 1, 16, 16] each
+        return cfg_combine(u, c, self.guidance_scale, uncond_grad=self.cfg_uncond_grad)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         img = ((latents.float() + 1) / 2).clamp(0, 1)  # [B, 1, 16, 16]
@@ -307,7 +309,7 @@ def pretrain_digits(out_dir: str | os.PathLike, config: PretrainConfig = Pretrai
         prompts = ["" if dr else digit_prompt(int(l)) for l, dr in zip(labels, drop)]
         eps = torch.randn(x0.shape, generator=g)
         t = torch.sigmoid(torch.randn(config.batch_size, generator=g))  # logit-normal(0, 1), SD3
-        xt = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
+        xt = flow_interpolate(x0, eps, t.view(-1, 1, 1, 1))  # [B, 1, 16, 16]
         c = te(prompts)
         v = tr(hidden_states=xt, encoder_hidden_states=c["encoder_hidden_states"],
                pooled_projections=c["pooled_projections"], timestep=t * 1000.0, return_dict=False)[0]

@@ -202,7 +202,7 @@ class ModelFacts:
     def geometry(cls, configs: ModelConfigs, options: dict) -> Geometry:
         """Shapes of one sample at ``options['resolution']`` (int or (H, W); default
         :meth:`default_resolution`), checked against the VAE factor x patch size."""
-        from .base import resolve_resolution
+        from .common import resolve_resolution
 
         f = cls.vae_factor(configs)
         res = options.get("resolution") or cls.default_resolution(configs)

@@ -20,7 +20,8 @@ import torch
 
 from flowrl.schedules import flow_sigmas, flux_sigmas, shift_sigmas
 
-from .base import IMAGE_SIZE, DiffusersPolicy, Resolution, resolve_resolution
+from .base import IMAGE_SIZE, DiffusersPolicy
+from .common import Resolution, resolve_resolution
 from .facts import Component, ModelConfigs
 from .sd3 import CLIP_L, SD3_VAE, T5_XXL
 

@@ -158,8 +158,8 @@ class FluxKontextPolicy(FluxPolicy):
         if self.true_cfg_scale == 1.0:
             return fwd(*text).float()
         u, c = cfg_halves(fwd, (x, sigma, cond["negative_prompt_embeds"], cond["negative_pooled_prompt_embeds"], src),
-                          text)
-        return cfg_combine(u, c, self.true_cfg_scale)
+                          text, uncond_grad=self.cfg_uncond_grad)
+        return cfg_combine(u, c, self.true_cfg_scale, uncond_grad=self.cfg_uncond_grad)
 
 
 __all__ = ["FLUX_KONTEXT_LORA_TARGET_MODULES", "FluxKontextPolicy", "edit_item_parts"]

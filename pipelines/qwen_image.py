@@ -36,8 +36,8 @@ import torch
 
 from flowrl.schedules import flow_sigmas, flux_mu
 
-from .base import IMAGE_SIZE, DiffusersPolicy, Resolution, resolve_resolution
-from .common import cfg_combine, cfg_halves
+from .base import IMAGE_SIZE, DiffusersPolicy
+from .common import Resolution, cfg_combine, cfg_halves, resolve_resolution
 from .facts import Component, ModelConfigs
 from .flux import pack_latents, unpack_latents
 from .wan import WAN21_VAE, video_vae_decode
@@ -332,8 +332,10 @@ class QwenImagePolicy(DiffusersPolicy):
         b, _, h, w = x.shape
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(b)  # [B]
         uncond = (x, sigma, *(cond["negative_" + k] for k in self.cond_keys))
-        u, c = cfg_halves(self._forward, uncond, (x, sigma, *(cond[k] for k in self.cond_keys)))  # [B, C, h, w] each
-        comb, c = pack_latents(cfg_combine(u, c, self.guidance_scale)), pack_latents(c)  # [B, (h/2)(w/2), 4C]
+        u, c = cfg_halves(self._forward, uncond, (x, sigma, *(cond[k] for k in self.cond_keys)),
+                          uncond_grad=self.cfg_uncond_grad)  # [B, C, h, w] each
+        comb = pack_latents(cfg_combine(u, c, self.guidance_scale, uncond_grad=self.cfg_uncond_grad))  # [B, (h/2)(w/2), 4C]
+        c = pack_latents(c)  # [B, (h/2)(w/2), 4C]
         comb = comb * (c.float().norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))  # the norm rescale
         return unpack_latents(comb, h, w)  # [B, C, h, w]
 

@@ -28,7 +28,8 @@ import torch
 
 from flowrl.schedules import flow_sigmas
 
-from .base import IMAGE_SIZE, DiffusersPolicy, Resolution, resolve_resolution
+from .base import IMAGE_SIZE, DiffusersPolicy
+from .common import Resolution, resolve_resolution
 from .facts import Component, ModelConfigs
 
 # Sol-RL's SANA LoRA targets (NVlabs/Sana configs/sol_rl/sana.py: attn.qkv, attn.proj, cross_attn.q_linear,

@@ -14,7 +14,8 @@ import torch
 
 from flowrl.schedules import flow_sigmas
 
-from .base import IMAGE_SIZE, DiffusersPolicy, Resolution, resolve_resolution
+from .base import IMAGE_SIZE, DiffusersPolicy
+from .common import Resolution, resolve_resolution
 from .facts import Component, ModelConfigs
 
 # Flow-GRPO's LoRA targets for SD3.5 (scripts/train_sd3.py: r=32, alpha=64, gaussian init): every
@@ -24,7 +25,7 @@ SD3_LORA_TARGET_MODULES = (
     "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
 )
 
-__all__ = ["SD3_LORA_TARGET_MODULES", "Resolution", "SD3Policy", "resolve_resolution"]
+__all__ = ["SD3_LORA_TARGET_MODULES", "SD3Policy"]
 
 CLIP_TOKENS = 77  # SD3's prompt embeddings: 77 CLIP tokens, then the T5 tokens
 

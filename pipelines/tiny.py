@@ -38,7 +38,7 @@ import string
 from pathlib import Path
 from typing import Optional
 
-from .base import FLOWRL_JSON, IMAGE_SIZE, read_flowrl_json  # noqa: F401  (re-exported)
+from .base import IMAGE_SIZE
 
 CLIP_MERGES = 2000       # first N merges of CLIP's 48,894 (vocab = 512 + N + 2)
 LATENT_CHANNELS = 16     # SD3 / FLUX VAEs have 16 latent channels
@@ -147,24 +147,6 @@ def kl_vae(scaling_factor: float, shift_factor: float, image_size: int):
                          scaling_factor=scaling_factor, shift_factor=shift_factor)
 
 
-_clip_config, _t5_encoder, _vae = clip_config, t5_encoder, kl_vae  # the former private names
-
-
-def tiny_sd3_components(image_size: int = IMAGE_SIZE, seed: int = 0) -> dict:
-    """Components of a tiny ``StableDiffusion3Pipeline`` (declared by ``SD3Policy.tiny_components``)."""
-    from .sd3 import SD3Policy
-
-    return SD3Policy.tiny_components("sd3", image_size, seed)
-
-
-def tiny_flux_components(image_size: int = IMAGE_SIZE, seed: int = 0, guidance_embeds: bool = True) -> dict:
-    """Components of a tiny ``FluxPipeline``, dev-like or (``guidance_embeds=False``) schnell-like
-    (declared by ``FluxPolicy.tiny_components``)."""
-    from .flux import FluxPolicy
-
-    return FluxPolicy.tiny_components("flux" if guidance_embeds else "flux-schnell", image_size, seed)
-
-
 def _adapter(kind: str):
     from . import tiny_kinds
 
@@ -197,11 +179,3 @@ def make_tiny(kind: str, out_dir: str | os.PathLike, *, image_size: Optional[int
         raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True (CLI: --overwrite) to replace it")
     size = {} if image_size is None else {"image_size": image_size}
     return _adapter(kind).make_tiny(kind, out, seed=seed, overwrite=overwrite, **size)
-
-
-def __getattr__(name: str):
-    if name == "KINDS":  # every registered adapter's tiny kinds (was a fixed tuple)
-        from . import tiny_kinds
-
-        return tuple(tiny_kinds())
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,8 +30,8 @@ import torch
 
 from flowrl.schedules import flow_sigmas
 
-from .base import FLOWRL_JSON, IMAGE_SIZE, DiffusersPolicy, Resolution, read_flowrl_json, resolve_resolution
-from .common import DECODE_BATCH, DTypeArg, module_dtype
+from .base import FLOWRL_JSON, IMAGE_SIZE, DiffusersPolicy, read_flowrl_json
+from .common import DECODE_BATCH, DTypeArg, Resolution, module_dtype, resolve_resolution
 from .facts import Component, Geometry, ModelConfigs
 
 # Flow-GRPO's LoRA targets for Wan2.1 (scripts/train_wan2_1.py: r=32, alpha=64, gaussian init) are

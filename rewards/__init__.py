@@ -6,10 +6,11 @@ a weighted combination. Heavy reward models are imported lazily, on first build.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Callable, Mapping, Optional, Union
 
 import torch
+
+from flowrl.registry import resolve_target
 
 # name -> "module:attribute" (lazy: importing flowrl.rewards loads no reward model library)
 REGISTRY: dict[str, str] = {
@@ -51,10 +52,7 @@ def _resolve(name: str) -> Callable:
         close = difflib.get_close_matches(name, REGISTRY, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"unknown reward {name!r}.{hint} Valid rewards: {', '.join(available())}") from None
-    if callable(target):
-        return target
-    mod, attr = target.split(":")
-    return getattr(importlib.import_module(mod), attr)
+    return target if callable(target) else resolve_target(target)
 
 
 def build(name: str, **kwargs):
@@ -68,20 +66,29 @@ class MultiReward:
 
     NaN in a component with non-zero weight makes the total NaN for that image (not applicable).
     ``overlap``: samplers score each finished chunk while the next one samples (False: the serial
-    path; ``flowrl.rollout.scoring``).
+    path; ``flowrl.rollout.scoring``). Videos ``[B, 3, F, H, W]`` are scored by every image reward per
+    frame, every ``frame_stride``-th frame, and averaged per video (:func:`flowrl.media.score_per_frame`).
     """
 
-    def __init__(self, rewards: Mapping[str, Callable], weights: Mapping[str, float], overlap: bool = True):
+    def __init__(self, rewards: Mapping[str, Callable], weights: Mapping[str, float], overlap: bool = True,
+                 frame_stride: int = 1):
         if set(rewards) != set(weights):
             raise ValueError(f"rewards {sorted(rewards)} and weights {sorted(weights)} must name the same rewards")
         if not rewards:
             raise ValueError("MultiReward needs at least one reward")
         self.rewards, self.weights = dict(rewards), {k: float(v) for k, v in weights.items()}
         self.overlap = bool(overlap)
+        if not isinstance(frame_stride, int) or isinstance(frame_stride, bool) or frame_stride < 1:
+            raise ValueError(f"frame_stride must be a positive integer (score every n-th frame of a video), "
+                             f"got {frame_stride!r}")
+        self.frame_stride = frame_stride
         self.name = "+".join(f"{w:g}*{k}" for k, w in self.weights.items())
 
     def components(self, images: torch.Tensor, prompts: list[str], **meta) -> dict[str, torch.Tensor]:
-        return {k: torch.as_tensor(r(images, prompts, **meta)).float().cpu() for k, r in self.rewards.items()}
+        """Each reward's scores float32 ``[B]`` of images ``[B, 3, H, W]`` or videos ``[B, 3, F, H, W]``."""
+        from flowrl.media import score_per_frame
+
+        return {k: score_per_frame(r, images, prompts, self.frame_stride, **meta) for k, r in self.rewards.items()}
 
     def combine(self, comps: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return sum(self.weights[k] * comps[k] for k in self.weights if self.weights[k] != 0) \
@@ -92,10 +99,11 @@ class MultiReward:
 
 
 def build_multi(weights: Mapping[str, float], kwargs: Optional[Mapping[str, dict]] = None,
-                overlap: bool = True) -> MultiReward:
+                overlap: bool = True, frame_stride: int = 1) -> MultiReward:
     """``{name: weight}`` (+ per-name kwargs) -> :class:`MultiReward`."""
     kwargs = kwargs or {}
     unknown = set(kwargs) - set(weights)
     if unknown:
         raise ValueError(f"reward options given for {sorted(unknown)}, which are not in the weights {sorted(weights)}")
-    return MultiReward({k: build(k, **kwargs.get(k, {})) for k in weights}, weights, overlap=overlap)
+    return MultiReward({k: build(k, **kwargs.get(k, {})) for k in weights}, weights, overlap=overlap,
+                       frame_stride=frame_stride)

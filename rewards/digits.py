@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flowrl.data.digits import default_cache_dir, digits_dataset, parse_digit
+from flowrl.data.digits import digits_dataset, parse_digit
+from flowrl.utils.paths import default_cache_dir
 from flowrl.utils.io import atomic_write
 
 from ._clip_common import check_inputs

@@ -86,10 +86,13 @@ def ode_loop(policy, prompts, seeds, num_steps) -> torch.Tensor:
 
 
 def cli_verbs(help_text: str) -> set[str]:
-    """The sub-commands an argparse ``--help`` lists in its ``{a,b,c}`` choices (exact names, so
-    ``train`` is not found inside ``pretrain-digits``)."""
+    """The sub-commands an argparse ``--help`` lists, in its ``{a,b,c}`` choices or one per line under a
+    sub-command metavar (exact names, so ``train`` is not found inside ``pretrain-digits``)."""
     found = re.search(r"\{([a-z0-9,_-]+)\}", help_text)
-    return set(found.group(1).split(",")) if found else set()
+    if found:
+        return set(found.group(1).split(","))
+    # a sub-command metavar (VERB): one name per line, indented four spaces (descriptions wrap deeper)
+    return set(re.findall(r"^    ([a-z][a-z0-9_-]*)(?= |$)", help_text, re.M))
 
 
 # ---------------------------------------------------------------- tiny reward models (conftest fixtures)

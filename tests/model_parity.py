@@ -6,7 +6,7 @@ import torch
 
 from flowrl.export import write_lora
 from flowrl.pipelines.base import diffusers_attr
-from flowrl.trainers.weights import add_lora, trainable_state
+from flowrl.trainable import add_lora, trainable_state
 
 RANK, ALPHA = 2, 8  # scaling 4: lost if the export dropped alpha (diffusers' default alpha = r)
 

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flowrl.advantages import ADVANTAGES
 from flowrl.advantages.tree import branch_structure
 from flowrl.losses import grpo_clipped_loss
 from flowrl.trainers.config import load_config
 from flowrl.structures import TreeStructure
+from flowrl.updates.base import build_options
 from flowrl.updates.grpo import GRPOUpdate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,23 +49,24 @@ def test_branch_structure_clips_at_adv_clip():
 def _update_stub(adv_clip_max: float):
     """A GRPO update whose context holds only what ``advantages`` reads (one process)."""
     cfg = load_config(ROOT / "recipes/digits.yaml", [f"train.adv_clip_max={adv_clip_max}"])
-    upd = GRPOUpdate.__new__(GRPOUpdate)
-    upd.ctx = SimpleNamespace(train=cfg.train, reward=cfg.reward, num_processes=1, process_index=0)
-    return upd
+    return GRPOUpdate(SimpleNamespace(train=cfg.train, reward=cfg.reward, num_processes=1, process_index=0),
+                      build_options(GRPOUpdate, cfg.train))
 
 
 @pytest.mark.parametrize("clip", [2.0, 10.0])
-def test_trainer_passes_adv_clip_max_to_the_structure_and_clamps(monkeypatch, clip):
-    seen = {}
-
-    def wild(rollout, **opts):  # a structure function that does not clip: values up to +-40
-        seen.update(opts)
-        return torch.tensor([40.0, -40.0, 7.0, -1.0]), {}
-
-    monkeypatch.setitem(ADVANTAGES, "wild", wild)
-    adv, _ = _update_stub(clip).advantages(SimpleNamespace(structure="wild"), 0)
-    assert seen["adv_clip"] == clip  # train.adv_clip_max reaches the structure function
-    assert adv.tolist() == [clip, -clip, min(7.0, clip), -1.0]  # and the trainer clamps to it exactly
+def test_per_reward_sums_are_clipped_once_more(clip):
+    # two rewards weighted 1 each, both with the outlier at row 0: each component's advantage is
+    # clipped, their sum (up to 2 x 6.93) is clipped to train.adv_clip_max again, once, by the structure
+    r = torch.zeros(50)
+    r[0] = OUTLIER
+    ro = SimpleNamespace(structure="group", rewards=r, group_index=torch.zeros(50).long(),
+                         reward_components={"a": r.clone(), "b": r.clone()},
+                         transitions=SimpleNamespace(sample_index=torch.arange(50)))
+    upd = _update_stub(clip)
+    upd.ctx.reward.aggregate, upd.ctx.reward.weights = "per_reward", {"a": 1.0, "b": 1.0}
+    adv, _ = upd.advantages(ro, 0)
+    assert adv[0].item() == clip  # 2 x min(6.93, clip) > clip: cut to the clip
+    assert -clip < adv[1].item() < 0 and adv.abs().max().item() == clip
 
 
 def test_trainer_group_advantages_above_5_are_not_cut_at_5():
@@ -91,24 +92,15 @@ def test_grpo_ratio_clip_is_reached():
     assert loss.item() == pytest.approx(-0.5)
 
 
-def test_nft_update_passes_adv_clip_max(monkeypatch):
-    import flowrl.updates.nft as nu
+def test_nft_clips_its_advantages_once_in_the_loss():
+    from flowrl.losses import nft_loss
 
-    class Stop(Exception):
-        pass
-
-    seen = {}
-
-    def spy(rewards, groups, **kw):
-        seen.update(kw)
-        raise Stop
-
-    monkeypatch.setattr(nu, "group_advantages", spy)
-    upd = nu.NFTUpdate(SimpleNamespace(train=_update_stub(10.0).ctx.train, unwrapped=None))
-    upd.old_policy = object()  # made already: the update goes straight to the advantages
-    with pytest.raises(Stop):
-        upd(SimpleNamespace(rewards=torch.zeros(4), group_index=torch.zeros(4).long()), 0)
-    assert seen["clip"] == 10.0
+    # DiffusionNFT clips A to +-Amax inside its loss (then scales by Amax): A = 7 with Amax = 5 is 5
+    x0, v_old = torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2)
+    x_t, v, t = torch.ones(1, 1, 2, 2), torch.full((1, 1, 2, 2), 0.5), torch.tensor([0.5])
+    at = lambda a, m: nft_loss(v, v_old, x_t, x0, t, torch.tensor([a]), adv_clip_max=m)[0]  # noqa: E731
+    assert torch.equal(at(7.0, 5.0), at(5.0, 5.0)) and not torch.equal(at(4.0, 5.0), at(5.0, 5.0))
+    assert not torch.equal(at(7.0, 10.0), at(5.0, 10.0))  # not cut at 5 above it
 
 
 @pytest.mark.parametrize("group_by", ["seed", "prompt"])

@@ -8,8 +8,11 @@ import torch
 
 from conftest import tiny_train_overrides
 from flowrl.data import load_prompts
-from flowrl.trainers.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
-from flowrl.trainers.config import ConfigError, load_config
+from flowrl.checkpoints.unsharded import UnshardedCheckpoint
+from flowrl.checkpoints.common import CheckpointError, list_checkpoints
+from flowrl.checkpoints import load_checkpoint
+from flowrl.trainers.config import load_config
+from flowrl.errors import ConfigError
 
 RECIPE = "recipes/digits.yaml"
 
@@ -42,20 +45,20 @@ def vlm(url_kind):
 
 
 def corrupt_checkpoint(tmp):
-    ck = save_checkpoint(tmp / "ck", 1, trainable={"w": torch.ones(2)}, optimizer={}, scheduler={}, state={})
+    ck = UnshardedCheckpoint.save(tmp / "ck", 1, trainable={"w": torch.ones(2)}, optimizer={}, scheduler={}, state={})
     (ck / "trainable.safetensors").write_bytes(b"\x00" * 10)
     return load_checkpoint(ck)
 
 
 def disk_full_checkpoint(tmp):
-    import flowrl.trainers.checkpoint as C
+    import flowrl.checkpoints.unsharded as C
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
     try:
         with pytest.MonkeyPatch.context() as mp:  # torch.save is global: always restored
             mp.setattr(C.torch, "save", full)
-            save_checkpoint(tmp / "ck", 2, trainable={"w": torch.ones(2)}, optimizer={}, scheduler={}, state={})
+            UnshardedCheckpoint.save(tmp / "ck", 2, trainable={"w": torch.ones(2)}, optimizer={}, scheduler={}, state={})
     finally:
         assert list_checkpoints(tmp / "ck") == [] and not any((tmp / "ck").iterdir())  # nothing half-written
 

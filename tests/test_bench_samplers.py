@@ -39,7 +39,7 @@ def test_bench_sol_smoke(tiny_digits_dir, tmp_path):
     assert "reaches flat GRPO's final eval reward" in report(out)
 
 
-def test_bench_report_times_each_variant_to_flat_final_reward(tmp_path, monkeypatch, capsys):
+def test_bench_report_times_each_variant_to_flat_final_reward(tmp_path, monkeypatch):
     """The report's ``seconds_to_flat_final_reward`` on fixed curves (the training runs replaced):
     flat GRPO ends at 0.8; the Sol variant first reaches 0.8 at 30 s, the other variant never."""
     import flowrl.bench.samplers as samplers
@@ -59,7 +59,7 @@ def test_bench_report_times_each_variant_to_flat_final_reward(tmp_path, monkeypa
     assert times == {"flat_grpo": 10, "sol_full_precision_explore_keep4": 30, "sol_nft_int8": None}
     saved = json.loads((tmp_path / "sol.json").read_text())
     assert {k: v["seconds_to_flat_final_reward"] for k, v in saved["variants"].items()} == times
-    printed = capsys.readouterr().out
+    printed = samplers.report(out)
     assert "sol_nft_int8         reaches flat GRPO's final eval reward 0.8000 at never" in printed
     assert "at 30.0 training s" in printed
 

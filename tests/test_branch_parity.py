@@ -16,7 +16,8 @@ from flowrl.advantages.tree import branch_structure, depth_window_mask, fuse_rew
 from flowrl.advantages.tree_pruning import exclude_window, peer_width_mask, preorder_key
 from flowrl.rollout import BranchSampler
 from flowrl.structures import TreeStructure
-from flowrl.trainers.config import load_config, shipped_recipes
+from flowrl.trainers.config import load_config
+from flowrl.trainers.config_text import shipped_recipes
 
 SPLITS = (0, 3, 6, 9)
 
@@ -313,7 +314,7 @@ def test_branch_recipes_options_are_valid_and_peer_compatible():
     assert {r.name for r in recipes} >= {"sd3_branch_hps.yaml", "flux_branch_hps.yaml", "digits_branch.yaml"}
     ro = fake_rollout()
     for r in recipes:
-        opts = load_config(r).train.advantage_options
+        opts = load_config(r).train.loss_options.get("advantage_options", {})
         _, info = branch_structure(ro, iteration=0, **opts)
         assert info["train_mask"].dtype == torch.bool
         if r.name != "digits_branch.yaml":  # the HPS recipes reproduce the peer's script

@@ -148,6 +148,12 @@ CASES = [
     ("architecture flag on a CPU pipeline", "bench precision", lambda e: ["bench", "precision", "--tiny"],
      ["--tiny apply to the architecture pipelines"], []),
     ("plan without a recipe", "plan", lambda e: ["plan", "--config", "nope.yaml"], ["not found"], []),
+    # --- serve-reward (fails before it binds a port or loads a model)
+    ("serve an unknown reward", "serve-reward", lambda e: ["serve-reward", "pickscor"], ["pickscor"], []),
+    ("serve with an option the reward lacks", "serve-reward",
+     lambda e: ["serve-reward", "jpeg_compressibility", "--options", "nope=1"], ["--options", "nope"], []),
+    ("serve with an unset token variable", "serve-reward",
+     lambda e: ["serve-reward", "digits", "--token-env", "FLOWRL_TEST_UNSET_TOKEN"], ["FLOWRL_TEST_UNSET_TOKEN"], []),
     ("unknown verb", "", lambda e: ["trian"], ["invalid choice: 'trian'"], []),
 ]
 
@@ -185,6 +191,13 @@ def test_every_verb_has_bad_input_rows():
     covered = {c[1].split()[0] for c in CASES if c[1]}
     assert verbs <= covered, verbs - covered
     assert len(CASES) >= 40
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU: device=cuda is valid here")
+def test_serving_a_reward_on_a_gpu_that_is_not_there(capsys):
+    rc, out, err = _run(["serve-reward", "digits", "--options", "device=cuda:1"], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "no CUDA GPU is visible" in err and "--options device" in err
+    assert out == ""
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU: model.device=cuda is valid here")

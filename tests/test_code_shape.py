@@ -2,7 +2,9 @@
 
 Limits: no source file under ``flowrl/``, ``pipelines/`` or ``rewards/`` over
 ``MAX_FILE_LINES`` lines, no function or method over ``MAX_FUNCTION_LINES`` lines (the whole
-``def``: decorators excluded, docstring included, ``end_lineno - lineno + 1``).
+``def``: decorators excluded, docstring included, ``end_lineno - lineno + 1``). The file limit is a
+tripwire, not a design rule: a 450-line file with one job beats three files and a re-export
+(issue 23), so it sits at 450.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("flowrl", "pipelines", "rewards")
-MAX_FILE_LINES = 400
+MAX_FILE_LINES = 450
 MAX_FUNCTION_LINES = 80
 
 

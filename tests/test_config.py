@@ -2,8 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.trainers.config import (Config, ConfigError, dump_config, load_config, parse_override, samples_per_prompt,
-                                   shipped_recipes)
+from flowrl.trainers.config import Config, dump_config, load_config, samples_per_prompt
+from flowrl.errors import ConfigError
+from flowrl.trainers.config_text import parse_override, shipped_recipes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,3 +94,45 @@ def test_shipped_recipe_by_name_from_any_directory(tmp_path, monkeypatch):
     assert a.sampler.name == "group" and b.sampler.name == "branch"
     with pytest.raises(ConfigError, match="not found"):
         load_config("elsewhere/digits.yaml")  # a path that names another folder is not a shipped name
+
+
+def _old_format(cfg: Config) -> dict:
+    """``cfg`` as flowrl wrote a run's config.yaml before the updates owned their options (issue 23):
+    every train.* alias and GRPO knob, and offline GDRO's loss knobs in the offline section."""
+    d = cfg.to_dict()
+    t, opts = d["train"], cfg.effective_loss_options()
+    t.update({"clip_range": 1e-3, "global_std": False, "advantage_options": {}, "nft_beta": 1.0, "pref_beta": 12.0,
+              "pref_tau": 0.05})
+    if t["loss"] in ("grpo", "grpo_guard"):
+        t.update({k: opts[k] for k in ("clip_range", "global_std", "advantage_options")})
+    if t["loss"] == "nft":
+        t.update({"nft_beta": opts["beta"], "global_std": opts["global_std"]})
+    d["offline"].update({"beta": 12.0, "tau": 0.05, "gamma": 0.5, "t_sampling": "uniform", "t_min": 0.02,
+                         "t_max": 0.98, "t_mean": 0.0, "t_std": 1.0})
+    if t["loss"] == "offline_gdro":
+        d["offline"].update({k: opts[k] for k in ("beta", "tau", "gamma", "t_sampling", "t_min", "t_max")})
+        t["loss"] = "grpo"  # an offline run's loss was never read: the default stood in its config.yaml
+    t["loss_options"] = {}
+    return d
+
+
+@pytest.mark.parametrize("recipe", ["digits", "digits_branch", "digits_sol_nft", "digits_gdro", "sd3_group_pickscore"])
+def test_a_run_saved_before_the_options_moved_loads_and_resumes(recipe, tmp_path):
+    import yaml
+
+    from flowrl.trainers.config import load_run_config
+    from flowrl.trainers.run_dir import RunDirectory, config_differences
+
+    cfg = load_config(recipe)
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump(_old_format(cfg)))
+    with pytest.raises(ConfigError, match="It is an option of the update now"):
+        load_config(saved)  # a recipe with the old keys: the error names their new place
+    old = load_run_config(saved)  # a run directory's config: upgraded
+    assert old.train.loss == cfg.train.loss and old.effective_loss_options() == cfg.effective_loss_options()
+    assert config_differences(old, cfg, set()) == []
+    RunDirectory(tmp_path, cfg, resume=True, resume_free=set())  # --resume accepts the recipe it was started with
+    with pytest.raises(ConfigError, match="train.loss_options"):
+        RunDirectory(tmp_path, load_config(recipe, ["train.loss_options.beta=0.5" if cfg.train.loss in
+                                                    ("nft", "offline_gdro") else "train.loss_options.clip_range=0.5"]),
+                     resume=True, resume_free=set())

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from flowrl.pipelines import build_policy
-from flowrl.pipelines.digits import DigitsPolicy, parse_digit, tokenize
+from flowrl.pipelines.digits import DigitsPolicy, tokenize
+from flowrl.data.digits import parse_digit
 
 
 def test_parse_and_tokenize():

@@ -36,7 +36,8 @@ def test_two_processes_train_in_sync(tiny_digits_dir, tmp_path):
 
 def test_offline_gdro_sharded_matches_ddp(tiny_digits_dir, tmp_path):
     """The offline trainer under train.sharding=fsdp (two processes): the DDP run's losses and weights."""
-    from flowrl.trainers.checkpoint import list_checkpoints, load_checkpoint
+    from flowrl.checkpoints.common import list_checkpoints
+    from flowrl.checkpoints import load_checkpoint
     from flowrl.trainers.config import load_config
     from flowrl.trainers.offline import generate_offline
 

@@ -221,4 +221,5 @@ def test_readme_writes_only_what_it_says(workdirs):
     assert sorted(p.name for p in wd.iterdir()) == ["bench", "data", "lora_out", "runs", "three.png"]
     assert sorted(p.name for p in (wd / "runs").iterdir()) == ["a", "demo", "gdro", "smoke"]
     assert sorted(p.name for p in (wd / "bench").iterdir()) == sorted(
-        f"{k}.{ext}" for k in ("branch", "tempflow", "sol", "preference", "offline") for ext in ("json", "png"))
+        [f"{k}.{ext}" for k in ("branch", "tempflow", "sol", "preference", "offline") for ext in ("json", "png")]
+        + ["reward.json"])

@@ -16,10 +16,10 @@ from conftest import tiny_train_overrides
 from flowrl.cli import main as cli_main
 from flowrl.export import EXPORT_JSON, LORA_WEIGHT_NAME, ExportError, export_run
 from flowrl.pipelines.tiny import make_tiny
-from flowrl.trainers.checkpoint import list_checkpoints
+from flowrl.checkpoints.common import list_checkpoints
 from flowrl.trainers.config import load_config
 from flowrl.trainers.online import train
-from flowrl.trainers.weights import add_lora, load_trainable_state
+from flowrl.trainable import add_lora, load_trainable_state
 from helpers import IMAGE, ROOT, fixed_velocity, tiny_overrides
 
 RANK, ALPHA = 4, 16  # scaling alpha / r = 4: lost if the export dropped alpha (diffusers' default alpha = r)

@@ -94,7 +94,7 @@ def test_edit_items_true_cfg_and_errors(tiny):
 def test_editing_recipe_trains_on_the_tiny_model(tiny, tmp_path):
     """Two GRPO iterations of recipes/flux_kontext_edit.yaml on the tiny model (text instructions:
     the editing data path reaches the trainer in a later change), LoRA on FLUX's targets + proj_mlp."""
-    from flowrl.trainers.checkpoint import list_checkpoints
+    from flowrl.checkpoints.common import list_checkpoints
     from flowrl.trainers.config import load_config
     from flowrl.trainers.online import train
     from helpers import ROOT, lora_weights, tiny_overrides, train_records

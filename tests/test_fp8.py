@@ -8,7 +8,7 @@ import torch
 from flowrl.quant import BackendUnavailable, get_quantizer
 from flowrl.quant.fp8_linear import E4M3, FP8Linear, scaled_mm_problem
 from flowrl.quant.kernels import display_label, kernel_info
-from flowrl.quant.sync import swapped_transformer
+from flowrl.types import swapped_transformer
 from flowrl.rollout.ode import ode_sample
 from flowrl.seeding import derive_seeds
 

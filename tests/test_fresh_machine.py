@@ -116,7 +116,7 @@ def test_wheel_from_clean_copy_runs_without_editable_install(tmp_path, tiny_digi
              "finders = [repr(f) for f in sys.meta_path if 'editable' in repr(f).lower()]; "
              "assert not finders, finders; "
              "[importlib.import_module(m) for m in sys.argv[2:]]; "
-             "from flowrl.trainers.config import load_config, shipped_recipes; "
+             "from flowrl.trainers.config import load_config; from flowrl.trainers.config_text import shipped_recipes; "
              "names = [p.stem for p in shipped_recipes()]; [load_config(n) for n in names]; "
              "print(len(names), len(load_config('digits').data.train_prompts()))")
     r = subprocess.run([str(vpy), "-c", probe, str(site), *modules], cwd=elsewhere, env=env, capture_output=True,

@@ -1,4 +1,4 @@
-"""`train.sharding=fsdp` (FSDP2, trainers/sharding.py) under two CPU processes (gloo), against DDP.
+"""`train.sharding=fsdp` (FSDP2, flowrl/distributed/fsdp.py) under two CPU processes (gloo), against DDP.
 
 The tiny SD3 pipeline through the shipped recipes: the sharded run's losses, rewards, gradient norms,
 learning rates and final weights equal the DDP run's; a SIGKILL in the middle of a sharded checkpoint
@@ -18,9 +18,11 @@ import pytest
 import torch
 
 from flowrl.pipelines.tiny import make_tiny
-from flowrl.trainers.checkpoint import list_checkpoints, load_checkpoint
-from flowrl.trainers.checkpoint_sharded import read_full_tensors
-from flowrl.trainers.config import ConfigError, load_config
+from flowrl.checkpoints import load_checkpoint
+from flowrl.checkpoints.common import list_checkpoints
+from flowrl.checkpoints.sharded import ShardedCheckpoint
+from flowrl.errors import ConfigError
+from flowrl.trainers.config import load_config
 from helpers import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,7 +129,7 @@ def test_one_process_resumes_a_two_process_checkpoint(runs, tiny_sd3, tmp_path):
         tr.setup()
         assert tr.acc.num_processes == 1 and tr.start_iteration == 1 and is_sharded(tr.model)
         ck = list_checkpoints(run / "checkpoints")[-1]
-        saved, saved_opt = read_full_tensors(ck, "trainable"), read_full_tensors(ck, "optimizer.state")
+        saved, saved_opt = ShardedCheckpoint.tensors(ck, "trainable"), ShardedCheckpoint.tensors(ck, "optimizer.state")
         trained = {n: p for n, p in tr.model.named_parameters() if p.requires_grad}
         assert _max_diff(saved, {n: full_tensor(p.detach()) for n, p in trained.items()}) == 0.0
         for key in ("exp_avg", "exp_avg_sq"):  # AdamW moments, by parameter name
@@ -197,7 +199,7 @@ def test_fsdp_matches_ddp_across_samplers_and_updates(tiny_sd3, tmp_path, case):
 def test_fsdp_units_are_the_blocks_the_models_list(tmp_path):
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
-    from flowrl.trainers.sharding import block_modules
+    from flowrl.distributed.fsdp import block_modules
 
     sd3 = SD3Transformer2DModel.from_pretrained(make_tiny("sd3", tmp_path / "sd3", image_size=32), subfolder="transformer")
     assert [type(b).__name__ for b in block_modules(sd3)] == ["JointTransformerBlock"] * sd3.config.num_layers
@@ -211,7 +213,7 @@ def test_fsdp_units_are_the_blocks_the_models_list(tmp_path):
 def test_sharding_settings_fail_clearly(tiny_sd3):
     from accelerate.utils import DistributedType
 
-    from flowrl.trainers.sharding import check_launcher, shard_model
+    from flowrl.distributed.fsdp import check_launcher, shard_model
 
     with pytest.raises(ConfigError, match="train.sharding must be one of none, fsdp"):
         load_config(ROOT / "recipes" / "sd3_group_pickscore.yaml", ["train.sharding=zero3"])

@@ -116,7 +116,7 @@ def test_ranking_stats():
 
 # ---------------------------------------------------------------- implicit rewards through a model
 def test_implicit_rewards_from_a_lora_policy(tiny_digits_policy):
-    from flowrl.trainers.weights import Reference, add_lora
+    from flowrl.trainable import Reference, add_lora
 
     pol = tiny_digits_policy
     add_lora(pol.transformer, 4, 8.0, pol.lora_target_modules)
@@ -137,7 +137,7 @@ def test_implicit_rewards_from_a_lora_policy(tiny_digits_policy):
 
 
 def _lora_setup(policy, g, k, seed):
-    from flowrl.trainers.weights import Reference, add_lora
+    from flowrl.trainable import Reference, add_lora
 
     torch.manual_seed(0)
     add_lora(policy.transformer, 4, 8.0, policy.lora_target_modules)
@@ -210,7 +210,7 @@ def tiny_dataset(tiny_digits_dir, tmp_path_factory):
 def _weights(run):
     from safetensors.torch import load_file
 
-    from flowrl.trainers.checkpoint import list_checkpoints
+    from flowrl.checkpoints.common import list_checkpoints
 
     return load_file(str(list_checkpoints(run / "checkpoints")[-1] / "trainable.safetensors"))
 
@@ -257,8 +257,8 @@ def test_offline_exact_resume(tiny_digits_dir, tiny_dataset, full_run, tmp_path)
 
 
 def test_offline_config_errors_name_the_fix(tiny_digits_dir, tiny_dataset, tmp_path):
-    from flowrl.data.offline import DatasetError
-    from flowrl.trainers.config import ConfigError
+    from flowrl.data.offline_store import DatasetError
+    from flowrl.errors import ConfigError
     from flowrl.trainers.offline import OfflineTrainer
 
     with pytest.raises(ConfigError, match="generate-offline"):
@@ -292,10 +292,11 @@ def test_every_gdro_recipe_loads():
 
     for name, mode in (("digits_gdro.yaml", "offline"), ("flux_gdro_ocr.yaml", "offline"), ("sd3_gdro_ocr.yaml", "offline")):
         cfg = load_config(ROOT / "recipes" / name)
-        assert cfg.train.mode == mode
+        assert cfg.train.mode == mode and cfg.train.loss == "offline_gdro"
     for name in ("flux_gdro_ocr.yaml", "sd3_gdro_ocr.yaml"):
-        o = load_config(ROOT / "recipes" / name).offline
-        assert (o.k, o.tau, o.beta, o.gamma) == (6, 0.05, 12.0, 0.5), name  # the paper's OCR settings
+        cfg = load_config(ROOT / "recipes" / name)
+        o = cfg.effective_loss_options()
+        assert (cfg.offline.k, o["tau"], o["beta"], o["gamma"]) == (6, 0.05, 12.0, 0.5), name  # the paper's OCR settings
 
 
 def test_cli_generate_train_rescore(tiny_digits_dir, tmp_path, capsys):
@@ -345,7 +346,7 @@ def test_bench_offline_smoke(tiny_digits_dir, tmp_path):
 
 def test_generate_offline_with_text_cache_writes_the_same_dataset(tiny_digits_dir, tiny_dataset, tmp_path):
     """``model.text_embedding_cache`` during generation: the cache is written, the latents are unchanged."""
-    from flowrl.data.offline import OfflineDataset
+    from flowrl.data.offline_store import OfflineDataset
     from flowrl.trainers.offline import generate_offline
 
     ds = tmp_path / "ds"

@@ -12,7 +12,7 @@ import torch
 
 from flowrl.quant import get_quantizer
 from flowrl.quant.kernels import kernel_info
-from flowrl.quant.sync import swapped_transformer
+from flowrl.types import swapped_transformer
 from flowrl.rollout.ode import ode_sample
 from flowrl.seeding import derive_seeds
 

@@ -7,7 +7,8 @@ import torch
 
 from conftest import tiny_train_overrides
 from flowrl.losses import grpo_clipped_loss
-from flowrl.trainers.config import ConfigError, load_config
+from flowrl.trainers.config import load_config
+from flowrl.errors import ConfigError
 from flowrl.trainers.online import train
 from flowrl.updates.grpo_guard import guard_clipped_loss
 

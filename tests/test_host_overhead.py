@@ -10,7 +10,7 @@ from diffusers import SD3Transformer2DModel
 
 from flowrl.bench.host import HostOptions, bench_trainer, host_counters
 from flowrl.pipelines import common
-from flowrl.pipelines.common import cfg_uncond_gradient, forget_module_dtype, module_dtype, transformer_dtype
+from flowrl.pipelines.common import forget_module_dtype, module_dtype, transformer_dtype
 from flowrl.pipelines.digits import tiny_transformer_config
 from flowrl.rollout.branch import BranchSampler
 from flowrl.rollout.group import GroupSampler
@@ -117,13 +117,13 @@ def test_training_cfg_runs_the_unconditional_half_outside_the_graph(tiny_digits_
     pol.transformer.requires_grad_(True)
     x, s, cond = pol.initial_noise([1, 2]), torch.tensor([0.8, 0.4]), pol.encode_prompts(P)
     log, hook = _forward_log(pol.transformer)
-    with cfg_uncond_gradient(False):
-        v_split, split_bytes = _saved_bytes(lambda: pol.velocity(x, s, cond))
-        assert log == [(2, False), (2, True)]  # uncond alone under no_grad, then cond with the graph
-        log.clear()
-        with torch.no_grad():
-            v_sample = pol.velocity(x, s, cond)
-        assert log == [(4, False)]  # sampling keeps the one doubled batch
+    pol.cfg_uncond_grad = False  # as the trainer sets it from train.cfg_uncond_grad (default)
+    v_split, split_bytes = _saved_bytes(lambda: pol.velocity(x, s, cond))
+    assert log == [(2, False), (2, True)]  # uncond alone under no_grad, then cond with the graph
+    log.clear()
+    with torch.no_grad():
+        v_sample = pol.velocity(x, s, cond)
+    assert log == [(4, False)]  # sampling keeps the one doubled batch
 
     def doubled_detached():  # what the trainer ran before: one [2B] graph, uncond detached after
         out = pol._forward(torch.cat([x, x]), torch.cat([s, s]),
@@ -150,10 +150,10 @@ def test_sd3_and_flux_training_cfg_split(tiny_pipelines, kind):
     pol.transformer.requires_grad_(True)
     x, s, cond = pol.initial_noise([1, 2]), torch.tensor([0.8, 0.4]), pol.encode_prompts(["a cat", "a dog"])
     log, hook = _forward_log(pol.transformer)
-    with cfg_uncond_gradient(False):
-        v = pol.velocity(x, s, cond)
-        with torch.no_grad():
-            v_sample = pol.velocity(x, s, cond)
+    pol.cfg_uncond_grad = False
+    v = pol.velocity(x, s, cond)
+    with torch.no_grad():
+        v_sample = pol.velocity(x, s, cond)
     hook.remove()
     assert log == [(2, False), (2, True), (4, False)]
     torch.testing.assert_close(v, v_sample, rtol=1e-4, atol=1e-5)
@@ -221,20 +221,19 @@ def _encode_spy(pol, monkeypatch):
 
 @pytest.mark.parametrize("loss", ["grpo", "nft", "dpo"])
 def test_update_reuses_the_rollout_conditioning(tiny_digits_policy, tmp_path, loss, monkeypatch):
-    from flowrl.trainers.online import UPDATES
-
     pol = tiny_digits_policy
-    tr = _digits_trainer(pol, tmp_path, f"train.loss={loss}")
+    own = [] if loss == "grpo" else ["train.loss_options={}"] + (["train.beta_kl=0"] if loss == "dpo" else [])
+    tr = _digits_trainer(pol, tmp_path, f"train.loss={loss}", *own)  # (the recipe's options and KL are GRPO's)
     ro = (GroupSampler(group_size=4, num_steps=2)(pol, P, _mean_pixel, seed=3) if loss == "grpo" else
           ode_rollout(pol, P, list(range(8)), 2, _mean_pixel))
     with torch.no_grad():
         want = pol.encode_prompts(ro.prompts)
     assert all(torch.equal(ro.cond[k], want[k]) for k in want)  # encoded in the same batch: bit for bit
     calls = _encode_spy(pol, monkeypatch)
-    UPDATES[loss](tr, ro, 0)
+    tr.update_object(loss)(ro, 0)
     assert calls == []  # before: one encode_prompts(rollout.prompts) per update
     ro.cond = None  # a rollout that kept none: encoded once, as before
-    UPDATES[loss](tr, ro, 1)
+    tr.update_object(loss)(ro, 1)
     assert calls == [list(ro.prompts)]
 
 
@@ -256,11 +255,11 @@ def test_update_reads_device_values_once_per_optimizer_step(tiny_digits_policy, 
     upd.minibatch_loss = counted
     stats, _ = upd(ro, 0)
     assert per_minibatch == [0] * 4  # before: 5 each (.item() of 3 loss stats, the loss, the KL)
-    assert tr.opt_steps + tr.skipped == 2 and not any(isinstance(v, torch.Tensor) for v in stats.values())
+    assert tr.steps.opt_steps + tr.steps.skipped == 2 and not any(isinstance(v, torch.Tensor) for v in stats.values())
     sums, mbs = {}, list(torch.arange(len(ro.transitions)).split(4))
     cond, (adv, _) = ro.conditioning(pol), transition_advantages(ro)
     with host_counters() as c:
-        n = tr._accumulate(mbs, lambda mb: mbl(ro, cond, mb, adv), sums)
+        n = tr.steps.accumulate(mbs, lambda mb: mbl(ro, cond, mb, adv), sums)
     # one step-or-skip read per optimizer step, one for all the stats (before: 3 per minibatch + 2 per step)
     assert n == 4 and c["reads_flowrl"] == 2 + 1
     assert {"loss", "kl", "clip_fraction", "ratio_mean", "grad_norm", "policy_loss"} <= set(sums)
@@ -280,10 +279,10 @@ def test_nonfinite_pass_skips_its_group_and_leaves_the_weights_alone(tiny_digits
 
     sums = {}
     with host_counters() as c:
-        n = trs[0]._accumulate([False, True, False, False], loss_of(pols[0]), sums)  # group 1 has a NaN pass
-    trs[1]._accumulate([False, False], loss_of(pols[1]), {})  # group 2 alone
+        n = trs[0].steps.accumulate([False, True, False, False], loss_of(pols[0]), sums)  # group 1 has a NaN pass
+    trs[1].steps.accumulate([False, False], loss_of(pols[1]), {})  # group 2 alone
     assert c["reads_flowrl"] == 2 + 1
-    assert n == 3 and sums["stat"] == 3.0 and trs[0].skipped == 1 and trs[0].opt_steps == 1
+    assert n == 3 and sums["stat"] == 3.0 and trs[0].steps.skipped == 1 and trs[0].steps.opt_steps == 1
     assert torch.isnan(torch.as_tensor(sums["grad_norm"])).item()  # NaN logged for the skipped step, as before
     w = [{k: v for k, v in t.unwrapped.state_dict().items() if "lora" in k} for t in trs]
     assert w[0] and all(torch.equal(w[0][k], w[1][k]) for k in w[0])  # the NaN group left no trace
@@ -333,7 +332,7 @@ def test_cuda_rollout_and_update_sync_per_step_not_per_row(tmp_path):
     tr = bench_trainer(pol, o, tmp_path)
     with host_counters(pol.transformer) as c:
         tr.update_object("grpo")(ro, 0)
-    assert c["cuda_syncs"] <= (tr.opt_steps + tr.skipped) + 8  # per optimizer step, not per minibatch
+    assert c["cuda_syncs"] <= (tr.steps.opt_steps + tr.steps.skipped) + 8  # per optimizer step, not per minibatch
 
 
 def test_bench_host_sd35m_path_with_a_small_config(monkeypatch):

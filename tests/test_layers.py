@@ -1,12 +1,14 @@
 """Layers import downward only (flowrl.layers): every module under flowrl/, pipelines/ and rewards/
-imports nothing from a layer above its own, at module level or inside a function."""
+imports nothing from a layer above its own, at module level or inside a function, and no modules
+import each other in a circle (lazy imports included)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from flowrl.layers import LAYERS, check_tree, discover, imports_of, layer_name, layer_of, upward_imports
+from flowrl.layers import (LAYERS, check_tree, discover, import_cycles, imports_of, layer_name, layer_of, module_graph,
+                           upward_imports)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -14,6 +16,26 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_module_imports_downward_only():
     bad = check_tree(ROOT)
     assert not bad, "upward imports (see flowrl/layers.py and docs/design.md, Layers):\n" + "\n".join(bad)
+
+
+def test_no_import_cycles_counting_lazy_imports():
+    cycles = import_cycles(module_graph(ROOT))
+    assert cycles == [], "modules that import each other (a lazy import counts too):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_cycle_finder_finds_loops_through_lazy_imports():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+    src = "def f():\n    from flowrl.rollout import ode\n"  # inside a function: still an edge
+    assert {e.target for e in imports_of(src, "flowrl.sde", known={"flowrl.rollout.ode"})} == {"flowrl.rollout.ode"}
+
+
+def test_no_trainer_module_sits_below_the_trainers():
+    trainers = layer_of("flowrl.trainers")
+    assert all(not p.startswith("flowrl.trainers") for i, (_, ps) in enumerate(LAYERS) if i != trainers for p in ps)
+    below = [m for m in discover(ROOT) if m.startswith("flowrl.") and layer_of(m) < trainers]
+    assert [e for m in below for e in _edges_of(m) if e.target.startswith("flowrl.trainers")] == []
 
 
 def test_every_module_has_a_layer():
@@ -26,6 +48,7 @@ def test_every_module_has_a_layer():
     ("flowrl.utils.io", "utils"), ("flowrl.sde", "math"), ("flowrl.advantages.tempflow", "math"),
     ("flowrl.data.digits", "components"), ("flowrl.data.offline_store", "components"),
     ("flowrl.data.offline", "data.offline"), ("flowrl.rollout.ode", "rollout"), ("flowrl.updates.grpo", "builders"),
+    ("flowrl.errors", "utils"), ("flowrl.trainable", "training"), ("flowrl.checkpoints.sharded", "training"),
     ("flowrl.trainers.online", "trainers"), ("flowrl.cli", "application"), ("flowrl", "utils")])
 def test_most_specific_prefix_wins(module, layer):
     assert layer_name(layer_of(module)) == layer
@@ -79,6 +102,8 @@ def test_utils_import_nothing_else_from_flowrl():
 
 
 @pytest.mark.parametrize("module", ["flowrl.export", "flowrl.sampling_cli", "flowrl.bench.precision"])
-def test_sampling_and_export_do_not_import_the_online_trainer(module):
-    # sampling, export and the precision benchmarks build policies with flowrl.builders
-    assert [e for e in _edges_of(module) if e.target.startswith("flowrl.trainers.online")] == []
+def test_sampling_and_export_use_no_trainer_but_the_config(module):
+    # sampling, export and the precision benchmarks build policies with flowrl.builders and read
+    # checkpoints with flowrl.checkpoints; of the trainers they read only the run's config
+    assert [e.target for e in _edges_of(module) if e.target.startswith("flowrl.trainers")
+            and not e.target.startswith("flowrl.trainers.config")] == []

@@ -7,8 +7,9 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import tiny_train_overrides
-from flowrl.trainers.checkpoint import list_checkpoints
-from flowrl.trainers.config import ConfigError, load_config
+from flowrl.checkpoints.common import list_checkpoints
+from flowrl.trainers.config import load_config
+from flowrl.errors import ConfigError
 from flowrl.trainers.online import train
 
 
@@ -23,6 +24,7 @@ def _recipe(tmp_path, regen="ode"):
 
 def _cfg(path, model_dir, **extra):
     ov = [o for o in tiny_train_overrides(model_dir, **{"train.lr": 1e-2, "train.batch_size": 8, "train.loss": "nft",
+                                                        "train.loss_options": "{}",
                                                         "train.minibatch_size": 4, **extra})
           if not o.startswith("sampler.")]
     return load_config(path, ov)

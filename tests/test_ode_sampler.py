@@ -6,8 +6,8 @@ from safetensors.torch import load_file
 
 from conftest import tiny_train_overrides
 from flowrl.rollout.ode import ODEGroupSampler, ode_sample
-from flowrl.trainers.checkpoint import list_checkpoints
-from flowrl.trainers.config import ConfigError
+from flowrl.checkpoints.common import list_checkpoints
+from flowrl.errors import ConfigError
 from flowrl.trainers.online import train
 
 
@@ -27,20 +27,22 @@ def test_ode_group_sampler_matches_ode_sample(tiny_digits_policy):
 def test_grpo_needs_stochastic_transitions(tiny_digits_dir, sampler):
     import yaml
 
-    from flowrl.trainers.config import Config, apply_overrides
+    from flowrl.trainers.config import Config
+    from flowrl.trainers.config_text import apply_overrides
 
     d = yaml.safe_load(open("recipes/digits.yaml"))
     d["sampler"] = {}
     with pytest.raises(ConfigError, match="stores no stochastic transitions.*train.loss=nft"):
         Config.from_dict(apply_overrides(d, sampler + ["train.batch_size=16"]))
-    cfg = Config.from_dict(apply_overrides(d, sampler + ["train.batch_size=16", "train.loss=nft"]))
+    cfg = Config.from_dict(apply_overrides(d, sampler + ["train.batch_size=16", "train.loss=nft", "train.loss_options={}"]))
     assert cfg.prompts_per_iteration == 4
 
 
 def test_flat_nft_trains(tiny_digits_dir, tmp_path):
     import yaml
 
-    from flowrl.trainers.config import Config, apply_overrides
+    from flowrl.trainers.config import Config
+    from flowrl.trainers.config_text import apply_overrides
 
     d = yaml.safe_load(open("recipes/digits_sol_nft.yaml"))
     d["sampler"] = {"name": "ode", "group_size": 4, "num_steps": 4}

@@ -5,8 +5,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flowrl.data.offline import (DatasetError, GenerationSettings, OfflineDataset, add_reward_column, generate_dataset,
-                                 group_seeds, read_index)
+from flowrl.data.offline import GenerationSettings, add_reward_column, generate_dataset, group_seeds
+from flowrl.data.offline_store import DatasetError, OfflineDataset, read_index
 
 PROMPTS = [f"a handwritten digit {d}" for d in range(3)]
 

@@ -80,9 +80,9 @@ def test_share_permissions_adds_only_what_the_umask_allows(tmp_path):
 
 
 def test_checkpoint_files_are_team_readable(tmp_path, umask_022):
-    from flowrl.trainers.checkpoint import save_checkpoint
+    from flowrl.checkpoints.unsharded import UnshardedCheckpoint
 
-    ck = save_checkpoint(tmp_path / "ck", 1, trainable={"w": torch.ones(2)}, optimizer={}, scheduler={}, state={},
+    ck = UnshardedCheckpoint.save(tmp_path / "ck", 1, trainable={"w": torch.ones(2)}, optimizer={}, scheduler={}, state={},
                          ema={"w": torch.ones(2)})
     assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in ck.iterdir()} == dict.fromkeys(
         ["trainable.safetensors", "ema.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"], 0o644)

@@ -14,7 +14,8 @@ from flowrl.advantages.group import group_structure
 from flowrl.losses import kl_form_for_step, kl_to_reference
 from flowrl.rollout.sol import select_indices
 from flowrl.sde import cps_flow_grpo_step, cps_step, sde_step
-from flowrl.trainers.config import ConfigError, TrainConfig
+from flowrl.trainers.config import TrainConfig
+from flowrl.errors import ConfigError
 
 torch.manual_seed(0)
 X = torch.randn(3, 4, 5, 5)
@@ -183,7 +184,6 @@ def _grads(policy, fn):
 
 def test_cfg_training_gradient_detaches_the_unconditional_half(tmp_path):
     """Flow-GRPO's training forward: v = u.detach() + s (c - u.detach()); values unchanged."""
-    from flowrl.pipelines.common import cfg_uncond_gradient
     from flowrl.pipelines.sd3 import SD3Policy
     from flowrl.pipelines.tiny import make_tiny
 
@@ -201,11 +201,13 @@ def test_cfg_training_gradient_detaches_the_unconditional_half(tmp_path):
         u = u.detach()
         return u + 4.5 * (c - u)
 
-    with cfg_uncond_gradient(False):
-        v_det = pol.velocity(x, sig, cond)
-        g_det = _grads(pol, lambda: pol.velocity(x, sig, cond))
+    assert pol.cfg_uncond_grad  # a policy's default: gradient through both halves
+    g_full = _grads(pol, lambda: pol.velocity(x, sig, cond))
+    pol.cfg_uncond_grad = False  # what the trainer sets from train.cfg_uncond_grad=false (the default)
+    v_det = pol.velocity(x, sig, cond)
+    g_det = _grads(pol, lambda: pol.velocity(x, sig, cond))
     g_hand = _grads(pol, by_hand)
-    g_full = _grads(pol, lambda: pol.velocity(x, sig, cond))  # default: gradient through both halves
+    pol.cfg_uncond_grad = True
     torch.testing.assert_close(v_det, pol.velocity(x, sig, cond))
     # the detached half runs as its own no-grad pass (batch B, not 2B): equal up to float32 rounding
     # of the other batch size (~4e-7 of the norm here; doubled vs float64: the same ~4e-7)
@@ -227,13 +229,14 @@ def test_trainer_passes_kl_form_dt_and_cfg_setting(tiny_digits_dir, tmp_path, mo
                         lambda *a, **k: seen.append((k["form"], k["dt"])) or real_kl(*a, **k))
     real_cfg = common.cfg_combine
 
-    def spy(u, c, s):
-        uncond.append(common._UNCOND_GRAD.get())
-        return real_cfg(u, c, s)
+    def spy(u, c, s, *, uncond_grad):
+        uncond.append((uncond_grad, torch.is_grad_enabled()))
+        return real_cfg(u, c, s, uncond_grad=uncond_grad)
 
     monkeypatch.setattr("flowrl.pipelines.digits.cfg_combine", spy)
     cfg = load_config("recipes/digits.yaml", tiny_train_overrides(tiny_digits_dir, **{
         "train.iterations": 1, "train.beta_kl": 0.04, "train.kl_form": "flow_grpo", "model.guidance_scale": 2.0}))
     online.train(cfg, tmp_path / "run")
     assert seen and all(f == "flow_grpo" and (dt < 0).all() for f, dt in seen)
-    assert False in uncond and True in uncond  # detached in the update only (rollouts run without grad)
+    assert (False, True) in uncond  # the update's differentiable forwards detach the unconditional half
+    assert all(not grad_flows for grad_flows, _ in uncond)  # train.cfg_uncond_grad=false reaches every call

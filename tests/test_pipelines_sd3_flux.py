@@ -151,7 +151,7 @@ def test_recipe_dtypes_and_wrapped_transformer(tiny_dirs, kind):
     puts a distributed wrapper (DDP / FSDP / DeepSpeed: the model in ``.module``, no ``.dtype``)
     in place of the transformer; LoRA weights train in fp32 on a bf16 base."""
     from flowrl.pipelines.common import resolve_dtype
-    from flowrl.trainers.weights import add_lora
+    from flowrl.trainable import add_lora
 
     assert resolve_dtype("bf16") is torch.bfloat16 and resolve_dtype(torch.float16) is torch.float16
     assert resolve_dtype({"default": "bfloat16", "vae": "float32"}) == {"default": torch.bfloat16, "vae": torch.float32}

@@ -10,7 +10,8 @@ import pytest
 from flowrl.cli import main
 from flowrl.plan.core import GiB, plan_memory
 from flowrl.plan.report import parse_memory
-from flowrl.trainers.config import ConfigError, load_config
+from flowrl.trainers.config import load_config
+from flowrl.errors import ConfigError
 
 SHIPPED = ["recipes/sd3_group_pickscore.yaml"] + sorted(  # the first one with the knob search (80 GiB)
     str(p.relative_to(Path(__file__).resolve().parents[1])) for p in (Path(__file__).resolve().parents[1] /
@@ -62,7 +63,7 @@ def test_a_reward_without_a_declared_size_is_reported_unknown(monkeypatch, capsy
     from flowrl import rewards
 
     monkeypatch.setitem(rewards.REGISTRY, "mystery", lambda **kw: (lambda images, prompts, **m: images.mean((1, 2, 3))))
-    p = _plan("recipes/sd3_group_pickscore.yaml", ["reward.weights={mystery: 1.0}", "reward.heldout={}"])
+    p = _plan("recipes/sd3_group_pickscore.yaml", ["reward.weights={mystery: 1.0}", "reward.options={}", "reward.heldout={}"])
     item = next(i for i in p.items if i.name == "reward model: mystery")
     assert not item.known and "unknown" in item.note and p.unknown == ["reward model: mystery"]
     from flowrl.plan.report import format_plan

@@ -11,7 +11,7 @@ import torch
 from flowrl.export import LORA_WEIGHT_NAME, write_lora
 from flowrl.pipelines import available, build_policy, policy_class
 from flowrl.pipelines.base import diffusers_attr
-from flowrl.trainers.weights import add_lora, trainable_state
+from flowrl.trainable import add_lora, trainable_state
 from flowrl.types import FlowPolicy
 from helpers import PROMPTS, fixed_velocity
 

@@ -10,28 +10,32 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import tiny_train_overrides
-from flowrl.trainers.checkpoint import list_checkpoints
-from flowrl.trainers.config import Config, ConfigError, apply_overrides
+from flowrl.checkpoints.common import list_checkpoints
+from flowrl.trainers.config import Config
+from flowrl.errors import ConfigError
+from flowrl.trainers.config_text import apply_overrides
 from flowrl.trainers.online import OnlineTrainer, train
-from flowrl.trainers.preference_update import grouped, preference_update
+from flowrl.updates.preference import grouped
 
 
 def _cfg(path, loss, **extra):
     d = yaml.safe_load(open("recipes/digits.yaml"))
     d["sampler"] = {"name": "ode", "group_size": 4, "num_steps": 4}
-    ov = [o for o in tiny_train_overrides(path, **{"train.loss": loss, "train.lr": 1e-2, "train.beta_kl": 0,
+    ov = [o for o in tiny_train_overrides(path, **{"train.loss": loss, "train.loss_options": "{}", "train.lr": 1e-2,
+                                                   "train.beta_kl": 0,
                                                    "train.grad_accum": 1, **extra}) if not o.startswith("sampler.")]
     return Config.from_dict(apply_overrides(d, ov))
 
 
 @pytest.mark.parametrize("loss", ["dpo", "gdro"])
 def test_update_lowers_its_loss_on_a_fixed_rollout(tiny_digits_dir, tmp_path, loss):
-    tr = OnlineTrainer(_cfg(tiny_digits_dir, loss, **{"train.pref_beta": 50.0}), tmp_path / "run")
+    tr = OnlineTrainer(_cfg(tiny_digits_dir, loss, **{"train.loss_options.beta": 50.0}), tmp_path / "run")
     tr.setup()
     rollout = tr.sampler(tr.policy, tr._iteration_prompts(0), tr.reward, seed=1)
-    first = preference_update(tr, rollout, it=0, pairwise=loss == "dpo")
+    update = tr.update_object(loss)
+    first, _ = update(rollout, 0)
     for _ in range(6):
-        last = preference_update(tr, rollout, it=0, pairwise=loss == "dpo")  # same (t, eps): a fixed objective
+        last, _ = update(rollout, 0)  # same (t, eps): a fixed objective
     assert first["zero_var_fraction"] < 1 and first["transitions_trained"] > 0
     assert last["pref_loss"] < first["pref_loss"] and last["margin"] > first["margin"]
     tr.acc.end_training()
@@ -58,7 +62,10 @@ def test_unequal_groups_are_refused():
 
 
 def test_bad_preference_settings(tiny_digits_dir):
-    with pytest.raises(ConfigError, match="train.loss must be one of grpo, nft, dpo, gdro"):
+    with pytest.raises(ConfigError, match="train.loss: unknown update 'ppo'.*dpo, gdro, grpo"):
         _cfg(tiny_digits_dir, "ppo")
-    with pytest.raises(ConfigError, match="pref_beta must be > 0"):
-        _cfg(tiny_digits_dir, "dpo", **{"train.pref_beta": 0})
+    with pytest.raises(ConfigError, match="beta must be > 0"):
+        _cfg(tiny_digits_dir, "dpo", **{"train.loss_options.beta": 0})
+    with pytest.raises(ConfigError, match=r"unknown key train\.pref_beta\. It is an option of the update now: "
+                                          r"train\.loss_options\.beta \(train\.loss: dpo / gdro\)"):
+        _cfg(tiny_digits_dir, "dpo", **{"train.pref_beta": 2.0})

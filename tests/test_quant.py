@@ -9,7 +9,8 @@ from flowrl.quant import (BackendUnavailable, available_backends, backend_status
                           parse_backend_spec)
 from flowrl.quant.fidelity import kendall_tau, ranking_fidelity, spearman, topk_hit_rate
 from flowrl.quant.nvfp4_numerics import e2m1_round, e4m3_round, nvfp4_fake_quant
-from flowrl.quant.sync import QuantizedCopy, swapped_transformer
+from flowrl.quant.sync import QuantizedCopy
+from flowrl.types import swapped_transformer
 from flowrl.rollout.ode import ode_sample
 from flowrl.seeding import derive_seeds
 
@@ -167,7 +168,7 @@ def test_registry_names_status_and_errors():
 
 # ------------------------------------------------------------------ private copies
 def _lora_policy(policy):
-    from flowrl.trainers.weights import add_lora
+    from flowrl.trainable import add_lora
 
     add_lora(policy.transformer, 4, 8)
     with torch.no_grad():
@@ -332,7 +333,8 @@ def test_bench_precision_smoke(tiny_digits_policy, tmp_path):
     import argparse
     import json
 
-    from flowrl.bench.precision import add_precision_parser, bench_precision
+    from flowrl.bench.precision import bench_precision
+    from flowrl.bench.precision_cli import add_precision_parser
 
     out = bench_precision("digits", ["int8-dynamic", "nvfp4-emulated:engine=torch"], tmp_path / "p.json",
                           policy=tiny_digits_policy, batch=4, steps=2, repeats=1, seeds_per_prompt=3,

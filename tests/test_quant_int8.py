@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from flowrl.quant import get_quantizer
-from flowrl.quant.int8 import (ACTIVATION_MODES, KERNELS, LEVELS, WEIGHT_MODES, DynamicInt8Linear, SharedInput,
-                               kernel_available)
+from flowrl.quant.int8 import ACTIVATION_MODES, WEIGHT_MODES, DynamicInt8Linear
+from flowrl.quant.int8_kernels import KERNELS, LEVELS, SharedInput, kernel_available
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not get_quantizer("int8-dynamic").available(),

@@ -89,7 +89,7 @@ def test_qwen_image_errors(tiny):
 def test_grpo_trains_on_qwen_image(tiny, tmp_path):
     """Two GRPO iterations (group sampler, SDE window, true CFG on, KL on) of the Qwen-Image
     Flow-GRPO recipe on the tiny model, unsharded: the current samplers and updates run on it unchanged."""
-    from flowrl.trainers.checkpoint import list_checkpoints
+    from flowrl.checkpoints.common import list_checkpoints
     from flowrl.trainers.config import load_config
     from flowrl.trainers.online import train
     from helpers import ROOT, lora_weights, tiny_overrides, train_records
@@ -115,7 +115,7 @@ def test_grpo_trains_on_qwen_image(tiny, tmp_path):
     from diffusers import QwenImagePipeline
 
     from flowrl.export import export_run
-    from flowrl.trainers.weights import add_lora, load_trainable_state
+    from flowrl.trainable import add_lora, load_trainable_state
 
     export_run(run, tmp_path / "export")
     trained = QwenImagePolicy.from_pretrained(tiny, max_sequence_length=SEQ)

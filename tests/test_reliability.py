@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_train_overrides
-from flowrl.trainers.checkpoint import list_checkpoints
+from flowrl.checkpoints.common import list_checkpoints
 
 N_ITER = 4
 
@@ -153,7 +153,7 @@ def test_corrupt_newest_checkpoint_falls_back(tiny_digits_dir, tmp_path):
     assert t.start_iteration == 1  # resumed from the previous, readable checkpoint
     for c in ck:
         (c / "optimizer.pt").write_bytes(b"")
-    from flowrl.trainers.checkpoint import CheckpointError
+    from flowrl.checkpoints.common import CheckpointError
 
     with pytest.raises(CheckpointError, match="no readable checkpoint"):
         OnlineTrainer(load_config("recipes/digits.yaml",

@@ -172,7 +172,8 @@ def test_evaluation_scores_in_chunks_with_the_heldout_rewards(tiny_digits_policy
 
 def test_reward_overlap_is_a_validated_config_key(tiny_digits_dir):
     from flowrl.builders import build_reward
-    from flowrl.trainers.config import ConfigError, load_config
+    from flowrl.errors import ConfigError
+    from flowrl.trainers.config import load_config
 
     assert load_config("recipes/digits.yaml").reward.overlap is True
     cfg = load_config("recipes/digits.yaml", ["reward.overlap=false"])
@@ -186,7 +187,8 @@ def test_training_with_and_without_overlap_ends_on_the_same_weights(tiny_digits_
     import json
 
     from conftest import tiny_train_overrides
-    from flowrl.trainers.checkpoint import list_checkpoints, load_checkpoint
+    from flowrl.checkpoints import load_checkpoint
+    from flowrl.checkpoints.common import list_checkpoints
     from flowrl.trainers.config import load_config
     from flowrl.trainers.online import train
 

@@ -16,9 +16,10 @@ from flowrl.rewards.server_process import spawn
 
 def test_server_gone_mid_run_then_resume_ends_where_an_uninterrupted_run_ends(tiny_digits_dir, tmp_path, monkeypatch):
     from flowrl.trainers import online
-    from flowrl.trainers.checkpoint import list_checkpoints, load_checkpoint
+    from flowrl.checkpoints import load_checkpoint
+    from flowrl.checkpoints.common import list_checkpoints
     from flowrl.trainers.config import load_config
-    from flowrl.trainers.online import TrainingStopped, train
+    from flowrl.trainers.steps import TrainingStopped, train
 
     port = free_port()
     server = spawn("digits", port=port)

@@ -6,7 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.trainers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from flowrl.checkpoints.unsharded import UnshardedCheckpoint
+from flowrl.checkpoints.common import CheckpointError
+from flowrl.checkpoints import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [p for d in ("flowrl", "pipelines", "rewards") for p in (ROOT / d).rglob("*.py")]
@@ -32,7 +34,7 @@ class Evil:
 
 
 def test_pickled_code_in_checkpoint_is_refused(tmp_path, capsys):
-    ck = save_checkpoint(tmp_path, 1, trainable={"w": torch.ones(1)}, optimizer={}, scheduler={}, state={})
+    ck = UnshardedCheckpoint.save(tmp_path, 1, trainable={"w": torch.ones(1)}, optimizer={}, scheduler={}, state={})
     torch.save({"state": Evil()}, ck / "optimizer.pt")
     with pytest.raises(CheckpointError, match="unreadable"):
         load_checkpoint(ck)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flowrl.pipelines.tiny import make_tiny
-from flowrl.trainers.checkpoint import list_checkpoints
+from flowrl.checkpoints.common import list_checkpoints
 from flowrl.trainers.config import load_config
 from flowrl.trainers.online import train
 from helpers import IMAGE, ROOT, lora_weights, tiny_overrides, train_records
@@ -27,7 +27,8 @@ def tiny_sana(tmp_path_factory):
 
 def test_grpo_trains_on_sana(tiny_sana, tmp_path):
     """Two GRPO iterations (group sampler, SDE steps, CFG on) on the recipe's model section."""
-    overrides = ["sampler={name: group, step: sde, noise_level: 0.7}", "train.loss=grpo", "model.guidance_scale=4.5",
+    overrides = ["sampler={name: group, step: sde, noise_level: 0.7}", "train.loss=grpo",
+                 "train.loss_options={global_std: true}", "model.guidance_scale=4.5",  # (the recipe's are nft's)
                  f"model.text_embedding_cache={tmp_path / 'emb'}", "train.beta_kl=0.04"]
     cfg = load_config(RECIPE, overrides + tiny_overrides(tiny_sana, "group"))
     assert cfg.model.pipeline == "sana" and cfg.sampler.name == "group" and cfg.train.loss == "grpo"

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from flowrl.pipelines.tiny import make_tiny
-from flowrl.trainers.checkpoint import list_checkpoints
+from flowrl.checkpoints.common import list_checkpoints
 from flowrl.trainers.config import load_config
 from flowrl.trainers.online import train
 from helpers import IMAGE, ROOT, lora_weights, tiny_overrides, train_records

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from flowrl.smoke import SAMPLERS, smoke_config, smoke_run
-from flowrl.trainers.checkpoint import list_checkpoints
-from flowrl.trainers.config import load_config, shipped_recipes
+from flowrl.checkpoints.common import list_checkpoints
+from flowrl.trainers.config import load_config
+from flowrl.trainers.config_text import shipped_recipes
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
 RECIPES = [p.stem for p in shipped_recipes()]
@@ -43,7 +44,7 @@ def test_smoke_keeps_the_recipes_cache_paths_clean(tmp_path):
 
 
 def test_user_overrides_apply_under_the_smoke_sizes(tmp_path):
-    cfg, _ = smoke_config("recipes/digits.yaml", ["train.loss=dpo", "train.iterations=50"], tmp_path)
+    cfg, _ = smoke_config("recipes/digits.yaml", ["train.loss=dpo", "train.beta_kl=0", "train.iterations=50"], tmp_path)
     assert cfg.train.loss == "dpo" and cfg.train.iterations == 1  # the user's choice kept, the size shrunk
 
 

@@ -111,7 +111,7 @@ def test_ode_regen_with_none_backend_reproduces_exploration(tiny_digits_policy):
 
 # ------------------------------------------------------------------ re-sync after updates
 def test_exploration_copy_follows_updates(tiny_digits_policy):
-    from flowrl.trainers.weights import add_lora
+    from flowrl.trainable import add_lora
 
     pol, reward = tiny_digits_policy, BrightnessReward()
     add_lora(pol.transformer, 4, 8)
@@ -173,7 +173,8 @@ def test_sol_sampler_trains_through_the_online_trainer(tiny_digits_dir, tmp_path
 def test_gpu_recipe_loads_on_cpu_but_refuses_to_run(tiny_digits_dir, tmp_path):
     import torch
 
-    from flowrl.trainers.config import ConfigError, load_config
+    from flowrl.trainers.config import load_config
+    from flowrl.errors import ConfigError
     from flowrl.trainers.online import OnlineTrainer
 
     for recipe in ("flux_sol_nvfp4", "sd35l_sol_nvfp4", "sd3_sol_nvfp4"):  # the paper's pool 96, 6 steps, 12+12

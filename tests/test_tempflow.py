@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from flowrl.advantages import transition_advantages
-from flowrl.advantages.tempflow import noise_aware_weights, step_noise_scales, tempflow_structure
+from flowrl.advantages.tempflow import tempflow_structure
+from flowrl.noise import noise_aware_weights, step_noise_scales
 from flowrl.rollout import GroupSampler, TempFlowSampler
 from flowrl.schedules import flow_sigmas
 from flowrl.sde import STEPS, ode_step

@@ -85,7 +85,7 @@ def test_tracker_matches_reference(group_by, key, global_std):
     assert info["zero_var"].tolist() == ref_skip and not any(ref_skip)
     cells = {(key(p, s), k) for p, s, k, b in rows}
     assert info["num_groups"] == len(cells) == {"prompt_tracker": 6, "seed_tracker": 27}[group_by]
-    # the registry takes the option too (as train.advantage_options.group_by)
+    # the registry takes the option too (as train.loss_options.advantage_options.group_by)
     assert torch.equal(transition_advantages(r, group_by=group_by, global_std=global_std)[0], adv)
 
 

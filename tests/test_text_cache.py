@@ -11,8 +11,9 @@ from safetensors.torch import load_file
 
 from conftest import tiny_train_overrides
 from flowrl.data.embeddings import INDEX, CachedTextPolicy, TextCacheError, TextEmbeddingCache, model_fingerprint
-from flowrl.trainers.checkpoint import list_checkpoints
-from flowrl.trainers.config import ConfigError, load_config
+from flowrl.checkpoints.common import list_checkpoints
+from flowrl.trainers.config import load_config
+from flowrl.errors import ConfigError
 from flowrl.trainers.online import train
 from flowrl.types import FlowPolicy, swapped_transformer
 

@@ -5,9 +5,11 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_train_overrides
-from flowrl.trainers.checkpoint import list_checkpoints
-from flowrl.trainers.config import ConfigError, load_config
-from flowrl.trainers.online import OnlineTrainer, TrainingStopped, train
+from flowrl.checkpoints.common import list_checkpoints
+from flowrl.trainers.config import load_config
+from flowrl.errors import ConfigError
+from flowrl.trainers.steps import TrainingStopped
+from flowrl.trainers.online import OnlineTrainer, train
 
 RECIPE = "recipes/digits.yaml"
 
@@ -63,21 +65,15 @@ def test_output_dir_holding_another_run(tiny_digits_dir, tmp_path):
         OnlineTrainer(_cfg(tiny_digits_dir, **{"train.lr": 0.5}), run, resume=True)
 
 
-def test_nan_reward_does_not_touch_weights(tiny_digits_dir, tmp_path, monkeypatch):
-    from flowrl import rewards
-
+def test_nan_reward_does_not_touch_weights(tiny_digits_dir, tmp_path):
     class NaNReward:
         name = "nan_reward"
-
-        def __init__(self):
-            pass
 
         def __call__(self, images, prompts, **meta):
             return torch.full((images.shape[0],), float("nan"))
 
-    monkeypatch.setitem(rewards.REGISTRY, "nan_reward", NaNReward)  # removed again after the test
     run = tmp_path / "run"
-    train(_cfg(tiny_digits_dir, **{"reward.weights": "{nan_reward: 1.0}", "train.iterations": 2}), run)
+    OnlineTrainer(_cfg(tiny_digits_dir, **{"train.iterations": 2}), run, reward=NaNReward()).train()  # an object
     w = _weights(run)
     assert any("lora_B" in k for k in w)
     assert all(torch.all(v == 0) for k, v in w.items() if "lora_B" in k)  # nothing trained
@@ -85,19 +81,17 @@ def test_nan_reward_does_not_touch_weights(tiny_digits_dir, tmp_path, monkeypatc
     assert len(recs) == 2 and all(r["nonfinite_rewards"] == 16 and r["zero_var_fraction"] == 1.0 for r in recs)
 
 
-def test_nonfinite_loss_skips_then_stops(tiny_digits_dir, tmp_path, monkeypatch):
-    import flowrl.updates.grpo as online  # the GRPO update's module holds the loss it calls
+def test_nonfinite_loss_skips_then_stops(tiny_digits_dir, tmp_path):
+    from flowrl.pipelines import build_policy
 
-    real = online.grpo_clipped_loss
-
-    def nan_loss(*a, **k):
-        loss, stats = real(*a, **k)
-        return loss * float("nan"), stats
-
-    monkeypatch.setattr(online, "grpo_clipped_loss", nan_loss)
+    policy = build_policy("digits", str(tiny_digits_dir), device="cpu")
+    sampling_velocity = policy.velocity
+    # a policy object whose training forwards (gradients on) are NaN: every loss is NaN, rollouts are fine
+    policy.velocity = lambda x, s, c: sampling_velocity(x, s, c) * (float("nan") if torch.is_grad_enabled() else 1.0)
     run = tmp_path / "run"
+    cfg = _cfg(tiny_digits_dir, **{"train.max_consecutive_skips": 3, "train.iterations": 5})  # 2 steps/iteration
     with pytest.raises(TrainingStopped, match="non-finite"):
-        train(_cfg(tiny_digits_dir, **{"train.max_consecutive_skips": 3, "train.iterations": 5}), run)  # 2 steps/iteration
+        OnlineTrainer(cfg, run, policy=policy).train()
     ck = list_checkpoints(run / "checkpoints")
     assert ck  # checkpoints before the stop are intact
     w = load_file(str(ck[-1] / "trainable.safetensors"))
@@ -138,3 +132,32 @@ def test_sample_and_eval_commands_on_a_run(tiny_digits_dir, tmp_path):
     res = json.loads(out.read_text())
     assert res["samples"] == 20 and 0 <= res["reward_mean"] <= 1
     assert main(["eval", "--run", str(tmp_path / "nope"), "--per-prompt", "2"]) == 2  # clear error, exit 2
+
+
+def test_the_trainer_takes_policy_reward_and_sampler_objects(tiny_digits_dir, tmp_path):
+    from flowrl.pipelines import build_policy
+    from flowrl.rollout.group import GroupSampler
+
+    policy = build_policy("digits", str(tiny_digits_dir), device="cpu")
+    sampler = GroupSampler(group_size=2, num_steps=3)  # the config's sampler: group_size 4, 4 steps
+    scored = []
+
+    def brightness(images, prompts, **meta):  # a plain function is a reward
+        scored.append(len(prompts))
+        return images.float().mean(dim=(1, 2, 3))
+
+    tr = OnlineTrainer(_cfg(tiny_digits_dir, **{"train.iterations": 1, "logging.eval_every": 5}), tmp_path / "run",
+                       policy=policy, reward=brightness, sampler=sampler)
+    tr.train()
+    assert tr.policy is policy and tr.sampler is sampler and tr.reward is brightness
+    assert tr.prompts_per_iteration == 8  # train.batch_size 16 over the object's 2 samples per prompt
+    rec = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "reward_mean" in l]
+    assert rec[0]["model_evals"] == 16 * 3 and 16 in scored  # the object's rollout, scored by the object
+    with pytest.raises(ConfigError, match="multiple of the sampler's 3 samples per prompt"):
+        OnlineTrainer(_cfg(tiny_digits_dir), tmp_path / "run2", policy=policy,
+                      sampler=GroupSampler(group_size=3, num_steps=2)).setup()
+    from flowrl.rollout.ode import ODEGroupSampler
+
+    with pytest.raises(ConfigError, match="'ODEGroupSampler' sampler .* stores no stochastic transitions"):
+        OnlineTrainer(_cfg(tiny_digits_dir), tmp_path / "run3", policy=policy,
+                      sampler=ODEGroupSampler(group_size=4, num_steps=2)).setup()  # GRPO needs transitions

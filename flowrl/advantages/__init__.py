@@ -1,7 +1,9 @@
 """Advantages: rewards + rollout structure -> one advantage per transition.
 
 ``ADVANTAGES[rollout.structure](rollout, **options) -> (advantages [M], info)`` is the only
-thing a new sampler adds for the trainer to train on it (docs/design.md). ``rollout.structure``
+thing a new sampler adds for the trainer to train on it (docs/design.md). The advantages come back
+clipped to ``+-adv_clip`` (``train.adv_clip_max``): each function clips where its own math needs
+it (before pruning, per reward), and the update uses them as they are. ``rollout.structure``
 is the ``name`` of the rollout's typed record ``rollout.layout`` (:mod:`flowrl.structures`:
 ``GroupStructure``, ``TreeStructure``, ``TempFlowStructure``, ...), which the function reads with
 :func:`flowrl.structures.layout_of`. ``info`` may hold ``zero_var`` ([M] bool: no signal,
@@ -14,8 +16,9 @@ from typing import Callable
 
 import torch
 
+from ..noise import noise_aware_weights  # defined with the step math; issue 5 named this path as public API
 from .group import ADV_CLIP, GROUP_EPS, combine_component_advantages, group_advantages, group_structure
-from .tempflow import noise_aware_weights, tempflow_structure
+from .tempflow import tempflow_structure
 from .tree import branch_structure, depthwise_advantages, fuse_rewards
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, dict]]

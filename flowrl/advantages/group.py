@@ -18,7 +18,7 @@ class Normalisation:
     eps: float
 
 
-# named group normalisations of the peers' code (train.advantage_options.normalisation)
+# named group normalisations of the peers' code (train.loss_options.advantage_options.normalisation)
 NORMALISATIONS = {
     "flow_grpo": Normalisation(unbiased=False, eps=GROUP_EPS),  # Flow-GRPO (numpy std) + 1e-4
     "dance_grpo": Normalisation(unbiased=True, eps=1e-8),       # DanceGRPO (torch std) + 1e-8
@@ -33,11 +33,12 @@ def get_normalisation(name: str) -> Normalisation:
 
 
 def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, *, global_std: bool = False,
-                     eps: float = GROUP_EPS, clip: float = ADV_CLIP,
+                     eps: float = GROUP_EPS, clip: Optional[float] = ADV_CLIP,
                      unbiased: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group normalised rewards (Flow-GRPO arXiv 2505.05470 / DanceGRPO arXiv 2505.07818).
 
-    ``A = (r - mean_g(r)) / (std + eps)``, clipped to ``+-clip``.
+    ``A = (r - mean_g(r)) / (std + eps)``, clipped to ``+-clip`` (None: not clipped, for a caller
+    whose loss clips, as DiffusionNFT's does).
 
     Args:
         rewards: ``[N]`` float32, already gathered over all processes.
@@ -66,12 +67,14 @@ def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, *, global_std:
             continue
         std = gstd if gstd is not None else rg.std(unbiased=unbiased)
         adv[m] = (rg - rg.mean()) / (std + eps)
-    return adv.clamp(-clip, clip), zero_var
+    return (adv if clip is None else adv.clamp(-clip, clip)), zero_var
 
 
 def combine_component_advantages(components: dict[str, torch.Tensor], weights: dict[str, float],
                                  groups: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    """MixGRPO ``advantage_aggr``: normalise each reward within its groups, then weight and sum.
+    """MixGRPO ``advantage_aggr``: normalise each reward within its groups (each clipped to ``+-clip``),
+    then weight and sum; the sum is clipped to ``+-clip`` again (weights may add up past 1), so the
+    result is within the clip like :func:`group_advantages`' ``kw`` as there.
 
     A sample is zero-variance only if it is so for every component.
     """
@@ -80,16 +83,18 @@ def combine_component_advantages(components: dict[str, torch.Tensor], weights: d
         a, z = group_advantages(r, groups, **kw)
         total = weights[name] * a if total is None else total + weights[name] * a
         zero = z if zero is None else zero & z
-    return total, zero
+    clip = kw.get("clip", ADV_CLIP)
+    return (total if clip is None else total.clamp(-clip, clip)), zero
 
 
 def group_structure(rollout, *, global_std: bool = False, per_reward_weights: Optional[dict] = None,
                     normalisation: str = "flow_grpo", adv_clip: float = ADV_CLIP,
                     **_: object) -> tuple[torch.Tensor, dict]:
-    """Advantages of a flat group rollout: each transition takes its sample's group advantage.
+    """Advantages of a flat group rollout: each transition takes its sample's group advantage,
+    clipped to ``+-adv_clip`` (``train.adv_clip_max``; the update uses them as they are).
 
     ``normalisation`` names the std and eps (:data:`NORMALISATIONS`: ``flow_grpo`` or
-    ``dance_grpo``); ``adv_clip`` is ``train.adv_clip_max``.
+    ``dance_grpo``).
     """
     norm = get_normalisation(normalisation)
     kw = dict(global_std=global_std, eps=norm.eps, unbiased=norm.unbiased, clip=adv_clip)

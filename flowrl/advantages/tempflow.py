@@ -14,7 +14,6 @@ from typing import Optional, Sequence
 import torch
 
 from ..structures import TempFlowStructure, layout_of
-from ..noise import noise_aware_weights, step_noise_scales  # noqa: F401 - step math in flowrl.noise, re-exported
 from .group import ADV_CLIP, GROUP_EPS, combine_component_advantages, group_advantages
 
 # Advantage groupings of a TempFlow rollout (``TempFlowSampler.group_by`` /
@@ -160,6 +159,7 @@ def tempflow_structure(rollout, *, group_by: Optional[str] = None, global_std: b
         weights = per_reward_weights or {"reward": 1.0}
         adv = sum(weights[k] * tracker_advantages(v, groups, steps, rows, global_std=global_std,
                                                   clip=adv_clip)[0] for k, v in comps.items())  # [M]
+        adv = adv.clamp(-adv_clip, adv_clip)  # the weighted sum of several rewards may pass the clip
         zero = zero_rows(adv, rows)  # [M]
     elif per_reward_weights:
         comps = {k: v[idx] for k, v in rollout.reward_components.items()}  # name -> [M]

@@ -242,19 +242,20 @@ def _mean_pixel(images: torch.Tensor, prompts: list[str], **meta) -> torch.Tenso
 
 
 def bench_trainer(policy, o: HostOptions, workdir: Path, overrides: tuple[str, ...] = ()):
-    """An ``OnlineTrainer`` around ``policy`` with the pipeline's recipe (LoRA, optimizer, KL, CFG
-    setting) plus ``overrides``; set up without data, rewards or a run directory of its own."""
+    """An ``OnlineTrainer`` set up around ``policy`` with the pipeline's recipe (LoRA, optimizer, KL, CFG
+    setting) plus ``overrides``, scoring with the free ``_mean_pixel`` reward (no reward model loads);
+    its run directory is ``workdir/run``."""
     from ..trainers.config import load_config
     from ..trainers.online import OnlineTrainer
 
     bf16 = torch.device(o.device).type == "cuda" and o.dtype != "float32"
     cfg = load_config(RECIPES[o.pipeline], [
         f"model.device={o.device}", f"train.minibatch_size={o.minibatch}", f"train.grad_accum={o.grad_accum}",
-        f"train.mixed_precision={'bf16' if bf16 else repr('no')}", "logging.trackers=[]", *overrides])
-    trainer = OnlineTrainer(cfg, workdir / "run")
-    trainer._make_accelerator()
-    trainer.policy = policy
-    trainer._prepare_model(need_reference=cfg.train.beta_kl > 0)
+        f"train.mixed_precision={'bf16' if bf16 else repr('no')}", "logging.trackers=[]", "logging.progress=false",
+        "reward.heldout={}", "model.text_embedding_cache=null", "model.drop_text_encoders=false",
+        "data.prompts=[a photo of a cat]", "data.eval_prompts=[a photo of a cat]", *overrides])
+    trainer = OnlineTrainer(cfg, workdir / "run", policy=policy, reward=_mean_pixel)
+    trainer.setup()
     return trainer
 
 
@@ -308,22 +309,19 @@ def counted_calls(obj, name: str, counter: collections.Counter) -> Iterator[None
 
 
 def _timed_update(trainer, rollout, o: HostOptions) -> dict:
-    from ..pipelines.common import cfg_uncond_gradient
-
     dev, n = torch.device(o.device), collections.Counter()
-    steps0 = trainer.opt_steps + trainer.skipped
+    steps0 = trainer.steps.opt_steps + trainer.steps.skipped
     upd = trainer.update_object("grpo")
     with counted_calls(trainer.policy, "encode_prompts", n), counted_calls(upd, "minibatch_loss", n), \
             host_counters(trainer.policy.transformer) as c:
         _sync(dev)
         t0 = time.perf_counter()
-        with cfg_uncond_gradient(trainer.cfg.train.cfg_uncond_grad):
-            stats, _ = upd(rollout, 0)
+        stats, _ = upd(rollout, 0)
         _sync(dev)
         wall = time.perf_counter() - t0
     m = max(1, n["minibatch_loss"])
     out = {"wall_seconds": wall, "minibatches": n["minibatch_loss"], "encode_prompts_calls": n["encode_prompts"],
-           "optimizer_steps": trainer.opt_steps + trainer.skipped - steps0, "loss": stats.get("loss")}
+           "optimizer_steps": trainer.steps.opt_steps + trainer.steps.skipped - steps0, "loss": stats.get("loss")}
     out.update({f"{k}_per_minibatch": v / m for k, v in c.items()})
     return out
 

@@ -38,7 +38,7 @@ def run_offline(recipe: str, overrides: Sequence[str], budget_seconds: float, ev
     """Generate a dataset (or reuse ``dataset``), then the recipe's GDRO steps (``offline.epochs``
     / ``max_steps``), stopping early when generation + training seconds reach ``budget_seconds``
     -> curve and timing summary."""
-    from ..data.offline import OfflineDataset
+    from ..data.offline_store import OfflineDataset
     from ..trainers.config import load_config
     from ..trainers.offline import OfflineTrainer, generate_offline
 

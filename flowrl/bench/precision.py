@@ -36,7 +36,7 @@ from ..quant import get_quantizer, parse_backend_spec
 from ..quant.common import module_bytes
 from ..quant.fidelity import kendall_tau, ranking_fidelity
 from ..quant.kernels import display_label, kernel_info
-from ..quant.sync import swapped_transformer
+from ..types import swapped_transformer
 from ..rollout.base import score_images
 from ..rollout.ode import ode_sample
 from ..seeding import derive_seeds
@@ -167,7 +167,7 @@ def measure_fidelity(policy, modules, results, reward_fn, pool_prompts, pool_see
 
 def _default_prompts(pipeline: str) -> list[str]:
     if pipeline == "digits":
-        from ..pipelines.digits import digit_prompt
+        from ..data.digits import digit_prompt
 
         return [digit_prompt(d) for d in range(10)]
     return list(GENERIC_PROMPTS)
@@ -264,8 +264,5 @@ def _batch_check(policy, module, reward_fn, prompts, seeds, steps, chunk, reward
             "kendall_tau_pool": kendall_tau(rewards[finite], r2[finite]), "chunk": size}
 
 
-# the command line lives in precision_cli (argument definitions) and dispatches here or to precision_arch
-from .precision_cli import add_precision_parser  # noqa: E402  (re-export: public here too)
-
-__all__ = ["DEFAULTS", "PIPELINES", "SD3MidPolicy", "add_precision_parser", "bench_precision", "build_copies",
+__all__ = ["DEFAULTS", "PIPELINES", "SD3MidPolicy", "bench_precision", "build_copies",
            "build_quantizers", "default_backends", "format_table", "plot_precision", "sd3_mid_config"]

@@ -35,7 +35,7 @@ import torch
 
 from ..quant.common import BackendUnavailable, module_bytes
 from ..quant.kernels import display_label, kernel_info
-from ..quant.sync import swapped_transformer
+from ..types import swapped_transformer
 from ..rollout.ode import ode_sample
 from ..seeding import derive_seeds
 from .precision_arch_models import ArchPolicy, arch_model

@@ -1,7 +1,7 @@
 """One Sol-RL iteration and one flat-GRPO iteration on a random-weight architecture, timed.
 
 A thin driver over flowrl's public pieces, not the trainer: a LoRA adapter on the
-:class:`~flowrl.bench.precision_arch_models.ArchPolicy` transformer (``flowrl.trainers.weights.add_lora``),
+:class:`~flowrl.bench.precision_arch_models.ArchPolicy` transformer (``flowrl.trainable.add_lora``),
 
 * **Sol-RL**: :class:`~flowrl.rollout.sol.SolSampler` (re-sync the quantized copy, explore
   ``pool_size`` seeds per prompt with it in ``preview_steps`` ODE steps, select ``keep``,
@@ -129,7 +129,7 @@ def time_iterations(policy, quantizers: dict, *, log=print, **options) -> dict:
     """Time one Sol-RL and one flat-GRPO iteration (module doc) -> a JSON-able dict."""
     from ..rollout.group import GroupSampler
     from ..rollout.sol import SolSampler
-    from ..trainers.weights import add_lora
+    from ..trainable import add_lora
 
     opts = IterationOptions(**options)
     spec = opts.explore_backend or next(iter(quantizers), "none")

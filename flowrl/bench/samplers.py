@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..command_line import positive_float
-from ..trainers.config import recipes_dir
+from ..trainers.config_text import recipes_dir
 from ..utils.io import write_json
 from . import BenchError
 from .training import Variant, compare, table, time_to_reach
@@ -15,7 +15,7 @@ from .training import Variant, compare, table, time_to_reach
 BRANCH_VARIANTS = {
     # flat GRPO with the same 16 samples per prompt and the same DanceGRPO step
     "flat_grpo": Variant(sampler={"name": "group", "group_size": 16, "num_steps": 10, "step": "dance",
-                                  "noise_level": 0.3}, overrides=["train.advantage_options={}"]),
+                                  "noise_level": 0.3}, overrides=["train.loss_options.advantage_options={}"]),
     "branch": Variant(),
     "branch_mix": Variant(overrides=["sampler.mode=mix", "sampler.window=2"]),
 }
@@ -52,8 +52,11 @@ PREFERENCE_VARIANTS = {
     # the demo's flat GRPO against online DPO / GDRO on 8 ODE samples per prompt (DiffusionNFT's recipe
     # settings: lr 1e-3, minibatch 40, no KL term)
     "flat_grpo": Variant(recipe="digits.yaml"),
-    "online_dpo": Variant(sampler={"name": "ode", "group_size": 8, "num_steps": 10}, overrides=["train.loss=dpo"]),
-    "online_gdro": Variant(sampler={"name": "ode", "group_size": 8, "num_steps": 10}, overrides=["train.loss=gdro"]),
+    # (train.loss_options={}: the preference losses' own defaults, not the recipe's DiffusionNFT beta)
+    "online_dpo": Variant(sampler={"name": "ode", "group_size": 8, "num_steps": 10},
+                          overrides=["train.loss=dpo", "train.loss_options={}"]),
+    "online_gdro": Variant(sampler={"name": "ode", "group_size": 8, "num_steps": 10},
+                           overrides=["train.loss=gdro", "train.loss_options={}"]),
 }
 
 KINDS = {"branch": ("digits_branch.yaml", BRANCH_VARIANTS), "tempflow": ("digits_tempflow.yaml", TEMPFLOW_VARIANTS),

@@ -18,7 +18,8 @@ import numpy as np
 
 import yaml
 
-from ..trainers.config import Config, apply_overrides, resolve_recipe
+from ..trainers.config import Config
+from ..trainers.config_text import apply_overrides, resolve_recipe
 from ..trainers.online import OnlineTrainer
 from ..utils.io import save_figure, write_json
 

@@ -11,12 +11,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..utils.paths import default_cache_dir
 
 IMAGE_SIZE = 16
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
-__all__ = ["IMAGE_SIZE", "DIGIT_WORDS", "digit_prompt", "parse_digit", "digits_dataset", "default_cache_dir"]
+__all__ = ["IMAGE_SIZE", "DIGIT_WORDS", "digit_prompt", "parse_digit", "digits_dataset"]
 
 
 def digit_prompt(d: int) -> str:

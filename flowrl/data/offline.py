@@ -33,12 +33,10 @@ import torch
 from safetensors.torch import save_file
 
 from ..utils.io import atomic_write, save_png, write_text
-from .offline_store import (DTYPES, EXTENSIBLE, FORMAT, INDEX, VERSION, DatasetError, GroupBatch, OfflineDataset,
-                            read_index)
+from .offline_store import DTYPES, EXTENSIBLE, FORMAT, INDEX, VERSION, DatasetError, OfflineDataset, read_index
 
-# the format, the index and the reader live in offline_store (re-exported here)
-__all__ = ["FORMAT", "VERSION", "INDEX", "DTYPES", "EXTENSIBLE", "DatasetError", "GroupBatch", "OfflineDataset",
-           "read_index", "group_seeds", "group_prompt_index", "GenerationSettings", "heun_sample", "iter_samples",
+# the format, the index and the reader are offline_store's; this module writes datasets
+__all__ = ["group_seeds", "group_prompt_index", "GenerationSettings", "iter_samples",
            "generate_dataset", "add_reward_column"]
 
 
@@ -94,30 +92,6 @@ class GenerationSettings:
 
 
 # ---------------------------------------------------------------- deterministic generation
-@torch.no_grad()
-def heun_sample(policy, prompts: list[str], seeds: list[int], num_steps: int) -> torch.Tensor:
-    """Heun's 2nd-order ODE solver (Karras et al. 2022, Alg. 1; Euler on the last step to
-    sigma = 0) from ``policy.initial_noise(seeds)`` -> x0 ``[N, C, H, W]`` float32.
-    Costs ``2 * num_steps - 1`` model evaluations per sample."""
-    from ..types import index_cond
-
-    uniq = list(dict.fromkeys(prompts))
-    cond = index_cond(policy.encode_prompts(uniq), torch.tensor([uniq.index(p) for p in prompts]))
-    x = policy.initial_noise(list(seeds)).float()  # [N, C, H, W]
-    sig = policy.sigmas(num_steps).float()
-    n = x.shape[0]
-    for i in range(num_steps):
-        s, s_next = sig[i].expand(n), sig[i + 1].expand(n)  # [N]
-        v = policy.velocity(x, s, cond).float()  # [N, C, H, W]
-        x_e = x + (sig[i + 1] - sig[i]) * v
-        if float(sig[i + 1]) == 0.0:
-            x = x_e
-            continue
-        v2 = policy.velocity(x_e, s_next, cond).float()
-        x = x + (sig[i + 1] - sig[i]) * 0.5 * (v + v2)
-    return x.cpu()
-
-
 def iter_samples(policy, prompts: list[str], seeds: list[int], settings: GenerationSettings
                  ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Deterministic samples for rows ``(prompts[i], seeds[i])`` in chunks of
@@ -127,13 +101,7 @@ def iter_samples(policy, prompts: list[str], seeds: list[int], settings: Generat
 
     b = settings.generation_batch
     for a in range(0, len(prompts), b):
-        p, s = prompts[a:a + b], seeds[a:a + b]
-        if settings.sampler == "euler":
-            x, im = ode_sample(policy, p, s, settings.num_steps)
-        else:
-            x = heun_sample(policy, p, s, settings.num_steps)
-            with torch.no_grad():
-                im = policy.decode(x.to(getattr(policy, "device", "cpu"))).float().cpu()
+        x, im = ode_sample(policy, prompts[a:a + b], seeds[a:a + b], settings.num_steps, solver=settings.sampler)
         yield a, x.float().cpu(), im.float().cpu()
 
 

@@ -22,6 +22,7 @@ from typing import Callable, ContextManager, Optional
 import torch
 import torch.nn.functional as F
 
+from ..sde import flow_interpolate
 from ..types import Conditioning, index_cond
 
 
@@ -114,7 +115,7 @@ def group_velocity_errors(policy, reference: Optional[Callable[[], ContextManage
     prompt); ``t`` [G] in (0, 1); ``eps`` [G, C, H, W], shared by the group (GDRO). Builds
     ``x_t = (1 - t) x0 + t eps``, ``v* = eps - x0`` and returns ``(err, err_ref)``, each
     ``[G, k]`` float32, per-image mean over dims. ``reference()`` is a context inside which
-    ``policy.velocity`` evaluates the reference (``flowrl.trainers.weights.Reference.active``);
+    ``policy.velocity`` evaluates the reference (``flowrl.trainable.Reference.active``);
     ``None`` gives ``err_ref = err.detach()`` (no reference term). One batched pass of ``G * k``
     rows each.
     """
@@ -125,7 +126,7 @@ def group_velocity_errors(policy, reference: Optional[Callable[[], ContextManage
     x0 = x0.float()
     tt = t.float().view(g, 1, *([1] * (x0.ndim - 2)))  # [G, 1, 1, 1, 1]
     e = eps.float().unsqueeze(1)  # [G, 1, C, H, W]
-    xt = ((1 - tt) * x0 + tt * e).flatten(0, 1)  # [G*k, C, H, W]
+    xt = flow_interpolate(x0, e, tt).flatten(0, 1)  # [G*k, C, H, W]
     target = (e - x0).flatten(0, 1)  # [G*k, C, H, W]
     sig = t.float().repeat_interleave(k)  # [G*k]
     c = index_cond(cond, torch.arange(g).repeat_interleave(k))  # G*k rows

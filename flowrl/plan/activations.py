@@ -35,7 +35,7 @@ def recipe_geometry(cfg, adapter: type, configs) -> Geometry:
     leaves unset (``resolution``, Wan's ``num_frames``) is the local model's ``flowrl.json`` entry, else the
     adapter's default."""
     from ..pipelines.base import read_flowrl_json
-    from ..trainers.config_base import ConfigError
+    from ..errors import ConfigError
 
     options = dict(cfg.model.options)
     if cfg.model.path:  # the local model's saved defaults (resolution, video frames) fill the unset options

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from ..trainers.config import ConfigError, load_config, samples_per_prompt
+from ..trainers.config import load_config, samples_per_prompt
+from ..errors import ConfigError
 from .core import Plan, plan_memory
 
 

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from ..trainers.config_base import ConfigError
+from ..errors import ConfigError
 from .activations import max_rows
 from .budget import cfg_rows, train_rows
 from .core import measured_setup
@@ -52,7 +52,7 @@ def cpu_peak(fn: Callable[[], None]) -> int:
         events = json.loads(open(path).read())["traceEvents"]
     finally:
         os.unlink(path)
-    mem = [e["args"] for e in events if e.get("name") == "[memory]"]
+    mem = [e["args"] for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])]
     if not mem:
         return 0
     # "Total Allocated" is the allocator's whole level, also what was held before fn (earlier objects of

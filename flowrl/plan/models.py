@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..pipelines.facts import Component, ModelConfigs, build_component
-from ..trainers.config_base import ConfigError
+from ..errors import ConfigError
 
 
 @dataclass
@@ -81,17 +81,13 @@ def model_configs(cfg) -> tuple[type, ModelConfigs]:
 
 
 def set_up_trained(transformer: nn.Module, cfg) -> nn.Module:
-    """``transformer`` set up as the trainer sets it up (``TrainerBase._prepare_model``): the recipe's
-    LoRA (its targets, else the pipeline's) or, at ``train.lora_rank: 0``, every weight trained."""
+    """``transformer`` set up as the trainer sets it up (:func:`flowrl.trainable.set_up_trainable`): the
+    recipe's LoRA (its targets, else the pipeline's) or, at ``train.lora_rank: 0``, every weight trained."""
     from ..pipelines import policy_class
-    from ..trainers.weights import add_lora
+    from ..trainable import set_up_trainable
 
-    if cfg.train.lora_rank > 0:
-        add_lora(transformer, cfg.train.lora_rank, cfg.train.lora_alpha,
-                 cfg.train.lora_targets or list(policy_class(cfg.model.pipeline).lora_target_modules))
-    else:
-        transformer.requires_grad_(True)
-    return transformer
+    return set_up_trainable(transformer, cfg.train.lora_rank, cfg.train.lora_alpha, cfg.train.lora_targets,
+                            policy_class(cfg.model.pipeline).lora_target_modules)
 
 
 def meta_components(cfg, with_text_encoders: bool = True) -> MetaComponents:
@@ -114,7 +110,7 @@ def meta_components(cfg, with_text_encoders: bool = True) -> MetaComponents:
 
 
 def block_bytes(transformer: nn.Module) -> int:
-    """Bytes of the largest FSDP unit (``flowrl.trainers.sharding.block_modules``: what FSDP unshards at once)."""
-    from ..trainers.sharding import block_modules
+    """Bytes of the largest FSDP unit (``flowrl.distributed.fsdp.block_modules``: what FSDP unshards at once)."""
+    from ..distributed.fsdp import block_modules
 
     return max((module_bytes(b) for b in block_modules(transformer)), default=module_bytes(transformer))

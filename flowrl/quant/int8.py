@@ -48,14 +48,10 @@ import torch
 from torch import nn
 
 from .common import DEFAULT_SKIP, merged_copy, replace_linears
-from .int8_kernels import (KERNELS, LEVELS, PARALLEL_PASS_NUMEL, ZERO_POINT, SharedInput, _kernel_problem, _OneThread,
-                           _onednn_linear, _qdq_linear, _uint8_codes, fused_kernel_available, kernel_available,
-                           resolve_kernel)
+from .int8_kernels import (KERNELS, LEVELS, PARALLEL_PASS_NUMEL, SharedInput, _kernel_problem, _OneThread,
+                           _onednn_linear, _qdq_linear, _uint8_codes, resolve_kernel)
 
-# the kernels, their probes and SharedInput live in int8_kernels (re-exported here)
-__all__ = ["ACTIVATION_MODES", "WEIGHT_MODES", "LEVELS", "ZERO_POINT", "KERNELS", "PARALLEL_PASS_NUMEL",
-           "DynamicInt8Linear", "Int8DynamicQuantizer", "SharedInput", "kernel_available", "fused_kernel_available",
-           "resolve_kernel"]
+__all__ = ["ACTIVATION_MODES", "WEIGHT_MODES", "DynamicInt8Linear", "Int8DynamicQuantizer"]
 
 ACTIVATION_MODES = ("per_row", "static", "per_tensor")
 WEIGHT_MODES = ("per_channel", "per_tensor")

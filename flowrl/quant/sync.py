@@ -15,10 +15,10 @@ from typing import Callable, Iterator, Optional
 
 from torch import nn
 
-from ..types import swapped_transformer  # re-exported: the one transformer swap lives in flowrl.types
+from ..types import swapped_transformer
 from .common import unwrap_model
 
-__all__ = ["QuantizedCopy", "fingerprint", "swapped_transformer"]
+__all__ = ["QuantizedCopy", "fingerprint"]
 
 
 def fingerprint(module: nn.Module) -> tuple:

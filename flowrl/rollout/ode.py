@@ -8,6 +8,7 @@ from typing import ClassVar, Optional
 
 import torch
 
+from ..ode_solvers import heun_update
 from ..sde import ode_step
 from ..seeding import derive_seeds
 from ..structures import GroupStructure
@@ -25,21 +26,35 @@ def _unique_cond(policy: FlowPolicy, prompts: list[str]) -> tuple[list[str], tor
     return uniq, index, policy.encode_prompts(uniq)
 
 
-def _euler(policy: FlowPolicy, x: torch.Tensor, sigmas: torch.Tensor, cond, num_steps: int,
-           max_batch: Optional[int], counter: Optional[EvalCounter]) -> torch.Tensor:
-    """Euler-integrate ``x`` [n, C, H, W] (noise) under per-row ``cond`` [n, ...] through ``sigmas`` [T + 1]
-    (on x's device) -> x0 [n, C, H, W]."""
+SOLVERS = ("euler", "heun")  # the ODE solvers of integrate / ode_generate / ode_sample
+
+
+def integrate(policy: FlowPolicy, x: torch.Tensor, sigmas: torch.Tensor, cond, num_steps: int,
+              max_batch: Optional[int] = None, counter: Optional[EvalCounter] = None,
+              solver: str = "euler") -> torch.Tensor:
+    """Integrate the probability-flow ODE from noise ``x`` [n, C, H, W] under per-row ``cond`` [n, ...]
+    through ``sigmas`` [T + 1] (on x's device) -> x0 [n, C, H, W] float32. ``solver``: ``"euler"``
+    (``num_steps`` model evaluations per row) or ``"heun"`` (:func:`flowrl.ode_solvers.heun_update`,
+    Euler on the last step to sigma = 0: ``2 * num_steps - 1`` evaluations)."""
+    if solver not in SOLVERS:
+        raise ValueError(f"ODE solver must be one of {SOLVERS}, got {solver!r}")
+    sig_cpu = sigmas.cpu() if solver == "heun" else None  # [T + 1]: the host reads which step ends at 0
     for i in range(num_steps):
-        s, s_next = step_sigmas(sigmas, i, x.shape[0])
-        v = velocity_batched(policy, x, s, cond, max_batch, counter)
-        x = ode_step(v, x, s, s_next).sample
+        s, s_next = step_sigmas(sigmas, i, x.shape[0])  # [n] each
+        v = velocity_batched(policy, x, s, cond, max_batch, counter)  # [n, C, H, W]
+        euler = ode_step(v, x, s, s_next).sample  # [n, C, H, W]
+        if solver == "euler" or float(sig_cpu[i + 1]) == 0.0:
+            x = euler
+            continue
+        v_next = velocity_batched(policy, euler, s_next, cond, max_batch, counter).float()  # [n, C, H, W]
+        x = heun_update(x, v.float(), v_next, sigmas[i], sigmas[i + 1])
     return x  # [n, C, H, W]
 
 
 @torch.no_grad()
 def ode_generate(policy: FlowPolicy, prompts: list[str], seeds: list[int], num_steps: int,
                  reward: Optional[RewardFn] = None, max_batch: Optional[int] = None,
-                 counter: Optional[EvalCounter] = None, score: Optional[ScoreFn] = None
+                 counter: Optional[EvalCounter] = None, score: Optional[ScoreFn] = None, solver: str = "euler"
                  ) -> tuple[torch.Tensor, torch.Tensor, Scores]:
     """``len(prompts)`` ODE samples (prompt i with seed i), ``max_batch`` at a time, each chunk scored
     while the next one samples (:class:`flowrl.rollout.scoring.ChunkScorer`; ``score`` replaces the
@@ -50,19 +65,20 @@ def ode_generate(policy: FlowPolicy, prompts: list[str], seeds: list[int], num_s
         raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds; pass one seed per prompt")
     _, index, cond_u = _unique_cond(policy, list(prompts))
     return _generate(policy, index_cond(cond_u, index), list(prompts), list(seeds), num_steps, reward, max_batch,
-                     counter, score)
+                     counter, score, solver)
 
 
 @torch.no_grad()
 def _generate(policy: FlowPolicy, cond, prompts: list[str], seeds: list[int], num_steps: int,
               reward: Optional[RewardFn], max_batch: Optional[int], counter: Optional[EvalCounter],
-              score: Optional[ScoreFn] = None) -> tuple[torch.Tensor, torch.Tensor, Scores]:
+              score: Optional[ScoreFn] = None, solver: str = "euler") -> tuple[torch.Tensor, torch.Tensor, Scores]:
     """:func:`ode_generate` under per-sample ``cond`` [N, ...]."""
     x, _, sigmas = sampling_setup(policy, list(seeds), num_steps)  # [N, C, H, W], [T + 1] on x's device
     xs, images = [], []
     with ChunkScorer(reward, score) as scorer:
         for rows in row_chunks(x.shape[0], max_batch):
-            x0 = _euler(policy, x[rows], sigmas, {k: v[rows] for k, v in cond.items()}, num_steps, max_batch, counter)
+            x0 = integrate(policy, x[rows], sigmas, {k: v[rows] for k, v in cond.items()}, num_steps, max_batch, counter,
+                           solver)  # [n_c, C, H, W]
             xs.append(x0)
             images.append(policy.decode(x0).float().cpu())  # [n_c, 3, H, W]
             scorer.submit(images[-1], list(prompts[rows]))
@@ -71,13 +87,14 @@ def _generate(policy: FlowPolicy, cond, prompts: list[str], seeds: list[int], nu
 
 
 def ode_sample(policy: FlowPolicy, prompts: list[str], seeds: list[int], num_steps: int,
-               max_batch: Optional[int] = None, counter: Optional[EvalCounter] = None
+               max_batch: Optional[int] = None, counter: Optional[EvalCounter] = None, solver: str = "euler"
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Euler-integrate ``len(prompts)`` samples (prompt i with seed i) -> (x0 [N, ...], images [N, 3, H, W]),
-    both on the CPU."""
+    """Integrate ``len(prompts)`` samples (prompt i with seed i; :func:`ode_generate`, ``max_batch`` rows at
+    a time) -> (x0 [N, ...], images [N, 3, H, W]), both on the CPU."""
     if len(prompts) != len(seeds):
         raise ValueError(f"ode_sample got {len(prompts)} prompts but {len(seeds)} seeds; pass one seed per prompt")
-    x0, images, _ = ode_generate(policy, list(prompts), list(seeds), num_steps, None, max_batch, counter)
+    x0, images, _ = ode_generate(policy, list(prompts), list(seeds), num_steps, None, max_batch, counter,
+                                 solver=solver)
     return x0.cpu(), images
 
 

@@ -35,7 +35,8 @@ import torch
 
 from ..quant import check_available, get_quantizer, parse_backend_spec
 from ..quant.fidelity import ranking_fidelity
-from ..quant.sync import QuantizedCopy, swapped_transformer
+from ..quant.sync import QuantizedCopy
+from ..types import swapped_transformer
 from ..seeding import derive_seeds, stream_seed
 from ..structures import SolStructure
 from ..types import FlowPolicy, RewardFn

@@ -186,7 +186,7 @@ class TempFlowSampler:
             raise ValueError(f"policy.sigmas({t}) returned shape {tuple(sigmas.shape)}, expected ({t + 1},)")
         step_w = self._step_weights(sigmas)  # [T]
         counter = EvalCounter()
-        x0s, trans_parts, images, mains = [], [], [], []
+        x0s, trans_parts, images = [], [], []
         completions = ChunkScorer(reward)
         main_scorer = ChunkScorer(reward if self.finish_main and reward is not None else None)
         with completions, main_scorer:

@@ -13,21 +13,20 @@ from typing import Optional, Union
 
 import yaml
 
+from ..distributed.strategy import SHARDINGS
+from ..errors import ConfigError
 from ..registry import SAMPLERS
-from .config_base import SECTION_NAMES, ConfigError, _h
-from .config_text import _fix_floats, apply_overrides, parse_override, recipes_dir, resolve_recipe, shipped_recipes
-from ..updates import UPDATES, online_losses
+from ..updates import DEFAULT_LOSS, UPDATES, updates_by_input
+from ..updates.base import build_options, incompatibility
+from .config_base import SECTION_NAMES, _h
+from .config_text import (_fix_floats, apply_overrides, keep_loss_options_of_new_loss, moved_key_hint, resolve_recipe,
+                          upgrade_saved_config)
 from .offline_config import OfflineConfig
 
-# ConfigError, the override parser and the recipe lookup live in config_base / config_text (re-exported here)
-__all__ = ["Config", "ConfigError", "ModelConfig", "SamplerConfig", "RewardConfig", "TrainConfig", "DataConfig",
-           "LoggingConfig", "OfflineConfig", "SECTIONS", "LOSSES", "load_config", "dump_config", "parse_override",
-           "apply_overrides", "recipes_dir", "shipped_recipes", "resolve_recipe", "samples_per_prompt"]
+__all__ = ["Config", "ModelConfig", "SamplerConfig", "RewardConfig", "TrainConfig", "DataConfig", "LoggingConfig",
+           "SECTIONS", "load_config", "load_run_config", "dump_config", "samples_per_prompt"]
 
 
-# train.loss values: the online updates registered in flowrl.updates.UPDATES
-LOSSES = online_losses()
-SHARDINGS = ("none", "fsdp")  # train.sharding: DDP replicas, or FSDP2 shards (flowrl.trainers.sharding)
 
 
 @dataclass
@@ -67,7 +66,10 @@ class SamplerConfig:
             SAMPLERS.check(self.name)
         except ValueError as e:
             raise ConfigError(f"sampler.name: {e}") from None
-        self.build()  # validates the options now, before any model loads
+        sampler = self.build()  # validates the options now, before any model loads
+        # what validation and batch accounting read, kept from this one build (not a config field)
+        self.samples_per_prompt = int(sampler.samples_per_prompt)
+        self.stores_transitions = bool(sampler.stores_transitions)
 
     def build(self):
         cls = SAMPLERS.get(self.name)
@@ -107,9 +109,14 @@ class RewardConfig:
     heldout: dict = _h("{reward name: {kwargs}} logged on the evaluation set, never trained on", factory=dict)
     overlap: bool = _h("score each finished chunk of samples (sampler.max_batch) while the next one samples; "
                        "false: score after sampling, on the training thread (same rewards either way)", True)
+    frame_stride: int = _h("videos: every image reward scores every n-th frame and averages per video", 1)
 
     def __post_init__(self):
         from flowrl.rewards import REGISTRY
+
+        if not isinstance(self.frame_stride, int) or isinstance(self.frame_stride, bool) or self.frame_stride < 1:
+            raise ConfigError(f"reward.frame_stride must be a positive integer (score every n-th frame of a video), "
+                              f"got {self.frame_stride!r}")
 
         if isinstance(self.weights, str):
             self.weights = {self.weights: 1.0}
@@ -125,22 +132,55 @@ class RewardConfig:
         for n, w in self.weights.items():
             if not isinstance(w, (int, float)) or isinstance(w, bool):
                 raise ConfigError(f"reward.weights.{n} must be a number, got {w!r}")
+        unused = [n for n in self.options if n not in self.weights]
+        if unused:
+            raise ConfigError(f"reward.options.{unused[0]}: {unused[0]!r} is not in reward.weights, so its options "
+                              f"would be unused; add it to reward.weights (held-out rewards take theirs in "
+                              f"reward.heldout) or drop the options")
         if self.aggregate not in ("sum", "per_reward"):
             raise ConfigError(f"reward.aggregate must be 'sum' or 'per_reward', got {self.aggregate!r}")
 
 
 @dataclass
 class TrainConfig:
-    iterations: int = _h("rollout -> update iterations", 60)
+    """The ``train`` section. An update's own knobs are its ``Options`` (``train.loss_options``, see
+    ``flowrl/updates/``); the fields here are shared by every update, grouped as below."""
+
+    # --- what is trained on, and how long
+    mode: str = _h("'online' (rollouts of the sampler section, section sampler) or 'offline' (a dataset from "
+                   "`flowrl generate-offline`, section offline)", "online")
+    loss: Optional[str] = _h("the update (flowrl.updates.UPDATES): 'grpo' (clipped ratio on stored transitions), "
+                             "'grpo_guard' (GRPO-Guard's regulated clipping), 'nft' (DiffusionNFT on finished "
+                             "samples; any sampler, ODE included), 'dpo' (online Diffusion-DPO: each group's best vs "
+                             "worst sample), 'gdro' (online GDRO: Plackett-Luce over each group's ranking), "
+                             "'offline_gdro' (train.mode offline); empty = grpo online, offline_gdro offline", None)
+    loss_options: dict = _h("the update's own options (its Options dataclass in flowrl/updates/): e.g. "
+                            "{clip_range: 1.0e-3} for grpo, {beta: 1.0} for nft, {beta: 12.0, tau: 0.05} for gdro; "
+                            "see docs/algorithms.md", factory=dict)
+    iterations: int = _h("rollout -> update iterations (online)", 60)
     batch_size: int = _h("samples generated per iteration per process; a multiple of the sampler's "
                          "samples per prompt (group size)", 64)
     seed: int = _h("seed of every random draw (prompts, noise, shuffles)", 0)
+    # --- the optimizer and its accounting
     lr: float = _h("AdamW learning rate", 3e-4)
     weight_decay: float = _h("AdamW weight decay", 1e-4)
     warmup_iterations: int = _h("linear learning-rate warm-up, in iterations", 0)
-    clip_range: float = _h("PPO clip epsilon on the per-step ratio", 1e-3)
-    adv_clip_max: float = _h("advantages are clipped to +-this", 5.0)
-    beta_kl: float = _h("weight of the KL to the reference (adapter-disabled) policy", 0.0)
+    max_grad_norm: float = _h("gradient clipping (total L2 norm)", 1.0)
+    minibatch_size: int = _h("transitions (samples) per forward/backward pass", 64)
+    grad_accum: int = _h("minibatches per optimizer step", 1)
+    inner_epochs: int = _h("passes over one iteration's transitions (online)", 1)
+    mixed_precision: str = _h("'no', 'bf16' or 'fp16' (accelerate); CPU runs use 'no'", "no")
+    # --- what is trained
+    lora_rank: int = _h("LoRA rank; 0 = full fine-tune", 8)
+    lora_alpha: float = _h("LoRA alpha", 16.0)
+    lora_targets: Optional[list] = _h("module names LoRA adapts; empty = the pipeline's default", None)
+    ema: bool = _h("keep an EMA of the trained weights, used for evaluation", False)
+    ema_decay: float = _h("EMA decay per update", 0.9)
+    ema_every: int = _h("EMA update interval in optimizer steps", 1)
+    # --- shared by the updates: advantage clip, KL to the reference, classifier-free guidance
+    adv_clip_max: float = _h("advantages are clipped to +-this (GRPO family, DiffusionNFT)", 5.0)
+    beta_kl: float = _h("weight of the KL to the reference (adapter-disabled) policy; updates with a KL term: "
+                        "grpo, grpo_guard, nft", 0.0)
     kl_form: str = _h("GRPO's KL to the reference: 'flow_grpo' (Flow-GRPO's code: squared mean difference over "
                       "2 std_t^2, the noise coefficient without sqrt(-dt); published betas such as 0.04 carry "
                       "over) or 'exact' (the KL of the two transition Gaussians, 1/|dt| times larger; "
@@ -148,40 +188,16 @@ class TrainConfig:
     cfg_uncond_grad: bool = _h("with CFG in training, let the gradient flow through the unconditional half of "
                                "the guided velocity (flowrl's former behaviour); false detaches it, as "
                                "Flow-GRPO's code does", False)
-    global_std: bool = _h("normalise advantages by the whole batch's std instead of the group's", False)
-    lora_rank: int = _h("LoRA rank; 0 = full fine-tune", 8)
-    lora_alpha: float = _h("LoRA alpha", 16.0)
-    lora_targets: Optional[list] = _h("module names LoRA adapts; empty = the pipeline's default", None)
-    minibatch_size: int = _h("transitions per forward/backward pass", 64)
-    grad_accum: int = _h("minibatches per optimizer step", 1)
-    inner_epochs: int = _h("passes over one iteration's transitions", 1)
-    max_grad_norm: float = _h("gradient clipping (total L2 norm)", 1.0)
-    mixed_precision: str = _h("'no', 'bf16' or 'fp16' (accelerate); CPU runs use 'no'", "no")
-    ema: bool = _h("keep an EMA of the trained weights, used for evaluation", False)
-    ema_decay: float = _h("EMA decay per update", 0.9)
-    ema_every: int = _h("EMA update interval in optimizer steps", 1)
-    advantage_options: dict = _h("extra options of the rollout structure's advantage function", factory=dict)
-    checkpoint_every: int = _h("write a checkpoint every N iterations (and at the end)", 20)
-    keep_checkpoints: int = _h("keep the newest N checkpoints", 2)
-    max_consecutive_skips: int = _h("stop after this many non-finite steps in a row", 5)
-    loss: str = _h("'grpo' (clipped ratio on stored transitions), 'nft' (DiffusionNFT on finished samples; any "
-                   "sampler, ODE included), 'dpo' (online Diffusion-DPO: each group's best vs worst sample) or "
-                   "'gdro' (online GDRO: Plackett-Luce over each group's ranking)", "grpo")
-    loss_options: dict = _h("options of the train.loss update (its Options dataclass in flowrl/updates/), "
-                            "e.g. {beta: 2.0} for nft; see docs/algorithms.md", factory=dict)
-    nft_beta: float = _h("alias of loss_options.beta for train.loss=nft (DiffusionNFT beta: strength of the "
-                         "implicit positive/negative policies)", 1.0)
-    pref_beta: float = _h("alias of loss_options.beta for dpo / gdro: beta of the implicit reward -beta (err - "
-                          "err_ref), per-image mean squared velocity errors (GDRO: 12 for OCR, 6 for GenEval)", 12.0)
-    pref_tau: float = _h("alias of loss_options.tau for gdro: temperature of the Plackett-Luce target over rewards "
-                         "(0 = hard ranking)", 0.05)
+    # --- distribution over processes
     sharding: str = _h("'none' (DDP: every process holds the whole model) or 'fsdp' (FSDP2: parameters, gradients "
                        "and optimizer states sharded per transformer block over the processes; checkpoints through "
                        "torch.distributed.checkpoint). See docs/cluster.md", "none")
     cpu_offload: bool = _h("with sharding=fsdp, keep the sharded parameters, gradients and optimizer states in CPU "
                            "memory (FSDP2 CPUOffloadPolicy; GPU memory for the largest models, at a speed cost)", False)
-    mode: str = _h("'online' (rollouts + GRPO family, section sampler) or 'offline' (GDRO on a dataset from "
-                   "`flowrl generate-offline`, section offline)", "online")
+    # --- checkpoints and guards
+    checkpoint_every: int = _h("write a checkpoint every N iterations (and at the end)", 20)
+    keep_checkpoints: int = _h("keep the newest N checkpoints", 2)
+    max_consecutive_skips: int = _h("stop after this many non-finite steps in a row", 5)
 
     def __post_init__(self):
         pos = ["iterations", "batch_size", "minibatch_size", "grad_accum", "inner_epochs", "checkpoint_every",
@@ -190,7 +206,7 @@ class TrainConfig:
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"train.{k} must be a positive integer, got {v!r}")
-        for k in ["lr", "clip_range", "adv_clip_max", "max_grad_norm"]:
+        for k in ["lr", "adv_clip_max", "max_grad_norm"]:
             v = getattr(self, k)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ConfigError(f"train.{k} must be a positive number, got {v!r}")
@@ -199,6 +215,9 @@ class TrainConfig:
                 raise ConfigError(f"train.{k} must be a number >= 0, got {getattr(self, k)!r}")
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise ConfigError(f"train.lora_rank must be an integer >= 0 (0 = full fine-tune), got {self.lora_rank!r}")
+        if self.lora_targets and self.lora_rank == 0:
+            raise ConfigError("train.lora_targets names LoRA targets, but train.lora_rank=0 trains every weight "
+                              "(no LoRA); set train.lora_rank > 0 or drop train.lora_targets")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ConfigError(f"train.mixed_precision must be 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}")
         if not 0 <= self.ema_decay < 1:
@@ -211,24 +230,28 @@ class TrainConfig:
             raise ConfigError(f"train.sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
         if self.cpu_offload and self.sharding != "fsdp":
             raise ConfigError("train.cpu_offload=true needs train.sharding=fsdp (it offloads the FSDP shards)")
-        if self.mode not in ("online", "offline"):
+        if self.sharding == "fsdp" and self.mixed_precision == "fp16":
+            raise ConfigError("train.sharding=fsdp supports train.mixed_precision 'no' or 'bf16' (fp16 would need a "
+                              "sharded GradScaler); use bf16")
+        if self.mode not in DEFAULT_LOSS:
             raise ConfigError(f"train.mode must be 'online' or 'offline', got {self.mode!r}")
-        if self.loss not in LOSSES:
-            close = difflib.get_close_matches(str(self.loss), LOSSES, n=1)
-            raise ConfigError(f"train.loss must be one of {', '.join(LOSSES)}, got {self.loss!r}."
-                              + (f" Did you mean {close[0]!r}?" if close else ""))
-        if not self.pref_beta > 0 or not self.pref_tau >= 0:
-            raise ConfigError(f"train.pref_beta must be > 0 and train.pref_tau >= 0, got {self.pref_beta}, {self.pref_tau}")
-        if not self.nft_beta > 0:
-            raise ConfigError(f"train.nft_beta must be > 0, got {self.nft_beta}")
         if self.warmup_iterations < 0:
             raise ConfigError(f"train.warmup_iterations must be >= 0, got {self.warmup_iterations}")
-        from ..updates.base import build_options
-
-        try:  # the update's options (alias keys + loss_options), checked before any model loads
+        if self.loss is None:
+            self.loss = DEFAULT_LOSS[self.mode]
+        try:
+            UPDATES.check(self.loss)
+        except ValueError as e:
+            raise ConfigError(f"train.loss: {e}") from None
+        try:  # the update's options, checked before any model loads
             build_options(UPDATES.get(self.loss), self)
         except (TypeError, ValueError) as e:
             raise ConfigError(str(e)) from None
+
+    @property
+    def update_class(self) -> type:
+        """The ``Update`` class ``train.loss`` names."""
+        return UPDATES.get(self.loss)
 
 
 @dataclass
@@ -295,20 +318,29 @@ class Config:
     offline: OfflineConfig = field(default_factory=OfflineConfig)
 
     def __post_init__(self):
-        sampler = self.sampler.build()
-        if self.train.loss == "grpo" and not sampler.stores_transitions:
-            raise ConfigError(f"the {self.sampler.name!r} sampler (as configured) stores no stochastic transitions, so "
-                              f"train.loss=grpo would have nothing to train on; use train.loss=nft, dpo or gdro (they train "
-                              f"on finished samples), or a stochastic sampler (group, branch, tempflow, sol with "
-                              f"regen: group)")
-        spp = samples_per_prompt(sampler)
-        if self.train.batch_size % spp:
-            raise ConfigError(f"train.batch_size={self.train.batch_size} is not a multiple of the sampler's "
-                              f"{spp} samples per prompt (group size); use e.g. {max(1, self.train.batch_size // spp) * spp}")
+        """Cross-section rules: what the update (``train.loss``) declares it needs against the mode, the
+        sampler and the other settings (:func:`flowrl.updates.base.incompatibility`), and batch accounting."""
+        t = self.train
+        reason = incompatibility(t.update_class, t.loss, mode=t.mode, sampler=self.sampler.name,
+                                 stores_transitions=self.sampler.stores_transitions, beta_kl=t.beta_kl,
+                                 aggregate=self.reward.aggregate, inner_epochs=t.inner_epochs,
+                                 alternatives=updates_by_input())
+        if reason:
+            raise ConfigError(reason)
+        spp = self.sampler.samples_per_prompt
+        if t.mode == "online" and t.batch_size % spp:
+            raise ConfigError(f"train.batch_size={t.batch_size} is not a multiple of the sampler's "
+                              f"{spp} samples per prompt (group size); use e.g. {max(1, t.batch_size // spp) * spp}")
 
     @property
     def prompts_per_iteration(self) -> int:
-        return self.train.batch_size // samples_per_prompt(self.sampler.build())
+        """Prompts each process samples per iteration (online): ``train.batch_size`` over the sampler's
+        samples per prompt (read from the sampler built at validation; nothing is rebuilt)."""
+        return self.train.batch_size // self.sampler.samples_per_prompt
+
+    def effective_loss_options(self) -> dict:
+        """``train.loss_options`` with the update's defaults filled in (what training uses)."""
+        return dataclasses.asdict(build_options(self.train.update_class, self.train))
 
     def to_dict(self) -> dict:
         out = {}
@@ -338,6 +370,9 @@ class Config:
             valid = {f.name for f in fields(sec_cls)}
             for k in raw:
                 if k not in valid:
+                    moved = moved_key_hint(f"{name}.{k}")
+                    if moved:
+                        raise ConfigError(f"unknown key {name}.{k}.{moved}")
                     close = difflib.get_close_matches(k, valid, n=1)
                     raise ConfigError(f"unknown key {name}.{k}." + (f" Did you mean {name}.{close[0]}?" if close else "")
                                       + f" Valid keys: {', '.join(sorted(valid))}")
@@ -381,8 +416,23 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[lis
             d = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"recipe {path} is not valid YAML: {e}") from None
+    recipe_loss = (d.get("train") or {}).get("loss") if isinstance(d.get("train"), dict) else None
     d = _fix_floats(apply_overrides(d, overrides or []))
+    keep_loss_options_of_new_loss(d, recipe_loss, overrides or [])
     return Config.from_dict(d)
+
+
+def load_run_config(path: Union[str, Path], overrides: Optional[list[str]] = None) -> Config:
+    """A run directory's saved ``config.yaml`` (``--resume``, ``flowrl sample --run``, ``flowrl export``),
+    written by this or an earlier flowrl (:func:`flowrl.trainers.config_text.upgrade_saved_config`), plus
+    dotted overrides -> validated Config."""
+    try:
+        d = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path} is not a flowrl config (a mapping of sections)")
+    return Config.from_dict(_fix_floats(apply_overrides(upgrade_saved_config(d), overrides or [])))
 
 
 def dump_config(cfg: Config) -> str:

@@ -1,4 +1,4 @@
-"""What every config section shares: the error type, the section names and the field helper.
+"""What every config section shares: the section names and the field helper.
 
 Imported by ``config.py`` and ``offline_config.py`` (neither imports the other's module at
 import time through this one), so the two have no import cycle.
@@ -11,10 +11,6 @@ from typing import Any
 
 # the recipe's top-level sections, in the order Config lists them (config.SECTIONS maps them to classes)
 SECTION_NAMES = ("model", "sampler", "reward", "train", "data", "logging", "offline")
-
-
-class ConfigError(ValueError):
-    """A recipe or override is invalid; the message says which key and how to fix it."""
 
 
 def _h(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING):

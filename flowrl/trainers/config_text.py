@@ -1,15 +1,17 @@
 """Recipe text: dotted ``section.key=value`` overrides, YAML number fixes, shipped recipe lookup.
 
-Pure functions on dicts and paths; ``config.load_config`` puts them together (and re-exports them).
+Pure functions on dicts and paths; ``config.load_config`` puts them together.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import yaml
 
-from .config_base import SECTION_NAMES, ConfigError
+from .config_base import SECTION_NAMES
+from ..errors import ConfigError
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -44,6 +46,51 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
             if not isinstance(cur, dict):
                 raise ConfigError(f"override {o!r}: {p} is not a section")
         cur[parts[-1]] = v
+    return d
+
+
+GRPO_FAMILY = ("grpo", "grpo_guard")
+# keys recipes took before the updates owned their options -> (the option, the losses that own it)
+MOVED_TO_LOSS_OPTIONS = {
+    "train.nft_beta": ("beta", ("nft",)),
+    "train.pref_beta": ("beta", ("dpo", "gdro")),
+    "train.pref_tau": ("tau", ("dpo", "gdro")),
+    "train.clip_range": ("clip_range", GRPO_FAMILY),
+    "train.global_std": ("global_std", GRPO_FAMILY + ("nft",)),
+    "train.advantage_options": ("advantage_options", GRPO_FAMILY),
+    **{f"offline.{k}": (k, ("offline_gdro",)) for k in ("beta", "tau", "gamma", "t_sampling", "t_min", "t_max",
+                                                         "t_mean", "t_std")},
+}
+
+
+def moved_key_hint(key: str) -> str:
+    """For a key that moved into an update's options: where it lives now (empty for any other key)."""
+    if key not in MOVED_TO_LOSS_OPTIONS:
+        return ""
+    opt, losses = MOVED_TO_LOSS_OPTIONS[key]
+    return f" It is an option of the update now: train.loss_options.{opt} (train.loss: {' / '.join(losses)})."
+
+
+def upgrade_saved_config(d: dict) -> dict:
+    """A run's ``config.yaml`` written before the updates owned their options, in today's keys (a copy):
+    each moved key goes into ``train.loss_options`` when the run's loss owns it (dropped otherwise, as
+    it was unused), and an offline run's loss is ``offline_gdro``. Recipes are not upgraded: a moved
+    key there is an error that names its new place (:func:`moved_key_hint`)."""
+    d = yaml.safe_load(yaml.safe_dump(d))  # deep copy
+    train, offline = d.setdefault("train", {}) or {}, d.get("offline") or {}
+    if train.get("mode") == "offline" and train.get("loss") in (None, "grpo"):
+        train["loss"] = "offline_gdro"
+    loss = train.get("loss") or "grpo"
+    opts = dict(train.get("loss_options") or {})
+    for key, (opt, losses) in MOVED_TO_LOSS_OPTIONS.items():
+        section, name = key.split(".")
+        sec = train if section == "train" else offline
+        if name in sec:
+            value = sec.pop(name)
+            if loss in losses:
+                opts.setdefault(opt, value)
+    train["loss_options"] = opts
+    d["train"] = train
     return d
 
 
@@ -83,3 +130,28 @@ def resolve_recipe(path: Union[str, Path]) -> Path:
         return shipped
     raise ConfigError(f"recipe {str(path)!r} not found. Shipped recipes (give a name or a path): "
                       f"{', '.join(r.name for r in shipped_recipes()) or '(none)'}")
+
+
+def keep_loss_options_of_new_loss(d: dict, recipe_loss: Optional[str], overrides: list[str]) -> None:
+    """``train.loss=X`` on the command line over a recipe of another loss, with no ``train.loss_options``
+    given there: the recipe's loss options that X does not take are dropped, with a notice on stderr (so
+    ``--config digits train.loss=dpo`` runs, and ``grpo`` -> ``grpo_guard`` keeps the shared clip range)."""
+    import sys
+
+    from ..updates import UPDATES
+
+    train = d.get("train")
+    if not isinstance(train, dict) or not any(o.split("=", 1)[0] == "train.loss" for o in overrides):
+        return
+    if any(o.split("=", 1)[0].startswith("train.loss_options") for o in overrides):
+        return
+    loss, options = train.get("loss"), train.get("loss_options")
+    if loss == recipe_loss or not isinstance(options, dict) or not options or loss not in UPDATES.entries:
+        return
+    valid = {f.name for f in dataclasses.fields(UPDATES.get(loss).Options)}
+    dropped = sorted(k for k in options if k not in valid)
+    if dropped:
+        train["loss_options"] = {k: v for k, v in options.items() if k in valid}
+        print(f"[flowrl] train.loss={loss} on the command line: the recipe's train.loss_options for "
+              f"{recipe_loss or 'its loss'} that {loss} does not take are dropped ({', '.join(dropped)})",
+              file=sys.stderr, flush=True)

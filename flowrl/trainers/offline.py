@@ -2,9 +2,10 @@
 update through implicit rewards; no sampler in the loop.
 
 ``flowrl generate-offline`` writes the dataset (:func:`generate_offline`), ``flowrl train`` with
-``train.mode: offline`` trains on it (:class:`OfflineTrainer`). The run directory, checkpoints,
-resume, metrics and evaluation are the online trainer's (``checkpoint.py``, ``reporting.py``,
-``flowrl.builders.evaluate_policy``), so runs of both kinds compare point for point.
+``train.mode: offline`` (``train.loss: offline_gdro``) trains on it (:class:`OfflineTrainer`). The loop,
+run directory, checkpoints, resume, metrics and evaluation are the online trainer's
+(:class:`flowrl.trainers.trainer.Trainer`, ``flowrl.builders.evaluate_policy``), so runs of both
+kinds compare point for point.
 
 Accounting: one *step* is one optimizer step. Each step takes ``offline.batch_groups`` groups
 per process per forward/backward pass, ``train.grad_accum`` passes per step, from the epoch's
@@ -22,18 +23,15 @@ from typing import Optional
 
 import torch
 
+from ..builders import build_policy_from_config, build_reward, build_rewards
 from ..data.embeddings import attach_text_cache
-from ..data.offline import DatasetError, GenerationSettings, OfflineDataset, add_reward_column, generate_dataset
-from ..pipelines.common import cfg_uncond_gradient
+from ..data.offline import GenerationSettings, add_reward_column, generate_dataset
+from ..data.offline_store import DatasetError, OfflineDataset
+from ..errors import ConfigError
 from ..rollout.base import score_images
-from .config import Config, ConfigError
-from .common import TrainerBase
-from ..builders import build_policy_from_config, build_reward, evaluate_policy
-from ..updates.base import UpdateContext
-from ..updates.offline_gdro import OfflineGDROUpdate, ranking_rewards, sample_t  # noqa: F401 (public here too)
-from .reporting import save_grid
 from ..utils.paths import resolve_device
-from ..utils.io import write_json
+from .config import Config
+from .trainer import Trainer
 
 # keys that may change between a run and its resume without changing its trajectory
 RESUME_FREE = {"train.iterations", "train.checkpoint_every", "train.keep_checkpoints", "logging", "model.device",
@@ -55,12 +53,9 @@ def generation_settings(cfg: Config) -> GenerationSettings:
 def dataset_rewards(cfg: Config) -> dict:
     """name -> reward callable for every reward stored at generation: ``reward.weights`` (with
     ``reward.options``) and, with ``offline.score_heldout``, ``reward.heldout``."""
-    from flowrl.rewards import build
-
-    out = {k: build(k, **cfg.reward.options.get(k, {})) for k in cfg.reward.weights}
+    out = dict(build_reward(cfg).rewards)
     if cfg.offline.score_heldout:
-        for k, opts in cfg.reward.heldout.items():
-            out.setdefault(k, build(k, **(opts or {})))
+        out.update(build_rewards({k: v for k, v in cfg.reward.heldout.items() if k not in out}))
     return out
 
 
@@ -146,25 +141,28 @@ def corrected_score(r: torch.Tensor, quality: torch.Tensor, judge_range: list) -
 
 
 # ---------------------------------------------------------------- the trainer
-class OfflineTrainer(TrainerBase):
-    """``OfflineTrainer(config, output_dir, resume=False).train()`` -> summary dict.
+class OfflineTrainer(Trainer):
+    """``OfflineTrainer(config, output_dir, resume=False, *, policy=None, reward=None).train()`` -> summary dict.
 
-    The run directory holds what an online run holds (``config.yaml``, ``metrics.jsonl``,
-    ``checkpoints/iter_NNNNNN`` by optimizer step, ``samples/eval_*.png``, ``reward_curve.png``,
-    ``before_after.png``, ``summary.json``); the summary adds the dataset's generation seconds so
-    ``compute_seconds`` is generation + training.
+    The shared loop (:class:`~flowrl.trainers.trainer.Trainer`) over optimizer steps of the dataset
+    ``offline.dataset``. The run directory holds what an online run holds (``config.yaml``,
+    ``metrics.jsonl``, ``checkpoints/iter_NNNNNN`` by optimizer step, ``samples/eval_*.png``,
+    ``reward_curve.png``, ``before_after.png``, ``summary.json``); the summary adds the dataset's
+    generation seconds so ``compute_seconds`` is generation + training.
     """
 
     RESUME_FREE = RESUME_FREE
     unit = "step"
-    stop_causes = "offline.beta too large, "
+    stop_causes = "train.loss_options.beta too large, "
+    progress_desc = "flowrl gdro"
 
-    def __init__(self, config: Config, output_dir: str | os.PathLike, resume: bool = False):
+    def __init__(self, config: Config, output_dir: str | os.PathLike, resume: bool = False, *, policy=None,
+                 reward=None):
         config.offline.check_for_training()
-        super().__init__(config, output_dir, resume)
+        super().__init__(config, output_dir, resume, policy=policy, reward=reward)
 
-    # ---------------------------------------------------------------- set-up
-    def _open_dataset(self) -> OfflineDataset:
+    # ---------------------------------------------------------------- the data
+    def _open_data(self) -> None:
         cfg = self.cfg
         ds = OfflineDataset(cfg.offline.dataset)
         missing = [n for n in cfg.reward.weights if n not in ds.reward_names]
@@ -180,12 +178,10 @@ class OfflineTrainer(TrainerBase):
         if m.get("pipeline") not in (None, cfg.model.pipeline):
             raise ConfigError(f"the dataset was generated with pipeline {m.get('pipeline')!r}, the recipe trains "
                               f"{cfg.model.pipeline!r}; GDRO needs the dataset's reference model")
-        return ds
+        self.ds = ds
 
-    def setup(self) -> None:
+    def _setup_data(self) -> list[str]:
         cfg = self.cfg
-        self.ds = self._open_dataset()
-        device = self._make_accelerator()
         self.per_step = cfg.offline.batch_groups * cfg.train.grad_accum * self.acc.num_processes
         self.steps_per_epoch = len(self.ds) // self.per_step
         if self.steps_per_epoch == 0:
@@ -196,34 +192,47 @@ class OfflineTrainer(TrainerBase):
         self.total_steps = cfg.offline.epochs * self.steps_per_epoch
         if cfg.offline.max_steps:
             self.total_steps = min(self.total_steps, cfg.offline.max_steps)
-        self.eval_prompts = cfg.data.eval_prompt_set()
-        self.reward = build_reward(cfg)
-        from flowrl.rewards import build
-
-        self.heldout = {k: build(k, **(v or {})) for k, v in cfg.reward.heldout.items()}
-        self.judge = {k: build(k, **(v or {})) for k, v in cfg.offline.judge.items()}
-        self.policy = build_policy_from_config(cfg, device)
-        self.policy = attach_text_cache(self.policy, cfg.model, list(self.ds.prompts) + self.eval_prompts,
-                                        is_main=self.acc.is_main_process, barrier=self.acc.wait_for_everyone,
-                                        progress=cfg.logging.progress and self.acc.is_main_process)
-        self._prepare_model(need_reference=True)  # GDRO's implicit reward always needs the reference
-        self.start_step = 0
+        self.judge = build_rewards(cfg.offline.judge)
         self.train_seconds = 0.0
-        if self.resume:
-            ck = self._load_latest()
-            if ck is not None:
-                st = ck["state"]
-                if int(st.get("dataset_groups", len(self.ds))) != len(self.ds):
-                    raise ConfigError(f"--resume: the dataset {cfg.offline.dataset} now holds {len(self.ds)} groups, "
-                                      f"the run started with {st['dataset_groups']}; its data order would change. "
-                                      f"Resume with the same dataset or start a new --output-dir.")
-                self.start_step = int(st["iteration"])
-                self.train_seconds = float(st.get("train_seconds", 0.0))
-        self._claim_run_dir(self.start_step)  # only once everything loaded
+        return list(self.ds.prompts)
 
-    # ---------------------------------------------------------------- checkpoints
-    def _save(self, step_done: int) -> None:
-        super()._save(step_done, state={"train_seconds": self.train_seconds, "dataset_groups": len(self.ds)})
+    def total_units(self) -> int:
+        return self.total_steps
+
+    @property
+    def eval_every(self) -> int:
+        return self.cfg.offline.eval_every
+
+    @property
+    def eval_steps(self) -> int:
+        return self.cfg.offline.eval_steps or self.cfg.offline.num_steps
+
+    def checkpoint_state(self) -> dict:
+        return {"train_seconds": self.train_seconds, "dataset_groups": len(self.ds)}
+
+    def restore_state(self, ck: dict) -> None:
+        st = ck["state"]
+        if int(st.get("dataset_groups", len(self.ds))) != len(self.ds):
+            raise ConfigError(f"--resume: the dataset {self.cfg.offline.dataset} now holds {len(self.ds)} groups, "
+                              f"the run started with {st['dataset_groups']}; its data order would change. "
+                              f"Resume with the same dataset or start a new --output-dir.")
+        self.train_seconds = float(st.get("train_seconds", 0.0))
+
+    def report_title(self) -> str:
+        return f"{self.cfg.model.pipeline} / GDRO (offline)"
+
+    def summary_fields(self, last: int) -> dict:
+        gen = self.ds.generation_seconds
+        return {"steps_done": last, "total_steps": self.total_steps, "steps_per_epoch": self.steps_per_epoch,
+                "epochs_done": last / self.steps_per_epoch, "dataset": str(self.cfg.offline.dataset),
+                "dataset_groups": len(self.ds), "generation_seconds": gen, "train_seconds": self.train_seconds,
+                "compute_seconds": gen + self.train_seconds}
+
+    def progress_postfix(self, met: dict) -> dict:
+        return {"loss": f"{met.get('loss', float('nan')):.3f}", "acc": f"{met.get('top1_accuracy', float('nan')):.2f}"}
+
+    def close(self) -> None:
+        self.ds.close()
 
     # ---------------------------------------------------------------- one step
     def step_groups(self, step: int) -> list[torch.Tensor]:
@@ -238,41 +247,27 @@ class OfflineTrainer(TrainerBase):
         chunk = chunk.view(ga, self.acc.num_processes, bg)[:, self.acc.process_index]  # [ga, bg]
         return list(chunk)
 
-    def _update(self) -> OfflineGDROUpdate:
-        """The offline GDRO step (flowrl.updates.offline_gdro), made on first use."""
-        if getattr(self, "_gdro", None) is None:
-            o = self.cfg.offline
-            ctx = UpdateContext(
-                policy=self.policy, model=self.model, unwrapped=self.unwrapped, device=self.acc.device,
-                autocast=self.acc.autocast, reference=lambda: self.ref.active(self.policy), gather=lambda t: t,
-                min_over_processes=lambda n: n, accumulate=self._accumulate, optimizer_steps=lambda: self.opt_steps,
-                train=self.cfg.train, reward=self.cfg.reward, num_processes=self.acc.num_processes,
-                process_index=self.acc.process_index)
-            self._gdro = OfflineGDROUpdate(ctx, OfflineGDROUpdate.options_of(o), dataset=self.ds, offline_cfg=o)
-        return self._gdro
+    def run_unit(self, i: int) -> tuple[dict, Optional[torch.Tensor]]:
+        return self.run_step(i), None
 
     def run_step(self, step: int) -> dict:
         """One optimizer step (``grad_accum`` passes) -> metrics."""
         t0 = time.perf_counter()
         passes = self.step_groups(step)
-        with cfg_uncond_gradient(self.cfg.train.cfg_uncond_grad):
-            stats = self._update()(passes, step)
+        stats = self.update_object()(passes, step)
         self.sched.step()
         dt = time.perf_counter() - t0
         self.train_seconds += dt
         return {"iteration": step, **stats, "epoch": step // self.steps_per_epoch, "lr": self.sched.get_last_lr()[0],
-                "skipped_steps": self.skipped, "step_seconds": dt, "train_seconds": self.train_seconds,
+                "skipped_steps": self.steps.skipped, "step_seconds": dt, "train_seconds": self.train_seconds,
                 "groups_trained": len(passes) * self.cfg.offline.batch_groups * self.acc.num_processes}
 
-    # ---------------------------------------------------------------- evaluation
+    # ---------------------------------------------------------------- evaluation: the corrected score
     @torch.no_grad()
-    def evaluate(self, step: int) -> tuple[dict, torch.Tensor]:
-        """The online trainer's evaluation (fixed prompts and seeds, ODE), plus the corrected score
-        ``r * (u - 3) + 0.2`` when ``offline.judge`` names a second judge."""
+    def extend_evaluation(self, met: dict, images: torch.Tensor) -> None:
+        """With ``offline.judge``: the second judge's quality and the corrected score ``r * (u - 3) + 0.2``;
+        and the training seconds so far."""
         o = self.cfg.offline
-        with self.evaluation_model():
-            met, images = evaluate_policy(self.policy, self.reward, self.heldout, self.eval_prompts,
-                                          self.cfg.data.eval_seeds_per_prompt, o.eval_steps or o.num_steps, step)
         for name, judge in self.judge.items():
             k = self.cfg.data.eval_seeds_per_prompt
             prompts = [p for p in self.eval_prompts for _ in range(k)]
@@ -283,60 +278,6 @@ class OfflineTrainer(TrainerBase):
             met[f"eval/judge/{name}"] = float(q[torch.isfinite(q)].mean()) if torch.isfinite(q).any() else float("nan")
             met["eval/reward_corrected"] = float(corr[ok].mean()) if ok.any() else float("nan")
         met["train_seconds"] = self.train_seconds
-        return met, images
-
-    # ---------------------------------------------------------------- the loop
-    def _eval_and_log(self, step: int) -> None:
-        em, imgs = self.evaluate(step)  # (every process when sharded: its forwards are collective)
-        self._log(em)
-        if self.acc.is_main_process:
-            save_grid(imgs, self.run_dir / "samples" / f"eval_{step:06d}.png",
-                      nrow=self.cfg.data.eval_seeds_per_prompt, scale=max(1, 64 // imgs.shape[-1]))
-
-    def train(self) -> dict:
-        from tqdm.auto import tqdm
-
-        self._begin()
-        cfg, lg = self.cfg, self.cfg.logging
-        n = self.total_steps
-        if self.start_step == 0 and self.evaluates_here:
-            real = self._real_data_reference() if self.acc.is_main_process else {}
-            if real:
-                self._log({**real, "iteration": 0})
-            self._eval_and_log(0)
-        bar = tqdm(range(self.start_step, n), initial=self.start_step, total=n, desc="flowrl gdro",
-                   disable=not (lg.progress and self.acc.is_main_process), dynamic_ncols=True)
-        last = self.start_step
-        for step in bar:
-            met = self.run_step(step)
-            done = last = step + 1
-            if step % lg.log_every == 0 or done == n:
-                self._log(met)
-            bar.set_postfix(loss=f"{met.get('loss', float('nan')):.3f}", acc=f"{met.get('top1_accuracy', float('nan')):.2f}")
-            if self.evaluates_here and (done % cfg.offline.eval_every == 0 or done == n):
-                self._eval_and_log(done)
-            if done % cfg.train.checkpoint_every == 0 or done == n or self._stop_requested:
-                self._save(done)
-            if self._stop_requested:
-                break
-        bar.close()
-        summary = self._finish(last)
-        self.ds.close()
-        self._shutdown()
-        return summary
-
-    def _finish(self, last: int) -> dict:
-        if not self.acc.is_main_process:
-            return {}
-        gen = self.ds.generation_seconds
-        summary = {"steps_done": last, "total_steps": self.total_steps, "steps_per_epoch": self.steps_per_epoch,
-                   "epochs_done": last / self.steps_per_epoch, "dataset": str(self.cfg.offline.dataset),
-                   "dataset_groups": len(self.ds),
-                   **self._report(last, title=f"{self.cfg.model.pipeline} / GDRO (offline)"),
-                   "generation_seconds": gen, "train_seconds": self.train_seconds,
-                   "compute_seconds": gen + self.train_seconds}
-        write_json(summary, self.run_dir / "summary.json")
-        return summary
 
 
 def train(config: Config, output_dir: str | os.PathLike, resume: bool = False) -> dict:

@@ -1,8 +1,10 @@
-"""The ``offline`` section of a recipe: GDRO dataset generation and training (docs/algorithms.md §8).
+"""The ``offline`` section of a recipe: GDRO dataset generation and offline training (docs/algorithms.md §8).
 
 Read by ``flowrl generate-offline`` (dataset, k, sampler, seeds, shards, PNGs) and by
-``flowrl train`` when ``train.mode: offline`` (tau, beta, gamma, epochs, t sampling). The rest of
-the recipe is shared with online training: ``model`` (the reference model and LoRA targets),
+``flowrl train`` when ``train.mode: offline`` (epochs, batches, evaluation, the judge). The GDRO
+loss's own knobs (beta, tau, gamma, the t distribution) are the update's options,
+``train.loss_options`` of ``train.loss: offline_gdro`` (:mod:`flowrl.updates.offline_gdro`). The rest
+of the recipe is shared with online training: ``model`` (the reference model and LoRA targets),
 ``reward`` (the ranking reward: ``reward.weights`` over the dataset's reward columns),
 ``train`` (lr, LoRA, grad_accum, checkpoints, seed), ``data.eval_prompts`` and ``logging``.
 
@@ -14,10 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .config_base import ConfigError, _h
+from .config_base import _h
+from ..errors import ConfigError
 
 SAMPLERS = ("euler", "heun")
-T_SAMPLING = ("uniform", "logit_normal")
 LATENT_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -41,20 +43,11 @@ class OfflineConfig:
     latent_dtype: str = _h("dtype x0 latents are stored in: float32, bfloat16 or float16", "float32")
     save_png: bool = _h("also write every image as PNG under <dataset>/png/", False)
     score_heldout: bool = _h("store reward.heldout rewards as dataset columns too (besides reward.weights)", True)
-    # --- GDRO training (flowrl train, train.mode: offline) -------------------------------
-    tau: float = _h("temperature of the soft ranking targets softmax(r / tau); 0 = hard ranking (paper: 0.05)", 0.05)
-    beta: float = _h("implicit-reward scale beta (paper: 12 for OCR, 6 for GenEval)", 12.0)
-    gamma: float = _h("weight of the flow-matching regulariser on each group's top image (paper: 0.5 / 1.0)", 0.5)
+    # --- offline training (flowrl train, train.mode: offline; the loss's knobs: train.loss_options) ----
     epochs: int = _h("passes over the dataset", 1)
     batch_groups: int = _h("groups per forward/backward pass per process (x k images; train.grad_accum "
                            "passes make one optimizer step)", 8)
     max_steps: Optional[int] = _h("stop after this many optimizer steps (default: epochs x steps per epoch)", None)
-    t_sampling: str = _h("distribution of the shared noise level t: 'uniform' on [t_min, t_max] or "
-                         "'logit_normal' (sigmoid of N(t_mean, t_std), clipped to [t_min, t_max])", "uniform")
-    t_min: float = _h("smallest t", 0.02)
-    t_max: float = _h("largest t", 0.98)
-    t_mean: float = _h("logit-normal location", 0.0)
-    t_std: float = _h("logit-normal scale", 1.0)
     eval_every: int = _h("online evaluation (fixed prompts and seeds, ODE) every N optimizer steps", 10)
     eval_steps: Optional[int] = _h("ODE steps of the evaluation (default: num_steps)", None)
     # --- corrected score (reward hacking, docs/algorithms.md §8) ----------------------------------------
@@ -78,18 +71,8 @@ class OfflineConfig:
                 raise _error(f"offline.{name} must be a positive integer or null, got {v!r}")
         if self.sampler not in SAMPLERS:
             raise _error(f"offline.sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
-        if self.t_sampling not in T_SAMPLING:
-            raise _error(f"offline.t_sampling must be one of {', '.join(T_SAMPLING)}, got {self.t_sampling!r}")
         if self.latent_dtype not in LATENT_DTYPES:
             raise _error(f"offline.latent_dtype must be one of {', '.join(LATENT_DTYPES)}, got {self.latent_dtype!r}")
-        for name in ("tau", "beta", "gamma", "t_std"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
-                raise _error(f"offline.{name} must be a number >= 0, got {v!r}")
-        if not self.beta > 0:
-            raise _error(f"offline.beta must be > 0 (it scales the implicit rewards), got {self.beta}")
-        if not 0 < self.t_min < self.t_max < 1:
-            raise _error(f"offline.t_min / t_max must satisfy 0 < t_min < t_max < 1, got {self.t_min}, {self.t_max}")
         if not isinstance(self.judge, dict) or len(self.judge) > 1:
             raise _error(f"offline.judge must be empty or one {{reward name: {{kwargs}}}}, got {self.judge!r}")
         if self.judge:

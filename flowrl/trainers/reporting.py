@@ -6,11 +6,9 @@ import os
 from pathlib import Path
 from typing import Iterable, Optional
 
-from ..utils.images import image_grid, save_grid
-from ..utils.io import save_figure, save_png, write_json, write_text
+from ..utils.io import save_figure, save_png, write_text
 
-__all__ = ["MetricsLog", "read_metrics", "plot_curves", "image_grid", "save_grid", "save_png", "save_figure",
-           "write_json", "side_by_side"]  # image_grid .. write_json live in flowrl.utils (re-exported here)
+__all__ = ["MetricsLog", "read_metrics", "plot_curves", "side_by_side"]
 
 
 class MetricsLog:

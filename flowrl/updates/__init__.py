@@ -1,12 +1,13 @@
 """Updates: what a trainer does with a rollout (online) or a dataset step (offline).
 
 ``UPDATES`` maps ``train.loss`` to an ``Update`` class (:mod:`flowrl.updates.base`); adding an update is
-one new file here and one line below (docs/design.md). Online updates are called
-``update(rollout, iteration) -> (stats, advantage info)``; ``offline_gdro`` is the offline trainer's step.
+one new file here and one line below (docs/design.md). Each class declares what it consumes
+(``rollout``: called ``update(rollout, iteration) -> (stats, advantage info)`` by the online trainer;
+``dataset``: ``update(passes, step) -> stats`` by the offline trainer) and what else it needs.
 """
 from __future__ import annotations
 
-from ..registry import Registry  # light: the classes import on first use (config validation stays cheap)
+from ..registry import Registry  # light: the classes import on first use
 
 UPDATES = Registry("update", {
     "grpo": "flowrl.updates.grpo:GRPOUpdate",
@@ -17,12 +18,15 @@ UPDATES = Registry("update", {
     "offline_gdro": "flowrl.updates.offline_gdro:OfflineGDROUpdate",
 })
 
-OFFLINE_UPDATES = ("offline_gdro",)  # run by the offline trainer (train.mode: offline), not train.loss
+DEFAULT_LOSS = {"online": "grpo", "offline": "offline_gdro"}  # train.loss when a recipe names none, by train.mode
 
 
-def online_losses() -> tuple[str, ...]:
-    """The ``train.loss`` values: every registered update except the offline ones."""
-    return tuple(n for n in UPDATES.entries if n not in OFFLINE_UPDATES)
+def updates_by_input() -> dict[str, list[str]]:
+    """Registered update names by what they consume (``rollout``, ``dataset``), in registry order."""
+    out: dict[str, list[str]] = {}
+    for name in UPDATES.entries:
+        out.setdefault(UPDATES.get(name).consumes, []).append(name)
+    return out
 
 
-__all__ = ["UPDATES", "OFFLINE_UPDATES", "online_losses"]
+__all__ = ["UPDATES", "DEFAULT_LOSS", "updates_by_input"]

@@ -5,13 +5,17 @@ autocast, the reference, the gradient-accumulation callable, the optimizer step 
 config) and never anything else: an update does not touch trainer state. An update is a class with
 an ``Options`` dataclass (its own knobs, ``train.loss_options``) and
 ``__call__(rollout, iteration) -> (stats, advantage info)``; :func:`train_epochs` is its loop.
+
+An update also declares what it needs (class attributes of :class:`Update`: what it consumes,
+stored transitions, a KL term, the reference, per-reward statistics); config validation reads them
+(:func:`incompatibility`) and refuses a combination the update cannot run before any model loads.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ClassVar, ContextManager, Optional
 
 import torch
 
@@ -28,29 +32,41 @@ class UpdateContext:
     reference: Callable[[], ContextManager]       # inside it, policy.velocity evaluates the reference model
     gather: Callable[[torch.Tensor], torch.Tensor]  # concatenation over processes (identity on one)
     min_over_processes: Callable[[int], int]      # the smallest of an int over processes (DDP: equal pass counts)
-    accumulate: Callable[..., int]                # TrainerBase._accumulate(passes, loss_of, sums, after_step, counts)
+    accumulate: Callable[..., int]                # OptimizerSteps.accumulate(passes, loss_of, sums, after_step, counts)
     optimizer_steps: Callable[[], int]            # optimizer steps taken so far
     train: Any                                    # the TrainConfig (seed, minibatch_size, inner_epochs, ...)
     reward: Any = None                            # the RewardConfig (aggregate, weights), when the update needs it
     sampler_name: str = ""                        # for error messages
     num_processes: int = 1
     process_index: int = 0
+    dataset: Any = None                           # the OfflineDataset a dataset-consuming update reads
 
 
 class Update:
     """Base of every update: ``Update(ctx, options)``; ``__call__(rollout, it) -> (stats, info)``.
 
-    Subclasses set ``Options`` (a dataclass validated in ``__post_init__``) and may keep state
-    across iterations; :meth:`state_dict` / :meth:`load_state_dict` carry it through checkpoints
-    (saved as the checkpoint's ``extra`` tensors).
+    Subclasses set ``Options`` (a dataclass validated in ``__post_init__``: the update's knobs,
+    ``train.loss_options``) and the declarations below, and may keep state across iterations;
+    :meth:`state_dict` / :meth:`load_state_dict` carry it through checkpoints (saved as the
+    checkpoint's ``extra`` tensors).
     """
 
     @dataclass
     class Options:
         pass
 
-    # top-level train.* keys that feed an option of this update (kept for old recipes): {train key: option}
-    ALIASES: dict = {}
+    # what the update needs (read by config validation, :func:`incompatibility`)
+    consumes: ClassVar[str] = "rollout"         # "rollout": a sampler's rollout per iteration (train.mode online);
+    #                                             "dataset": optimizer steps over an offline dataset (train.mode offline)
+    needs_transitions: ClassVar[bool] = False   # trains on stored stochastic transitions (their log-probs)
+    kl_term: ClassVar[bool] = False             # adds train.beta_kl x a KL to the reference
+    per_reward: ClassVar[bool] = False          # normalises each reward apart (reward.aggregate: per_reward)
+    keeps_old_policy: ClassVar[bool] = False    # keeps its own decayed copy of the trained tensors (checkpointed)
+
+    @classmethod
+    def needs_reference(cls, train) -> bool:
+        """Whether the update evaluates the frozen reference (the trainer keeps one only then)."""
+        return cls.kl_term and train.beta_kl > 0
 
     def __init__(self, ctx: UpdateContext, options: Optional[Any] = None):
         self.ctx = ctx
@@ -68,27 +84,45 @@ class Update:
 
 
 def build_options(cls: type, train, where: str = "train.loss_options") -> Any:
-    """The ``Options`` of update class ``cls`` from a TrainConfig: each alias key (``train.nft_beta``,
-    ...) feeds its option, then ``train.loss_options`` overrides. An unknown key, or an alias and
-    an option set to different values, is a ``ValueError`` naming the key."""
-    opts_cls = cls.Options
-    valid = [f.name for f in dataclasses.fields(opts_cls)]
+    """The ``Options`` of update class ``cls`` from a TrainConfig's ``train.loss_options``. An unknown key
+    is a ``ValueError`` naming it (and the closest valid one); the dataclass checks the values."""
+    valid = [f.name for f in dataclasses.fields(cls.Options)]
     given = dict(getattr(train, "loss_options", None) or {})
     for k in given:
         if k not in valid:
             close = difflib.get_close_matches(k, valid, n=1)
             hint = f" Did you mean {where}.{close[0]}?" if close else ""
             raise ValueError(f"{where}.{k}: not an option of train.loss={train.loss!r}.{hint} "
-                             f"Valid: {', '.join(valid) or '(none)'}")
-    kw = {}
-    defaults = {f.name: f.default for f in dataclasses.fields(type(train))}
-    for key, opt in cls.ALIASES.items():
-        v = getattr(train, key)
-        if opt in given and v != defaults.get(key) and v != given[opt]:
-            raise ValueError(f"train.{key}={v!r} and {where}.{opt}={given[opt]!r} set the same option; keep one")
-        kw[opt] = v
-    kw.update(given)
-    return opts_cls(**kw)
+                             f"Valid: {', '.join(valid) or '(none)'} (the options belong to the loss: after changing "
+                             f"train.loss, set its own, e.g. {where}={{}} for its defaults)")
+    return cls.Options(**given)
+
+
+def incompatibility(cls: type, loss: str, *, mode: str, sampler: str, stores_transitions: bool, beta_kl: float,
+                    aggregate: str, inner_epochs: int, alternatives: dict[str, list[str]]) -> Optional[str]:
+    """Why update class ``cls`` (``train.loss=loss``) cannot run with these settings, in one line with the
+    fix, or None. ``alternatives``: update names by what they consume (``rollout``, ``dataset``)."""
+    others = lambda kind: ", ".join(n for n in alternatives.get(kind, []) if n != loss)  # noqa: E731
+    if cls.consumes == "dataset" and mode != "offline":
+        return (f"train.loss={loss} trains on a dataset from `flowrl generate-offline`: set train.mode=offline "
+                f"(and offline.dataset), or choose an online loss ({others('rollout')})")
+    if cls.consumes == "rollout" and mode == "offline":
+        return (f"train.mode=offline trains on a dataset, and train.loss={loss} trains on rollouts: use "
+                f"train.loss={others('dataset')} (or train.mode=online)")
+    if mode == "online" and cls.needs_transitions and not stores_transitions:
+        return (f"the {sampler!r} sampler (as configured) stores no stochastic transitions, so train.loss={loss} would "
+                f"have nothing to train on; use train.loss=nft, dpo or gdro (they train on finished samples), or a "
+                f"stochastic sampler (group, branch, tempflow, sol with regen: group)")
+    if beta_kl > 0 and not cls.kl_term:
+        return (f"train.beta_kl={beta_kl} has no effect with train.loss={loss}, which has no KL term (its implicit "
+                f"reward already compares with the reference); set train.beta_kl=0")
+    if aggregate == "per_reward" and not cls.per_reward:
+        return (f"reward.aggregate=per_reward has no effect with train.loss={loss}, which trains on the weighted "
+                f"sum of the rewards; set reward.aggregate=sum")
+    if mode == "offline" and inner_epochs != 1:
+        return (f"train.inner_epochs={inner_epochs} has no effect in offline mode (a step makes one pass over its "
+                f"groups; offline.epochs counts passes over the dataset); set train.inner_epochs=1")
+    return None
 
 
 def average(sums: dict, count: int, counts: Optional[dict] = None) -> dict:

@@ -8,6 +8,7 @@ consecutive minibatches make one optimizer step. A minibatch's loss is the mean 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Optional
 
@@ -17,15 +18,45 @@ from ..advantages import transition_advantages
 from ..losses import grpo_clipped_loss, kl_form_for_step, kl_to_reference
 from ..sde import get_step
 from ..seeding import stream_seed
-from ..trainers.config_base import ConfigError
+from ..errors import ConfigError
 from ..types import index_cond
 from .base import Update, train_epochs
 
 
-class GRPOUpdate(Update):
-    """The clipped-ratio update; its knobs are ``train.clip_range``, ``train.beta_kl``, ``train.kl_form``
-    (shared with other updates, so they stay top-level). Subclasses change :meth:`surrogate`."""
+# advantage-function options the update sets itself (from train.* and reward.*)
+SET_BY_THE_UPDATE = {"adv_clip": "train.adv_clip_max", "global_std": "train.loss_options.global_std",
+                     "per_reward_weights": "reward.aggregate: per_reward with reward.weights",
+                     "iteration": "(the iteration)"}
 
+
+@dataclass
+class GRPOOptions:
+    """``train.loss_options`` of the GRPO family (``grpo``, ``grpo_guard``)."""
+
+    clip_range: float = 1e-3  # PPO clip epsilon on the per-step ratio (Flow-GRPO train.clip_range)
+    global_std: bool = False  # normalise advantages by the whole batch's std instead of the group's
+    advantage_options: dict = field(default_factory=dict)  # options of the rollout structure's advantage function
+
+    def __post_init__(self):
+        if isinstance(self.clip_range, bool) or not isinstance(self.clip_range, (int, float)) or not self.clip_range > 0:
+            raise ValueError(f"train.loss_options.clip_range must be a number > 0, got {self.clip_range!r}")
+        if not isinstance(self.advantage_options, dict):
+            raise ValueError(f"train.loss_options.advantage_options must be a mapping, got {self.advantage_options!r}")
+        for k in self.advantage_options:
+            if k in SET_BY_THE_UPDATE:
+                raise ValueError(f"train.loss_options.advantage_options.{k}: the update sets it; use "
+                                 f"{SET_BY_THE_UPDATE[k]}")
+
+
+class GRPOUpdate(Update):
+    """The clipped-ratio update on stored transitions; its own knobs are :class:`GRPOOptions`, the KL
+    (``train.beta_kl``, ``train.kl_form``) and the advantage clip (``train.adv_clip_max``) are shared with
+    other updates and stay in ``train``. Subclasses change :meth:`surrogate`."""
+
+    Options = GRPOOptions
+    needs_transitions = True
+    kl_term = True
+    per_reward = True
     step_fn = None
 
     def __call__(self, rollout, it: int) -> tuple[dict, dict]:
@@ -36,13 +67,12 @@ class GRPOUpdate(Update):
         return self.update(rollout, adv, info, it), info
 
     def advantages(self, rollout, it: int) -> tuple[torch.Tensor, dict]:
-        """Per-transition advantages ``[M]`` of the rollout's structure (clipped), and its info."""
+        """Per-transition advantages ``[M]`` of the rollout's structure (clipped to ``+-train.adv_clip_max``
+        by the structure's function), and its info."""
         ctx, cfg = self.ctx, self.ctx.train
-        opts = dict(cfg.advantage_options)
-        opts.setdefault("global_std", cfg.global_std)
-        opts.setdefault("adv_clip", cfg.adv_clip_max)
+        opts = {**self.opts.advantage_options, "global_std": self.opts.global_std, "adv_clip": cfg.adv_clip_max}
         if ctx.reward is not None and ctx.reward.aggregate == "per_reward":
-            opts.setdefault("per_reward_weights", ctx.reward.weights)
+            opts["per_reward_weights"] = ctx.reward.weights
         view = rollout
         if ctx.num_processes > 1 and rollout.structure == "group":
             # groups stay on their rank; statistics (global std, logging) see every rank's samples
@@ -52,8 +82,7 @@ class GRPOUpdate(Update):
                 group_index=ctx.gather(rollout.group_index + rank * p),
                 reward_components={k: ctx.gather(v) for k, v in rollout.reward_components.items()},
                 transitions=SimpleNamespace(sample_index=rollout.transitions.sample_index + rank * n))
-        adv, info = transition_advantages(view, iteration=it, **opts)
-        return adv.clamp(-cfg.adv_clip_max, cfg.adv_clip_max), info
+        return transition_advantages(view, iteration=it, **opts)
 
     def update(self, rollout, adv: torch.Tensor, info: dict, it: int) -> dict:
         """The epochs of clipped-ratio minibatches over the transitions with signal -> averaged stats."""
@@ -110,5 +139,5 @@ class GRPOUpdate(Update):
     def surrogate(self, out, tr, adv: torch.Tensor, rows: torch.Tensor, extra) -> tuple[torch.Tensor, dict]:
         """The policy term of minibatch transitions ``tr`` given their step ``out`` and advantages [m]."""
         dev = self.ctx.device
-        return grpo_clipped_loss(out.log_prob, tr.old_log_prob.to(dev), adv, self.ctx.train.clip_range,
+        return grpo_clipped_loss(out.log_prob, tr.old_log_prob.to(dev), adv, self.opts.clip_range,
                                  tr.weight.to(dev), host_stats=False)

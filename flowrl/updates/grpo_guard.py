@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from ..types import index_cond
-from .grpo import GRPOUpdate
+from .grpo import GRPOOptions, GRPOUpdate
 
 
 def guard_clipped_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor,
@@ -65,7 +65,7 @@ class GRPOGuardUpdate(GRPOUpdate):
     """GRPO with GRPO-Guard's regulated clipping; advantages, KL and accounting as ``grpo``."""
 
     @dataclass
-    class Options:
+    class Options(GRPOOptions):
         ratio_norm: bool = True  # re-centre and rescale the log-ratio (the RatioNorm term)
         reweight: bool = True    # divide each transition's clipped term by |dt|
 
@@ -87,5 +87,5 @@ class GRPOGuardUpdate(GRPOUpdate):
     def surrogate(self, out, tr, adv: torch.Tensor, rows: torch.Tensor, extra) -> tuple[torch.Tensor, dict]:
         dev = self.ctx.device
         return guard_clipped_loss(out.log_prob, tr.old_log_prob.to(dev), out.mean, extra["old_mean"][rows.to(dev)],
-                                  out.std, (tr.sigma_next - tr.sigma).to(dev), adv, self.ctx.train.clip_range,
+                                  out.std, (tr.sigma_next - tr.sigma).to(dev), adv, self.opts.clip_range,
                                   tr.weight.to(dev), ratio_norm=self.opts.ratio_norm, reweight=self.opts.reweight)

@@ -15,8 +15,9 @@ import torch
 
 from ..advantages import group_advantages
 from ..losses import nft_loss
+from ..sde import flow_interpolate
 from ..seeding import stream_seed
-from ..trainers.weights import EMA
+from ..trainable import EMA
 from ..types import index_cond
 from .base import Update, train_epochs
 
@@ -43,13 +44,15 @@ class NFTUpdate(Update):
 
     @dataclass
     class Options:
-        beta: float = 1.0  # strength of the implicit positive / negative policies (alias: train.nft_beta)
+        beta: float = 1.0  # strength of the implicit positive / negative policies (DiffusionNFT beta)
+        global_std: bool = False  # normalise advantages by the whole batch's std instead of the group's
 
         def __post_init__(self):
             if not self.beta > 0:
                 raise ValueError(f"train.loss_options.beta (nft) must be > 0, got {self.beta}")
 
-    ALIASES = {"nft_beta": "beta"}
+    kl_term = True  # train.beta_kl x the velocity distance to the reference
+    keeps_old_policy = True
 
     def __init__(self, ctx, options=None):
         super().__init__(ctx, options)
@@ -67,8 +70,8 @@ class NFTUpdate(Update):
         ctx, cfg = self.ctx, self.ctx.train
         if self.old_policy is None:
             self.old_policy = OldPolicy(ctx.unwrapped)
-        adv, zero = group_advantages(rollout.rewards, rollout.group_index, global_std=cfg.global_std,
-                                     clip=cfg.adv_clip_max)
+        adv, zero = group_advantages(rollout.rewards, rollout.group_index, global_std=self.opts.global_std,
+                                     clip=None)  # nft_loss clips to +-adv_clip_max (and scales by it)
         rows_all = torch.nonzero(~zero).flatten()
         dev = ctx.device
         cond_all = rollout.conditioning(ctx.policy)  # the rollout's own: prompts are not encoded again
@@ -80,7 +83,7 @@ class NFTUpdate(Update):
 
         def loss_of(mb: torch.Tensor, d: dict) -> tuple[torch.Tensor, dict]:
             x0, t = x0_all[mb], d["t"][mb]  # [m, C, H, W], [m]
-            x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * d["eps"][mb]
+            x_t = flow_interpolate(x0, d["eps"][mb], t.view(-1, 1, 1, 1))  # [m, C, H, W]
             c = index_cond(cond_all, prompt_d[mb])
             with torch.no_grad(), self.old_policy.applied(ctx.unwrapped):
                 v_old = ctx.policy.velocity(x_t, t, c)

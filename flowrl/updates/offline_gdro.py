@@ -1,6 +1,6 @@
-"""Offline GDRO step (``train.mode: offline``; arXiv 2601.02036, docs/algorithms.md §8): one optimizer
-step over ``train.grad_accum`` passes of reference-model groups read from the dataset, ranked by reward,
-trained through implicit rewards.
+"""Offline GDRO step (``train.mode: offline``, ``train.loss: offline_gdro``; arXiv 2601.02036,
+docs/algorithms.md §8): one optimizer step over ``train.grad_accum`` passes of reference-model groups
+read from the dataset (``UpdateContext.dataset``), ranked by reward, trained through implicit rewards.
 
 A pass's loss is the mean over its ranked groups of ``PL + gamma * FM(top image)``; the shared
 ``(t, eps)`` of each group come from ``(train.seed, step, pass, rank)`` only (seed purpose
@@ -33,36 +33,66 @@ def ranking_rewards(rewards: dict[str, torch.Tensor], weights: dict[str, float],
 
 
 def sample_t(generator: torch.Generator, n: int, cfg) -> torch.Tensor:
-    """``[n]`` noise levels t in [t_min, t_max] by ``offline.t_sampling`` (float32)."""
+    """``[n]`` noise levels t in [t_min, t_max] by ``cfg.t_sampling`` (float32; ``cfg``: the Options)."""
     if cfg.t_sampling == "uniform":
         return cfg.t_min + (cfg.t_max - cfg.t_min) * torch.rand(n, generator=generator)
     t = torch.sigmoid(cfg.t_mean + cfg.t_std * torch.randn(n, generator=generator))  # SD3 logit-normal
     return t.clamp(cfg.t_min, cfg.t_max)
 
 
+T_SAMPLING = ("uniform", "logit_normal")
+
+
+@dataclass
+class OfflineGDROOptions:
+    """``train.loss_options`` of ``offline_gdro`` (GDRO paper: k = 6, tau = 0.05, beta = 12 for OCR / 6 for
+    GenEval, gamma = 0.5 / 1.0)."""
+
+    beta: float = 12.0   # implicit-reward scale beta
+    tau: float = 0.05    # temperature of the soft ranking targets softmax(r / tau); 0 = hard ranking
+    gamma: float = 0.5   # weight of the flow-matching regulariser on each group's top image
+    t_sampling: str = "uniform"  # shared noise level t: 'uniform' on [t_min, t_max] or 'logit_normal'
+    t_min: float = 0.02  # smallest t
+    t_max: float = 0.98  # largest t
+    t_mean: float = 0.0  # logit-normal location
+    t_std: float = 1.0   # logit-normal scale (sigmoid of N(t_mean, t_std), clipped to [t_min, t_max])
+
+    def __post_init__(self):
+        for name in ("tau", "beta", "gamma", "t_std"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"train.loss_options.{name} must be a number >= 0, got {v!r}")
+        if not self.beta > 0:
+            raise ValueError(f"train.loss_options.beta must be > 0 (it scales the implicit rewards), got {self.beta}")
+        if self.t_sampling not in T_SAMPLING:
+            raise ValueError(f"train.loss_options.t_sampling must be one of {', '.join(T_SAMPLING)}, "
+                             f"got {self.t_sampling!r}")
+        if not 0 < self.t_min < self.t_max < 1:
+            raise ValueError(f"train.loss_options.t_min / t_max must satisfy 0 < t_min < t_max < 1, got "
+                             f"{self.t_min}, {self.t_max}")
+
+
 class OfflineGDROUpdate(Update):
-    """``OfflineGDROUpdate(ctx, options, dataset, offline_cfg)``; ``__call__(passes, step) -> stats``
-    with ``passes`` this process's ``grad_accum`` tensors of group ids."""
+    """``OfflineGDROUpdate(ctx, options)``; ``__call__(passes, step) -> stats`` with ``passes`` this
+    process's ``grad_accum`` tensors of group ids of ``ctx.dataset``."""
 
-    @dataclass
-    class Options:
-        beta: float = 12.0  # implicit-reward beta (offline.beta)
-        tau: float = 0.05   # Plackett-Luce target temperature (offline.tau)
-        gamma: float = 0.0  # weight of the flow-matching loss on each group's top image (offline.gamma)
-
-    def __init__(self, ctx, options=None, dataset=None, offline_cfg=None):
-        super().__init__(ctx, options)
-        self.ds, self.o = dataset, offline_cfg
+    Options = OfflineGDROOptions
+    consumes = "dataset"
+    per_reward = True  # ranking_rewards with reward.aggregate: per_reward
 
     @classmethod
-    def options_of(cls, offline_cfg) -> "OfflineGDROUpdate.Options":
-        return cls.Options(beta=offline_cfg.beta, tau=offline_cfg.tau, gamma=offline_cfg.gamma)
+    def needs_reference(cls, train) -> bool:
+        return True  # the implicit reward compares the policy with the reference
+
+    @property
+    def ds(self):
+        return self.ctx.dataset
 
     def noise(self, step: int, micro: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Shared ``(t [g], eps [g, C, H, W])`` per group, from (seed, step, pass, rank) only."""
         seed = stream_seed("offline.noise", self.ctx.train.seed, step, micro, self.ctx.process_index)
         gen = torch.Generator().manual_seed(seed)
-        t = sample_t(gen, g, self.o)  # [g]
+        t = sample_t(gen, g, self.opts)  # [g]
         eps = torch.randn((g, *self.ds.latent_shape), generator=gen)  # [g, C, H, W]
         return t, eps
 

@@ -25,3 +25,4 @@ def resolve_device(device: Union[str, torch.device, None] = "auto") -> torch.dev
     if device is None or (isinstance(device, str) and device == "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+

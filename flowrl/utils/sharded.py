@@ -1,6 +1,6 @@
 """FSDP2-sharded modules seen from outside the trainer: recognising one, and an unsharded copy of it.
 
-Under ``train.sharding=fsdp`` (``flowrl.trainers.sharding``) each process holds a shard of every
+Under ``train.sharding=fsdp`` (``flowrl.distributed.fsdp``) each process holds a shard of every
 parameter (a ``DTensor``). Code that needs the whole model on one process (the low-precision
 exploration copy of the Sol sampler) asks :func:`unsharded_copy`, a collective call: every process
 must make it, in the same order, as they make every forward pass of a sharded model.

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .config_base import ConfigError
+from ..errors import ConfigError
 
 
 def ensure_process_group(device: torch.device) -> None:

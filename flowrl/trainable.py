@@ -1,14 +1,20 @@
-"""What is trained and how it is referenced: LoRA via peft, the adapter-disabled reference, EMA."""
+"""What is trained and how it is referenced: the trained parameters of a transformer (a LoRA via peft,
+or every weight), their state by name, the frozen reference (the adapter-disabled model, or a frozen copy),
+and exponential moving averages of the trained tensors (EMA, DiffusionNFT's old policy).
+
+:func:`set_up_trainable` is the one place a config's ``train.lora_*`` become trained parameters: the
+trainer, ``flowrl sample`` / ``eval`` on a run and ``flowrl plan`` all call it.
+"""
 from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
-from ..types import swapped_transformer
+from .types import swapped_transformer
 
 DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 
@@ -32,6 +38,28 @@ def add_lora(transformer: nn.Module, rank: int, alpha: float, targets: Optional[
     for p in transformer.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
+
+
+def set_up_trainable(transformer: nn.Module, lora_rank: int, lora_alpha: float = 16.0,
+                     targets: Optional[list[str]] = None, default_targets: Optional[Sequence[str]] = None,
+                     seed: Optional[int] = None) -> nn.Module:
+    """Make ``transformer``'s trained parameters as a recipe's ``train`` section asks: a LoRA of rank
+    ``lora_rank`` (``lora_alpha``) on ``targets`` (``train.lora_targets``), else on
+    ``default_targets`` (the adapter's ``lora_target_modules``), else :data:`DEFAULT_LORA_TARGETS`; or,
+    at ``lora_rank == 0``, every weight (full fine-tune). With ``seed`` the LoRA init draws from
+    ``torch.manual_seed(seed)`` inside a forked RNG (it depends on ``train.seed`` only and leaves the
+    global generator alone). Returns ``transformer`` (changed in place)."""
+    if lora_rank > 0:
+        chosen = targets or (list(default_targets) if default_targets else None)
+        if seed is None:
+            add_lora(transformer, lora_rank, lora_alpha, chosen)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                add_lora(transformer, lora_rank, lora_alpha, chosen)
+    else:
+        transformer.requires_grad_(True)
+    return transformer
 
 
 def has_lora(transformer: nn.Module) -> bool:

@@ -1,0 +1,362 @@
+"""The one training loop, shared by online (rollout) and offline (dataset) training.
+
+:class:`Trainer` sets up a run (accelerator and distribution strategy, policy, rewards, the trained
+parameters, reference, optimizer and EMA, resume) and runs it: evaluation before the first unit,
+then per unit (an online iteration, an offline optimizer step) the subclass's :meth:`run_unit`,
+metrics, image grids, evaluation, checkpoints and SIGTERM handling; then the report and summary.
+:class:`~flowrl.trainers.online.OnlineTrainer` feeds rollouts of a sampler to the update,
+:class:`~flowrl.trainers.offline.OfflineTrainer` steps of a dataset. Everything that differs between
+DDP and FSDP2 is the strategy object's (:mod:`flowrl.distributed.strategy`); the run directory and
+the resume check are :class:`~flowrl.trainers.run_dir.RunDirectory`'s; optimizer steps with their
+non-finite guard are :class:`~flowrl.trainers.steps.OptimizerSteps`'.
+
+A subclass sets ``RESUME_FREE`` (keys a resume may change), ``unit`` (what a checkpoint counts),
+``stop_causes`` (likely causes of non-finite steps) and ``progress_desc``, and implements the hooks
+in the "hooks" section.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from typing import Optional
+
+import torch
+
+from ..builders import build_policy_from_config, build_reward, build_rewards, evaluate_policy
+from ..checkpoints.common import CheckpointError, list_checkpoints
+from ..data.embeddings import attach_text_cache
+from ..diagnostics import high_frequency_energy, within_group_diversity
+from ..distributed.fsdp import check_launcher
+from ..distributed.strategy import evaluation_weights, strategy_for
+from ..media import save_samples
+from ..registry import Registry
+from ..rollout.base import score_images
+from ..trainable import EMA, Reference, set_up_trainable
+from ..updates import UPDATES
+from ..updates.base import Update, UpdateContext, build_options
+from .config import Config
+from .run_dir import RunDirectory
+from .steps import OptimizerSteps, TrainingStopped
+
+
+class Trainer:
+    """``Trainer(config, output_dir, resume=False, *, policy=None, reward=None)``; ``train()`` -> summary.
+
+    ``policy`` / ``reward``: objects to train and score with instead of building them from the config's
+    ``model`` / ``reward.weights`` (config validation still runs; the run's ``config.yaml`` records the
+    config, not the objects, so a resume must pass the same objects).
+    """
+
+    RESUME_FREE: set = set()
+    unit = "iteration"
+    stop_causes = ""
+    progress_desc = "flowrl train"
+    updates: Registry = UPDATES  # where train.loss names its update class
+
+    def __init__(self, config: Config, output_dir: str | os.PathLike, resume: bool = False, *, policy=None,
+                 reward=None):
+        self.cfg = config
+        self.run = RunDirectory(output_dir, config, resume, self.RESUME_FREE)  # checked before any model loads
+        self.run_dir, self.resume = self.run.path, resume
+        self._given_policy, self._given_reward = policy, reward
+        self._stop_requested = False
+        self._updates: dict[str, Update] = {}  # update name -> its object (made on first use)
+        self._update_state: dict = {}  # a resumed checkpoint's extra tensors, for the update
+
+    # ---------------------------------------------------------------- hooks
+    def _open_data(self) -> None:
+        """Before the accelerator: open and check the training data (offline: the dataset)."""
+
+    def _setup_data(self) -> list[str]:
+        """After the accelerator: the training data; returns the training prompts the text cache encodes."""
+        raise NotImplementedError
+
+    def total_units(self) -> int:
+        """Units (iterations or steps) the run trains in all."""
+        raise NotImplementedError
+
+    @property
+    def eval_every(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def eval_steps(self) -> int:
+        """ODE steps of the evaluation."""
+        raise NotImplementedError
+
+    @property
+    def eval_max_batch(self) -> Optional[int]:
+        """Rows per evaluation chunk (each chunk scored while the next samples); None: all at once."""
+        return None
+
+    def run_unit(self, i: int) -> tuple[dict, Optional[torch.Tensor]]:
+        """Train unit ``i`` -> (metrics with ``"iteration": i``, training images to show or None)."""
+        raise NotImplementedError
+
+    def progress_postfix(self, met: dict) -> dict:
+        return {"loss": f"{met.get('loss', float('nan')):.2e}"}
+
+    def checkpoint_state(self) -> dict:
+        """JSON-able counters of the subclass saved with each checkpoint."""
+        return {}
+
+    def restore_state(self, ck: dict) -> None:
+        """Take back what :meth:`checkpoint_state` saved (``ck["state"]``)."""
+
+    def extend_evaluation(self, met: dict, images: torch.Tensor) -> None:
+        """Add subclass metrics to an evaluation's ``met`` (in place)."""
+
+    def summary_fields(self, last: int) -> dict:
+        raise NotImplementedError
+
+    def report_title(self) -> str:
+        return self.cfg.model.pipeline
+
+    def close(self) -> None:
+        """Release the training data."""
+
+    # ---------------------------------------------------------------- set-up
+    def setup(self) -> None:
+        """Everything a run needs, in an order that fails fast on bad input; the run directory is claimed
+        only once everything loaded."""
+        cfg = self.cfg
+        self._open_data()
+        device = self._make_accelerator()
+        prompts = self._setup_data()
+        self.eval_prompts = cfg.data.eval_prompt_set()
+        policy = self._given_policy if self._given_policy is not None else build_policy_from_config(cfg, device)
+        policy.cfg_uncond_grad = cfg.train.cfg_uncond_grad  # CFG's unconditional half in the update's forwards
+        self.policy = attach_text_cache(policy, cfg.model, prompts + self.eval_prompts,
+                                        is_main=self.acc.is_main_process, barrier=self.acc.wait_for_everyone,
+                                        progress=cfg.logging.progress and self.acc.is_main_process)
+        self.reward = self._given_reward if self._given_reward is not None else build_reward(cfg)
+        self.heldout = build_rewards(cfg.reward.heldout)
+        self._prepare_model(cfg.train.update_class.needs_reference(cfg.train))  # as the update declares
+        self.start_iteration = 0  # first unit to train (an offline run's unit is an optimizer step)
+        if self.resume:
+            ck = self._load_latest()
+            if ck is not None:
+                self.start_iteration = int(ck["state"]["iteration"])
+                self._update_state = dict(ck["extra"])  # e.g. DiffusionNFT's old policy, handed to the update
+                self.restore_state(ck)
+        self.run.claim(self.acc, self.start_iteration)
+
+    def _make_accelerator(self) -> torch.device:
+        """``self.acc`` and ``self.strategy``; returns the device the model goes to."""
+        from accelerate import Accelerator
+        from accelerate.utils import ProjectConfiguration
+
+        cfg = self.cfg
+        trackers = list(cfg.logging.trackers)
+        # cpu=True lets accelerate form a gloo (MULTI_CPU) world under torchrun when there is no GPU
+        on_cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
+        # step_scheduler_with_optimizer=False: one scheduler step per call (accelerate would otherwise step it
+        # num_processes times, making train.warmup_iterations depend on the number of processes)
+        self.acc = Accelerator(cpu=on_cpu, mixed_precision=cfg.train.mixed_precision, log_with=trackers or None,
+                               step_scheduler_with_optimizer=False,
+                               project_config=ProjectConfiguration(project_dir=str(self.run.path),
+                                                                   logging_dir=str(self.run.path / "logs")))
+        check_launcher(self.acc.distributed_type, cfg.train.sharding)
+        self.strategy = strategy_for(cfg.train.sharding, self.acc, cfg.train)
+        return self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
+
+    def _prepare_model(self, need_reference: bool) -> None:
+        """The trained parameters (LoRA with a seeded init, or all), the reference, AdamW with linear
+        warm-up, the strategy's preparation (DDP wrapper or FSDP2 shards), EMA, the optimizer steps."""
+        cfg = self.cfg
+        tr = set_up_trainable(self.policy.transformer, cfg.train.lora_rank, cfg.train.lora_alpha,
+                              cfg.train.lora_targets, getattr(self.policy, "lora_target_modules", None),
+                              seed=cfg.train.seed)  # LoRA init depends on train.seed only
+        self.ref = Reference(tr, need=need_reference)
+        self.strategy.shard([tr, self.ref.copy])  # (a full fine-tune's frozen reference is sharded too)
+        params = [p for p in tr.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        warm = cfg.train.warmup_iterations
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: min(1.0, (it + 1) / warm) if warm else 1.0)
+        self.model, self.opt, self.sched, self.unwrapped = self.strategy.prepare(tr, opt, sched)
+        self.policy.transformer = self.model
+        self.ema = EMA(self.unwrapped, cfg.train.ema_decay) if cfg.train.ema else None
+        self.steps = OptimizerSteps(self.acc, self.strategy, self.model, self.unwrapped, self.opt, self.ema, cfg.train,
+                                    self.stop_causes)
+
+    # ---------------------------------------------------------------- the update
+    def update_context(self) -> UpdateContext:
+        """What an update may use (flowrl.updates.base); built once the model is prepared."""
+        return UpdateContext(
+            policy=self.policy, model=self.model, unwrapped=self.unwrapped, device=self.acc.device,
+            autocast=self.acc.autocast, reference=lambda: self.ref.active(self.policy), gather=self._gather,
+            min_over_processes=self._min_over_processes, accumulate=self.steps.accumulate,
+            optimizer_steps=lambda: self.steps.opt_steps, train=self.cfg.train, reward=self.cfg.reward,
+            sampler_name=self.cfg.sampler.name, num_processes=self.acc.num_processes,
+            process_index=self.acc.process_index, dataset=getattr(self, "ds", None))
+
+    def update_object(self, name: Optional[str] = None) -> Update:
+        """The update ``name`` (default ``train.loss``) of this trainer, made on first use with its options
+        (``train.loss_options``) and any state a resumed checkpoint holds for it."""
+        name = name or self.cfg.train.loss
+        if name not in self._updates:
+            cls = self.updates.get(name)
+            upd = cls(self.update_context(), build_options(cls, self.cfg.train))
+            upd.load_state_dict(self._update_state)
+            self._updates[name] = upd
+        return self._updates[name]
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        if self.acc.num_processes == 1:
+            return t
+        return self.acc.gather(t.to(self.acc.device)).cpu()
+
+    def _min_over_processes(self, n: int) -> int:
+        if self.acc.num_processes == 1:
+            return n
+        return int(self.acc.gather(torch.tensor([n], device=self.acc.device)).min().item())
+
+    # ---------------------------------------------------------------- checkpoints
+    def _save(self, done: int) -> None:
+        """Checkpoint after ``done`` units (the strategy writes it; every process returns once it is complete)."""
+        upd = self._updates.get(self.cfg.train.loss)
+        self.strategy.save(self.run.checkpoints, done, model=self.model, unwrapped=self.unwrapped, optimizer=self.opt,
+                           scheduler=self.sched, ema=self.ema.shadow if self.ema else None,
+                           state={**self.steps.state_dict(), **self.checkpoint_state()},
+                           extra=(upd.state_dict() if upd is not None else None) or None,
+                           keep=self.cfg.train.keep_checkpoints)
+
+    def _load_latest(self) -> Optional[dict]:
+        """Restore the newest readable checkpoint (an unreadable one falls back to its predecessor):
+        weights, optimizer, scheduler, RNG, EMA, counters. Returns it (None: nothing to resume)."""
+        ckpts = list_checkpoints(self.run.checkpoints)
+        if not ckpts:
+            return None
+        for path in reversed(ckpts):
+            try:
+                ck = self.strategy.restore(path, model=self.model, unwrapped=self.unwrapped, optimizer=self.opt,
+                                           ema=self.ema)
+                break
+            except CheckpointError as e:
+                self.acc.print(f"[flowrl] WARNING: {e}")
+                if path == ckpts[0]:
+                    raise CheckpointError(f"no readable checkpoint in {self.run.checkpoints}; the newest "
+                                          f"error: {e}") from None
+        self.sched.load_state_dict(ck["scheduler"])
+        torch.set_rng_state(ck["torch_rng"])
+        self.steps.load_state_dict(ck["state"])
+        self.acc.print(f"[flowrl] resumed from {path} ({self.unit} {int(ck['state']['iteration'])})")
+        return ck
+
+    # ---------------------------------------------------------------- evaluation
+    def evaluate(self, i: int) -> tuple[dict, torch.Tensor]:
+        """Fixed prompts x fixed seeds, deterministic ODE (:func:`flowrl.builders.evaluate_policy`, chunks of
+        ``eval_max_batch`` scored while the next samples) with the evaluation weights (the EMA when kept),
+        plus the subclass's metrics."""
+        with evaluation_weights(self.strategy, self.policy, self.unwrapped, self.ema), self.reward_available(i):
+            met, images = evaluate_policy(self.policy, self.reward, self.heldout, self.eval_prompts,
+                                          self.cfg.data.eval_seeds_per_prompt, self.eval_steps, i,
+                                          max_batch=self.eval_max_batch)
+        self.extend_evaluation(met, images)
+        return met, images
+
+    @contextlib.contextmanager
+    def reward_available(self, i: int):
+        """A reward that became unreachable (its server gone: ``flowrl.rewards.RewardUnavailable``) stops the
+        run here, before the unit's update: a :class:`TrainingStopped` that says how to continue."""
+        from flowrl.rewards import RewardUnavailable
+
+        try:
+            yield
+        except RewardUnavailable as e:
+            raise TrainingStopped(f"{e}. Training stopped at {self.unit} {i}, before its update; the newest "
+                                  f"checkpoint in {self.run_dir / 'checkpoints'} is intact: bring the reward back "
+                                  f"and continue with --resume") from e
+
+    def _evaluate_and_log(self, i: int, first: bool = False) -> None:
+        """Evaluate (every process the strategy evaluates on), log (with the real-data reference at the
+        first evaluation) and save the grid (main process)."""
+        met, images = self.evaluate(i)
+        if self.acc.is_main_process:
+            real = self._real_data_reference() if first else {}
+            self.run.log({**met, **real, "iteration": i})
+            save_samples(images, self.run.samples / f"eval_{i:06d}.png", nrow=self.cfg.data.eval_seeds_per_prompt,
+                         scale=max(1, 64 // images.shape[-1]))
+
+    def _real_data_reference(self) -> dict:
+        """The evaluation metrics on real data (digits: held-out images), when the policy has them."""
+        ref = getattr(self.policy, "reference_images", None)
+        if ref is None:
+            return {}
+        k = self.cfg.data.eval_seeds_per_prompt
+        images = ref(self.eval_prompts, k)
+        if images is None:
+            return {}
+        groups = torch.arange(len(self.eval_prompts)).repeat_interleave(k)
+        prompts = [p for p in self.eval_prompts for _ in range(k)]
+        r, _ = score_images(self.reward, images, prompts)
+        return {"real/reward": float(r[torch.isfinite(r)].mean()), "real/diversity": within_group_diversity(images, groups),
+                "real/hf_energy": high_frequency_energy(images)}
+
+    # ---------------------------------------------------------------- the loop
+    def train(self) -> dict:
+        """Run (set up if not yet done) to ``total_units()``; returns the summary (main process; ``{}`` on
+        the others), also written to ``summary.json``."""
+        from tqdm.auto import tqdm
+
+        self._begin()
+        cfg, lg = self.cfg, self.cfg.logging
+        n = self.total_units()
+        if self.start_iteration == 0 and self.strategy.evaluates_here:
+            self._evaluate_and_log(0, first=True)
+        bar = tqdm(range(self.start_iteration, n), initial=self.start_iteration, total=n, desc=self.progress_desc,
+                   disable=not (lg.progress and self.acc.is_main_process), dynamic_ncols=True)
+        last = self.start_iteration
+        for i in bar:
+            met, images = self.run_unit(i)
+            done = last = i + 1
+            if i % lg.log_every == 0 or done == n:
+                self.run.log(met)
+            bar.set_postfix(**self.progress_postfix(met))
+            if images is not None and self.acc.is_main_process and (done % lg.image_every == 0 or done == n):
+                save_samples(images[: 8 * 8], self.run.samples / f"train_{done:06d}.png", nrow=8, scale=4)
+            if self.strategy.evaluates_here and (done % self.eval_every == 0 or done == n):
+                self._evaluate_and_log(done)
+            if done % cfg.train.checkpoint_every == 0 or done == n or self._stop_requested:
+                self._save(done)
+            if self._stop_requested:
+                break
+        bar.close()
+        in_sync = self.strategy.in_sync(self.unwrapped)  # (collective)
+        summary = self._finish(last, in_sync)
+        self.close()
+        self._shutdown()
+        return summary
+
+    def _begin(self) -> None:
+        """Set up if not yet done; SIGTERM then finishes the current unit, checkpoints and exits."""
+        if not hasattr(self, "acc"):
+            self.setup()
+        try:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        except ValueError:  # not the main thread: the caller handles signals
+            pass
+
+    def _on_sigterm(self, signum, frame) -> None:  # noqa: ARG002
+        self._stop_requested = True
+        if self.acc.is_main_process:
+            print(f"[flowrl] SIGTERM: finishing this {self.unit}, writing a checkpoint, then exiting",
+                  file=sys.stderr, flush=True)
+
+    def _finish(self, last: int, in_sync: bool) -> dict:
+        """Main process: the report (``reward_curve.png``, ``before_after.png``) and ``summary.json``."""
+        if not self.acc.is_main_process:
+            return {}
+        summary = {**self.summary_fields(last), "stopped_early": self._stop_requested,
+                   **self.run.report(self.report_title()), "skipped_steps": self.steps.skipped,
+                   "num_processes": self.acc.num_processes, "run_dir": str(self.run.path), "ranks_in_sync": in_sync}
+        self.run.write_summary(summary)
+        return summary
+
+    def _shutdown(self) -> None:
+        self.acc.end_training()
+        if torch.distributed.is_initialized():  # (also the one-process group of train.sharding=fsdp)
+            self.acc.wait_for_everyone()
+            torch.distributed.destroy_process_group()  # else gloo/NCCL processes abort at exit
