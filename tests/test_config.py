@@ -136,3 +136,16 @@ def test_a_run_saved_before_the_options_moved_loads_and_resumes(recipe, tmp_path
         RunDirectory(tmp_path, load_config(recipe, ["train.loss_options.beta=0.5" if cfg.train.loss in
                                                     ("nft", "offline_gdro") else "train.loss_options.clip_range=0.5"]),
                      resume=True, resume_free=set())
+
+
+def test_a_loss_given_on_the_command_line_keeps_only_its_own_recipe_options(capsys):
+    """``--config digits train.loss=dpo``: the recipe's GRPO options that DPO does not take are dropped
+    with a notice; GRPO -> GRPO-Guard keeps the shared clip range; options given too are the user's."""
+    cfg = load_config("digits", ["train.loss=dpo", "train.beta_kl=0"])
+    assert cfg.train.loss == "dpo" and cfg.train.loss_options == {}
+    assert "dropped (clip_range)" in capsys.readouterr().err
+    recipe = load_config("digits").train.loss_options["clip_range"]
+    guard = load_config("digits", ["train.loss=grpo_guard"])
+    assert guard.train.loss_options == {"clip_range": recipe} and capsys.readouterr().err == ""
+    with pytest.raises(ConfigError, match="not an option of train.loss='dpo'"):
+        load_config("digits", ["train.loss=dpo", "train.beta_kl=0", "train.loss_options.clip_range=0.1"])

@@ -19,7 +19,8 @@ def test_server_gone_mid_run_then_resume_ends_where_an_uninterrupted_run_ends(ti
     from flowrl.checkpoints import load_checkpoint
     from flowrl.checkpoints.common import list_checkpoints
     from flowrl.trainers.config import load_config
-    from flowrl.trainers.steps import TrainingStopped, train
+    from flowrl.trainers.online import train
+    from flowrl.trainers.steps import TrainingStopped
 
     port = free_port()
     server = spawn("digits", port=port)

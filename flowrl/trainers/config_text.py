@@ -138,7 +138,7 @@ def keep_loss_options_of_new_loss(d: dict, recipe_loss: Optional[str], overrides
     ``--config digits train.loss=dpo`` runs, and ``grpo`` -> ``grpo_guard`` keeps the shared clip range)."""
     import sys
 
-    from ..updates import UPDATES
+    from ..updates import DEFAULT_LOSS, UPDATES
 
     train = d.get("train")
     if not isinstance(train, dict) or not any(o.split("=", 1)[0] == "train.loss" for o in overrides):
@@ -146,6 +146,7 @@ def keep_loss_options_of_new_loss(d: dict, recipe_loss: Optional[str], overrides
     if any(o.split("=", 1)[0].startswith("train.loss_options") for o in overrides):
         return
     loss, options = train.get("loss"), train.get("loss_options")
+    recipe_loss = recipe_loss or DEFAULT_LOSS.get(train.get("mode", "online"))
     if loss == recipe_loss or not isinstance(options, dict) or not options or loss not in UPDATES.entries:
         return
     valid = {f.name for f in dataclasses.fields(UPDATES.get(loss).Options)}
@@ -153,5 +154,5 @@ def keep_loss_options_of_new_loss(d: dict, recipe_loss: Optional[str], overrides
     if dropped:
         train["loss_options"] = {k: v for k, v in options.items() if k in valid}
         print(f"[flowrl] train.loss={loss} on the command line: the recipe's train.loss_options for "
-              f"{recipe_loss or 'its loss'} that {loss} does not take are dropped ({', '.join(dropped)})",
+              f"{recipe_loss} that {loss} does not take are dropped ({', '.join(dropped)})",
               file=sys.stderr, flush=True)
