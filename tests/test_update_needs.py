@@ -45,7 +45,7 @@ IMPOSSIBLE = {
                                          "reward.aggregate=per_reward has no effect with train.loss=dpo"),
     "inner epochs in offline mode": ("digits_gdro", ["train.inner_epochs=2"],
                                      "train.inner_epochs=2 has no effect in offline mode"),
-    "GRPO's options for DiffusionNFT": ("digits", ["train.loss=nft"],
+    "GRPO's options for DiffusionNFT": ("digits", ["train.loss=nft", "train.loss_options.clip_range=0.1"],
                                         "train.loss_options.clip_range: not an option of train.loss='nft'"),
     "DiffusionNFT's options for GRPO": ("digits", ["train.loss_options={beta: 2.0}"],
                                         "train.loss_options.beta: not an option of train.loss='grpo'"),
