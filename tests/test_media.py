@@ -10,7 +10,7 @@ from PIL import Image
 
 from flowrl.data.digits import digits_dataset
 from flowrl.media import (animation_formats, frame_strip, is_video, save_animation, score_per_frame,
-                          temporal_consistency, video_frames)
+                          video_frames)
 from flowrl.rewards import build
 
 
@@ -82,6 +82,8 @@ def test_score_per_frame_with_a_real_reward_and_per_row_meta():
 
 
 def test_temporal_consistency_by_hand():
+    from flowrl.diagnostics import temporal_consistency
+
     still = _videos(2, 4)[:, :, :1].expand(-1, -1, 4, -1, -1)  # every frame the same
     assert temporal_consistency(still) == 1.0
     v = torch.zeros(1, 3, 3, 2, 2)
