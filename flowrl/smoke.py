@@ -5,7 +5,7 @@ targets, sharding) and :func:`smoke_overrides` shrinks everything else:
 
 - the model: the pipeline's tiny random model (``flowrl make-tiny``, cached in
   ``$FLOWRL_HOME/smoke/``), on the CPU in float32, the recipe's model options shrunk
-  (:data:`MODEL_OPTIONS`: 32 px, 8 text tokens, no gradient checkpointing);
+  (:data:`MODEL_OPTIONS`: 32 px, 8 text tokens, 5 video frames, no gradient checkpointing);
 - the sampler: the few steps and samples of its row in :data:`SAMPLERS` (a new sampler adds a row);
   Sol's exploration runs ``int8-dynamic`` (the recipes' NVFP4 needs CUDA);
 - training: 1 iteration of 4 samples, one pass, a checkpoint; evaluation on one prompt;
@@ -27,7 +27,7 @@ PROMPTS = {"digits": ["a handwritten digit 3", "a handwritten digit 7"]}
 DEFAULT_PROMPTS = ["a photo of a cat", "a red apple on a table"]
 # recipe model.options -> its smoke value (only keys the recipe sets are changed)
 MODEL_OPTIONS = {"resolution": SMOKE_PIXELS, "max_sequence_length": 8, "dtype": "float32",
-                 "gradient_checkpointing": "false", "decode_batch": "null"}
+                 "gradient_checkpointing": "false", "decode_batch": "null", "num_frames": 5}
 TRAIN = {"train.iterations": 1, "train.batch_size": 4, "train.minibatch_size": 64, "train.grad_accum": 1,
          "train.mixed_precision": "'no'", "train.checkpoint_every": 1, "train.ema_every": 1,
          "data.eval_seeds_per_prompt": 2, "reward.weights": "{jpeg_compressibility: 1.0}", "reward.options": "{}",

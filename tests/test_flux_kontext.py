@@ -10,7 +10,6 @@ import torch
 
 from flowrl.pipelines.flux import pack_latents, unpack_latents
 from flowrl.pipelines.flux_kontext import FluxKontextPolicy
-from flowrl.pipelines.tiny import make_tiny
 from helpers import ode_loop
 from model_parity import exported_lora
 
@@ -21,8 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run 
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny("flux-kontext", tmp_path_factory.mktemp("kontext") / "flux-kontext", image_size=SIZE)
+def tiny(tiny_model):
+    return tiny_model("flux-kontext")  # conftest: one build per session, 32 px (SIZE)
 
 
 def _sources(size=(SIZE, SIZE)) -> list[torch.Tensor]:

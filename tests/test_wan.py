@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from flowrl.pipelines.base import FLOWRL_JSON
-from flowrl.pipelines.tiny import make_tiny
 from flowrl.pipelines.wan import TINY_NUM_FRAMES, WanPolicy
 from flowrl.rollout.ode import ode_sample
 from model_parity import exported_lora
@@ -23,8 +22,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run 
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny("wan", tmp_path_factory.mktemp("wan") / "wan", image_size=SIZE)
+def tiny(tiny_model):
+    return tiny_model("wan")  # conftest: one build per session, 32 px (SIZE)
 
 
 def _pipeline(pipe, policy, output_type):
@@ -87,7 +86,7 @@ def test_flow_grpo_wan_step_rollout_rescores_on_policy(tiny):
     assert cfg.sampler.options["step"] == "sde_wan" and cfg.sampler.options["noise_level"] == 0.9828
     policy = WanPolicy.from_pretrained(tiny, max_sequence_length=SEQ, guidance_scale=4.5)
     sampler = SAMPLERS.get("group")(group_size=2, num_steps=3, step="sde_wan", noise_level=0.9828)
-    r = sampler(policy, PROMPTS, lambda videos, prompts, **m: videos.float().mean(dim=(1, 2, 3, 4)), seed=3)
+    r = sampler(policy, PROMPTS, lambda frames, prompts, **m: frames.float().flatten(1).mean(1), seed=3)  # per frame
     assert r.transitions.latents.shape[1:] == (16, 2, 4, 4) and len(r.transitions) == 4 * 3
     ctx = UpdateContext(policy=policy, model=policy.transformer, unwrapped=policy.transformer,
                         device=torch.device("cpu"), autocast=contextlib.nullcontext, reference=contextlib.nullcontext,

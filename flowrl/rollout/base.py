@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 
 from ..conditions import encode_conditions, reward_inputs
+from ..media import score_per_frame
 from ..structures import GroupStructure, Structure
 from ..types import RewardFn
 
@@ -127,6 +128,11 @@ def score_images(reward: Optional[RewardFn], images: torch.Tensor, prompts: list
 
     A reward with a ``components`` method (``flowrl.rewards.MultiReward``) reports its parts;
     a wrong shape is an error that names the reward, never a silent broadcast.
+
+    Videos ``[N, 3, F, H, W]``: a ``MultiReward`` scores them per frame with its ``frame_stride``; any
+    other reward (held-out rewards, the offline dataset's and judge's) is scored per frame too,
+    every ``reward.frame_stride``-th frame when it has the attribute (else every frame), and
+    averaged (:func:`flowrl.media.score_per_frame`), unless it declares ``takes_videos = True``.
     """
     n = images.shape[0]
     if reward is None:
@@ -136,6 +142,8 @@ def score_images(reward: Optional[RewardFn], images: torch.Tensor, prompts: list
     if hasattr(reward, "components"):
         comps = {k: _check_reward(v, n, k) for k, v in reward.components(images, prompts, **meta).items()}
         total = reward.combine(comps)
+    elif images.ndim == 5 and not getattr(reward, "takes_videos", False):
+        total = score_per_frame(reward, images, prompts, getattr(reward, "frame_stride", 1), **meta)  # [N]
     else:
         total = reward(images, prompts, **meta)
     name = getattr(reward, "name", type(reward).__name__)
