@@ -51,10 +51,9 @@ CASES = {
                      ["offline.max_steps=2", "offline.epochs=2"]),
 }
 BATCH = ["train.batch_size=4"]  # every smoke row's samples per prompt divides it
-# per model, after the shrinking: Qwen-Image unsharded (its LoRA read back as one file), Kontext edits
-# the digits editing set, Wan's reward scores every 2nd frame
-MODEL = {"qwen-image": ["train.sharding=none"], "wan": ["reward.frame_stride=2"],
-         "flux-kontext": ["data.prompts=digits-edit-sample", "reward.weights={digits_edit: 1.0}"]}
+# per model, after the shrinking: Qwen-Image unsharded (its LoRA read back as one file), Wan's reward
+# scores every 2nd frame (Kontext: the smoke table's editing set and digits_edit)
+MODEL = {"qwen-image": ["train.sharding=none"], "wan": ["reward.frame_stride=2"], "flux-kontext": []}
 TWO = ["train.iterations=2", "logging.progress=false"]
 
 
@@ -67,6 +66,7 @@ def test_two_iterations(pipeline, case, tiny_model, tmp_path):
     cfg = load_config(recipe, ov := [*before, *smoke_overrides(first, tiny_model(pipeline), tmp_path), *TWO,
                                      *MODEL[pipeline], *after])
     assert cfg.model.pipeline == pipeline and cfg.train.loss == first.train.loss
+    assert (cfg.data.prompts == "digits-edit-sample") == (pipeline == "flux-kontext")
     run = tmp_path / "run"
     if cfg.train.mode == "offline":
         from flowrl.trainers.offline import generate_offline, train
