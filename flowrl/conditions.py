@@ -20,7 +20,7 @@ from typing import Sequence, Union
 
 import torch
 
-from .data.items import PromptItem, as_items
+from .data.items import PromptItem, as_items, item_sources, item_texts
 
 Prompt = Union[str, PromptItem]
 
@@ -58,7 +58,6 @@ def reward_inputs(prompts: Sequence[Prompt], meta: dict) -> tuple[list[str], dic
     and the caller gave none."""
     if not has_items(prompts):
         return list(prompts), meta
-    items = as_items(prompts)
-    if "sources" not in meta and any(it.has_source for it in items):
-        meta = {**meta, "sources": [it.image for it in items]}
-    return [it.prompt for it in items], meta
+    if "sources" not in meta and any(isinstance(p, PromptItem) and p.has_source for p in prompts):
+        meta = {**meta, "sources": item_sources(prompts)}
+    return item_texts(prompts), meta

@@ -19,11 +19,11 @@ from typing import ClassVar, NamedTuple, Optional, Sequence
 
 import torch
 
+from ..conditions import encode_conditions
 from ..seeding import derive_seeds, seeded_randn_rows
 from ..sde import DEFAULT_NOISE_LEVEL, STEPS, get_step, ode_step
 from ..structures import TreeStructure
 from ..types import FlowPolicy, RewardFn, index_cond
-from ..conditions import encode_conditions
 from .base import Rollout, Transitions
 from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
 from .scoring import ChunkScorer, unit_chunks

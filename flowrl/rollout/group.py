@@ -7,12 +7,12 @@ from typing import ClassVar, Optional
 
 import torch
 
+from ..conditions import encode_conditions
 from ..seeding import derive_seeds, seeded_randn
 from ..sde import DEFAULT_NOISE_LEVEL, get_step, ode_step
 from ..ode_solvers import SOLVERS, compressed_sigmas, data_prediction, dpmpp_2m_step, second_order
 from ..structures import GroupStructure
 from ..types import FlowPolicy, RewardFn, index_cond
-from ..conditions import encode_conditions
 from .base import Rollout, Transitions
 from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
 from .scoring import ChunkScorer, row_chunks

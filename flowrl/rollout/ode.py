@@ -8,12 +8,12 @@ from typing import ClassVar, Optional
 
 import torch
 
+from ..conditions import encode_conditions
 from ..ode_solvers import heun_update
 from ..sde import ode_step
 from ..seeding import derive_seeds
 from ..structures import GroupStructure
 from ..types import FlowPolicy, RewardFn, index_cond
-from ..conditions import encode_conditions
 from .base import Rollout, Transitions
 from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
 from .scoring import ChunkScorer, Scores, ScoreFn, row_chunks

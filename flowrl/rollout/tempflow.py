@@ -33,12 +33,12 @@ from typing import ClassVar, Optional, Sequence
 import torch
 
 from ..advantages.tempflow import GROUP_BY, prompt_text_ids
+from ..conditions import encode_conditions
 from ..noise import noise_aware_weights
 from ..sde import ode_step, sde_step
 from ..seeding import derive_seeds, seeded_randn
 from ..structures import TempFlowStructure
 from ..types import FlowPolicy, RewardFn, index_cond
-from ..conditions import encode_conditions
 from .base import Rollout, Transitions
 from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
 from .scoring import ChunkScorer, unit_chunks
