@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from .diagnostics import high_frequency_energy, within_group_diversity
+from .diagnostics import watch
 from .rollout.base import score_images
 from .rollout.ode import ode_generate
 from .seeding import derive_seeds
@@ -51,10 +51,11 @@ def _with_heldout(reward, heldout: dict):
 def evaluate_policy(policy, reward, heldout: dict, eval_prompts: list[str], seeds_per_prompt: int, num_steps: int,
                     it: int, max_batch: Optional[int] = None) -> tuple[dict, torch.Tensor]:
     """Fixed prompts x fixed seeds (``EVAL_SEED``), deterministic ODE: trained reward, held-out
-    rewards, within-prompt diversity and high-frequency energy (reward-hacking watch).
+    rewards, within-prompt diversity and high-frequency energy, for videos temporal consistency
+    (reward-hacking watch, :func:`flowrl.diagnostics.watch`).
     Shared by the online and offline (GDRO) trainers, so their curves compare point for point.
     ``max_batch`` samples at a time, each chunk scored while the next samples (``reward.overlap``).
-    Returns (metrics, images [len(eval_prompts) * seeds_per_prompt, 3, H, W])."""
+    Returns (metrics, images [len(eval_prompts) * seeds_per_prompt, 3, (F,) H, W])."""
     k = seeds_per_prompt
     prompts = [p for p in eval_prompts for _ in range(k)]
     seeds = derive_seeds(EVAL_SEED, len(prompts))
@@ -66,7 +67,7 @@ def evaluate_policy(policy, reward, heldout: dict, eval_prompts: list[str], seed
     fin = r[torch.isfinite(r)]
     met = {"iteration": it, "eval/reward": float(fin.mean()) if fin.numel() else float("nan"),
            "eval/reward_std": float(fin.std()) if fin.numel() > 1 else float("nan"),
-           "eval/diversity": within_group_diversity(images, groups), "eval/hf_energy": high_frequency_energy(images)}
+           **{f"eval/{k}": v for k, v in watch(images, groups).items()}}  # diversity, hf_energy (+ temporal_consistency)
     for name, v in comps.items():
         met[f"eval/reward/{name}"] = float(v[torch.isfinite(v)].mean())
     for name in heldout:

@@ -1,8 +1,8 @@
 """Media beyond images: videos ``[B, 3, F, H, W]`` (channels before frames, as flowrl's video
 policies decode them) beside images ``[B, 3, H, W]``, values in [0, 1].
 
-Pure functions: telling the two apart, scoring a video with any image reward frame by frame, the
-temporal-consistency measure of the reward-hacking watch, and writing a video as an animation or a
+Pure functions: telling the two apart, scoring a video with any image reward frame by frame, and
+writing a video as an animation or a
 frame strip (atomically, through ``flowrl.utils.io``).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .utils.io import atomic_write
 
 ANIMATION_FORMATS = ("gif", "webp")
 
-__all__ = ["is_video", "video_frames", "score_per_frame", "temporal_consistency", "frame_strip", "save_animation",
+__all__ = ["is_video", "video_frames", "score_per_frame", "frame_strip", "save_animation",
            "animation_formats", "ANIMATION_FORMATS", "save_samples"]
 
 
@@ -83,22 +83,6 @@ def score_per_frame(reward_fn: Callable[..., torch.Tensor], videos: torch.Tensor
         raise ValueError(f"the reward returned shape {tuple(scores.shape)} for {b * k} frames; a reward returns "
                          f"one float per image, shape [{b * k}]")
     return scores.view(b, k).nanmean(dim=1)  # [B]
-
-
-def temporal_consistency(videos: torch.Tensor) -> float:
-    """``1 - mean |x[f + 1] - x[f]|``: one minus the mean absolute difference between consecutive
-    frames, over videos, channels, frame pairs and pixels. Units: pixel values in [0, 1], so the
-    result is in [0, 1]; 1 = every frame equals the one before (a frozen video).
-
-    Reward-hacking watch, beside within-group diversity and high-frequency energy: a falling value
-    means flicker or frame-to-frame noise; a value rising towards 1 means the videos stop moving.
-    NaN for videos of a single frame (no pairs)."""
-    if not is_video(videos):
-        raise ValueError(f"temporal_consistency expects videos [B, 3, F, H, W], got images {tuple(videos.shape)}")
-    x = videos.float()
-    if x.shape[2] < 2:
-        return float("nan")
-    return 1.0 - float((x[:, :, 1:] - x[:, :, :-1]).abs().mean())
 
 
 def frame_strip(video: torch.Tensor, frame_stride: int = 1) -> torch.Tensor:

@@ -5,11 +5,12 @@ targets, sharding) and :func:`smoke_overrides` shrinks everything else:
 
 - the model: the pipeline's tiny random model (``flowrl make-tiny``, cached in
   ``$FLOWRL_HOME/smoke/``), on the CPU in float32, the recipe's model options shrunk
-  (:data:`MODEL_OPTIONS`: 32 px, 8 text tokens, no gradient checkpointing);
+  (:data:`MODEL_OPTIONS`: 32 px, 8 text tokens, 5 video frames, no gradient checkpointing);
 - the sampler: the few steps and samples of its row in :data:`SAMPLERS` (a new sampler adds a row);
   Sol's exploration runs ``int8-dynamic`` (the recipes' NVFP4 needs CUDA);
 - training: 1 iteration of 4 samples, one pass, a checkpoint; evaluation on one prompt;
 - reward: ``jpeg_compressibility`` (no download; the recipe's reward models need their weights);
+  an editing model (:data:`DATA`) edits the shipped ``digits-edit-sample`` set, rewarded by ``digits_edit``;
 - offline GDRO recipes (``train.mode: offline``): a dataset of 2 groups x 2 images is generated first.
 
 Files besides the run (the dataset, a text-embedding cache) go to a temporary directory removed at
@@ -27,11 +28,16 @@ PROMPTS = {"digits": ["a handwritten digit 3", "a handwritten digit 7"]}
 DEFAULT_PROMPTS = ["a photo of a cat", "a red apple on a table"]
 # recipe model.options -> its smoke value (only keys the recipe sets are changed)
 MODEL_OPTIONS = {"resolution": SMOKE_PIXELS, "max_sequence_length": 8, "dtype": "float32",
-                 "gradient_checkpointing": "false", "decode_batch": "null"}
+                 "gradient_checkpointing": "false", "decode_batch": "null", "num_frames": 5}
 TRAIN = {"train.iterations": 1, "train.batch_size": 4, "train.minibatch_size": 64, "train.grad_accum": 1,
          "train.mixed_precision": "'no'", "train.checkpoint_every": 1, "train.ema_every": 1,
          "data.eval_seeds_per_prompt": 2, "reward.weights": "{jpeg_compressibility: 1.0}", "reward.options": "{}",
          "reward.heldout": "{}", "logging.trackers": "[]", "logging.eval_every": 100, "logging.image_every": 100}
+# pipelines whose smoke run trains on other data: FLUX.1 Kontext edits the shipped digits editing set
+# (instruction + source image rows), scored offline by digits_edit, which needs each row's source
+EDITING = {"data.prompts": "digits-edit-sample", "data.eval_prompts": "digits-edit-sample",
+           "reward.weights": "{digits_edit: 1.0}"}
+DATA = {"flux-kontext": EDITING}
 OFFLINE = {"offline.groups_per_prompt": 1, "offline.k": 2, "offline.num_steps": 2, "offline.eval_steps": 2,
            "offline.batch_groups": 2, "offline.epochs": 1, "offline.max_steps": "null", "offline.eval_every": 100,
            "offline.generation_batch": 256, "offline.save_png": "false", "offline.judge": "{}"}
@@ -90,7 +96,8 @@ def smoke_overrides(cfg, model_dir: Path, scratch: Path) -> list[str]:
     ov = {"model.path": str(model_dir), "model.device": "cpu",
           **{f"model.options.{k}": v for k, v in MODEL_OPTIONS.items() if k in cfg.model.options},
           **{f"sampler.{k}": v for k, v in shrink(cfg.sampler.to_dict()).items()},
-          **TRAIN, "data.prompts": f"[{', '.join(prompts)}]", "data.eval_prompts": f"[{prompts[0]}]"}
+          **TRAIN, "data.prompts": f"[{', '.join(prompts)}]", "data.eval_prompts": f"[{prompts[0]}]",
+          **DATA.get(cfg.model.pipeline, {})}
     if cfg.model.text_embedding_cache:  # never the recipe's own (relative, shared) cache directory
         ov["model.text_embedding_cache"] = str(scratch / "text-embeddings")
     if cfg.train.mode == "offline":

@@ -17,7 +17,11 @@ Conditioning = Mapping[str, torch.Tensor]
 
 @runtime_checkable
 class FlowPolicy(Protocol):
-    """A rectified-flow image model: ``x_t = (1 - sigma) x0 + sigma eps``, velocity ``eps - x0``."""
+    """A rectified-flow image model: ``x_t = (1 - sigma) x0 + sigma eps``, velocity ``eps - x0``.
+
+    A model conditioned on source images (editing) also has ``source_conditioning(images) -> {name:
+    [B, ...]}``, added to ``encode_prompts``' text conditioning by :func:`flowrl.conditions.encode_conditions`;
+    video models decode ``[B, 3, F, H, W]``."""
 
     transformer: nn.Module  # the trainable denoiser (LoRA goes here)
 

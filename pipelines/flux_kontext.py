@@ -116,8 +116,13 @@ class FluxKontextPolicy(FluxPolicy):
                              f"got {sum(with_source)} of {len(parts)} with a source image")
         cond = encode_with_negative(self, [t for t, _ in parts], use_negative=self.uses_negative)
         if parts and all(with_source):
-            cond["image_latents"] = self.encode_sources([img for _, img in parts])
+            cond.update(self.source_conditioning([img for _, img in parts]))
         return cond
+
+    def source_conditioning(self, images: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The conditioning entries of source images alone (``flowrl.conditions.encode_conditions``
+        adds them to the text's, which the text-embedding cache may serve): ``image_latents``."""
+        return {"image_latents": self.encode_sources(images)}
 
     # --- FlowPolicy ----------------------------------------------------------------------
     @classmethod

@@ -41,6 +41,22 @@ from ._wire import CONTENT_TYPE, ENCODINGS, PROTOCOL, WireError, decode_response
 RETRY_STATUS = {408, 429, 502, 503, 504}  # not 500: there the served reward itself failed, and would again
 
 
+def _as_image_batch(name: str, value):
+    """A per-row list of images ``[3, H, W]`` (an editing set's ``sources``) as one ``[B, 3, H, W]``
+    tensor, the wire's image argument; other values unchanged. The images must share one size and
+    no row may be None (the wire has no missing image)."""
+    if not (isinstance(value, (list, tuple)) and value and any(isinstance(v, torch.Tensor) for v in value)):
+        return value
+    if any(v is None for v in value):
+        raise ValueError(f"{name}: {sum(v is None for v in value)} of {len(value)} rows have no image; a remote reward "
+                         f"needs an image for every row (split text-only and editing prompts into separate sets)")
+    shapes = {tuple(v.shape) for v in value}
+    if len(shapes) != 1:
+        raise ValueError(f"{name}: images of different sizes {sorted(shapes)}; a remote reward needs one size per "
+                         f"batch (resize the editing set's source images to one size)")
+    return torch.stack([v.detach().float().cpu() for v in value])  # [B, 3, H, W]
+
+
 class RemoteRewardError(RewardUnavailable):
     """The reward server could not score a request (after retries, or a refusal it will repeat)."""
 
@@ -107,6 +123,7 @@ class RemoteReward:
     def __call__(self, images: torch.Tensor, prompts: list[str], **meta) -> torch.Tensor:
         check_inputs(images, prompts, self.name)
         prompts, out = list(prompts), []
+        meta = {k: _as_image_batch(k, v) for k, v in meta.items()}
         for s in chunks(images.shape[0], self.batch_size):
             part = {k: (v[s] if isinstance(v, torch.Tensor) else v) for k, v in meta.items()}
             body = encode_request(images[s], prompts[s], part, self.encoding)

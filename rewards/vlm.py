@@ -9,6 +9,11 @@ reward = ``(s - lo) / (hi - lo)`` in [0, 1] for the score ``s`` parsed from the 
 ``score_pattern`` (its last match), ``(lo, hi) = score_range``. With ``score_range=(0, 5)``
 and a 1-5 rubric this is Flow-GRPO's UnifiedReward ``score / 5``.
 
+Editing: called with ``sources=`` (each row's source image ``[3, H, W]`` or None, as the trainer
+passes an editing set's sources), a row with a source is judged as an edit: the request carries the
+source image, then the result, then ``edit_template`` with the instruction in ``{prompt}``; rows
+without a source are judged with ``template`` as above.
+
 Failure handling: each request has a ``timeout`` (seconds); timeouts, connection errors, HTTP
 429 and 5xx are retried ``retries`` times with exponential backoff, then raise
 :class:`VLMJudgeError`. A reply that is not chat-completions JSON, holds no score, or a score
@@ -43,6 +48,13 @@ DEFAULT_TEMPLATE = (
     "You are given a text caption and an image generated from it. Judge how well the image matches the "
     "caption (objects, counts, attributes, relations, any quoted text) and its visual quality.\n"
     "Caption: {prompt}\n"
+    "Answer with a short justification, then a last line 'Score: N' with N from 0 (worst) to 10 (best)."
+)
+DEFAULT_EDIT_TEMPLATE = (
+    "You are given two images: the first is the source image, the second is the result of editing it with "
+    "the instruction below. Judge how well the result follows the instruction, keeps everything the "
+    "instruction does not ask to change, and its visual quality.\n"
+    "Instruction: {prompt}\n"
     "Answer with a short justification, then a last line 'Score: N' with N from 0 (worst) to 10 (best)."
 )
 DEFAULT_SCORE_PATTERN = r"score\s*[:=]?\s*\**\s*(-?\d+(?:\.\d+)?)"
@@ -103,12 +115,15 @@ class VLMJudge:
                  score_pattern: str = DEFAULT_SCORE_PATTERN, score_range: tuple[float, float] = (0.0, 10.0),
                  timeout: float = 60.0, retries: int = 2, backoff: float = 1.0, concurrency: int = 4,
                  max_side: Optional[int] = None, temperature: float = 0.0, max_tokens: int = 256,
-                 extra_body: Optional[Mapping[str, Any]] = None, on_invalid: str = "raise"):
+                 extra_body: Optional[Mapping[str, Any]] = None, on_invalid: str = "raise",
+                 edit_template: str = DEFAULT_EDIT_TEMPLATE):
         if not re.match(r"^https?://", url or ""):
             raise ValueError(f"url must be an http(s) URL of an OpenAI-compatible API (e.g. http://127.0.0.1:8000/v1), "
                              f"got {url!r}")
         if "{prompt}" not in template:
             raise ValueError("template must contain '{prompt}', where the image's prompt is inserted")
+        if "{prompt}" not in edit_template:
+            raise ValueError("edit_template must contain '{prompt}', where the edit's instruction is inserted")
         lo, hi = map(float, score_range)
         if not hi > lo:
             raise ValueError(f"score_range must be (low, high) with high > low, got {score_range!r}")
@@ -124,7 +139,7 @@ class VLMJudge:
                                  "judge's API key there, or pass api_key_env=None for an endpoint without a key")
         url = url.rstrip("/")
         self.endpoint = url if url.endswith("/chat/completions") else url + "/chat/completions"
-        self.model, self.template, self.system = model, template, system
+        self.model, self.template, self.system, self.edit_template = model, template, system, edit_template
         self.pattern = re.compile(score_pattern, re.IGNORECASE)
         if self.pattern.groups < 1:
             raise ValueError("score_pattern needs a capture group around the number")
@@ -138,11 +153,15 @@ class VLMJudge:
         return f"VLMJudge(endpoint={self.endpoint!r}, model={self.model!r}, key={'set' if self._api_key else 'none'})"
 
     # ------------------------------------------------------------ one request
-    def request_body(self, image: torch.Tensor, prompt: str) -> dict:
+    def request_body(self, image: torch.Tensor, prompt: str, source: Optional[torch.Tensor] = None) -> dict:
+        """One chat-completions request: the image and ``template``; with a ``source`` (an edit) the
+        source image, the result ``image`` and ``edit_template``, in that order."""
         messages = [{"role": "system", "content": self.system}] if self.system else []
+        shown = [image] if source is None else [source, image]
+        text = (self.template if source is None else self.edit_template).replace("{prompt}", prompt)
         messages.append({"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": png_data_url(image, self.max_side)}},
-            {"type": "text", "text": self.template.replace("{prompt}", prompt)},
+            *({"type": "image_url", "image_url": {"url": png_data_url(im, self.max_side)}} for im in shown),
+            {"type": "text", "text": text},
         ]})
         return {"model": self.model, "messages": messages, "temperature": self.temperature,
                 "max_tokens": self.max_tokens, **self.extra_body}
@@ -174,8 +193,8 @@ class VLMJudge:
             raise VLMReplyError(f"judge score {value:g} is outside score_range {self.score_range}: {_snippet(text)!r}")
         return (value - lo) / (hi - lo)
 
-    def score_one(self, image: torch.Tensor, prompt: str) -> float:
-        body = json.dumps(self.request_body(image, prompt)).encode("utf-8")
+    def score_one(self, image: torch.Tensor, prompt: str, source: Optional[torch.Tensor] = None) -> float:
+        body = json.dumps(self.request_body(image, prompt, source)).encode("utf-8")
         try:
             return self.parse_score(reply_text(self._post_with_retries(body)))
         except VLMReplyError as e:
@@ -185,13 +204,20 @@ class VLMJudge:
             raise
 
     # ------------------------------------------------------------ the reward
-    def __call__(self, images: torch.Tensor, prompts: list[str], **meta) -> torch.Tensor:
+    def __call__(self, images: torch.Tensor, prompts: list[str], sources=None, **meta) -> torch.Tensor:
+        """Scores ``images`` [B, 3, H, W] with their ``prompts``; ``sources`` (a list of ``[3, H, W]`` or
+        None per row, or a ``[B, 3, H, W]`` tensor) judges those rows as edits (module doc)."""
         check_inputs(images, prompts, self.name)
         images = images.detach().cpu()
-        log.debug("judging %d images at %s", images.shape[0], self.endpoint)
-        if self.concurrency == 1 or images.shape[0] == 1:
-            scores = [self.score_one(images[i], prompts[i]) for i in range(images.shape[0])]
+        n = images.shape[0]
+        rows = [None] * n if sources is None else list(sources)
+        if len(rows) != n:
+            raise ValueError(f"{self.name} got {n} images but {len(rows)} sources; pass one source (or None) per image")
+        rows = [None if s is None else s.detach().cpu() for s in rows]
+        log.debug("judging %d images at %s", n, self.endpoint)
+        if self.concurrency == 1 or n == 1:
+            scores = [self.score_one(images[i], prompts[i], rows[i]) for i in range(n)]
         else:
-            with ThreadPoolExecutor(min(self.concurrency, images.shape[0])) as pool:
-                scores = list(pool.map(self.score_one, list(images), list(prompts)))
+            with ThreadPoolExecutor(min(self.concurrency, n)) as pool:
+                scores = list(pool.map(self.score_one, list(images), list(prompts), rows))
         return torch.tensor(scores, dtype=torch.float32)

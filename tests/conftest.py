@@ -67,6 +67,16 @@ def tiny_digits_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_model():
+    """``tiny_model(pipeline)``: the pipeline's tiny random model at 32 px (``flowrl.smoke.tiny_model``,
+    built once per ``FLOWRL_HOME``: every module of a session, ``flowrl train --smoke`` included,
+    shares one build per model). Tests read it and never write into it."""
+    from flowrl.smoke import tiny_model as build
+
+    return build
+
+
 def tiny_train_overrides(path, **extra) -> list[str]:
     """Overrides that make the digits recipe run in seconds on a tiny model."""
     base = {"model.path": str(path), "train.iterations": 3, "train.batch_size": 16, "sampler.group_size": 4,

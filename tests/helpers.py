@@ -117,8 +117,8 @@ def randomize_(module, std):
 
 # ---------------------------------------------------------------- stub chat-completions server
 class StubChatHandler(BaseHTTPRequestHandler):
-    """Answers ``POST .../chat/completions`` like an OpenAI-compatible VLM: decodes the request's PNG
-    and replies "Score: 10 x mean brightness". Per-request behaviours are queued in ``server.modes``
+    """Answers ``POST .../chat/completions`` like an OpenAI-compatible VLM: decodes the request's (last)
+    PNG and replies "Score: 10 x mean brightness". Per-request behaviours are queued in ``server.modes``
     (``slow``, ``http500``, ``http401``, ``not_json``, ``garbage``); requests are kept in ``server.requests``."""
 
     def log_message(self, *args):  # keep test output quiet
@@ -141,7 +141,7 @@ class StubChatHandler(BaseHTTPRequestHandler):
         if mode == "garbage":
             return self._reply("I am sorry, I cannot rate images of this kind.")
         parts = body["messages"][-1]["content"]
-        url = next(p["image_url"]["url"] for p in parts if p["type"] == "image_url")
+        url = [p["image_url"]["url"] for p in parts if p["type"] == "image_url"][-1]  # an edit: source, then result
         assert url.startswith("data:image/png;base64,")
         png = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
         assert png.format == "PNG"

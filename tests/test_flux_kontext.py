@@ -10,7 +10,6 @@ import torch
 
 from flowrl.pipelines.flux import pack_latents, unpack_latents
 from flowrl.pipelines.flux_kontext import FluxKontextPolicy
-from flowrl.pipelines.tiny import make_tiny
 from helpers import ode_loop
 from model_parity import exported_lora
 
@@ -21,8 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run 
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny("flux-kontext", tmp_path_factory.mktemp("kontext") / "flux-kontext", image_size=SIZE)
+def tiny(tiny_model):
+    return tiny_model("flux-kontext")  # conftest: one build per session, 32 px (SIZE)
 
 
 def _sources(size=(SIZE, SIZE)) -> list[torch.Tensor]:
@@ -92,17 +91,46 @@ def test_edit_items_true_cfg_and_errors(tiny):
 
 
 def test_editing_recipe_trains_on_the_tiny_model(tiny, tmp_path):
-    """Two GRPO iterations of recipes/flux_kontext_edit.yaml on the tiny model (text instructions:
-    the editing data path reaches the trainer in a later change), LoRA on FLUX's targets + proj_mlp."""
+    """Two GRPO iterations of recipes/flux_kontext_edit.yaml on the tiny model and the shipped digits
+    editing set (instruction + source image rows), scored by ``digits_edit`` (NaN for a row without
+    its source: finite rewards mean the sources reached the reward), the text embeddings cached and
+    the text encoders dropped (the sources are encoded per batch); LoRA on FLUX's targets + proj_mlp."""
     from flowrl.checkpoints.common import list_checkpoints
     from flowrl.trainers.config import load_config
     from flowrl.trainers.online import train
     from helpers import ROOT, lora_weights, tiny_overrides, train_records
 
-    cfg = load_config(ROOT / "recipes" / "flux_kontext_edit.yaml", tiny_overrides(tiny, "group"))
+    cfg = load_config(ROOT / "recipes" / "flux_kontext_edit.yaml", tiny_overrides(tiny, "group", **{
+        "data.prompts": "digits-edit-sample", "reward.weights": "{digits_edit: 1.0}",
+        "model.text_embedding_cache": "memory", "model.drop_text_encoders": "true"}))
     assert cfg.model.pipeline == "flux-kontext" and cfg.model.guidance_scale == 2.5 and cfg.train.ema
     summary = train(cfg, tmp_path / "run")
     assert summary["iterations_done"] == 2 and summary["skipped_steps"] == 0
-    assert [r["iteration"] for r in train_records(tmp_path / "run")] == [0, 1]
+    recs = train_records(tmp_path / "run")
+    assert [r["iteration"] for r in recs] == [0, 1]
+    assert all(0 <= r["reward_mean"] <= 1 for r in recs)  # finite: digits_edit saw every source
     weights = lora_weights(list_checkpoints(tmp_path / "run" / "checkpoints")[-1])
     assert any(".proj_mlp.lora_B." in k and v.abs().sum() > 0 for k, v in weights.items())
+
+
+def test_prompt_items_condition_through_the_text_cache(tiny):
+    """``flowrl.conditions.encode_conditions`` on :class:`PromptItem` s equals the adapter's own
+    encoding of the same edit items, also with the text served by the cache and the encoders dropped
+    (the cache holds the text part only)."""
+    from flowrl.conditions import encode_conditions
+    from flowrl.data.embeddings import TextEmbeddingCache
+    from flowrl.data.items import PromptItem
+
+    policy = FluxKontextPolicy.from_pretrained(tiny, max_sequence_length=SEQ)
+    items = [PromptItem(p, im) for p, im in zip(PROMPTS, _sources())]
+    want = policy.encode_prompts([{"prompt": it.prompt, "image": it.image} for it in items])
+    got = encode_conditions(policy, items)
+    assert set(got) == set(want) and "image_latents" in got
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-6)
+    cache = TextEmbeddingCache.build(policy, PROMPTS)
+    cached = cache.wrap(policy, drop_encoders=True)
+    assert cache.prompts == PROMPTS and "image_latents" not in cache.keys
+    served = encode_conditions(cached, items)
+    for k in want:
+        torch.testing.assert_close(served[k], want[k], atol=1e-6, rtol=1e-6)

@@ -10,7 +10,7 @@ from PIL import Image
 
 from flowrl.data.digits import digits_dataset
 from flowrl.media import (animation_formats, frame_strip, is_video, save_animation, score_per_frame,
-                          temporal_consistency, video_frames)
+                          video_frames)
 from flowrl.rewards import build
 
 
@@ -82,6 +82,8 @@ def test_score_per_frame_with_a_real_reward_and_per_row_meta():
 
 
 def test_temporal_consistency_by_hand():
+    from flowrl.diagnostics import temporal_consistency
+
     still = _videos(2, 4)[:, :, :1].expand(-1, -1, 4, -1, -1)  # every frame the same
     assert temporal_consistency(still) == 1.0
     v = torch.zeros(1, 3, 3, 2, 2)
@@ -127,3 +129,24 @@ def test_save_animation_reads_back(tmp_path):
         save_animation(video, tmp_path / "x", formats=("mp4",))
     with pytest.raises(ValueError, match=r"one video \[3, F, H, W\]"):
         save_animation(video[None], tmp_path / "x")
+
+
+def test_trained_reward_path_scores_videos_per_frame_with_sources():
+    """The trainer's path (``score_images`` on a ``MultiReward`` built with ``frame_stride``) on videos of
+    editing items equals scoring each kept frame alone with its video's source, then averaging."""
+    from flowrl.data import load_prompts
+    from flowrl.rewards import build_multi
+    from flowrl.rollout.base import score_images
+
+    items = load_prompts("digits-edit-sample")[:3]
+    videos = _videos(3, 5)  # [3, 3, 5, H, W]
+    multi = build_multi({"digits_edit": 1.0, "jpeg_compressibility": 0.5}, {}, frame_stride=2)
+    total, comps = score_images(multi, videos, items)
+    edit, jpeg = build("digits_edit"), build("jpeg_compressibility")
+    for b, it in enumerate(items):
+        frames = [videos[b, :, f][None].contiguous() for f in (0, 2, 4)]
+        want_edit = torch.stack([edit(fr, [it.prompt], sources=[it.image])[0] for fr in frames]).mean()
+        want_jpeg = torch.stack([jpeg(fr, [it.prompt])[0] for fr in frames]).mean()
+        torch.testing.assert_close(comps["digits_edit"][b], want_edit, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(comps["jpeg_compressibility"][b], want_jpeg, rtol=1e-6, atol=1e-6)
+    assert torch.isfinite(total).all()

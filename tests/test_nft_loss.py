@@ -83,3 +83,24 @@ def test_errors_name_the_fix():
         nft_loss(v_theta, v_old[:1], x_t, x0, t, adv)
     with pytest.raises(ValueError, match=r"\[2\]"):
         nft_loss(v_theta, v_old, x_t, x0, t[:1], adv)
+
+
+def test_video_latents_equal_their_flattened_image_view():
+    """Means run over every non-batch dim: a video batch [B, C, F, H, W] gives the loss, stats and
+    gradient of the same numbers viewed as [B, C, F H, W] (no 4-D assumption in the time broadcast)."""
+    g = torch.Generator().manual_seed(0)
+    shape = (3, 2, 3, 4, 4)  # [B, C, F, H, W]
+    x0, eps, v_old = (torch.randn(shape, generator=g) for _ in range(3))
+    t = torch.rand(3, generator=g) * 0.9 + 0.05
+    x_t = (1 - t.view(-1, 1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1, 1) * eps
+    adv = torch.tensor([1.0, -0.5, 0.2])
+    flat = (3, 2, 12, 4)
+    v5 = torch.randn(shape, generator=g).requires_grad_(True)
+    v4 = v5.detach().reshape(flat).requires_grad_(True)
+    l5, s5 = nft_loss(v5, v_old, x_t, x0, t, adv, v_ref=v_old, beta_kl=0.1)
+    l4, s4 = nft_loss(v4, v_old.reshape(flat), x_t.reshape(flat), x0.reshape(flat), t, adv, v_ref=v_old.reshape(flat),
+                      beta_kl=0.1)
+    torch.testing.assert_close(l5, l4)
+    assert s5 == pytest.approx(s4)
+    l5.backward(), l4.backward()
+    torch.testing.assert_close(v5.grad.reshape(flat), v4.grad)

@@ -10,7 +10,6 @@ import torch
 
 from flowrl.pipelines.flux import pack_latents, unpack_latents
 from flowrl.pipelines.qwen_image import QwenImagePolicy, build_qwen_tokenizer
-from flowrl.pipelines.tiny import make_tiny
 from flowrl.rollout.ode import ode_sample
 from model_parity import exported_lora
 
@@ -21,8 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run 
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny("qwen-image", tmp_path_factory.mktemp("qwen") / "qwen-image", image_size=SIZE)
+def tiny(tiny_model):
+    return tiny_model("qwen-image")  # conftest: one build per session, 32 px (SIZE)
 
 
 def _pipeline(pipe, policy, seeds, output_type):

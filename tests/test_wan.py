@@ -5,12 +5,12 @@ its decoded videos ``[B, 3, F, H, W]`` equal the pipeline's frames; a LoRA writt
 export``'s writer loads into the pipeline, moves its output, and still equals flowrl's loop.
 Shapes, save / load and LoRA targets are in the contract battery (tests/test_policy_contract.py)."""
 import json
+import math
 
 import pytest
 import torch
 
 from flowrl.pipelines.base import FLOWRL_JSON
-from flowrl.pipelines.tiny import make_tiny
 from flowrl.pipelines.wan import TINY_NUM_FRAMES, WanPolicy
 from flowrl.rollout.ode import ode_sample
 from model_parity import exported_lora
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run 
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny("wan", tmp_path_factory.mktemp("wan") / "wan", image_size=SIZE)
+def tiny(tiny_model):
+    return tiny_model("wan")  # conftest: one build per session, 32 px (SIZE)
 
 
 def _pipeline(pipe, policy, output_type):
@@ -71,7 +71,7 @@ def test_flow_grpo_wan_step_rollout_rescores_on_policy(tiny):
     """The recipe's sampler (``step: sde_wan``, Flow-GRPO's Wan noise std_t = sigma_1 sigma) on the video
     latents with CFG: the GRPO update recomputes every stored transition's log-prob to the stored one (ratio
     1), and its KL to the reference (the policy itself; ``kl_form: flow_grpo``, the exact form for this
-    step) is 0. (The trainer's video rewards and evaluation are not wired yet, so no end-to-end run here.)"""
+    step) is 0. The recipe's run end to end is the next test."""
     import contextlib
     from types import SimpleNamespace
 
@@ -86,7 +86,7 @@ def test_flow_grpo_wan_step_rollout_rescores_on_policy(tiny):
     assert cfg.sampler.options["step"] == "sde_wan" and cfg.sampler.options["noise_level"] == 0.9828
     policy = WanPolicy.from_pretrained(tiny, max_sequence_length=SEQ, guidance_scale=4.5)
     sampler = SAMPLERS.get("group")(group_size=2, num_steps=3, step="sde_wan", noise_level=0.9828)
-    r = sampler(policy, PROMPTS, lambda videos, prompts, **m: videos.float().mean(dim=(1, 2, 3, 4)), seed=3)
+    r = sampler(policy, PROMPTS, lambda frames, prompts, **m: frames.float().flatten(1).mean(1), seed=3)  # per frame
     assert r.transitions.latents.shape[1:] == (16, 2, 4, 4) and len(r.transitions) == 4 * 3
     ctx = UpdateContext(policy=policy, model=policy.transformer, unwrapped=policy.transformer,
                         device=torch.device("cpu"), autocast=contextlib.nullcontext, reference=contextlib.nullcontext,
@@ -96,3 +96,31 @@ def test_flow_grpo_wan_step_rollout_rescores_on_policy(tiny):
     _, stats = UPDATES.get("grpo")(ctx).minibatch_loss(r, r.conditioning(policy), torch.arange(len(r.transitions)), adv)
     assert float(stats["approx_kl"]) < 1e-10 and abs(float(stats["ratio_mean"]) - 1) < 1e-5
     assert float(stats["kl"]) == 0.0
+
+
+def test_video_recipe_trains_and_saves_animated_samples(tiny, tmp_path):
+    """recipes/wan_group_ocr.yaml shrunk onto the tiny model: two GRPO iterations on videos ``[B, 3, 5, H,
+    W]``, an image reward scored per frame (``reward.frame_stride``), the evaluation's reward-hacking
+    watch with temporal consistency, and saved samples animated (GIF, more than one frame) beside a
+    PNG frame strip."""
+    from PIL import Image
+
+    from flowrl.trainers.config import load_config
+    from flowrl.trainers.online import train
+    from helpers import ROOT, tiny_overrides, train_records
+
+    cfg = load_config(ROOT / "recipes" / "wan_group_ocr.yaml", tiny_overrides(tiny, "group", **{
+        "model.options.num_frames": 5, "reward.frame_stride": 2, "logging.image_every": 2, "logging.eval_every": 2}))
+    assert cfg.model.pipeline == "wan" and cfg.sampler.options["step"] == "sde_wan"
+    run = tmp_path / "run"
+    summary = train(cfg, run)
+    assert summary["iterations_done"] == 2 and summary["skipped_steps"] == 0
+    recs = train_records(run)
+    assert [r["iteration"] for r in recs] == [0, 1] and all(math.isfinite(r["reward_mean"]) for r in recs)
+    evals = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if "eval/reward" in l]
+    assert evals and all(0 <= e["eval/temporal_consistency"] <= 1 and e["eval/hf_energy"] >= 0 for e in evals)
+    strip = Image.open(run / "samples" / "train_000002.png")
+    assert strip.width > strip.height  # frames side by side
+    gif = Image.open(run / "samples" / "train_000002_anim.gif")
+    assert gif.n_frames == 5 and gif.is_animated
+    assert (run / "samples" / "eval_000002_anim.gif").is_file()

@@ -25,9 +25,11 @@ TRACKER_GROUP_BY = ("seed_tracker", "prompt_tracker")
 
 def prompt_text_ids(prompts: Sequence[str], prompt_index: torch.Tensor) -> torch.Tensor:
     """Dense id of each row's prompt **text** ``[M]`` long: rows whose prompts are equal strings share
-    an id even when they are different entries of ``prompts`` (Flow-GRPO's tracker keys by text)."""
+    an id even when they are different entries of ``prompts`` (Flow-GRPO's tracker keys by text); a
+    :class:`flowrl.data.items.PromptItem` by its ``key`` (text and source image)."""
     ids: dict[str, int] = {}
-    per_prompt = torch.tensor([ids.setdefault(str(q), len(ids)) for q in prompts], dtype=torch.long)  # [P]
+    per_prompt = torch.tensor([ids.setdefault(getattr(q, "key", str(q)), len(ids)) for q in prompts],
+                              dtype=torch.long)  # [P] (an item's key: its text and source)
     return per_prompt[prompt_index.long()]  # [M]
 
 

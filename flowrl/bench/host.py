@@ -237,8 +237,8 @@ def build_host_policy(o: HostOptions, workdir: Path):
 
 
 def _mean_pixel(images: torch.Tensor, prompts: list[str], **meta) -> torch.Tensor:
-    """A reward at no cost: the mean pixel of each image, float32 [B]."""
-    return images.float().mean(dim=(1, 2, 3))
+    """A reward at no cost: the mean pixel of each image (or video), float32 [B]."""
+    return images.float().flatten(1).mean(dim=1)
 
 
 def bench_trainer(policy, o: HostOptions, workdir: Path, overrides: tuple[str, ...] = ()):

@@ -76,8 +76,9 @@ class IterationOptions:
 
 
 def mean_pixel_reward(images: torch.Tensor, prompts: list[str], **meta) -> torch.Tensor:
-    """float32 ``[B]``: mean of ``images`` ``[B, 3, H, W]`` (a stand-in reward at no cost)."""
-    return images.float().mean(dim=(1, 2, 3))
+    """float32 ``[B]``: mean of ``images`` ``[B, 3, H, W]`` or videos ``[B, 3, F, H, W]`` (a stand-in reward
+    at no cost)."""
+    return images.float().flatten(1).mean(dim=1)
 
 
 def grpo_update(policy, rollout, optimizer, minibatch: int, clip_range: float = 1e-4) -> dict:
@@ -87,7 +88,7 @@ def grpo_update(policy, rollout, optimizer, minibatch: int, clip_range: float = 
     tr, dev = rollout.transitions, policy.device
     step_fn = get_step(rollout.step_type)
     with torch.no_grad():
-        cond = policy.encode_prompts(rollout.prompts)
+        cond = rollout.conditioning(policy)
     first_ratio, n = None, 0
     for rows in torch.arange(len(tr)).split(minibatch):
         t = tr.select(rows)

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from ..utils.io import atomic_write, write_json
+from .items import item_texts
 
 INDEX = "index.json"
 SHARED = "shared.safetensors"
@@ -318,6 +319,7 @@ def attach_text_cache(policy, model_cfg, prompts: list[str], is_main: bool = Tru
     where = model_cfg.text_embedding_cache
     if not where:
         return policy
+    prompts = list(dict.fromkeys(item_texts(prompts)))  # edit items: the text part only (sources are not cached)
     fp = model_fingerprint({"pipeline": model_cfg.pipeline, "path": model_cfg.path,
                             "guidance_scale": model_cfg.guidance_scale, "options": model_cfg.options})
     if where == "memory":

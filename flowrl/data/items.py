@@ -35,7 +35,7 @@ IMAGE_FIELD = "image"
 KEY_SEPARATOR = "\x1f"  # ASCII unit separator: never typed in a prompt
 
 __all__ = ["PromptItem", "Source", "as_items", "load_edit_set", "load_image", "item_texts", "item_sources",
-           "INSTRUCTION_FIELDS", "IMAGE_FIELD"]
+           "item_record", "item_from_record", "is_edit_row", "INSTRUCTION_FIELDS", "IMAGE_FIELD"]
 
 
 def load_image(path: Union[str, os.PathLike]) -> torch.Tensor:
@@ -158,6 +158,30 @@ def item_texts(items: Sequence[Union[str, PromptItem]]) -> list[str]:
 def item_sources(items: Sequence[Union[str, PromptItem]]) -> list[Optional[torch.Tensor]]:
     """Each item's source image ``[3, H, W]`` or None: the ``sources=`` a reward receives."""
     return [it.image for it in as_items(items)]
+
+
+def item_record(prompt: Union[str, PromptItem]):
+    """A prompt as a JSON value (what an offline dataset's index stores): a string stays a string, and
+    so does a text-only item; an item with a source file is ``{"prompt", "image": absolute path,
+    "meta"}``. A tensor source has no file to name: an error (load the set from a ``.jsonl`` file)."""
+    if isinstance(prompt, str) or prompt.source is None:
+        return prompt if isinstance(prompt, str) else prompt.prompt
+    if isinstance(prompt.source, torch.Tensor):
+        raise ValueError(f"prompt item {prompt.prompt!r} holds its source as a tensor, which cannot be stored; "
+                         f"give the editing set as a .jsonl file with image paths")
+    return {"prompt": prompt.prompt, IMAGE_FIELD: str(Path(prompt.source).resolve()), "meta": dict(prompt.meta)}
+
+
+def item_from_record(record) -> Union[str, PromptItem]:
+    """The inverse of :func:`item_record`."""
+    if isinstance(record, str):
+        return record
+    return PromptItem(record["prompt"], record[IMAGE_FIELD], dict(record.get("meta") or {}))
+
+
+def is_edit_row(row) -> bool:
+    """Whether a ``.jsonl`` row is an editing row (an instruction and an ``image`` path)."""
+    return isinstance(row, dict) and IMAGE_FIELD in row and any(f in row for f in INSTRUCTION_FIELDS)
 
 
 def load_edit_set(path: Union[str, os.PathLike], check_images: bool = True) -> list[PromptItem]:

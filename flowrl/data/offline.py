@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..utils.io import atomic_write, save_png, write_text
+from .items import item_record
 from .offline_store import DTYPES, EXTENSIBLE, FORMAT, INDEX, VERSION, DatasetError, OfflineDataset, read_index
 
 # the format, the index and the reader are offline_store's; this module writes datasets
@@ -228,7 +229,8 @@ def generate_dataset(out: str | os.PathLike, policy, prompts: Sequence[str], rew
     prompts = list(prompts)
     if not prompts:
         raise DatasetError("generate_dataset needs at least one prompt")
-    idx = _open_index(root, prompts, list(rewards), _spec(settings, prompts, model or {}, list(rewards)))
+    idx = _open_index(root, [item_record(p) for p in prompts], list(rewards),
+                      _spec(settings, prompts, model or {}, list(rewards)))  # edit items keep their source
     _remove_leftovers(root)
     evals_per_sample = _evals_per_sample(settings)
     _drop_missing_shards(root, idx, settings.k * evals_per_sample)

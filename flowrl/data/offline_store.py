@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from ..seeding import stream_seed
+from .items import item_from_record
 
 FORMAT = "flowrl-offline-groups"
 VERSION = 1
@@ -53,7 +54,7 @@ class GroupBatch:
 
     group: torch.Tensor                 # [G] long, global group ids
     prompt_index: torch.Tensor          # [G] long
-    prompts: list[str]                  # [G]
+    prompts: list                       # [G] str, or PromptItem (an edit with its source image)
     seeds: torch.Tensor                 # [G, k] long
     x0: torch.Tensor                    # [G, k, C, H, W] float32
     rewards: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [G, k] float32
@@ -87,8 +88,9 @@ class OfflineDataset:
         return int(self.index["spec"]["k"])
 
     @property
-    def prompts(self) -> list[str]:
-        return list(self.index["prompts"])
+    def prompts(self) -> list:
+        """The prompts (strings, or :class:`flowrl.data.items.PromptItem` s with their source images)."""
+        return [item_from_record(r) for r in self.index["prompts"]]
 
     @property
     def spec(self) -> dict:
@@ -157,7 +159,7 @@ class OfflineDataset:
         seeds = torch.cat([self._row(s, "seeds", r) for s, r in rows]) if rows else torch.zeros(0, dtype=torch.long)
         pidx = torch.cat([self._row(s, "prompt_index", r) for s, r in rows]) if rows else torch.zeros(0, dtype=torch.long)
         rew = {n: torch.cat([self._row(s, f"reward/{n}", r) for s, r in rows]).float() for n in names}
-        prompts = self.index["prompts"]
+        prompts = self.prompts
         return GroupBatch(group=torch.tensor(ids, dtype=torch.long), prompt_index=pidx,
                           prompts=[prompts[int(p)] for p in pidx], seeds=seeds, x0=x0, rewards=rew)
 

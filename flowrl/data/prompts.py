@@ -1,11 +1,17 @@
 """Prompt sets: a list, a text file (one prompt per line), a JSONL file ({"prompt": ...}), a
 Hugging Face dataset directory written by ``save_to_disk``, or a shipped name (``digits``,
-``flowgrpo-ocr-sample``, ... : see :data:`NAMED` and ``flowrl/data/prompt_sets/README.md``)."""
+``flowgrpo-ocr-sample``, ... : see :data:`NAMED` and ``flowrl/data/prompt_sets/README.md``).
+
+An editing set is a JSONL file whose rows also name a source ``image`` ({"prompt": ..., "image":
+...}, :func:`flowrl.data.items.load_edit_set`): it loads as :class:`flowrl.data.items.PromptItem` s
+(instruction + source image), which samplers, rewards and the offline dataset carry unchanged."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Optional, Union
+
+from .items import PromptItem, is_edit_row, load_edit_set
 
 SETS_DIR = Path(__file__).resolve().parent / "prompt_sets"
 
@@ -17,6 +23,7 @@ NAMED = {
     "flowgrpo-ocr-sample": "flowgrpo_ocr_sample.txt",
     "flowgrpo-pickscore-sample": "flowgrpo_pickscore_sample.txt",
     "geneval-sample": "geneval_sample.jsonl",
+    "digits-edit-sample": "digits_edit_sample.jsonl",
 }
 # columns tried, in order, when a dataset's prompt column is not named
 PROMPT_COLUMNS = ("prompt", "caption", "text")
@@ -32,7 +39,7 @@ def available_sets() -> list[str]:
     return sorted([*BUILTIN, *NAMED])
 
 
-def load_prompts(source: Union[str, list, tuple], column: Optional[str] = None, split: Optional[str] = None) -> list[str]:
+def load_prompts(source: Union[str, list, tuple], column: Optional[str] = None, split: Optional[str] = None) -> list:
     """Prompts from ``source``; errors say what was wrong (missing file, empty set, bad line).
 
     ``column`` names the prompt field of a JSONL file or dataset (default: the first of
@@ -55,7 +62,7 @@ def load_prompts(source: Union[str, list, tuple], column: Optional[str] = None, 
                                     f"(save_to_disk), a list, or one of {available_sets()}")
         else:
             prompts = _load_file(p, column)
-    bad = [i for i, x in enumerate(prompts) if not isinstance(x, str)]
+    bad = [i for i, x in enumerate(prompts) if not isinstance(x, (str, PromptItem))]
     if bad:
         raise PromptSetError(f"prompt {bad[0]} of {source!r} is {type(prompts[bad[0]]).__name__}, expected a string")
     if not prompts:
@@ -70,6 +77,12 @@ def _load_file(p: Path, column: Optional[str]) -> list:
         raise PromptSetError(f"prompt file {p} is not UTF-8 ({e}); re-save it as UTF-8") from None
     if p.suffix != ".jsonl":
         return [ln.strip() for ln in text.splitlines() if ln.strip()]
+    first = next((ln for ln in text.splitlines() if ln.strip()), "")
+    try:
+        if is_edit_row(json.loads(first)):
+            return load_edit_set(p)  # instruction + source image per row
+    except json.JSONDecodeError:
+        pass  # reported with its line below
     prompts = []
     for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():

@@ -11,6 +11,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..conditions import encode_conditions, reward_inputs
+from ..media import score_per_frame
 from ..structures import GroupStructure, Structure
 from ..types import RewardFn
 
@@ -77,7 +79,7 @@ class Rollout:
     (a GPU); ``images``, ``rewards``, the index tensors and ``layout`` are on the CPU.
     """
 
-    prompts: list[str]                 # the P distinct prompts
+    prompts: list                      # the P distinct prompts (str, or PromptItem with a source image)
     prompt_index: torch.Tensor         # [N] long, prompt of each finished sample
     seeds: torch.Tensor                # [N] long, seed of each sample's initial noise
     group_index: torch.Tensor          # [N] long, advantage-normalisation group
@@ -109,28 +111,39 @@ class Rollout:
         return self.x0.shape[0]
 
     def conditioning(self, policy) -> dict[str, torch.Tensor]:
-        """Text conditioning of ``prompts`` [P, ...]: the one the rollout was sampled with (no second
-        ``encode_prompts``), or ``policy.encode_prompts(prompts)`` when it kept none."""
+        """Conditioning of ``prompts`` [P, ...]: the one the rollout was sampled with (no second
+        ``encode_prompts``), or :func:`flowrl.conditions.encode_conditions` of them when it kept none."""
         if self.cond is not None:
             return dict(self.cond)
         with torch.no_grad():
-            return dict(policy.encode_prompts(self.prompts))
+            return dict(encode_conditions(policy, self.prompts))
 
 
 def score_images(reward: Optional[RewardFn], images: torch.Tensor, prompts: list[str],
                  **meta) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Run a reward on decoded images -> (total [N] float32, components name -> [N]).
 
+    ``prompts`` may be :class:`flowrl.data.items.PromptItem` s: the reward gets their texts and,
+    when any has a source image, ``sources=`` (:func:`flowrl.conditions.reward_inputs`).
+
     A reward with a ``components`` method (``flowrl.rewards.MultiReward``) reports its parts;
     a wrong shape is an error that names the reward, never a silent broadcast.
+
+    Videos ``[N, 3, F, H, W]``: a ``MultiReward`` scores them per frame with its ``frame_stride``; any
+    other reward (held-out rewards, the offline dataset's and judge's) is scored per frame too,
+    every ``reward.frame_stride``-th frame when it has the attribute (else every frame), and
+    averaged (:func:`flowrl.media.score_per_frame`), unless it declares ``takes_videos = True``.
     """
     n = images.shape[0]
     if reward is None:
         return torch.full((n,), float("nan")), {}
+    prompts, meta = reward_inputs(prompts, meta)  # prompt items: their texts, sources= when they have one
     comps: dict[str, torch.Tensor] = {}
     if hasattr(reward, "components"):
         comps = {k: _check_reward(v, n, k) for k, v in reward.components(images, prompts, **meta).items()}
         total = reward.combine(comps)
+    elif images.ndim == 5 and not getattr(reward, "takes_videos", False):
+        total = score_per_frame(reward, images, prompts, getattr(reward, "frame_stride", 1), **meta)  # [N]
     else:
         total = reward(images, prompts, **meta)
     name = getattr(reward, "name", type(reward).__name__)

@@ -19,6 +19,7 @@ from typing import ClassVar, NamedTuple, Optional, Sequence
 
 import torch
 
+from ..conditions import encode_conditions
 from ..seeding import derive_seeds, seeded_randn_rows
 from ..sde import DEFAULT_NOISE_LEVEL, STEPS, get_step, ode_step
 from ..structures import TreeStructure
@@ -289,7 +290,7 @@ class BranchSampler:
         tree_seeds = list(seeds) if seeds is not None else derive_seeds(seed, p)
         if len(tree_seeds) != p:
             raise ValueError(f"got {len(tree_seeds)} seeds for {p} prompts (one seed per tree)")
-        cond = policy.encode_prompts(list(prompts))  # per prompt [P, ...]
+        cond = encode_conditions(policy, list(prompts))  # per prompt [P, ...]
         x, sigmas, sig_dev = sampling_setup(policy, tree_seeds, self.num_steps)  # [P, C, H, W], [T + 1] CPU / device
         shape = tuple(x.shape[1:])
         counts = self.active_counts()  # nodes per tree of each log entry (roots, then each step's children)

@@ -7,6 +7,7 @@ from typing import ClassVar, Optional
 
 import torch
 
+from ..conditions import encode_conditions
 from ..seeding import derive_seeds, seeded_randn
 from ..sde import DEFAULT_NOISE_LEVEL, get_step, ode_step
 from ..ode_solvers import SOLVERS, compressed_sigmas, data_prediction, dpmpp_2m_step, second_order
@@ -126,7 +127,7 @@ class GroupSampler:
         seeds = list(seeds) if seeds is not None else derive_seeds(seed, n)
         if len(seeds) != n:
             raise ValueError(f"got {len(seeds)} seeds for {n} samples")
-        cond_p = policy.encode_prompts(prompts)  # [P, ...]
+        cond_p = encode_conditions(policy, prompts)  # [P, ...]
         cond = index_cond(cond_p, prompt_index)  # [N, ...]
         x, sigmas, sig_dev = sampling_setup(policy, seeds, self.num_steps)  # [N, C, H, W], [T + 1] CPU / device
         counter = EvalCounter()

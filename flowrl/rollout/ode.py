@@ -8,6 +8,7 @@ from typing import ClassVar, Optional
 
 import torch
 
+from ..conditions import encode_conditions
 from ..ode_solvers import heun_update
 from ..sde import ode_step
 from ..seeding import derive_seeds
@@ -23,7 +24,7 @@ def _unique_cond(policy: FlowPolicy, prompts: list[str]) -> tuple[list[str], tor
     uniq = list(dict.fromkeys(prompts))
     pos = {p: i for i, p in enumerate(uniq)}
     index = torch.tensor([pos[p] for p in prompts], dtype=torch.long)  # [N]
-    return uniq, index, policy.encode_prompts(uniq)
+    return uniq, index, encode_conditions(policy, uniq)
 
 
 SOLVERS = ("euler", "heun")  # the ODE solvers of integrate / ode_generate / ode_sample

@@ -33,6 +33,7 @@ from typing import ClassVar, Optional, Sequence
 import torch
 
 from ..advantages.tempflow import GROUP_BY, prompt_text_ids
+from ..conditions import encode_conditions
 from ..noise import noise_aware_weights
 from ..sde import ode_step, sde_step
 from ..seeding import derive_seeds, seeded_randn
@@ -180,7 +181,7 @@ class TempFlowSampler:
         seeds = list(seeds) if seeds is not None else derive_seeds(seed, j)
         if len(seeds) != j:
             raise ValueError(f"got {len(seeds)} seeds for {p} prompts x {s_per} seeds_per_prompt = {j} trajectories")
-        cond_p = policy.encode_prompts(list(prompts))  # P rows
+        cond_p = encode_conditions(policy, list(prompts))  # P rows
         main, sigmas, sig_dev = sampling_setup(policy, seeds, t)  # [J, C, H, W], [T + 1] CPU / device
         if sigmas.shape != (t + 1,):
             raise ValueError(f"policy.sigmas({t}) returned shape {tuple(sigmas.shape)}, expected ({t + 1},)")

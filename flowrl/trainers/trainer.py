@@ -27,7 +27,8 @@ import torch
 from ..builders import build_policy_from_config, build_reward, build_rewards, evaluate_policy
 from ..checkpoints.common import CheckpointError, list_checkpoints
 from ..data.embeddings import attach_text_cache
-from ..diagnostics import high_frequency_energy, within_group_diversity
+from ..data.items import item_texts
+from ..diagnostics import watch
 from ..distributed.fsdp import check_launcher
 from ..distributed.strategy import evaluation_weights, strategy_for
 from ..media import save_samples
@@ -286,14 +287,13 @@ class Trainer:
         if ref is None:
             return {}
         k = self.cfg.data.eval_seeds_per_prompt
-        images = ref(self.eval_prompts, k)
+        images = ref(item_texts(self.eval_prompts), k)  # real data of the prompts' texts
         if images is None:
             return {}
         groups = torch.arange(len(self.eval_prompts)).repeat_interleave(k)
         prompts = [p for p in self.eval_prompts for _ in range(k)]
         r, _ = score_images(self.reward, images, prompts)
-        return {"real/reward": float(r[torch.isfinite(r)].mean()), "real/diversity": within_group_diversity(images, groups),
-                "real/hf_energy": high_frequency_energy(images)}
+        return {"real/reward": float(r[torch.isfinite(r)].mean()), **{f"real/{k}": v for k, v in watch(images, groups).items()}}
 
     # ---------------------------------------------------------------- the loop
     def train(self) -> dict:

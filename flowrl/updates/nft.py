@@ -83,7 +83,7 @@ class NFTUpdate(Update):
 
         def loss_of(mb: torch.Tensor, d: dict) -> tuple[torch.Tensor, dict]:
             x0, t = x0_all[mb], d["t"][mb]  # [m, C, H, W], [m]
-            x_t = flow_interpolate(x0, d["eps"][mb], t.view(-1, 1, 1, 1))  # [m, C, H, W]
+            x_t = flow_interpolate(x0, d["eps"][mb], t.view(-1, *[1] * (x0.dim() - 1)))  # [m, C, (F,) H, W]
             c = index_cond(cond_all, prompt_d[mb])
             with torch.no_grad(), self.old_policy.applied(ctx.unwrapped):
                 v_old = ctx.policy.velocity(x_t, t, c)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..conditions import encode_conditions
 from ..losses.gdro import gdro_loss, group_velocity_errors, implicit_rewards, ranking_stats, usable_groups
 from ..seeding import stream_seed
 from .base import Update, train_passes
@@ -105,7 +106,7 @@ class OfflineGDROUpdate(Update):
         finite, ranked = usable_groups(r)  # [G]
         t, eps = self.noise(step, micro, len(groups))
         with torch.no_grad():
-            cond = ctx.policy.encode_prompts(batch.prompts)  # G rows
+            cond = encode_conditions(ctx.policy, batch.prompts)  # G rows
         err, err_ref = group_velocity_errors(ctx.policy, ctx.reference, batch.x0.to(dev), cond, t.to(dev),
                                              eps.to(dev), autocast=ctx.autocast)  # [G, k]
         s = implicit_rewards(err, err_ref, self.opts.beta)  # [G, k]

@@ -1,0 +1,207 @@
+"""Conditions beyond text end to end: prompt items with a source image (the shipped digits editing
+set) flow unchanged through the prompt loader, every sampler, the text-embedding cache, the
+evaluation and the offline dataset, and every reward call receives each row's source as
+``sources=`` (in row order); the VLM judge sends source, result and instruction; the remote reward
+carries the sources over the wire. The digits model is text-only: the sources reach the rewards,
+not the model (FLUX.1 Kontext's source conditioning is in tests/test_flux_kontext.py)."""
+import pytest
+import torch
+
+from flowrl.conditions import encode_conditions, reward_inputs
+from flowrl.data import load_prompts
+from flowrl.data.items import PromptItem
+from flowrl.registry import SAMPLERS
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
+
+# sampler -> tiny options (the rows of flowrl/smoke.py; Sol explores with both CPU quantizers)
+TINY = {
+    "group": ("group", {"group_size": 2, "num_steps": 2}),
+    "branch": ("branch", {"num_steps": 3, "split_steps": [0, 1], "window": 2}),
+    "tempflow": ("tempflow", {"num_steps": 3, "branch_steps": [0, 1], "branches": 2, "seeds_per_prompt": 1}),
+    "sol-int8": ("sol", {"pool_size": 4, "preview_steps": 2, "keep": 2, "regen_options": {"num_steps": 2},
+                         "explore_backend": "int8-dynamic"}),
+    "sol-nvfp4": ("sol", {"pool_size": 4, "preview_steps": 2, "keep": 2, "regen_options": {"num_steps": 2},
+                          "explore_backend": "nvfp4-emulated"}),
+    "ode": ("ode", {"group_size": 2, "num_steps": 2}),
+}
+
+
+class Recording:
+    """A reward that records what each call received and scores the mean pixel."""
+
+    name = "recording"
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, images, prompts, sources=None, **meta):
+        self.calls.append((list(prompts), sources))
+        return images.float().flatten(1).mean(1)
+
+    def check(self, items):
+        """Every call had one source per row, the source of the item whose instruction the row has."""
+        by_text = {it.prompt: it.image for it in items}
+        assert self.calls and len(by_text) == len(items)  # the sample's instructions are distinct
+        for prompts, sources in self.calls:
+            assert sources is not None and len(sources) == len(prompts)
+            for p, s in zip(prompts, sources):
+                assert isinstance(p, str) and torch.equal(s, by_text[p])
+
+
+@pytest.fixture(scope="module")
+def items():
+    got = load_prompts("digits-edit-sample")
+    assert all(isinstance(it, PromptItem) and it.has_source for it in got)
+    return got[:3]
+
+
+@pytest.mark.parametrize("sampler", list(TINY))
+def test_every_sampler_hands_the_rewards_the_sources(tiny_digits_policy, items, sampler):
+    name, options = TINY[sampler]
+    reward = Recording()
+    r = SAMPLERS.get(name)(**options)(tiny_digits_policy, items, reward, seed=1)
+    assert r.prompts == items and all(isinstance(p, PromptItem) for p in r.prompts)  # carried unchanged
+    reward.check(items)
+    if name in ("group", "ode"):  # one call per chunk, rows in sample order: the sources in that order
+        (prompts, sources), = reward.calls
+        want = [items[i] for i in r.prompt_index.tolist()]
+        assert prompts == [it.prompt for it in want] and all(torch.equal(s, it.image) for s, it in zip(sources, want))
+    # the update's conditioning of the rollout is the text's (the digits model takes no source)
+    torch.testing.assert_close(r.conditioning(tiny_digits_policy),
+                               tiny_digits_policy.encode_prompts([it.prompt for it in items]))
+
+
+def test_text_prompts_pass_unchanged_and_mixed_rows(tiny_digits_policy, items):
+    assert reward_inputs(["a", "b"], {"x": 1}) == (["a", "b"], {"x": 1})
+    mixed = [items[0], "a handwritten digit 3"]
+    texts, meta = reward_inputs(mixed, {})
+    assert texts == [items[0].prompt, "a handwritten digit 3"]
+    assert torch.equal(meta["sources"][0], items[0].image) and meta["sources"][1] is None
+    cond = encode_conditions(tiny_digits_policy, mixed)  # a text-only model: no source conditioning
+    torch.testing.assert_close(cond, tiny_digits_policy.encode_prompts(texts))
+
+    class Sourced:  # a policy that takes sources refuses a batch mixing rows with and without one
+        encode_prompts = staticmethod(tiny_digits_policy.encode_prompts)
+
+        @staticmethod
+        def source_conditioning(images):
+            return {"source": torch.stack(images)}
+
+    assert encode_conditions(Sourced, items[:2])["source"].shape == (2, 3, 16, 16)
+    with pytest.raises(ValueError, match="1 of 2 prompts carry a source image"):
+        encode_conditions(Sourced, mixed)
+
+
+def test_an_editing_run_rewards_see_the_sources(tiny_digits_dir, items, tmp_path):
+    """`flowrl train` on the shipped editing set (data.prompts: digits-edit-sample, its .jsonl rows with
+    images), text embeddings cached: every reward call of the rollouts and of the evaluation gets the
+    sources; the digits_edit reward (NaN without a source) scores every sample."""
+    from flowrl.trainers.config import load_config
+    from flowrl.trainers.online import OnlineTrainer
+    from helpers import ROOT, train_records
+
+    overrides = {"model.path": str(tiny_digits_dir), "data.prompts": "digits-edit-sample",
+                 "data.eval_prompts": "digits-edit-sample", "data.eval_seeds_per_prompt": 2,
+                 "sampler.group_size": 2, "sampler.num_steps": 2, "train.batch_size": 4, "train.iterations": 2,
+                 "train.minibatch_size": 16, "train.grad_accum": 1, "logging.eval_every": 1,
+                 "logging.image_every": 100, "logging.trackers": "[]", "logging.progress": "false",
+                 "reward.heldout": "{}", "reward.weights": "{digits_edit: 1.0}",
+                 "model.text_embedding_cache": "memory"}
+    cfg = load_config(ROOT / "recipes" / "digits.yaml", [f"{k}={v}" for k, v in overrides.items()])
+    from flowrl.builders import build_reward
+
+    recording, real = Recording(), build_reward(cfg)
+
+    class Both:  # the recording reward beside the config's digits_edit
+        name, overlap = "both", True
+
+        def components(self, images, prompts, **meta):
+            recording(images, prompts, **meta)
+            return real.components(images, prompts, **meta)
+
+        def combine(self, comps):
+            return real.combine(comps)
+
+    trainer = OnlineTrainer(cfg, tmp_path / "run", reward=Both())
+    summary = trainer.train()
+    assert summary["iterations_done"] == 2
+    every = load_prompts("digits-edit-sample")
+    recording.check(every)
+    # 2 rollouts of 4, 3 evaluations (iterations 0, 1 and the last) and the real-data reference, 2 per prompt
+    assert sum(len(p) for p, _ in recording.calls) == 2 * 4 + (3 + 1) * 2 * len(every)
+    recs = train_records(tmp_path / "run")
+    assert all(torch.isfinite(torch.tensor(r["reward_mean"])) for r in recs)  # digits_edit saw the sources
+    assert trainer.policy.text_embedding_cache.prompts == [it.prompt for it in every]  # the text part only
+
+
+def test_offline_dataset_keeps_the_sources(tiny_digits_policy, items, tmp_path):
+    from flowrl.data.offline import GenerationSettings, add_reward_column, generate_dataset
+    from flowrl.data.offline_store import OfflineDataset
+
+    reward = Recording()
+    settings = GenerationSettings(k=2, groups_per_prompt=1, num_steps=2, groups_per_shard=2, save_png=False)
+    generate_dataset(tmp_path / "ds", tiny_digits_policy, items, {"rec": reward}, settings, progress=False)
+    reward.check(items)
+    ds = OfflineDataset(tmp_path / "ds")
+    assert ds.prompts == items and all(torch.equal(a.image, b.image) for a, b in zip(ds.prompts, items))
+    batch = ds.read([0, 1, 2])
+    assert batch.prompts == [items[int(p)] for p in batch.prompt_index]
+    again = Recording()
+    add_reward_column(tmp_path / "ds", "again", again, tiny_digits_policy.decode, progress=False)
+    again.check(items)  # a rescored column sees the stored groups' sources
+    # generating again with the same items resumes (the stored records compare equal)
+    generate_dataset(tmp_path / "ds", tiny_digits_policy, items, {"rec": Recording()}, settings, progress=False)
+    with pytest.raises(ValueError, match="cannot be stored"):
+        generate_dataset(tmp_path / "other", tiny_digits_policy, [PromptItem("x", items[0].image)], {}, settings,
+                         progress=False)
+
+
+def test_vlm_judge_sends_source_result_and_instruction(stub, monkeypatch):
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from flowrl import rewards
+
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    judge = rewards.build("vlm_judge", url=f"http://127.0.0.1:{stub.server_port}/v1", model="stub", concurrency=2)
+    results = torch.stack([torch.full((3, 8, 8), v) for v in (0.3, 0.8, 0.6)])  # [3, 3, 8, 8]
+    sources = [torch.full((3, 8, 8), 0.1), None, torch.full((3, 8, 8), 0.9)]
+    s = judge(results, ["make it brighter", "a grey square", "make it darker"], sources=sources)
+    torch.testing.assert_close(s, torch.tensor([0.3, 0.8, 0.6]), atol=0.01, rtol=0)  # the result is judged
+    by_text = {}
+    for r in stub.requests:
+        parts = r["body"]["messages"][-1]["content"]
+        text = next(p["text"] for p in parts if p["type"] == "text")
+        pngs = [Image.open(io.BytesIO(base64.b64decode(p["image_url"]["url"].split(",", 1)[1])))
+                for p in parts if p["type"] == "image_url"]
+        by_text[text] = [float(np.asarray(im.convert("L")).mean() / 255) for im in pngs]
+    edit = [t for t in by_text if "Instruction: make it brighter" in t]
+    assert len(edit) == 1 and "source image" in edit[0]
+    assert by_text[edit[0]] == pytest.approx([0.1, 0.3], abs=0.01)  # source first, then the result
+    caption = [t for t in by_text if "Caption: a grey square" in t]
+    assert len(caption) == 1 and by_text[caption[0]] == pytest.approx([0.8], abs=0.01)  # no source: one image
+    with pytest.raises(ValueError, match="3 images but 2 sources"):
+        judge(results, ["a", "b", "c"], sources=sources[:2])
+
+
+def test_remote_reward_carries_the_sources(tiny_digits_dir, items):
+    from helpers_reward_server import remote_kwargs, served
+
+    from flowrl import rewards
+    from flowrl.conditions import reward_inputs
+
+    local = rewards.build("digits_edit")
+    results = torch.rand(3, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    texts, meta = reward_inputs(items, {})
+    want = local(results, texts, **meta)
+    assert torch.isfinite(want).all()
+    with served("digits_edit") as url:
+        remote = rewards.build("remote", **remote_kwargs(url, encoding="float32"))
+        assert torch.equal(remote(results, texts, **meta), want)
+        with pytest.raises(ValueError, match="1 of 3 rows have no image"):
+            remote(results, texts, sources=[None, *meta["sources"][1:]])
