@@ -25,11 +25,21 @@ def build_reward(cfg):
                        overlap=cfg.reward.overlap, frame_stride=cfg.reward.frame_stride)
 
 
-def build_rewards(spec: dict) -> dict:
-    """``{name: {kwargs}}`` (``reward.heldout``, ``offline.judge``) -> ``{name: reward}``, built in order."""
+def build_rewards(spec: dict, frame_stride: int = 1) -> dict:
+    """``{name: {kwargs}}`` (``reward.heldout``, ``offline.judge``) -> ``{name: reward}``, built in order.
+    ``frame_stride`` (``reward.frame_stride``): a video is scored on every n-th frame by each of them,
+    as by the trained reward (a reward that sets its own ``frame_stride`` keeps it)."""
     from flowrl.rewards import build
 
-    return {k: build(k, **(v or {})) for k, v in spec.items()}
+    return with_frame_stride({k: build(k, **(v or {})) for k, v in spec.items()}, frame_stride)
+
+
+def with_frame_stride(rewards: dict, frame_stride: int) -> dict:
+    """``rewards`` with ``frame_stride`` set on each that has none (read by ``score_images`` on videos)."""
+    for reward in rewards.values():
+        if not hasattr(reward, "frame_stride"):
+            reward.frame_stride = frame_stride
+    return rewards
 
 
 def build_policy_from_config(cfg, device):

@@ -16,6 +16,7 @@ A batch of plain strings passes both unchanged, so text-only runs are what they 
 """
 from __future__ import annotations
 
+import sys
 from typing import Sequence, Union
 
 import torch
@@ -43,13 +44,30 @@ def encode_conditions(policy, prompts: Sequence[Prompt]) -> dict[str, torch.Tens
     cond = dict(policy.encode_prompts([it.prompt for it in items]))
     take = getattr(policy, "source_conditioning", None)
     with_source = [it.has_source for it in items]
-    if take is None or not any(with_source):
+    if not any(with_source):
+        return cond
+    if take is None:
+        _notice_sources_unused(policy)
         return cond
     if not all(with_source):
         raise ValueError(f"{sum(with_source)} of {len(items)} prompts carry a source image; a policy conditioned on "
                          f"sources needs all or none of a batch's prompts with one (split the prompt set)")
     cond.update(take([it.image for it in items]))
     return cond
+
+
+_NOTICED: set[str] = set()
+
+
+def _notice_sources_unused(policy) -> None:
+    """Once per policy class: an editing prompt set on a text-to-image model is allowed (the rewards
+    still see the sources) but is most often a mix-up of recipe and prompt set, so say so."""
+    name = type(policy).__name__
+    if name not in _NOTICED:
+        _NOTICED.add(name)
+        print(f"[flowrl] the prompts carry source images but {name} is a text-to-image model: it sees only "
+              f"the instructions, the rewards see the sources (use an editing model such as "
+              f"model.pipeline=flux-kontext to edit them)", file=sys.stderr, flush=True)
 
 
 def reward_inputs(prompts: Sequence[Prompt], meta: dict) -> tuple[list[str], dict]:

@@ -205,3 +205,35 @@ def test_remote_reward_carries_the_sources(tiny_digits_dir, items):
         assert torch.equal(remote(results, texts, **meta), want)
         with pytest.raises(ValueError, match="1 of 3 rows have no image"):
             remote(results, texts, sources=[None, *meta["sources"][1:]])
+
+
+def test_text_to_image_model_with_sources_says_so_once(tiny_digits_policy, items, capsys, monkeypatch):
+    from flowrl import conditions
+
+    monkeypatch.setattr(conditions, "_NOTICED", set())
+    encode_conditions(tiny_digits_policy, items)
+    encode_conditions(tiny_digits_policy, items)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "text-to-image model" in err[0] and "flux-kontext" in err[0]
+    encode_conditions(tiny_digits_policy, ["a handwritten digit 3"])  # plain text: nothing to say
+    assert capsys.readouterr().err == ""
+
+
+def test_heldout_and_judge_rewards_take_the_frame_stride(monkeypatch):
+    import flowrl.rewards
+    from flowrl.builders import build_rewards
+    from flowrl.rollout.base import score_images
+
+    seen = []
+
+    def frame_mean(images, prompts, **meta):  # [B, 3, H, W] per call
+        seen.append(images.shape[0])
+        return images.flatten(1).mean(1)
+
+    monkeypatch.setattr(flowrl.rewards, "build", lambda name, **kw: frame_mean)
+    got = build_rewards({"frame_mean_test": {}}, frame_stride=3)["frame_mean_test"]
+    assert got.frame_stride == 3
+    video = torch.rand(2, 3, 7, 4, 4)  # [B, C, F, H, W]: frames 0, 3, 6 scored
+    total, _ = score_images(got, video, ["a", "b"])
+    assert seen == [6]  # 2 videos x frames 0, 3, 6 in one call
+    torch.testing.assert_close(total, video[:, :, ::3].mean(dim=(1, 3, 4)).mean(1))

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from ..builders import build_policy_from_config, build_reward, build_rewards
+from ..builders import build_policy_from_config, build_reward, build_rewards, with_frame_stride
 from ..data.embeddings import attach_text_cache
 from ..data.offline import GenerationSettings, add_reward_column, generate_dataset
 from ..data.offline_store import DatasetError, OfflineDataset
@@ -53,9 +53,10 @@ def generation_settings(cfg: Config) -> GenerationSettings:
 def dataset_rewards(cfg: Config) -> dict:
     """name -> reward callable for every reward stored at generation: ``reward.weights`` (with
     ``reward.options``) and, with ``offline.score_heldout``, ``reward.heldout``."""
-    out = dict(build_reward(cfg).rewards)
+    out = with_frame_stride(dict(build_reward(cfg).rewards), cfg.reward.frame_stride)
     if cfg.offline.score_heldout:
-        out.update(build_rewards({k: v for k, v in cfg.reward.heldout.items() if k not in out}))
+        out.update(build_rewards({k: v for k, v in cfg.reward.heldout.items() if k not in out},
+                                 cfg.reward.frame_stride))
     return out
 
 
@@ -192,7 +193,7 @@ class OfflineTrainer(Trainer):
         self.total_steps = cfg.offline.epochs * self.steps_per_epoch
         if cfg.offline.max_steps:
             self.total_steps = min(self.total_steps, cfg.offline.max_steps)
-        self.judge = build_rewards(cfg.offline.judge)
+        self.judge = build_rewards(cfg.offline.judge, cfg.reward.frame_stride)
         self.train_seconds = 0.0
         return list(self.ds.prompts)
 

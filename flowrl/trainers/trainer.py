@@ -133,7 +133,7 @@ class Trainer:
                                         is_main=self.acc.is_main_process, barrier=self.acc.wait_for_everyone,
                                         progress=cfg.logging.progress and self.acc.is_main_process)
         self.reward = self._given_reward if self._given_reward is not None else build_reward(cfg)
-        self.heldout = build_rewards(cfg.reward.heldout)
+        self.heldout = build_rewards(cfg.reward.heldout, cfg.reward.frame_stride)
         self._prepare_model(cfg.train.update_class.needs_reference(cfg.train))  # as the update declares
         self.start_iteration = 0  # first unit to train (an offline run's unit is an optimizer step)
         if self.resume:
