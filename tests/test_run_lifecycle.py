@@ -227,3 +227,25 @@ def test_text_caches_of_two_model_settings_live_side_by_side(tiny_digits_dir, tm
     mc = SimpleNamespace(text_embedding_cache=str(where), pipeline="digits", path=str(tiny_digits_dir),
                          guidance_scale=1.0, options={}, drop_text_encoders=False)
     assert attach_text_cache(DigitsPolicy.from_pretrained(tiny_digits_dir), mc, prompts).text_embedding_cache.directory == where
+
+
+def test_a_redirected_log_turns_off_the_diffusers_bars(capsys):
+    """stderr not a terminal (a log): diffusers' "Loading pipeline components..." bars are off."""
+    import diffusers.utils.logging as dl
+
+    dl.enable_progress_bar()
+    try:
+        assert main(["train", "--config", "nope.yaml", "--output-dir", "x"]) == 2  # the setting comes first
+        assert not dl.is_progress_bar_enabled()
+    finally:
+        dl.enable_progress_bar()
+
+
+def test_digits_on_text_prompts_warns_about_nan_rewards(tiny_digits_dir, tmp_path, capsys):
+    from flowrl.trainers.config import load_config
+    from flowrl.trainers.online import train
+
+    train(load_config(RECIPE, tiny_train_overrides(tiny_digits_dir, **{
+        "train.iterations": 1, "data.prompts": "[a photo of a cat, a red apple on a table]"})), tmp_path / "run")
+    warnings = [ln for ln in capsys.readouterr().err.splitlines() if "WARNING" in ln]
+    assert any("16 of 16 rewards are NaN/inf" in ln for ln in warnings), warnings
