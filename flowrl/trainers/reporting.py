@@ -6,9 +6,9 @@ import os
 from pathlib import Path
 from typing import Iterable, Optional
 
-from ..utils.io import save_figure, save_png, write_text
+from ..utils.io import save_figure, write_text
 
-__all__ = ["MetricsLog", "read_metrics", "plot_curves", "side_by_side"]
+__all__ = ["MetricsLog", "is_evaluation", "read_metrics", "reward_name", "plot_curves", "side_by_side"]
 
 
 def is_evaluation(record: dict) -> bool:
