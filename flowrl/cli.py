@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Optional
@@ -35,17 +36,42 @@ def _load_config(path, overrides):
     return cfg
 
 
+def resume_command(argv: list[str]) -> str:
+    """The ``flowrl train`` line that continues the run ``argv`` (the command's words after ``flowrl``)
+    started: the same words, with ``--resume``."""
+    words = list(argv) if "--resume" in argv else [*argv[:1], "--resume", *argv[1:]]
+    return shlex.join(["flowrl", *words])
+
+
 def _train(a) -> Optional[dict]:
     from flowrl.trainers.online import train
 
     if a.smoke:
         from flowrl.smoke import smoke_run
 
-        return smoke_run(a.config, a.output_dir, a.overrides, resume=a.resume)
-    cfg = _load_config(a.config, a.overrides)
-    if cfg.train.mode == "offline":
-        from flowrl.trainers.offline import train
-    return train(cfg, a.output_dir, resume=a.resume) or None  # {} on a non-main rank: nothing to print
+        summary = smoke_run(a.config, a.output_dir, a.overrides, resume=a.resume)
+    else:
+        cfg = _load_config(a.config, a.overrides)
+        if cfg.train.mode == "offline":
+            from flowrl.trainers.offline import train
+        summary = train(cfg, a.output_dir, resume=a.resume)
+    if summary and summary.get("stopped_by"):
+        print(f"[flowrl] stopped early ({summary['stopped_by']}) with a checkpoint; continue with: "
+              f"{resume_command(a.argv)}", file=sys.stderr, flush=True)
+    return summary or None  # {} on a non-main rank: nothing to print
+
+
+def _interrupted(args, argv: list[str]) -> str:
+    """The one line for Ctrl-C outside a training loop (which checkpoints itself): for ``train``, whether
+    the run directory holds a checkpoint to continue from, and the command that does."""
+    if args.command != "train":
+        return "interrupted (Ctrl-C)"
+    from flowrl.checkpoints.common import list_checkpoints
+
+    ckpts = list_checkpoints(Path(args.output_dir) / "checkpoints") if Path(args.output_dir, "checkpoints").is_dir() else []
+    if not ckpts:
+        return "interrupted (Ctrl-C) before a checkpoint was written; nothing to resume: run the same command again"
+    return f"interrupted (Ctrl-C); the newest checkpoint is {ckpts[-1]}; continue with: {resume_command(argv)}"
 
 
 def _generate_offline(a) -> dict:
@@ -332,13 +358,17 @@ def build_parser() -> argparse.ArgumentParser:
 # verbs whose handler prints its own output (flowrl plan: its table and JSON; flowrl serve-reward: its URL
 # line once it serves, which a client or a launcher script reads from stdout)
 _PRINTS_ITS_OWN = {"plan", "serve-reward"}
+# verbs that load diffusers models
+_LOADS_MODELS = {"train", "generate-offline", "rescore-offline", "pretrain-digits", "sample", "eval", "export", "bench"}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Run one ``flowrl`` command line; returns the exit code (0, 2 for a user error)."""
     parser = build_parser()
-    rest, overrides = split_overrides(parser, list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest, overrides = split_overrides(parser, argv)
     args, unknown = parser.parse_known_args(rest)
+    args.argv = argv
     if unknown:  # named by the verb's own parser (argparse would blame the top-level one)
         verb_parser(parser, rest).error(f"unrecognized arguments: {' '.join(unknown)}")
     if overrides:
@@ -346,15 +376,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     verb = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
     if not getattr(sys.stderr, "isatty", lambda: False)():  # a log: no carriage-return bars from the hub libraries
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        if args.command in _LOADS_MODELS:  # (they import diffusers anyway; the others stay quick)
+            import diffusers.utils.logging
+
+            diffusers.utils.logging.disable_progress_bar()  # "Loading pipeline components...", pipeline calls
     try:
         if args.command in _PRINTS_ITS_OWN:
             return args.fn(args)
         with contextlib.redirect_stdout(sys.stderr):  # status lines to stderr: stdout holds the result only
             result = args.fn(args)
         emit(result)
-        return 0
+        return 130 if isinstance(result, dict) and result.get("stopped_by") == "SIGINT" else 0
     except BaseException as e:  # noqa: B036 (KeyboardInterrupt is a user action too)
         message = user_message(e) if not isinstance(e, SystemExit) else None
+        if isinstance(e, KeyboardInterrupt):
+            message = _interrupted(args, argv)
         if message is None:
             raise
         print(f"flowrl {verb}: error: {message}", file=sys.stderr, flush=True)

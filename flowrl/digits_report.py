@@ -24,11 +24,12 @@ from .utils.images import image_grid
 from .utils.io import save_png, write_json
 
 REPORT_JSON = "report.json"
+PER_DIGIT, NUM_STEPS = 16, 20  # the report's samples per digit and ODE steps
 
 
 @torch.no_grad()
-def sample_grid_report(path: str | os.PathLike, grid_png: str | os.PathLike, per_digit: int = 16,
-                       num_steps: int = 20, guidances: tuple[float, ...] = (1.0, 3.0)) -> dict:
+def sample_grid_report(path: str | os.PathLike, grid_png: str | os.PathLike, per_digit: int = PER_DIGIT,
+                       num_steps: int = NUM_STEPS, guidances: tuple[float, ...] = (1.0, 3.0)) -> dict:
     """Sample every digit at each guidance scale (ODE, fixed seeds), save one grid PNG (a block
     per guidance, a row per digit) and return the digit classifier's accuracy and mean reward."""
     reward = DigitsReward()
@@ -45,6 +46,7 @@ def sample_grid_report(path: str | os.PathLike, grid_png: str | os.PathLike, per
         blocks.append(np.full((blocks[-1].shape[0], 12, 3), 255, np.uint8))  # white gap between blocks
     save_png(np.concatenate(blocks[:-1], axis=1), Path(grid_png))
     report["grid"] = str(grid_png)
+    report["samples"], report["ode_steps"] = len(prompts), num_steps
     return report
 
 
@@ -63,3 +65,20 @@ def cached_report(model_dir: str | os.PathLike, force: bool = False) -> dict:
     report = sample_grid_report(d, d / "samples.png")
     write_json({"pretrain": trained, "report": report}, cache)
     return report
+
+
+def readme_table(record: dict) -> str:
+    """The README's table of a digits base (``record``: the contents of its ``report.json``), with the
+    comment that names the pretraining run the figures come from (its ``final_loss``)."""
+    report = record["report"]
+    pretrain = json.loads(record["pretrain"]) if record.get("pretrain") else {}
+    steps = pretrain.get("steps_done", "?")
+    n, ode = report.get("samples", 10 * PER_DIGIT), report.get("ode_steps", NUM_STEPS)  # (older reports: defaults)
+    rows = [f"<!-- from report.json of the digits base with pretrain.json final_loss "
+            f"{pretrain.get('final_loss', float('nan')):.6f} (flowrl.digits_report.readme_table) -->",
+            f"| base model ({steps} steps), {ode}-step ODE, {n} samples | classifier accuracy | `digits` reward |",
+            "| --- | --- | --- |"]
+    for key, r in report.items():
+        if key.startswith("guidance_"):
+            rows.append(f"| guidance {float(key[len('guidance_'):]):.1f} | {r['accuracy']:.3f} | {r['reward']:.3f} |")
+    return "\n".join(rows)

@@ -18,37 +18,26 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from flowrl.sde import ode_step
+from flowrl.smoke import DEFAULT_PROMPTS, MODEL_OPTIONS, SAMPLERS, SMOKE_PIXELS, TRAIN
 
 ROOT = Path(__file__).resolve().parents[1]
-IMAGE = 32  # pixels: 16 x 4 x 4 latents
-PROMPTS = ["a photo of a cat", "a red apple on a table"]
+IMAGE = SMOKE_PIXELS  # pixels: 16 x 4 x 4 latents
+PROMPTS = list(DEFAULT_PROMPTS)
 
-# recipe sampler options -> overrides that make the sampler tiny (same sampler, same step type)
-SHRINK = {
-    "group": {"sampler.group_size": 2, "sampler.num_steps": 2, "train.batch_size": 4},
-    "branch": {"sampler.num_steps": 3, "sampler.split_steps": "[0, 1]", "sampler.window": 2, "train.batch_size": 4},
-    "tempflow": {"sampler.num_steps": 3, "sampler.branch_steps": "[0, 1]", "sampler.branches": 2,
-                 "sampler.seeds_per_prompt": 1, "train.batch_size": 4},
-    # int8 exploration: the CPU stand-in for the recipes' nvfp4 (CUDA)
-    "sol": {"sampler.pool_size": 4, "sampler.preview_steps": 2, "sampler.keep": 2, "sampler.regen_options": "{num_steps: 2}",
-            "sampler.explore_backend": "int8-dynamic", "train.batch_size": 4},
-}
+# which of flowrl.smoke's model-option shrinks every tiny pipeline takes (the smoke run applies only the
+# keys a recipe sets; these helpers do not see the recipe)
+TINY_MODEL_OPTIONS = ("resolution", "max_sequence_length", "dtype", "gradient_checkpointing")
 
 
 def tiny_overrides(path, sampler: str, **extra) -> list[str]:
-    """Overrides that run a GPU recipe in seconds on a tiny CPU model at ``path``."""
-    base = {"model.path": str(path), "model.device": "cpu", "model.options.resolution": IMAGE,
-            "model.options.max_sequence_length": 8, "model.options.dtype": "float32",
-            "model.options.gradient_checkpointing": "false", "sampler.max_batch": "null",
-            "train.iterations": 2, "train.lr": 1e-2, "train.mixed_precision": "'no'", "train.minibatch_size": 64,
-            "train.grad_accum": 1, "train.checkpoint_every": 1, "train.ema_every": 1,
-            "reward.weights": "{jpeg_compressibility: 1.0}", "reward.options": "{}", "reward.heldout": "{}",
-            "data.prompts": "[a photo of a cat, a red apple on a table]", "data.eval_prompts": "[a photo of a cat]",
-            "data.eval_seeds_per_prompt": 2, "logging.trackers": "[]", "logging.progress": "false",
-            "logging.eval_every": 100, "logging.image_every": 100, **SHRINK[sampler]}
-    if sampler == "sol":  # the Sol sampler chunks its exploration with explore_batch
-        del base["sampler.max_batch"]
-        base["sampler.explore_batch"] = "null"
+    """Overrides that run a GPU recipe in seconds on a tiny CPU model at ``path``: the shrink tables of
+    ``flowrl train --smoke`` (:mod:`flowrl.smoke`, the one source of truth), plus what these tests need
+    beyond one smoke iteration: two iterations (the second changes the LoRA again), a large lr, quiet."""
+    base = {"model.path": str(path), "model.device": "cpu",
+            **{f"model.options.{k}": MODEL_OPTIONS[k] for k in TINY_MODEL_OPTIONS},
+            **{f"sampler.{k}": v for k, v in SAMPLERS[sampler]({}).items()}, **TRAIN,
+            "data.prompts": f"[{', '.join(DEFAULT_PROMPTS)}]", "data.eval_prompts": f"[{DEFAULT_PROMPTS[0]}]",
+            "train.iterations": 2, "train.lr": 1e-2, "logging.progress": "false"}
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 

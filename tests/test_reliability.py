@@ -135,7 +135,12 @@ def test_sigterm_checkpoints_and_exits_zero(tiny_digits_dir, tmp_path):
     assert "SIGTERM" in err
     ck = list_checkpoints(run / "checkpoints")
     assert len(ck) == 1 and 1 <= int(ck[0].name.split("_")[1]) < 50  # written at the stop, not at the end
-    assert json.loads((run / "summary.json").read_text())["stopped_early"] is True
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stopped_early"] is True and summary["stopped_by"] == "SIGTERM"
+    # "after" is an evaluation after training, named by its iteration, never iteration 0's again
+    assert summary.get("eval_after_iteration", 1) > 0 and summary["eval_before_iteration"] == 0
+    assert ("eval_reward_after" in summary) == (run / "before_after.png").exists() == ("eval_after_iteration" in summary)
+    assert "continue with: flowrl train --resume --config recipes/digits.yaml" in err
 
 
 def test_corrupt_newest_checkpoint_falls_back(tiny_digits_dir, tmp_path):

@@ -245,6 +245,17 @@ class TextEmbeddingCache:
         return cls.build(policy, prompts, fingerprint, directory, progress=progress)
 
 
+def cache_directory(where: str | Path, fingerprint: str) -> Path:
+    """Where the cache of the model setting ``fingerprint`` lives under ``model.text_embedding_cache``:
+    the directory itself when it is new or holds that setting's cache, else its sub-directory named by
+    the fingerprint, so the caches of different settings (a test on a tiny model, the real model) sit
+    side by side instead of refusing each other."""
+    d = Path(where)
+    if not (d / INDEX).is_file() or json.loads((d / INDEX).read_text()).get("fingerprint") == fingerprint:
+        return d
+    return d / fingerprint
+
+
 def drop_text_encoders(policy) -> int:
     """Remove the text encoders from ``policy`` (and its diffusers ``pipe``) to free their memory;
     returns the number of parameters freed."""
@@ -312,7 +323,8 @@ def attach_text_cache(policy, model_cfg, prompts: list[str], is_main: bool = Tru
     """Apply ``model.text_embedding_cache`` / ``model.drop_text_encoders`` to a freshly loaded policy.
 
     ``"memory"``: every process encodes ``prompts`` once into RAM. A directory: the main process
-    builds (or extends) it, the others wait at ``barrier`` and then read it. Returns the policy to
+    builds (or extends) the model setting's cache there (:func:`cache_directory`), the others wait at
+    ``barrier`` and then read it. Returns the policy to
     use: a :class:`CachedTextPolicy` around ``policy`` (its ``text_embedding_cache`` is the cache),
     or ``policy`` itself when no cache is configured.
     """
@@ -325,6 +337,7 @@ def attach_text_cache(policy, model_cfg, prompts: list[str], is_main: bool = Tru
     if where == "memory":
         cache = TextEmbeddingCache.build(policy, prompts, fp, progress=progress)
     else:
+        where = cache_directory(where, fp)
         cache = TextEmbeddingCache.open_or_build(policy, prompts, where, fp, progress=progress) if is_main else None
         if barrier is not None:
             barrier()

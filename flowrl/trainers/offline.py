@@ -156,6 +156,7 @@ class OfflineTrainer(Trainer):
     unit = "step"
     stop_causes = "train.loss_options.beta too large, "
     progress_desc = "flowrl gdro"
+    extend_hint = "raise offline.max_steps (or offline.epochs)"
 
     def __init__(self, config: Config, output_dir: str | os.PathLike, resume: bool = False, *, policy=None,
                  reward=None):

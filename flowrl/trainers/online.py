@@ -14,6 +14,7 @@ of an epoch may be shorter). A minibatch's loss is divided by the number of mini
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -43,6 +44,10 @@ class IterationResult:
     rollout: Rollout
 
 
+NONFINITE_WARN = 0.25  # warn when more than this fraction of an iteration's rewards is NaN/inf
+ZERO_VARIANCE_WARN = 0.5  # warn when more than this fraction of its groups has zero reward variance
+
+
 class OnlineTrainer(Trainer):
     """``OnlineTrainer(config, output_dir, resume=False, *, policy=None, reward=None, sampler=None).train()``
     -> summary dict.
@@ -62,6 +67,7 @@ class OnlineTrainer(Trainer):
                  reward=None, sampler=None):
         super().__init__(config, output_dir, resume, policy=policy, reward=reward)
         self._given_sampler = sampler
+        self._warned: set[str] = set()  # reward-health warnings given (each once per run)
 
     # ---------------------------------------------------------------- the data
     def _setup_data(self) -> list[str]:
@@ -158,7 +164,29 @@ class OnlineTrainer(Trainer):
         met.update({k: v for k, v in rollout.stats.items() if "/" in k and isinstance(v, (int, float))})  # sampler stats
         met.update(upd)
         self.sched.step()
+        self._warn_reward_health(met)
         return IterationResult(met, rollout)
+
+    def _warn_reward_health(self, met: dict) -> None:
+        """Once per run each, on stderr: many non-finite rewards, or most groups without reward variance
+        (both leave samples that train nothing)."""
+        if not self.acc.is_main_process:
+            return
+        it, names = met["iteration"], ", ".join(self.cfg.reward.weights)
+        bad, n = met["nonfinite_rewards"], max(1, met["samples_gathered"])
+        if bad > NONFINITE_WARN * n and "nonfinite" not in self._warned:
+            self._warned.add("nonfinite")
+            print(f"[flowrl] WARNING: iteration {it}: {bad} of {n} rewards are NaN/inf: reward {names} cannot score "
+                  f"those samples (e.g. prompts it does not understand: the digits reward scores only 'a handwritten "
+                  f"digit N'), and they train nothing; choose data.prompts that suit reward.weights (warned once)",
+                  file=sys.stderr, flush=True)
+        zero = met["zero_var_fraction"]
+        if zero > ZERO_VARIANCE_WARN and "zero_var" not in self._warned:
+            self._warned.add("zero_var")
+            print(f"[flowrl] WARNING: iteration {it}: {zero:.0%} of the groups have one reward for all their samples "
+                  f"(zero variance): their advantages are 0 and they train nothing; check that reward {names} "
+                  f"tells the samples of a prompt apart (NaN rewards count too), or raise sampler.group_size "
+                  f"(warned once)", file=sys.stderr, flush=True)
 
 
 def train(config: Config, output_dir: str | os.PathLike, resume: bool = False) -> dict:

@@ -6,20 +6,29 @@ import os
 from pathlib import Path
 from typing import Iterable, Optional
 
-from ..utils.io import save_figure, save_png, write_text
+from ..utils.io import save_figure, write_text
 
-__all__ = ["MetricsLog", "read_metrics", "plot_curves", "side_by_side"]
+__all__ = ["MetricsLog", "is_evaluation", "read_metrics", "reward_name", "plot_curves", "side_by_side"]
+
+
+def is_evaluation(record: dict) -> bool:
+    """Whether a metrics record is an evaluation's (its keys ``eval/...``) rather than a unit's."""
+    return any(k.startswith("eval/") for k in record)
 
 
 class MetricsLog:
-    """Append-only ``metrics.jsonl``; on resume, lines from the redone iterations are dropped."""
+    """Append-only ``metrics.jsonl``; on resume from checkpoint ``resume_from``, the lines of the units
+    redone are dropped: units ``>= resume_from`` and evaluations after it (the evaluation at
+    ``resume_from`` itself came before its checkpoint and stays)."""
 
     def __init__(self, path: Path, resume_from: Optional[int] = None):
         self.path = path
         if resume_from is not None and path.exists():
-            keep = [ln for ln in path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("iteration", -1) < resume_from]
-            write_text(path, "".join(k + "\n" for k in keep))
+            recs = [(ln, json.loads(ln)) for ln in path.read_text().splitlines() if ln.strip()]
+            keep = [ln for ln, r in recs if r.get("iteration", -1) < resume_from
+                    or (r.get("iteration") == resume_from and is_evaluation(r))]
+            if len(keep) < len(recs):
+                write_text(path, "".join(k + "\n" for k in keep))
 
     def write(self, record: dict) -> None:
         with open(self.path, "a") as f:
@@ -37,12 +46,21 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
 
 
+def reward_name(weights: dict) -> str:
+    """The trained reward in words: ``digits``, or ``0.7 x pickscore + 0.3 x ocr`` for a weighted sum."""
+    if len(weights) == 1 and float(next(iter(weights.values()))) == 1.0:
+        return str(next(iter(weights)))
+    return " + ".join(f"{float(w):g} x {n}" for n, w in weights.items())
+
+
 def plot_curves(records: Iterable[dict], path: Path, title: str = "") -> None:
-    """Reward (train and eval) and the hacking watch (diversity, high-frequency energy vs real data)."""
+    """Reward (train and eval; ``title`` names it) and the hacking watch (diversity, high-frequency
+    energy vs real data), against whole iterations."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     recs = list(records)
     train = [r for r in recs if "reward_mean" in r]
@@ -66,17 +84,29 @@ def plot_curves(records: Iterable[dict], path: Path, title: str = "") -> None:
             real = next((r[key.replace("eval/", "real/")] for r in recs if key.replace("eval/", "real/") in r), None)
             if real is not None:
                 ax.axhline(real, color="k", ls="--", label="real data")
-        ax.set_xlabel("iteration"), ax.set_title(name), ax.legend(fontsize=8)
+            ax.legend(fontsize=8)
+        ax.set_xlabel("iteration"), ax.set_title(name)
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # iterations are whole numbers
     save_figure(fig, path)
 
 
-def side_by_side(before: Path, after: Path, out: Path) -> None:
-    """Two PNGs next to each other (white gap) -> ``out``."""
+def side_by_side(before: Path, after: Path, out: Path, titles: tuple[str, str] = ("before", "after")) -> None:
+    """Two PNGs next to each other, each under its title (e.g. ``before (iteration 0)``) -> ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     import numpy as np
     from PIL import Image
 
     a, b = np.asarray(Image.open(before).convert("RGB")), np.asarray(Image.open(after).convert("RGB"))
-    h = max(a.shape[0], b.shape[0])
-    pad = lambda x: np.pad(x, ((0, h - x.shape[0]), (0, 0), (0, 0)), constant_values=255)  # noqa: E731
-    gap = np.full((h, 12, 3), 255, np.uint8)
-    save_png(np.concatenate([pad(a), gap, pad(b)], axis=1), out)
+    h, w = max(a.shape[0], b.shape[0]), a.shape[1] + b.shape[1]
+    dpi = 100
+    fig, axes = plt.subplots(1, 2, figsize=(max(4.0, w / dpi + 0.4), max(1.5, h / dpi + 0.5)), dpi=dpi,
+                             gridspec_kw={"width_ratios": [a.shape[1], b.shape[1]]})
+    for ax, img, title in zip(axes, (a, b), titles):
+        ax.imshow(img, interpolation="nearest")
+        ax.set_title(title, fontsize=10)
+        ax.axis("off")
+    save_figure(fig, out, dpi=dpi)

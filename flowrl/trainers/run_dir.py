@@ -16,8 +16,11 @@ from typing import Optional
 from ..errors import ConfigError
 from ..utils.io import write_json, write_text
 from .config import Config, dump_config, load_run_config
-from .reporting import MetricsLog, plot_curves, read_metrics, side_by_side
+from .reporting import MetricsLog, plot_curves, read_metrics, reward_name, side_by_side
 
+# what a run directory holds (anything else in an --output-dir without config.yaml is someone else's)
+RUN_FILES = {"config.yaml", "metrics.jsonl", "checkpoints", "samples", "reward_curve.png", "before_after.png",
+             "summary.json", "logs"}
 # option dicts compared whole by the resume check (their keys are not config keys)
 WHOLE = ("options", "weights", "heldout", "advantage_options", "loss_options")
 
@@ -72,7 +75,14 @@ class RunDirectory:
         """A new run needs a directory without ``config.yaml``; ``--resume`` needs the same config except
         keys in ``resume_free``. Errors name what differs and how to go on."""
         saved = self.path / "config.yaml"
+        if self.path.exists() and not self.path.is_dir():
+            raise ConfigError(f"--output-dir {self.path} is a file, not a directory; choose a new or empty directory")
         if not saved.exists():
+            foreign = sorted(p.name for p in self.path.iterdir() if p.name not in RUN_FILES) if self.path.is_dir() else []
+            if foreign:
+                shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+                raise ConfigError(f"--output-dir {self.path} holds files that are not a flowrl run ({shown}); a run "
+                                  f"writes checkpoints, samples and plots there: choose a new or empty directory")
             return
         if not self.resume:
             raise ConfigError(f"output dir {self.path} already holds a run (config.yaml). Pass --resume to "
@@ -110,22 +120,34 @@ class RunDirectory:
                          step=record["iteration"])
 
     def report(self, title: str) -> dict:
-        """``reward_curve.png``, ``before_after.png`` and the summary fields every run shares (first vs
-        last evaluation, real-data values). Main process."""
+        """``reward_curve.png``, ``before_after.png`` and the summary fields every run shares: the first
+        evaluation ("before", ``eval_before_iteration``) against the last one after it ("after",
+        ``eval_after_iteration``; no "after" fields and no ``before_after.png`` when no evaluation followed
+        training), and the real-data values. Main process."""
         recs = read_metrics(self.path / "metrics.jsonl")
-        plot_curves(recs, self.path / "reward_curve.png", title=title)
+        plot_curves(recs, self.path / "reward_curve.png",
+                    title=f"{title}: reward {reward_name(self.cfg.reward.weights)}")
         evals = sorted((r for r in recs if "eval/reward" in r), key=lambda r: r["iteration"])
-        first, final = (evals[0], evals[-1]) if evals else ({}, {})
-        before = self.samples / "eval_000000.png"
-        after = self.samples / f"eval_{final.get('iteration', 0):06d}.png"
-        if before.exists() and after.exists():
-            side_by_side(before, after, self.path / "before_after.png")
-        real = next((r for r in recs if "real/reward" in r), {})
+        first = evals[0] if evals else {}
+        final = evals[-1] if evals and evals[-1]["iteration"] > first["iteration"] else {}
         out = {}
+        if first:
+            out["eval_before_iteration"] = first["iteration"]
+        if final:
+            out["eval_after_iteration"] = final["iteration"]
+            before = self.samples / f"eval_{first['iteration']:06d}.png"
+            after = self.samples / f"eval_{final['iteration']:06d}.png"
+            if before.exists() and after.exists():
+                side_by_side(before, after, self.path / "before_after.png",
+                             titles=(f"before (iteration {first['iteration']})",
+                                     f"after (iteration {final['iteration']})"))
+        real = next((r for r in recs if "real/reward" in r), {})
         for key, name in (("eval/reward", "eval_reward"), ("eval/diversity", "diversity"), ("eval/hf_energy", "hf_energy"),
                           ("eval/reward_corrected", "eval_reward_corrected")):
-            if key in final or key in first:
-                out[f"{name}_before"], out[f"{name}_after"] = first.get(key), final.get(key)
+            if key in first:
+                out[f"{name}_before"] = first[key]
+            if key in final:
+                out[f"{name}_after"] = final[key]
         out.update({k: v for k, v in real.items() if k.startswith("real/")})
         return out
 

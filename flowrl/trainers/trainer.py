@@ -3,7 +3,9 @@
 :class:`Trainer` sets up a run (accelerator and distribution strategy, policy, rewards, the trained
 parameters, reference, optimizer and EMA, resume) and runs it: evaluation before the first unit,
 then per unit (an online iteration, an offline optimizer step) the subclass's :meth:`run_unit`,
-metrics, image grids, evaluation, checkpoints and SIGTERM handling; then the report and summary.
+metrics, image grids, evaluation, checkpoints and SIGTERM / Ctrl-C handling; then the report and
+summary. ``--resume`` of a finished run (its last checkpoint at ``total_units()`` and its summary
+written) changes nothing and returns the summary it has.
 :class:`~flowrl.trainers.online.OnlineTrainer` feeds rollouts of a sampler to the update,
 :class:`~flowrl.trainers.offline.OfflineTrainer` steps of a dataset. Everything that differs between
 DDP and FSDP2 is the strategy object's (:mod:`flowrl.distributed.strategy`); the run directory and
@@ -11,7 +13,8 @@ the resume check are :class:`~flowrl.trainers.run_dir.RunDirectory`'s; optimizer
 non-finite guard are :class:`~flowrl.trainers.steps.OptimizerSteps`'.
 
 A subclass sets ``RESUME_FREE`` (keys a resume may change), ``unit`` (what a checkpoint counts),
-``stop_causes`` (likely causes of non-finite steps) and ``progress_desc``, and implements the hooks
+``stop_causes`` (likely causes of non-finite steps), ``progress_desc`` and ``extend_hint`` (how to train
+a finished run further), and implements the hooks
 in the "hooks" section.
 """
 from __future__ import annotations
@@ -54,6 +57,7 @@ class Trainer:
     unit = "iteration"
     stop_causes = ""
     progress_desc = "flowrl train"
+    extend_hint = "raise train.iterations"
     updates: Registry = UPDATES  # where train.loss names its update class
 
     def __init__(self, config: Config, output_dir: str | os.PathLike, resume: bool = False, *, policy=None,
@@ -63,6 +67,9 @@ class Trainer:
         self.run_dir, self.resume = self.run.path, resume
         self._given_policy, self._given_reward = policy, reward
         self._stop_requested = False
+        self.stopped_by: Optional[str] = None  # the signal that stopped the run early (SIGTERM, SIGINT)
+        self.finished = False  # set up a resume of a run that is already complete (nothing to do)
+        self._old_handlers: dict = {}
         self._updates: dict[str, Update] = {}  # update name -> its object (made on first use)
         self._update_state: dict = {}  # a resumed checkpoint's extra tensors, for the update
 
@@ -142,7 +149,21 @@ class Trainer:
                 self.start_iteration = int(ck["state"]["iteration"])
                 self._update_state = dict(ck["extra"])  # e.g. DiffusionNFT's old policy, handed to the update
                 self.restore_state(ck)
-        self.run.claim(self.acc, self.start_iteration)
+                self._note_world_size(ck["state"].get("num_processes"))
+        self.finished = (self.resume and self.start_iteration >= self.total_units()
+                         and (self.run.path / "summary.json").is_file())
+        if not self.finished:  # a finished run's directory is left exactly as it is
+            self.run.claim(self.acc, self.start_iteration)
+
+    def _note_world_size(self, saved: Optional[int]) -> None:
+        """One line when a run resumes on another number of processes than its checkpoint was written by:
+        the data of a unit is per process, so the global batch of a unit changes."""
+        now = self.acc.num_processes
+        if saved is not None and int(saved) != now and self.acc.is_main_process:
+            print(f"[flowrl] note: this run's checkpoint was written by {saved} process(es) and resumes on {now}: "
+                  f"train.batch_size (prompts and samples per {self.unit}) is per process, so each {self.unit} now "
+                  f"trains on {now}/{saved} of the run's global batch so far; launch {saved} processes to keep it",
+                  file=sys.stderr, flush=True)
 
     def _make_accelerator(self) -> torch.device:
         """``self.acc`` and ``self.strategy``; returns the device the model goes to."""
@@ -220,7 +241,8 @@ class Trainer:
         upd = self._updates.get(self.cfg.train.loss)
         self.strategy.save(self.run.checkpoints, done, model=self.model, unwrapped=self.unwrapped, optimizer=self.opt,
                            scheduler=self.sched, ema=self.ema.shadow if self.ema else None,
-                           state={**self.steps.state_dict(), **self.checkpoint_state()},
+                           state={**self.steps.state_dict(), **self.checkpoint_state(),
+                                  "num_processes": self.acc.num_processes},
                            extra=(upd.state_dict() if upd is not None else None) or None,
                            keep=self.cfg.train.keep_checkpoints)
 
@@ -299,15 +321,25 @@ class Trainer:
     def train(self) -> dict:
         """Run (set up if not yet done) to ``total_units()``; returns the summary (main process; ``{}`` on
         the others), also written to ``summary.json``."""
-        from tqdm.auto import tqdm
+        if not hasattr(self, "acc"):
+            self.setup()
+        if self.finished:
+            return self._already_finished()
+        try:
+            self._catch_signals()
+            return self._train()
+        finally:
+            self._release_signals()
 
-        self._begin()
+    def _train(self) -> dict:
+        from ..utils.progress import progress
+
         cfg, lg = self.cfg, self.cfg.logging
         n = self.total_units()
         if self.start_iteration == 0 and self.strategy.evaluates_here:
             self._evaluate_and_log(0, first=True)
-        bar = tqdm(range(self.start_iteration, n), initial=self.start_iteration, total=n, desc=self.progress_desc,
-                   disable=not (lg.progress and self.acc.is_main_process), dynamic_ncols=True)
+        bar = progress(range(self.start_iteration, n), initial=self.start_iteration, total=n, desc=self.progress_desc,
+                       unit=self.unit, disable=not (lg.progress and self.acc.is_main_process), dynamic_ncols=True)
         last = self.start_iteration
         for i in bar:
             met, images = self.run_unit(i)
@@ -330,26 +362,51 @@ class Trainer:
         self._shutdown()
         return summary
 
-    def _begin(self) -> None:
-        """Set up if not yet done; SIGTERM then finishes the current unit, checkpoints and exits."""
-        if not hasattr(self, "acc"):
-            self.setup()
-        try:
-            signal.signal(signal.SIGTERM, self._on_sigterm)
-        except ValueError:  # not the main thread: the caller handles signals
-            pass
+    def _already_finished(self) -> dict:
+        """``--resume`` of a finished run: say so, touch nothing, return the summary it has."""
+        import json
 
-    def _on_sigterm(self, signum, frame) -> None:  # noqa: ARG002
-        self._stop_requested = True
+        n = self.total_units()
+        summary = {}
         if self.acc.is_main_process:
-            print(f"[flowrl] SIGTERM: finishing this {self.unit}, writing a checkpoint, then exiting",
+            print(f"[flowrl] the run in {self.run.path} is finished ({self.unit} {self.start_iteration} of {n}): "
+                  f"nothing to train and nothing changed; to train it further, {self.extend_hint} with --resume",
                   file=sys.stderr, flush=True)
+            summary = json.loads((self.run.path / "summary.json").read_text())
+        self.close()
+        self._shutdown()
+        return summary
+
+    def _catch_signals(self) -> None:
+        """SIGTERM and Ctrl-C (SIGINT) finish the current unit, checkpoint and end the run early (a second
+        Ctrl-C stops at once); the previous handlers come back when training returns."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread: the caller handles signals
+                return
+
+    def _release_signals(self) -> None:
+        while self._old_handlers:
+            sig, handler = self._old_handlers.popitem()
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
+        name = signal.Signals(signum).name
+        if self._stop_requested and signum == signal.SIGINT:  # Ctrl-C twice: stop now, without a checkpoint
+            raise KeyboardInterrupt
+        self._stop_requested, self.stopped_by = True, self.stopped_by or name
+        if self.acc.is_main_process:
+            again = " (Ctrl-C again stops at once, without it)" if signum == signal.SIGINT else ""
+            print(f"[flowrl] {'Ctrl-C' if signum == signal.SIGINT else name}: finishing this {self.unit}, writing a "
+                  f"checkpoint, then exiting{again}", file=sys.stderr, flush=True)
 
     def _finish(self, last: int, in_sync: bool) -> dict:
         """Main process: the report (``reward_curve.png``, ``before_after.png``) and ``summary.json``."""
         if not self.acc.is_main_process:
             return {}
         summary = {**self.summary_fields(last), "stopped_early": self._stop_requested,
+                   **({"stopped_by": self.stopped_by} if self.stopped_by else {}),
                    **self.run.report(self.report_title()), "skipped_steps": self.steps.skipped,
                    "num_processes": self.acc.num_processes, "run_dir": str(self.run.path), "ranks_in_sync": in_sync}
         self.run.write_summary(summary)
