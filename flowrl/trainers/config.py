@@ -416,7 +416,8 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[lis
             d = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"recipe {path} is not valid YAML: {e}") from None
-    recipe_loss = (d.get("train") or {}).get("loss") if isinstance(d.get("train"), dict) else None
+    recipe_train = d.get("train") if isinstance(d.get("train"), dict) else {}
+    recipe_loss = recipe_train.get("loss") or DEFAULT_LOSS.get(recipe_train.get("mode", "online"))  # before overrides
     d = _fix_floats(apply_overrides(d, overrides or []))
     keep_loss_options_of_new_loss(d, recipe_loss, overrides or [])
     return Config.from_dict(d)

@@ -133,12 +133,13 @@ def resolve_recipe(path: Union[str, Path]) -> Path:
 
 
 def keep_loss_options_of_new_loss(d: dict, recipe_loss: Optional[str], overrides: list[str]) -> None:
-    """``train.loss=X`` on the command line over a recipe of another loss, with no ``train.loss_options``
+    """``train.loss=X`` on the command line over a recipe of another loss (``recipe_loss``: the recipe's
+    own, or its mode's default), with no ``train.loss_options``
     given there: the recipe's loss options that X does not take are dropped, with a notice on stderr (so
     ``--config digits train.loss=dpo`` runs, and ``grpo`` -> ``grpo_guard`` keeps the shared clip range)."""
     import sys
 
-    from ..updates import DEFAULT_LOSS, UPDATES
+    from ..updates import UPDATES
 
     train = d.get("train")
     if not isinstance(train, dict) or not any(o.split("=", 1)[0] == "train.loss" for o in overrides):
@@ -146,7 +147,6 @@ def keep_loss_options_of_new_loss(d: dict, recipe_loss: Optional[str], overrides
     if any(o.split("=", 1)[0].startswith("train.loss_options") for o in overrides):
         return
     loss, options = train.get("loss"), train.get("loss_options")
-    recipe_loss = recipe_loss or DEFAULT_LOSS.get(train.get("mode", "online"))
     if loss == recipe_loss or not isinstance(options, dict) or not options or loss not in UPDATES.entries:
         return
     valid = {f.name for f in dataclasses.fields(UPDATES.get(loss).Options)}
