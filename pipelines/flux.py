@@ -66,7 +66,25 @@ def latent_image_ids(h: int, w: int, device=None, dtype=torch.float32) -> torch.
     return ids.reshape(-1, 3).to(dtype=dtype)  # [(h/2)(w/2), 3]
 
 
-class FluxPolicy(DiffusersPolicy):
+class PackedLatents:
+    """Declarations of a model whose transformer sees its latents as 2x2 patches packed into tokens
+    (FLUX, FLUX.1 Kontext, Qwen-Image): the latents are declared unpacked, ``[B, in_channels / 4, h, w]``."""
+
+    @classmethod
+    def latent_channels(cls, transformer: dict) -> int:
+        """Unpacked latent channels: the transformer sees 2x2 patches of them (``in_channels / 4``)."""
+        return int(transformer["in_channels"]) // 4
+
+    @classmethod
+    def patch_size(cls, transformer: dict) -> int:
+        return 2  # the 2x2 packing
+
+    @classmethod
+    def default_resolution(cls, configs: ModelConfigs) -> int:
+        return 128 * cls.vae_factor(configs)  # the pipelines' default: 1024 px at a VAE factor of 8
+
+
+class FluxPolicy(PackedLatents, DiffusersPolicy):
     """``FlowPolicy`` for FLUX.1 (see module doc).
 
     Args:
@@ -130,19 +148,6 @@ class FluxPolicy(DiffusersPolicy):
         self.image_seq_len = (h // 2) * (w // 2)  # packed tokens per image
 
     # --- declarations ----------------------------------------------------------------------
-    @classmethod
-    def latent_channels(cls, transformer: dict) -> int:
-        """Unpacked latent channels: the transformer sees 2x2 patches of them (``in_channels / 4``)."""
-        return int(transformer["in_channels"]) // 4
-
-    @classmethod
-    def patch_size(cls, transformer: dict) -> int:
-        return 2  # the 2x2 packing
-
-    @classmethod
-    def default_resolution(cls, configs: ModelConfigs) -> int:
-        return 128 * cls.vae_factor(configs)  # the pipeline's default (1024 px): FLUX's configs name none
-
     @classmethod
     def cfg_rows(cls, guidance_scale: float, options: dict) -> int:
         """Embedded guidance is one pass; ``true_cfg_scale > 1`` doubles the batch."""

@@ -39,7 +39,7 @@ from flowrl.schedules import flow_sigmas, flux_mu
 from .base import IMAGE_SIZE, DiffusersPolicy
 from .common import Resolution, cfg_combine, cfg_halves, resolve_resolution
 from .facts import Component, ModelConfigs
-from .flux import pack_latents, unpack_latents
+from .flux import PackedLatents, pack_latents, unpack_latents
 from .wan import WAN21_VAE, video_vae_decode
 
 # Published configs of Qwen/Qwen-Image (its */config.json; flowrl plan and bench precision build the models from them
@@ -142,7 +142,7 @@ def live_lora_targets(num_blocks: int, targets) -> list[str]:
     return out
 
 
-class QwenImagePolicy(DiffusersPolicy):
+class QwenImagePolicy(PackedLatents, DiffusersPolicy):
     """``FlowPolicy`` for Qwen-Image (see module doc).
 
     Args:
@@ -208,19 +208,6 @@ class QwenImagePolicy(DiffusersPolicy):
     def vae_factor(cls, configs: ModelConfigs) -> int:
         """The causal video VAE: 2 per downsampling stage (one ``temperal_downsample`` entry each: 8)."""
         return 2 ** len(configs.vae.config["temperal_downsample"])
-
-    @classmethod
-    def latent_channels(cls, transformer: dict) -> int:
-        """Unpacked latent channels: the transformer sees 2x2 patches of them (``in_channels / 4``)."""
-        return int(transformer["in_channels"]) // 4
-
-    @classmethod
-    def patch_size(cls, transformer: dict) -> int:
-        return 2  # the 2x2 packing
-
-    @classmethod
-    def default_resolution(cls, configs: ModelConfigs) -> int:
-        return 128 * cls.vae_factor(configs)  # the pipeline's default_sample_size x 8 = 1024 px
 
     @classmethod
     def vae_latents(cls, latents: torch.Tensor) -> torch.Tensor:
