@@ -11,6 +11,7 @@ targets, sharding) and :func:`smoke_overrides` shrinks everything else:
 - training: 1 iteration of 4 samples, one pass, a checkpoint; evaluation on one prompt;
 - reward: ``jpeg_compressibility`` (no download; the recipe's reward models need their weights);
   an editing model (:data:`DATA`) edits the shipped ``digits-edit-sample`` set, rewarded by ``digits_edit``;
+  a prompt set or reward given on the command line (``data.*``, ``reward.*``) is kept instead;
 - offline GDRO recipes (``train.mode: offline``): a dataset of 2 groups x 2 images is generated first.
 
 Files besides the run (the dataset, a text-embedding cache) go to a temporary directory removed at
@@ -38,6 +39,9 @@ TRAIN = {"train.iterations": 1, "train.batch_size": 4, "train.minibatch_size": 6
 EDITING = {"data.prompts": "digits-edit-sample", "data.eval_prompts": "digits-edit-sample",
            "reward.weights": "{digits_edit: 1.0}"}
 DATA = {"flux-kontext": EDITING}
+# sections whose command-line overrides win over the smoke values: the user's own prompt set and reward
+# (a reward that needs downloaded weights then fails as it would in the real run, with its message)
+USER_SECTIONS = ("data", "reward")
 OFFLINE = {"offline.groups_per_prompt": 1, "offline.k": 2, "offline.num_steps": 2, "offline.eval_steps": 2,
            "offline.batch_groups": 2, "offline.epochs": 1, "offline.max_steps": "null", "offline.eval_every": 100,
            "offline.generation_batch": 256, "offline.save_png": "false", "offline.judge": "{}"}
@@ -106,11 +110,17 @@ def smoke_overrides(cfg, model_dir: Path, scratch: Path) -> list[str]:
 
 
 def smoke_config(recipe: str, overrides: Sequence[str], scratch: Path) -> tuple:
-    """(the smoke-sized config of ``recipe`` with the user's ``overrides``, all the overrides applied)."""
+    """(the smoke-sized config of ``recipe`` with the user's ``overrides``, all the overrides applied).
+    The smoke sizes apply after the user's overrides, except in :data:`USER_SECTIONS`: a prompt set or
+    reward given on the command line is what the smoke run uses (that is what it should check)."""
     from .trainers.config import load_config
 
     first = load_config(recipe, list(overrides))
-    ov = [*overrides, *smoke_overrides(first, tiny_model(first.model.pipeline), scratch)]
+    mine = [o.split("=", 1)[0].strip() for o in overrides if o.split("=", 1)[0].strip().split(".")[0] in USER_SECTIONS]
+    clash = lambda key: any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in mine)  # noqa: E731
+    shrunk = [o for o in smoke_overrides(first, tiny_model(first.model.pipeline), scratch)
+              if not clash(o.split("=", 1)[0])]
+    ov = [*overrides, *shrunk]
     return load_config(recipe, ov), ov
 
 
@@ -123,7 +133,7 @@ def smoke_run(recipe: str, output_dir: str, overrides: Sequence[str] = (), resum
         scratch = Path(tmp)
         cfg, ov = smoke_config(recipe, overrides, scratch)
         print(f"[flowrl] smoke run of {recipe}: tiny random {cfg.model.pipeline} model ({cfg.model.path}), "
-              f"{cfg.sampler.name} sampler shrunk, 1 iteration on the CPU, reward jpeg_compressibility "
+              f"{cfg.sampler.name} sampler shrunk, 1 iteration on the CPU, reward {dict(cfg.reward.weights)} "
               f"(flowrl/smoke.py)", file=sys.stderr, flush=True)
         if cfg.train.mode == "offline":
             from .trainers.offline import generate_offline, train

@@ -52,6 +52,16 @@ def test_user_overrides_apply_under_the_smoke_sizes(tmp_path):
     assert cfg.train.loss == "dpo" and cfg.train.iterations == 1  # the user's choice kept, the size shrunk
 
 
+def test_the_users_prompts_and_reward_are_what_the_smoke_run_checks(tmp_path):
+    prompts = tmp_path / "mine.txt"
+    prompts.write_text("a handwritten digit 5\na handwritten digit 6\n")
+    cfg, _ = smoke_config("recipes/digits.yaml", [f"data.prompts={prompts}", "reward.weights={digits: 1.0}"], tmp_path)
+    assert cfg.data.prompts == str(prompts) and dict(cfg.reward.weights) == {"digits": 1.0}
+    assert cfg.train.iterations == 1 and cfg.data.eval_seeds_per_prompt == 2  # the rest still shrunk
+    cfg, _ = smoke_config("recipes/digits.yaml", ["reward={weights: {digits: 0.5}}"], tmp_path)  # a whole section
+    assert dict(cfg.reward.weights) == {"digits": 0.5}
+
+
 def test_smoke_from_the_command_line(tmp_path, capsys):
     from flowrl.cli import main
 
