@@ -47,6 +47,20 @@ def train_records(run) -> list[dict]:
     return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if "reward_mean" in line]
 
 
+def two_grpo_iterations(run) -> tuple[list[dict], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The checks every model's two-iteration GRPO run passes -> (its training records, the LoRA tensors of
+    its two checkpoints): iterations 0 and 1 logged, finite loss and gradient norm, and a first-minibatch
+    ratio of 1 (the update rescores the rollout's own transitions: before any step, new == old policy)."""
+    from flowrl.checkpoints.common import list_checkpoints
+
+    recs = train_records(run)
+    assert [r["iteration"] for r in recs] == [0, 1]
+    assert abs(recs[0]["ratio_mean"] - 1) < 1e-4
+    assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])).all() for r in recs)
+    ck1, ck2 = list_checkpoints(Path(run) / "checkpoints")
+    return recs, lora_weights(ck1), lora_weights(ck2)
+
+
 def lora_weights(ckpt) -> dict[str, torch.Tensor]:
     """The trainable (LoRA) tensors of a checkpoint directory."""
     return load_file(str(Path(ckpt) / "trainable.safetensors"))
