@@ -114,14 +114,18 @@ def smoke_config(recipe: str, overrides: Sequence[str], scratch: Path) -> tuple:
     The smoke sizes apply after the user's overrides, except in :data:`USER_SECTIONS`: a prompt set or
     reward given on the command line is what the smoke run uses (that is what it should check)."""
     from .trainers.config import load_config
+    from .trainers.config_text import override_key
 
     first = load_config(recipe, list(overrides))
-    mine = [o.split("=", 1)[0].strip() for o in overrides if o.split("=", 1)[0].strip().split(".")[0] in USER_SECTIONS]
-    clash = lambda key: any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in mine)  # noqa: E731
-    shrunk = [o for o in smoke_overrides(first, tiny_model(first.model.pipeline), scratch)
-              if not clash(o.split("=", 1)[0])]
-    ov = [*overrides, *shrunk]
+    mine = {override_key(o) for o in overrides if override_key(o).split(".")[0] in USER_SECTIONS}
+    ov = [*overrides, *(o for o in smoke_overrides(first, tiny_model(first.model.pipeline), scratch)
+                        if not _covered(override_key(o), mine))]
     return load_config(recipe, ov), ov
+
+
+def _covered(key: str, keys: set[str]) -> bool:
+    """Whether an override of ``key`` would overwrite (or be part of) one of ``keys``, a section or a key."""
+    return any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in keys)
 
 
 def smoke_run(recipe: str, output_dir: str, overrides: Sequence[str] = (), resume: bool = False) -> dict:

@@ -14,13 +14,18 @@ from .config_base import SECTION_NAMES
 from ..errors import ConfigError
 
 
+def override_key(text: str) -> str:
+    """The dotted key of a ``section.key=value`` override (``"train.lr=3e-4"`` -> ``"train.lr"``)."""
+    return text.split("=", 1)[0].strip()
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``"train.lr=3e-4"`` -> (["train", "lr"], 3e-4); values parse as YAML. A whole section may be
     replaced by a mapping: ``"sampler={name: ode, group_size: 8}"`` -> (["sampler"], {...})."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like section.key=value, e.g. train.lr=3e-4")
-    key, val = text.split("=", 1)
-    parts = key.strip().split(".")
+    key, val = override_key(text), text.split("=", 1)[1]
+    parts = key.split(".")
     try:
         value = yaml.safe_load(val) if val.strip() else ""
     except yaml.YAMLError as e:
@@ -142,9 +147,10 @@ def keep_loss_options_of_new_loss(d: dict, recipe_loss: Optional[str], overrides
     from ..updates import UPDATES
 
     train = d.get("train")
-    if not isinstance(train, dict) or not any(o.split("=", 1)[0] == "train.loss" for o in overrides):
+    keys = [override_key(o) for o in overrides]
+    if not isinstance(train, dict) or "train.loss" not in keys:
         return
-    if any(o.split("=", 1)[0].startswith("train.loss_options") for o in overrides):
+    if any(k.startswith("train.loss_options") for k in keys):
         return
     loss, options = train.get("loss"), train.get("loss_options")
     if loss == recipe_loss or not isinstance(options, dict) or not options or loss not in UPDATES.entries:
