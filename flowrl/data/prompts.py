@@ -23,6 +23,8 @@ NAMED = {
     "flowgrpo-ocr-sample": "flowgrpo_ocr_sample.txt",
     "flowgrpo-pickscore-sample": "flowgrpo_pickscore_sample.txt",
     "geneval-sample": "geneval_sample.jsonl",
+    "geneval": "geneval_metadata.jsonl",  # GenEval's 553 evaluation prompts with their clauses
+    "flowgrpo-ocr-test": "flowgrpo_ocr_test.txt",  # Flow-GRPO's 1,017 OCR test prompts
     "digits-edit-sample": "digits_edit_sample.jsonl",
 }
 # columns tried, in order, when a dataset's prompt column is not named
