@@ -24,6 +24,7 @@ REGISTRY: dict[str, str] = {
     "hps": "flowrl.rewards.hps:HPSv21",
     "imagereward": "flowrl.rewards.imagereward:ImageReward",
     "ocr": "flowrl.rewards.ocr:OCRReward",
+    "geneval": "flowrl.rewards.geneval:GenEval",  # GenEval's rules on a detector (docs/rewards.md)
     "vlm_judge": "flowrl.rewards.vlm:VLMJudge",
     "remote": "flowrl.rewards.remote:RemoteReward",  # served by `flowrl serve-reward`
 }
