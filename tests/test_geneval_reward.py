@@ -136,7 +136,7 @@ def test_mask2former_detector_meets_the_contract(tiny_mask2former):
     from flowrl.rewards.geneval_detectors import Mask2FormerDetector, check_detections
     from flowrl.rewards.geneval_rules import COCO_CLASSES
 
-    det = Mask2FormerDetector(tiny_mask2former, batch_size=2, max_per_image=20)
+    det = Mask2FormerDetector(tiny_mask2former, batch_size=2, max_per_image=20, short_side=64, long_side=96)
     out = check_detections(det(torch.rand(3, 3, 40, 56)), 3, 40, 56, "tiny")
     for per in out:
         assert set(per) <= set(COCO_CLASSES) and sum(len(v) for v in per.values()) == 20
@@ -145,8 +145,9 @@ def test_mask2former_detector_meets_the_contract(tiny_mask2former):
 
 
 def test_default_detector_and_colours_end_to_end(tiny_mask2former, tiny_clip_dir):
-    r = build("geneval", detector_options={"model": tiny_mask2former, "batch_size": 2}, clip_model=tiny_clip_dir,
-              threshold=0.0)  # a random detector's scores are tiny: keep everything so colours are asked
+    # a random detector's scores are tiny: threshold 0 keeps everything, so colours are asked
+    r = build("geneval", detector_options={"model": tiny_mask2former, "batch_size": 2, "short_side": 64},
+              clip_model=tiny_clip_dir, threshold=0.0)
     prompts = ["a photo of a blue fire hydrant", "a photo of a cow", "a photo of a pink car", "not a GenEval prompt"]
     out = r(torch.rand(4, 3, 32, 32), prompts)
     assert set(out[:3].tolist()) <= {0.0, 1.0} and torch.isnan(out[3])
