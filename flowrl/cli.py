@@ -123,7 +123,13 @@ def _sample(a) -> dict:
     return sample_command(a)
 
 
-def _eval(a) -> dict:
+def _eval(a):
+    from flowrl.eval.arguments import harness_requested
+
+    if harness_requested(a):  # a suite, a panel, a report or several models: flowrl.eval
+        from flowrl.eval.command import eval_harness
+
+        return eval_harness(a)
     from flowrl.sampling_cli import eval_command
 
     return eval_command(a)
@@ -165,10 +171,18 @@ def _add_weights_arguments(p: argparse.ArgumentParser) -> None:
                         "them) instead of the trained ones (the default)")
 
 
-def _add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """What ``sample`` and ``eval`` draw with: a recipe's base model or a run's weights, and the steps."""
-    p.add_argument("--config", default=None, help="recipe YAML (its base model); or --run")
-    p.add_argument("--run", default=None, help="a run directory: its config and (by default) latest checkpoint")
+def _add_model_arguments(p: argparse.ArgumentParser, repeatable: bool = False) -> None:
+    """What ``sample`` and ``eval`` draw with: a recipe's base model or a run's weights, and the steps
+    (``eval``: each repeatable, in order; flowrl.eval.arguments.ModelAction)."""
+    extra = {}
+    if repeatable:
+        from flowrl.eval.arguments import ModelAction
+
+        extra = {"action": ModelAction}
+    again = "; repeatable, [LABEL=]PATH" if repeatable else ""
+    p.add_argument("--config", default=None, help=f"recipe YAML (its base model); or --run{again}", **extra)
+    p.add_argument("--run", default=None, help=f"a run directory: its config and (by default) latest checkpoint{again}",
+                   **extra)
     _add_weights_arguments(p)
     p.add_argument("--steps", type=positive_int, default=None, help="ODE steps (default: the recipe sampler's)")
 
@@ -249,14 +263,20 @@ def _add_sample_parser(sub) -> None:
 
 def _add_eval_parser(sub) -> None:
     """`flowrl eval`: mean reward on held-out prompts."""
-    e = sub.add_parser("eval", help="mean reward of a run (or base model) on held-out prompts",
+    e = sub.add_parser("eval", help="mean reward of a run (or base model) on held-out prompts; with --suite, "
+                                    "--rewards, --out or several models: tables, intervals, paired deltas, a report",
                        epilog=example("flowrl eval --run runs/a --per-prompt 32",
-                                      "flowrl eval --config recipes/digits.yaml --per-prompt 8 --json base.json"))
-    _add_model_arguments(e)
+                                      "flowrl eval --config recipes/digits.yaml --per-prompt 8 --json base.json",
+                                      "flowrl eval --config base=recipes/digits.yaml --run runs/a --suite digits "
+                                      "--rewards digits,jpeg_compressibility --per-prompt 8 --out report"))
+    _add_model_arguments(e, repeatable=True)
     e.add_argument("--prompts", nargs="*", default=None, help="default: the config's data.eval_prompts")
     e.add_argument("--per-prompt", type=positive_int, default=16, help="samples per prompt")
     e.add_argument("--seed", type=int, default=12345)
     e.add_argument("--json", default=None, help="also write the result here")
+    from flowrl.eval.arguments import add_harness_arguments
+
+    add_harness_arguments(e)
     e.add_argument("overrides", nargs="*", help="dotted overrides of the recipe")
     e.set_defaults(fn=_eval)
 
@@ -293,12 +313,14 @@ def _add_bench_parser(sub) -> None:
                        epilog=example("flowrl bench branch --pipeline digits --budget 120 --out bench"))
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
     from flowrl.bench.host import add_host_parser
+    from flowrl.bench.ocr import add_ocr_parser
     from flowrl.bench.offline import add_offline_parser
     from flowrl.bench.precision_cli import add_precision_parser
     from flowrl.bench.reward import add_reward_parser
     from flowrl.bench.samplers import add_parsers as add_sampler_benches
 
-    for add in (add_sampler_benches, add_precision_parser, add_offline_parser, add_host_parser, add_reward_parser):
+    for add in (add_sampler_benches, add_precision_parser, add_offline_parser, add_host_parser, add_reward_parser,
+                add_ocr_parser):
         add(bsub)
 
 

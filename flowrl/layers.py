@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data.offline", ("flowrl.data.offline",)),
     ("trainers", ("flowrl.trainers",)),
     ("application", ("flowrl.cli", "flowrl.sampling_cli", "flowrl.export", "flowrl.bench", "flowrl.digits_report",
-                     "flowrl.__main__", "flowrl.plan", "flowrl.smoke", "flowrl.command_line")),
+                     "flowrl.__main__", "flowrl.plan", "flowrl.smoke", "flowrl.command_line", "flowrl.eval")),
 ]
 ROOT = "flowrl"  # the bare package (only __version__): importable from every layer
 

@@ -24,7 +24,7 @@ NAMED = {
     "flowgrpo-pickscore-sample": "flowgrpo_pickscore_sample.txt",
     "geneval-sample": "geneval_sample.jsonl",
     "geneval": "geneval_metadata.jsonl",  # GenEval's 553 evaluation prompts with their clauses
-    "flowgrpo-ocr-test": "flowgrpo_ocr_test.txt",  # Flow-GRPO's 1,017 OCR test prompts
+    "flowgrpo-ocr-test": "flowgrpo_ocr_test.txt",  # Flow-GRPO's 1,018 OCR test prompts
     "digits-edit-sample": "digits_edit_sample.jsonl",
 }
 # columns tried, in order, when a dataset's prompt column is not named
