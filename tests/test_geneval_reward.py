@@ -195,3 +195,20 @@ def test_colour_classifier_is_clip_zero_shot(tiny_clip_dir):
     dets = [(np.array([0, 0, 16, 16, 0.9]), None), (np.array([8, 8, 32, 30, 0.8]), np.ones((32, 32), bool))]
     picks = c(image, "car", dets)
     assert len(picks) == 2 and set(picks) <= set(COLORS)
+
+
+def test_mmdet_results_become_detections():
+    """GenEval's own detector (mmdet 2.x, not installed here): its per-class output format maps onto the
+    contract, masks kept, classes by COCO index."""
+    from flowrl.rewards.geneval_detectors import check_detections
+    from flowrl.rewards.geneval_mmdet import mmdet_to_detections
+    from flowrl.rewards.geneval_rules import COCO_CLASSES
+
+    bbox = [np.zeros((0, 5), np.float32) for _ in COCO_CLASSES]
+    segm = [[] for _ in COCO_CLASSES]
+    bbox[16] = np.array([[1, 2, 5, 6, 0.9], [0, 0, 3, 3, 0.2]], np.float32)  # dogs
+    segm[16] = [np.ones((8, 8), bool), np.zeros((8, 8), bool)]
+    out = mmdet_to_detections((bbox, segm))
+    assert list(out) == ["dog"] and out["dog"][0][:5] == (1.0, 2.0, 5.0, 6.0, pytest.approx(0.9))
+    checked = check_detections([out], 1, 8, 8, "mmdet")
+    assert checked[0]["dog"][0][1].all() and len(mmdet_to_detections(bbox)["dog"][1]) == 5  # boxes only: no mask

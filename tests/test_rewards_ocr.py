@@ -119,6 +119,20 @@ def test_easyocr_skips_prompts_without_quotes(easyocr_reward):
     check_not_applicable(easyocr_reward)
 
 
+def test_rapidocr_reads_rendered_text_offline(capsys, monkeypatch):
+    """RapidOCR with the PP-OCR models bundled in its wheel: every socket is refused while it loads and
+    reads, so nothing can be downloaded."""
+    import socket
+
+    def no_network(*a, **k):
+        raise OSError("network disabled by the test")
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    reward = rewards.build("ocr", backend="rapidocr")
+    check_backend(reward, capsys, "rapidocr")
+    check_not_applicable(reward)
+
+
 @pytest.mark.skipif(shutil.which("tesseract") is None,
                     reason="tesseract binary not installed (apt-get install tesseract-ocr): optional backend")
 def test_tesseract_on_rendered_text(capsys):
@@ -132,7 +146,7 @@ def test_backend_errors_say_how_to_fix(tmp_path, monkeypatch):
 
     # tesseract_cmd is module-global in pytesseract: restore it after this test
     monkeypatch.setattr(pytesseract.pytesseract, "tesseract_cmd", pytesseract.pytesseract.tesseract_cmd)
-    with pytest.raises(ValueError, match="'easyocr' or 'tesseract'"):
+    with pytest.raises(ValueError, match="use one of 'rapidocr', 'easyocr', 'tesseract'"):
         rewards.build("ocr", backend="paddle")
     with pytest.raises(FileNotFoundError, match="craft_mlt_25k.pth"):
         rewards.build("ocr", backend="easyocr", model_dir=str(tmp_path))
