@@ -69,7 +69,8 @@ class RemoteReward:
     resident_note = "a reward served by `flowrl serve-reward`: its weights live in the server's process"
 
     def __init__(self, url: str, timeout: float = 60.0, retries: int = 3, backoff: float = 0.5,
-                 encoding: str = "uint8", batch_size: int = 64, token_env: Optional[str] = None, check: bool = True):
+                 encoding: str = "uint8", batch_size: int = 64, token_env: Optional[str] = None, check: bool = True,
+                 takes_metadata: bool = False):
         if not re.match(r"^https?://[^/\s]+", url or ""):
             raise ValueError(f"url must be the http(s) address `flowrl serve-reward` printed (e.g. "
                              f"http://127.0.0.1:8700), got {url!r}")
@@ -80,6 +81,7 @@ class RemoteReward:
         self.url = url.rstrip("/")
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
         self.encoding, self.batch_size = encoding, int(batch_size)
+        self.takes_metadata = bool(takes_metadata)  # the served reward reads metadata= (geneval): flowrl eval sends it
         self._token: Optional[str] = None
         if token_env:
             self._token = os.environ.get(token_env)
@@ -125,7 +127,8 @@ class RemoteReward:
         prompts, out = list(prompts), []
         meta = {k: _as_image_batch(k, v) for k, v in meta.items()}
         for s in chunks(images.shape[0], self.batch_size):
-            part = {k: (v[s] if isinstance(v, torch.Tensor) else v) for k, v in meta.items()}
+            part = {k: (v[s] if isinstance(v, torch.Tensor) or (isinstance(v, list) and len(v) == len(prompts)) else v)
+                    for k, v in meta.items()}  # per-row values (a tensor or a list of one entry per image) are split
             body = encode_request(images[s], prompts[s], part, self.encoding)
             raw = self._request("/score", body)
             try:

@@ -212,3 +212,18 @@ def test_mmdet_results_become_detections():
     assert list(out) == ["dog"] and out["dog"][0][:5] == (1.0, 2.0, 5.0, 6.0, pytest.approx(0.9))
     checked = check_detections([out], 1, 8, 8, "mmdet")
     assert checked[0]["dog"][0][1].all() and len(mmdet_to_detections(bbox)["dog"][1]) == 5  # boxes only: no mask
+
+
+def test_served_geneval_gets_each_row_s_metadata():
+    """GenEval served by `flowrl serve-reward` (its own environment): the remote reward with
+    takes_metadata sends each image's clauses, split with the images into requests."""
+    pytest.importorskip("uvicorn", reason="flowrl[serve] (in requirements.lock) serves rewards")
+    from flowrl.rewards.server import serve_in_thread
+
+    served = build("geneval", detector="test_geneval_reward:top_left_detector")
+    rows = [{"tag": "single_object", "include": [{"class": "dog", "count": 1}]}, None,
+            {"tag": "counting", "include": [{"class": "dog", "count": 2}]}]
+    with serve_in_thread(served, "geneval") as url:
+        remote = build("remote", url=url, batch_size=1, encoding="float32", takes_metadata=True)
+        out = remote(images_with_red(0.95, 0.95, 0.95), ["a custom dog", "a photo of a dog", "two dogs"], metadata=rows)
+    assert remote.takes_metadata and out.tolist() == [1.0, 1.0, 0.0]
