@@ -12,8 +12,8 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.lock
 	$(PY) -m pip install -q --no-deps -e .
-	@if ! command -v tesseract >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		(apt-get update -qq && apt-get install -y -qq tesseract-ocr >/dev/null) || echo "tesseract-ocr not installed: its OCR backend tests will be skipped"; fi
+	@if ! (command -v tesseract && command -v chromium) >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -qq && apt-get install -y -qq tesseract-ocr chromium >/dev/null) || echo "tesseract-ocr / chromium not installed: the tesseract OCR backend and headless-browser report tests will be skipped"; fi
 	touch $(STAMP)
 
 setup: $(STAMP)
