@@ -69,6 +69,31 @@ def wrong_shape_reward(tmp):
     return score_images(lambda im, p: torch.zeros(3, 2), torch.rand(3, 3, 4, 4), ["a"] * 3)
 
 
+def eval_suite(text: str = None, name: str = "genevel"):
+    def f(tmp):
+        from flowrl.eval.suites import load_suite
+
+        if text is None:
+            return load_suite(name)
+        (tmp / "s.jsonl").write_text(text)
+        return load_suite(str(tmp / "s.jsonl"))
+    return f
+
+
+def geneval_detector_wrong_shape(tmp):
+    from flowrl.rewards import build
+
+    reward = build("geneval", detector="builtins:len")  # returns an int, not one dict per image
+    return reward(torch.rand(2, 3, 8, 8), ["a photo of a dog"] * 2)
+
+
+def eval_models_on_two_pipelines(tmp):
+    from flowrl.eval.models import ModelSpec, check_same_pipeline
+
+    specs = [ModelSpec("run", "runs/a", "a"), ModelSpec("config", "recipes/sd3_group_pickscore.yaml", "sd3")]
+    return check_same_pipeline(specs, [load_config(RECIPE), load_config("recipes/sd3_group_pickscore.yaml")])
+
+
 CASES = [
     # (id, callable(tmp_path), exception, message pattern)
     ("unknown key", cfg("train.lrr=1"), ConfigError, r"unknown key train\.lrr.*Did you mean train\.lr"),
@@ -105,6 +130,13 @@ CASES = [
     ("reward wrong shape", wrong_shape_reward, ValueError, r"returned shape \(3, 2\).*one float per image"),
     ("reward service down", vlm("down"), RuntimeError, r"failed after 1 attempts"),
     ("reward service bad url", vlm("url"), ValueError, r"url must be an http"),
+    ("eval: unknown suite", eval_suite(), ConfigError, r"unknown suite 'genevel'; valid suites: .*geneval.*ocr"),
+    ("eval: metadata row without clauses", eval_suite('{"prompt": "two clocks", "tag": "counting"}\n'), ConfigError,
+     r"s\.jsonl:1: tag 'counting' without its 'include' clauses"),
+    ("geneval: detector of the wrong shape", geneval_detector_wrong_shape, ConfigError,
+     r"detector 'builtins:len' returned int for 2 images; it must return one dict per image"),
+    ("eval: run and config on two pipelines", eval_models_on_two_pipelines, ConfigError,
+     r"different pipelines \(a \(run\): digits, sd3 \(config\): sd3\)"),
 ]
 
 

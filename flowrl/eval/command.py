@@ -117,7 +117,7 @@ def eval_harness(a) -> str:
     cfg_overrides, cli_options = split_panel_overrides(list(a.overrides or []), named)
     configs = [load_model_config(s, cfg_overrides) for s in specs]
     check_same_pipeline(specs, configs)
-    if a.checkpoint is not None and not any(s.kind == "run" for s in specs):
+    if (a.checkpoint is not None or a.ema) and not any(s.kind == "run" for s in specs):
         raise ConfigError("--checkpoint and --ema choose a run's weights: give --run RUN_DIR with them")
     suite = suite_of(a, configs[0])
     names = panel_names(a, configs)
