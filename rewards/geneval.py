@@ -21,7 +21,6 @@ when a clause names a colour.
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import sys
 from functools import lru_cache
@@ -55,14 +54,10 @@ def metadata_table(path: str) -> dict[str, dict]:
     if not p.is_file():
         raise FileNotFoundError(f"GenEval metadata file {str(p)!r} not found; give a .jsonl with one "
                                 f"{{prompt, tag, include[, exclude]}} row per prompt")
+    from flowrl.data.prompts import jsonl_rows
+
     table: dict[str, dict] = {}
-    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p}:{i}: not valid JSON ({e})") from None
+    for i, row in jsonl_rows(p.read_text(encoding="utf-8"), p):
         if isinstance(row, dict) and isinstance(row.get("prompt"), str) and has_clauses(row):
             table.setdefault(row["prompt"], check_metadata(row, f"{p}:{i}"))
     return table

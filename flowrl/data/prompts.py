@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 from .items import PromptItem, is_edit_row, load_edit_set
 
@@ -86,13 +86,7 @@ def _load_file(p: Path, column: Optional[str]) -> list:
     except json.JSONDecodeError:
         pass  # reported with its line below
     prompts = []
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PromptSetError(f"{p}:{i}: not valid JSON ({e})") from None
+    for i, rec in jsonl_rows(text, p):
         if not isinstance(rec, dict):
             prompts.append(rec)
             continue
@@ -102,6 +96,18 @@ def _load_file(p: Path, column: Optional[str]) -> list:
                              f"(found {sorted(rec)}); name the field with data.prompt_column")
         prompts.append(rec[key])
     return prompts
+
+
+def jsonl_rows(text: str, where) -> Iterator[tuple[int, Any]]:
+    """``(line number, parsed row)`` of each non-blank line of a JSONL text; a line that is not JSON is
+    a :class:`PromptSetError` naming ``where`` and the line."""
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield i, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PromptSetError(f"{where}:{i}: not valid JSON ({e})") from None
 
 
 def _load_hf_dataset(p: Path, column: Optional[str], split: Optional[str]) -> list:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from flowrl.data.items import PromptItem, is_edit_row, load_edit_set
-from flowrl.data.prompts import BUILTIN, NAMED, SETS_DIR, PromptSetError, load_prompts
+from flowrl.data.prompts import BUILTIN, NAMED, SETS_DIR, PromptSetError, jsonl_rows, load_prompts
 from flowrl.errors import ConfigError
 from flowrl.rewards.geneval_rules import check_metadata, has_clauses
 
@@ -91,16 +91,8 @@ def _read_jsonl(p: Path) -> list[SuiteItem]:
                     for it in load_edit_set(p)]
     except json.JSONDecodeError:
         pass  # reported with its line below
-    items = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PromptSetError(f"{p}:{i}: not valid JSON ({e})") from None
-        items.append(_row_item(row, f"{p}:{i}") if isinstance(row, dict) else SuiteItem(str(row)))
-    return items
+    return [_row_item(row, f"{p}:{i}") if isinstance(row, dict) else SuiteItem(str(row))
+            for i, row in jsonl_rows("\n".join(lines), p)]
 
 
 def _read_csv(p: Path) -> list[SuiteItem]:
