@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from flowrl.command_line import positive_int
+
 
 class ModelAction(argparse.Action):
     """``--config`` / ``--run``, repeatable: each value is appended to ``models`` as ``(kind, value)`` in
@@ -26,9 +28,9 @@ def add_harness_arguments(p: argparse.ArgumentParser) -> None:
                    "reward.options.NAME.KEY=VALUE")
     p.add_argument("--out", default=None, help="directory for eval.json, report.html and the per-chunk results; an "
                    "interrupted evaluation with the same --out resumes")
-    p.add_argument("--batch", type=int, default=64, help="samples per chunk (whole prompts; each finished chunk "
+    p.add_argument("--batch", type=positive_int, default=64, help="samples per chunk (whole prompts; each finished chunk "
                    "is saved)")
-    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
+    p.add_argument("--bootstrap", type=positive_int, default=1000, help="bootstrap resamples for the 95%% intervals")
 
 
 def harness_requested(a) -> bool:

@@ -43,17 +43,14 @@ def split_panel_overrides(overrides: list[str], panel: list[str]) -> tuple[list[
     return keep, options
 
 
-def panel_names(a, configs: list) -> list[str]:
+def panel_names(given: list[str], configs: list) -> list[str]:
+    """The panel: ``--rewards`` as given, else every model's trained and held-out rewards."""
     from flowrl.rewards import available
 
-    if a.rewards:
-        names = [n.strip() for n in a.rewards.split(",") if n.strip()]
-    else:
-        names = list(dict.fromkeys(n for c in configs for n in [*c.reward.weights, *c.reward.heldout]))
+    names = given or list(dict.fromkeys(n for c in configs for n in [*c.reward.weights, *c.reward.heldout]))
     unknown = [n for n in names if n not in available()]
-    if unknown or not names:
-        raise ConfigError(f"--rewards: unknown reward {unknown[0]!r}; valid rewards: {', '.join(available())}"
-                          if unknown else "--rewards is empty; name at least one reward, e.g. --rewards digits")
+    if unknown:
+        raise ConfigError(f"--rewards: unknown reward {unknown[0]!r}; valid rewards: {', '.join(available())}")
     return names
 
 
@@ -120,7 +117,7 @@ def eval_harness(a) -> str:
     if (a.checkpoint is not None or a.ema) and not any(s.kind == "run" for s in specs):
         raise ConfigError("--checkpoint and --ema choose a run's weights: give --run RUN_DIR with them")
     suite = suite_of(a, configs[0])
-    names = panel_names(a, configs)
+    names = panel_names(named, configs)
     S = a.per_prompt
     plan = Plan(suite, S, derive_seeds(a.seed, len(suite.items) * S), panel_options(names, configs, cli_options),
                 max(1, a.batch // S), max_batch=a.batch)
