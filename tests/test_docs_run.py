@@ -70,6 +70,8 @@ SUBSTITUTIONS = [
     (r"^flowrl bench reward (.*?)(\s+#.*)?$",
      r"flowrl bench reward \1 --iterations 1 --resolution 64 --prompts 2 --group-size 2 --num-steps 2 --max-batch 2 "
      r"--judge-delay 0.05", "one timed iteration per variant of 4 samples at 64 px, 2 steps; a 50 ms judge"),
+    (r"^flowrl bench ocr (.*?)(\s+#.*)?$", r"flowrl bench ocr \1 --images 2 --size 128 --backends rapidocr",
+     "two rendered images of 128 px, one engine"),
     (r"--checkpoint iter_000020\b", "--checkpoint iter_000001", "the smoke run's only checkpoint"),
     (r"^python -m flowrl\b", f"{sys.executable} -m flowrl", "this test's Python"),
 ]

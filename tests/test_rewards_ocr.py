@@ -32,6 +32,19 @@ def test_levenshtein():
     assert levenshtein("same", "same") == 0
 
 
+def test_reading_order_puts_a_slanted_line_back_together():
+    from flowrl.rewards.ocr import reading_order
+
+    def box(x, y, w=40, h=20):
+        return [(x, y), (x + w, y), (x + w, y + h), (x, y + h)]
+    # EasyOCR lists straight boxes first: here "Goal Achieved" (one box) before the slanted "Step"
+    slanted_line = [box(60, 58), box(0, 66)]
+    assert reading_order(slanted_line) == [1, 0]
+    two_lines = [box(0, 100), box(50, 0), box(0, 2), box(60, 104)]  # line 1 at y ~ 0, line 2 at y ~ 100
+    assert reading_order(two_lines) == [2, 1, 0, 3]
+    assert reading_order([]) == []
+
+
 def test_text_similarity_follows_flow_grpo_rules():
     assert text_similarity("Hello World", "hello world") == 1.0  # case and spaces ignored
     assert text_similarity("WELCOME: Hello World!!", "Hello World") == 1.0  # target inside the reading

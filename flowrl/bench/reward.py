@@ -223,7 +223,8 @@ def add_reward_parser(bench_sub) -> None:
     p.add_argument("--num-steps", type=int, default=10)
     p.add_argument("--max-batch", type=int, default=8, help="samples per chunk (scored while the next samples)")
     p.add_argument("--iterations", type=int, default=3, help="timed iterations per variant (after one warm-up)")
-    p.add_argument("--ocr-backend", default="easyocr", choices=("easyocr", "tesseract"))
+    p.add_argument("--ocr-backend", default="easyocr", choices=("easyocr", "rapidocr", "tesseract"),
+                   help="the OCR engine (easyocr: the engine docs/bench_reward.json was measured with)")
     p.add_argument("--judge-delay", default="auto", help="seconds the judge stub takes per request; 'auto': the "
                                                          "judge's time per iteration = the serial OCR rollout's")
     p.add_argument("--judge-concurrency", type=int, default=4)
