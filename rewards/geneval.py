@@ -86,17 +86,16 @@ def load_target(spec: str, what: str):
 def build_detector(spec: str, options: dict, device: str):
     """A detector from ``spec`` (module doc): classes and factories get ``options`` (+ ``device``)."""
     target = load_target(spec, "reward.options.geneval.detector")
-    if not inspect.isclass(target) and not options:
-        params = [p for p in inspect.signature(target).parameters.values()
-                  if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if params:
-            return target  # a function of the images: the detector itself
-    opts = dict(options)
     try:
-        takes_device = "device" in inspect.signature(target).parameters
-    except (TypeError, ValueError):
-        takes_device = False
-    if takes_device:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: take it as a function of the images
+        return target
+    required = [p for p in params.values()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not inspect.isclass(target) and not options and required:
+        return target  # a function of the images: the detector itself
+    opts = dict(options)
+    if "device" in params:
         opts.setdefault("device", device)
     return target(**opts)
 
