@@ -76,6 +76,12 @@ def _vlm_judge(request):
                          concurrency=3)
 
 
+def brightness_detector(images):
+    """A stub GenEval detector: one dog and one cat per image, scored by its red and green means."""
+    return [{"dog": [(0.0, 0.0, 8.0, 8.0, float(x[0].mean()))], "cat": [(8.0, 8.0, 16.0, 16.0, float(x[1].mean()))]}
+            for x in images]
+
+
 @dataclass
 class Case:
     """How to build a reward offline and which prompts it applies to.
@@ -107,6 +113,9 @@ CASES: dict[str, Case] = {
     "ocr": Case(lambda r: rewards.build("ocr", backend="easyocr"), applies=['a sign that says "hello"', 'the word "FLOW"'],
                 not_applicable=["a photo of a dog", "a sign with no quoted text"], size=48),
     "vlm_judge": Case(_vlm_judge),
+    # GenEval's rules on a stub detector; prompts outside GenEval's metadata have no clauses
+    "geneval": Case(lambda r: rewards.build("geneval", detector="test_reward_contract:brightness_detector"),
+                    applies=["a photo of a dog", "a photo of a cat"], not_applicable=["a red flower", "a dog on the moon"]),
     # a served reward (here the digits reward behind flowrl serve-reward's app) scores as the reward itself
     "remote": Case(_remote, applies=["a handwritten digit 3", "a handwritten digit 7"],
                    not_applicable=["a photo of a dog", "a handwritten letter"], size=16),
