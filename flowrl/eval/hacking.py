@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 def _fmt(d: dict) -> str:
-    return f"{d['mean']:+.4g} [{d['lo']:+.4g}, {d['hi']:+.4g}]"
+    return f"{d['mean']:+.3g} [{d['lo']:+.3g}, {d['hi']:+.3g}]"
 
 
 def _resolved(d: dict, sign: int) -> bool:
