@@ -207,6 +207,8 @@ def test_awm_by_hand():
     with pytest.raises(ConfigError, match="weighting"):
         AWMOptions(weighting="Uniform")
     assert AWMOptions(clip_range=1).clip_range == (-1.0, 1.0)
+    with pytest.raises(ConfigError, match="lo < hi"):
+        AWMOptions(clip_range=(0.1, -0.1))
 
 
 # ---------------------------------------------------------------- DGPO

@@ -27,23 +27,15 @@ official code's ``exp_first`` loss over ``T x B`` rows is the mean over all of t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from ..errors import ConfigError
-from .flow_matching import velocity_mse
+from .flow_matching import clip_pair, velocity_mse
 
 AWM_WEIGHTINGS = ("uniform", "t", "t2", "huber", "ghuber")
 _EPS = 1e-10  # inside the huber roots (both peers)
-
-
-def _pair(value, name: str) -> tuple[float, float]:
-    """Flow-Factory's ``_standardize_clip_range``: a scalar ``c`` is ``(-|c|, |c|)``."""
-    lo, hi = (-abs(float(value)), abs(float(value))) if not isinstance(value, (tuple, list)) else map(float, value)
-    if not lo < hi:
-        raise ConfigError(f"{name} must be a scalar c (meaning [-c, c]) or [lo, hi] with lo < hi, got {value!r}")
-    return lo, hi
 
 
 @dataclass(frozen=True)
@@ -61,8 +53,8 @@ class AWMOptions:
 
     weighting: str = "uniform"
     ghuber_power: float = 0.25
-    clip_range: object = (-1e-4, 1e-4)
-    adv_clip: object = (-5.0, 5.0)
+    clip_range: Union[float, tuple] = (-1e-4, 1e-4)
+    adv_clip: Union[float, tuple] = (-5.0, 5.0)
     adv_scale: float = 1.0
     beta_kl: float = 0.0
     beta_ema_kl: float = 0.0
@@ -76,8 +68,8 @@ class AWMOptions:
             raise ConfigError(f"AWM adv_scale must be > 0, got {self.adv_scale!r}")
         if self.beta_kl < 0 or self.beta_ema_kl < 0:
             raise ConfigError(f"AWM beta_kl and beta_ema_kl must be >= 0, got {self.beta_kl!r}, {self.beta_ema_kl!r}")
-        object.__setattr__(self, "clip_range", _pair(self.clip_range, "AWM clip_range"))
-        object.__setattr__(self, "adv_clip", _pair(self.adv_clip, "AWM adv_clip"))
+        object.__setattr__(self, "clip_range", clip_pair(self.clip_range, "AWM clip_range"))
+        object.__setattr__(self, "adv_clip", clip_pair(self.adv_clip, "AWM adv_clip"))
 
 
 def awm_log_prob(v_theta: torch.Tensor, v_target: torch.Tensor, sigma: torch.Tensor,

@@ -32,13 +32,12 @@ Sources: Flow-Factory ``trainers/dgpo.py`` (commit a0b2bc5) and the official
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from ..errors import ConfigError
-from .awm import _pair
-from .flow_matching import velocity_mse
+from .flow_matching import clip_pair, velocity_mse
 
 
 @dataclass(frozen=True)
@@ -53,8 +52,8 @@ class DGPOOptions:
 
     group_size: int = 24
     beta_dpo: float = 100.0
-    clip_range: object = (-1e-4, 1e-4)
-    adv_clip: object = (-5.0, 5.0)
+    clip_range: Union[float, tuple] = (-1e-4, 1e-4)
+    adv_clip: Union[float, tuple] = (-5.0, 5.0)
     clip_dsm: bool = True
     clip_kl: bool = False
     use_ema_ref: bool = False
@@ -67,8 +66,8 @@ class DGPOOptions:
             raise ConfigError(f"DGPO beta_dpo must be > 0, got {self.beta_dpo!r}")
         if self.beta_kl < 0:
             raise ConfigError(f"DGPO beta_kl must be >= 0, got {self.beta_kl!r}")
-        object.__setattr__(self, "clip_range", _pair(self.clip_range, "DGPO clip_range"))
-        object.__setattr__(self, "adv_clip", _pair(self.adv_clip, "DGPO adv_clip"))
+        object.__setattr__(self, "clip_range", clip_pair(self.clip_range, "DGPO clip_range"))
+        object.__setattr__(self, "adv_clip", clip_pair(self.adv_clip, "DGPO adv_clip"))
 
     @property
     def needs_old(self) -> bool:

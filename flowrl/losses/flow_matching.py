@@ -1,6 +1,6 @@
 """Pieces shared by the losses that train on finished samples through the flow-matching loss
-(AWM, DGPO; docs/algorithms.md §11-12): training-time sampling, the per-sample velocity error, the
-ramped EMA decay of their "old" copies.
+(AWM, DGPO; docs/algorithms.md §11-12): training-time sampling, clip ranges, the per-sample
+velocity error, the ramped EMA decay of their "old" copies.
 
 Times are returned as **sigma** in ``[0, 1]`` (``x_t = (1 - sigma) x0 + sigma eps``, flowrl's
 convention). The peers (Flow-Factory ``utils/noise_schedule.py``, commit a0b2bc5) work on the
@@ -128,6 +128,16 @@ def _stratified(n: int, start: int, end: int, generator) -> torch.Tensor:
     bounds = torch.linspace(start, end, n + 1)
     lower, upper = bounds[:-1].long(), bounds[1:].long()
     return lower + (torch.rand(n, generator=generator) * (upper - lower)).long()
+
+
+def clip_pair(value: Union[float, tuple, list], name: str) -> tuple[float, float]:
+    """A clip range as ``(lo, hi)``: a scalar ``c`` means ``(-|c|, |c|)`` (Flow-Factory's
+    ``_standardize_clip_range``); a pair needs ``lo < hi``. ``name`` is the setting, for the error."""
+    if not isinstance(value, (tuple, list)):
+        return -abs(float(value)), abs(float(value))
+    if len(value) != 2 or not float(value[0]) < float(value[1]):
+        raise ConfigError(f"{name} must be a scalar c (meaning [-c, c]) or [lo, hi] with lo < hi, got {value!r}")
+    return float(value[0]), float(value[1])
 
 
 def velocity_mse(v: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,7 @@ class UncertaintyGate:
     as ``(fraction, history)``; :meth:`update` returns the next record."""
 
     fraction: float = 0.1
-    history: tuple = ()  # the last ``window`` means of the non-negative uncertainties
+    history: tuple[float, ...] = ()  # the last ``window`` means of the non-negative uncertainties
     base: float = 0.1
     rate: float = 0.1
     low: float = 0.02
