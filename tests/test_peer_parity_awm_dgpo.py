@@ -105,6 +105,8 @@ def test_time_sampling_by_hand():
     assert sorted(int(4 * (1 - s)) for s in u.tolist()) == [0, 1, 2, 3]  # one per stratum
     with pytest.raises(ValueError, match="step_sigmas"):
         sample_times(TimeSampling("discrete"))
+    with pytest.raises(ValueError, match="none after it"):
+        sample_times(TimeSampling("discrete_wo_init", 2, 0.01), SD35_14)  # only step 0 has sigma >= 0.99
     with pytest.raises(ConfigError, match="choose one of"):
         TimeSampling("nope")
     with pytest.raises(ConfigError, match="0 <= lo < hi <= 1"):

@@ -114,6 +114,9 @@ def _discrete(opts: TimeSampling, ts: torch.Tensor, generator) -> torch.Tensor:
         raise ValueError(f"no sampling step has its time inside the fraction range {opts.fraction}")
     first, last = int(valid.min()), int(valid.max())
     include_init, force_init = _DISCRETE[opts.kind]
+    if (force_init and opts.num > 1 or not include_init) and last <= first:
+        raise ValueError(f"time sampling {opts.kind!r}: the fraction range {opts.fraction} keeps only step {first}, "
+                         "none after it; widen the range or use 'discrete'")
     if force_init and opts.num == 1:
         idx = torch.tensor([first])
     elif force_init:
