@@ -90,6 +90,7 @@ def user_errors() -> dict[type, Callable[[BaseException], str]]:
     from flowrl.checkpoints.common import CheckpointError
     from flowrl.trainers.steps import TrainingStopped
     from flowrl.errors import ConfigError
+    from flowrl.rewards import RewardUnavailable
 
     plain = str
     return {
@@ -101,6 +102,7 @@ def user_errors() -> dict[type, Callable[[BaseException], str]]:
         TrainingStopped: plain,
         BackendUnavailable: plain,
         BenchError: plain,
+        RewardUnavailable: plain,  # a reward server or judge endpoint that does not answer (when it is built)
         yaml.YAMLError: lambda e: f"not valid YAML ({e}); quote the value and balance its brackets",
         FileNotFoundError: _os_error,
         FileExistsError: _os_error,

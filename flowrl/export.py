@@ -134,7 +134,11 @@ def empty_transformer(cfg: Config, base: str) -> torch.nn.Module:
 def _empty_transformer(pipeline: str, base: str, hub_kwargs: dict) -> torch.nn.Module:
     from accelerate import init_empty_weights
 
+    from .utils.hub import require_hub_model
+
     cls = _transformer_class(pipeline)
+    require_hub_model(base, f"the {pipeline} base model", "the run's model.path, or --model-path",
+                      hub_kwargs.get("cache_dir"))
     try:
         config = cls.load_config(base, subfolder="transformer", **hub_kwargs)
     except (OSError, ValueError) as e:

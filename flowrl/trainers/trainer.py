@@ -134,13 +134,14 @@ class Trainer:
         device = self._make_accelerator()
         prompts = self._setup_data()
         self.eval_prompts = cfg.data.eval_prompt_set()
+        # the rewards before the model: a reward server that does not answer fails before minutes of loading
+        self.reward = self._given_reward if self._given_reward is not None else build_reward(cfg)
+        self.heldout = build_rewards(cfg.reward.heldout, cfg.reward.frame_stride)
         policy = self._given_policy if self._given_policy is not None else build_policy_from_config(cfg, device)
         policy.cfg_uncond_grad = cfg.train.cfg_uncond_grad  # CFG's unconditional half in the update's forwards
         self.policy = attach_text_cache(policy, cfg.model, prompts + self.eval_prompts,
                                         is_main=self.acc.is_main_process, barrier=self.acc.wait_for_everyone,
                                         progress=cfg.logging.progress and self.acc.is_main_process)
-        self.reward = self._given_reward if self._given_reward is not None else build_reward(cfg)
-        self.heldout = build_rewards(cfg.reward.heldout, cfg.reward.frame_stride)
         self._prepare_model(cfg.train.update_class.needs_reference(cfg.train))  # as the update declares
         self.start_iteration = 0  # first unit to train (an offline run's unit is an optimizer step)
         if self.resume:
