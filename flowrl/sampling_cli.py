@@ -12,10 +12,9 @@ from typing import Optional
 
 import torch
 
-from .checkpoints import checkpoint_tensors
 from .command_line import require_device
 from .errors import ConfigError
-from .export import resolve_checkpoint
+from .export import read_run_weights, resolve_checkpoint
 from .media import save_samples
 from .rollout.base import score_images
 from .rollout.ode import ode_sample
@@ -27,14 +26,14 @@ from .utils.paths import resolve_device
 
 def run_weights(run_dir: Path, checkpoint: Optional[str] = None, ema: bool = False) -> tuple[Path, dict, str]:
     """(checkpoint directory, tensors, one-line description) of the weights ``--checkpoint`` /
-    ``--ema`` select in a run: the latest checkpoint's trained weights by default."""
-    ck = resolve_checkpoint(run_dir, checkpoint)
-    tensors = checkpoint_tensors(ck, "ema" if ema else "trainable")
+    ``--ema`` select in a run: the latest (readable: :func:`flowrl.export.read_run_weights`) checkpoint's
+    trained weights by default."""
+    ck, tensors = read_run_weights(run_dir, checkpoint, "ema" if ema else "trainable")
     if tensors is None:
         raise ConfigError(f"{ck} has no EMA weights (the run was trained without train.ema); drop --ema")
     also_ema = not ema and (ck / "ema.safetensors").is_file()
     which = "EMA" if ema else "trained" + (" (this run also keeps EMA weights: --ema)" if also_ema else "")
-    latest = " (latest)" if checkpoint is None else ""
+    latest = "" if checkpoint is not None else " (latest)" if ck == resolve_checkpoint(run_dir) else " (newest readable)"
     return ck, tensors, f"checkpoint {ck}{latest}, {which} weights"
 
 

@@ -252,6 +252,8 @@ class Trainer:
         weights, optimizer, scheduler, RNG, EMA, counters. Returns it (None: nothing to resume)."""
         ckpts = list_checkpoints(self.run.checkpoints)
         if not ckpts:
+            why = "no checkpoint yet" if (self.run.path / "config.yaml").is_file() else "no run there"
+            self.acc.print(f"[flowrl] --resume: nothing to resume in {self.run.path} ({why}): starting a new run")
             return None
         for path in reversed(ckpts):
             try:
