@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from .command_line import (Parser, emit, example, positive_float, positive_int, require_device, split_overrides,
-                           user_message, verb_parser)
+from .command_line import (OPTIONS_HELP, Parser, emit, example, positive_float, positive_int, require_device,
+                           reward_options, split_overrides, user_message, verb_parser)
 
 
 # ---------------------------------------------------------------- the verbs
@@ -90,13 +90,7 @@ def _rescore_offline(a) -> dict:
         Registry("reward", dict.fromkeys(available())).check(a.reward)
     except ValueError as e:
         raise ConfigError(f"--reward {a.reward}: {e}") from None
-    try:
-        options = json.loads(a.options) if a.options else {}
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--options must be a JSON object of the reward's keyword arguments, e.g. "
-                          f"'{{\"device\": \"cpu\"}}' ({e})") from None
-    if not isinstance(options, dict):
-        raise ConfigError(f"--options must be a JSON object (keyword arguments), got {a.options!r}")
+    options = reward_options(a.options)
     cfg = _load_config(a.config, a.overrides) if a.config else None
     if not Path(a.dataset).is_dir():
         raise ConfigError(f"--dataset {a.dataset}: no such directory; give a dataset written by flowrl generate-offline")
@@ -210,7 +204,7 @@ def _add_rescore_offline_parser(sub) -> None:
                         epilog=example("flowrl rescore-offline --dataset data/gdro --reward jpeg_incompressibility"))
     rs.add_argument("--dataset", required=True, help="dataset directory written by generate-offline")
     rs.add_argument("--reward", required=True, help="reward name, e.g. ocr, pickscore, jpeg_compressibility")
-    rs.add_argument("--options", default=None, help="the reward's keyword arguments as JSON, e.g. '{\"device\": \"cuda\"}'")
+    rs.add_argument("--options", nargs="*", default=[], help=OPTIONS_HELP)
     rs.add_argument("--config", default=None, help="recipe whose model decodes the latents (default: the dataset's)")
     rs.add_argument("--overwrite", action="store_true", help="rescore a column that already exists")
     rs.add_argument("overrides", nargs="*", help="dotted overrides of --config")
@@ -307,8 +301,7 @@ def _add_serve_reward_parser(sub) -> None:
     x = sub.add_parser("serve-reward", help="serve a reward over HTTP for the `remote` reward (its own environment, "
                                             "GPU or node); prints the URL once ready")
     x.add_argument("name", help="a registered reward (flowrl.rewards.available()) or module:callable")
-    x.add_argument("--options", nargs="*", default=[], help="the reward's keyword arguments: key=value items, a "
-                                                           "YAML mapping or a YAML file")
+    x.add_argument("--options", nargs="*", default=[], help=OPTIONS_HELP)
     x.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     x.add_argument("--port", type=int, default=0, help="port (0: a free one, printed)")
     x.add_argument("--max-batch", type=int, default=64, help="images per reward call; concurrent requests merge up to it")
@@ -324,9 +317,7 @@ def _add_serve_reward_parser(sub) -> None:
             opts = ServeOptions(host=a.host, port=a.port, max_batch=a.max_batch, max_wait=a.max_wait_ms / 1000,
                                 max_request_mb=a.max_request_mb, token_env=a.token_env)
             opts.token()  # an unset --token-env fails here, before the reward loads
-            from flowrl.rewards.server import parse_options
-
-            require_device(parse_options(a.options).get("device"), "--options device")
+            require_device(reward_options(a.options).get("device"), "--options device")
             return serve_reward_command(a.name, a.options, opts)
         except (ValueError, ImportError) as e:
             raise ConfigError(str(e)) from None

@@ -140,6 +140,26 @@ def require_device(device, setting: str = "model.device") -> None:
                           f"False); use {setting}=auto (GPU when there is one, else CPU) or {setting}=cpu")
 
 
+# ---------------------------------------------------------------- a reward's --options (serve-reward, rescore-offline)
+OPTIONS_HELP = ("the reward's keyword arguments: key=value items (values read as YAML), a YAML or JSON mapping "
+                "('{device: cuda:1}', '{\"device\": \"cpu\"}') or a YAML file, merged left to right")
+
+
+def reward_options(items: Optional[list[str]]) -> dict:
+    """``--options`` items -> the reward's keyword arguments (:data:`OPTIONS_HELP`, one reading for every
+    verb: :func:`flowrl.rewards.server.parse_options`); a bad item is a ``ConfigError``."""
+    import yaml
+
+    from flowrl.rewards.server import parse_options
+
+    from .errors import ConfigError
+
+    try:
+        return parse_options(items)
+    except (ValueError, yaml.YAMLError) as e:
+        raise ConfigError(one_line(str(e))) from None
+
+
 # ---------------------------------------------------------------- overrides anywhere on the line
 def _override_pattern() -> re.Pattern:
     from flowrl.trainers.config_base import SECTION_NAMES

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +45,21 @@ def env(tiny_digits_dir, tmp_path_factory):
     made = root / "made"
     made.mkdir()
     (made / "keep.txt").write_text("mine")
-    return {"root": root, "model": tiny_digits_dir, "run": run, "empty_run": empty_run, "made": made}
+    (root / "list.yaml").write_text("- model\n- train\n")
+    (root / "string.yaml").write_text("recipes/digits.yaml\n")
+    (root / "empty.yaml").write_text("\n# nothing\n")
+    broken = root / "broken_run"  # its only checkpoint unreadable (a truncated copy)
+    shutil.copytree(run, broken)
+    (broken / "checkpoints" / "iter_000001" / "trainable.safetensors").write_bytes(b"\x00" * 10)
+    half = root / "half_broken_run"  # a newer checkpoint unreadable, the previous one fine
+    shutil.copytree(run, half)
+    shutil.copytree(half / "checkpoints" / "iter_000001", half / "checkpoints" / "iter_000002")
+    (half / "checkpoints" / "iter_000002" / "trainable.safetensors").write_bytes(b"\x00" * 10)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed_port = sock.getsockname()[1]  # nothing listens there once closed
+    return {"root": root, "model": tiny_digits_dir, "run": run, "empty_run": empty_run, "made": made,
+            "broken_run": broken, "half_broken_run": half, "closed_port": closed_port}
 
 
 def train_args(e, *extra):
@@ -87,6 +103,23 @@ CASES = [
                                                        "--resume", *tiny_train_overrides(e["model"],
                                                                                          **{"train.lr": 0.5})],
      ["train.lr", "new --output-dir"], []),
+    ("recipe is a YAML list", "train", lambda e: ["train", "--config", str(e["root"] / "list.yaml"), "--output-dir",
+                                                  str(e["root"] / "new_run")],
+     ["holds a YAML list, not a mapping of sections", "--config digits"], ["new_run"]),
+    ("recipe is a plain string", "train", lambda e: ["train", "--config", str(e["root"] / "string.yaml"),
+                                                     "--output-dir", str(e["root"] / "new_run")],
+     ["holds a plain string"], ["new_run"]),
+    ("empty recipe", "train", lambda e: ["train", "--config", str(e["root"] / "empty.yaml"), "--output-dir",
+                                         str(e["root"] / "new_run")], ["is empty", "--config digits"], ["new_run"]),
+    ("reward server not running", "train",
+     lambda e: train_args(e, "reward.weights={remote: 1.0}", "reward.heldout={}",
+                          f"reward.options={{remote: {{url: 'http://127.0.0.1:{e['closed_port']}'}}}}"),
+     ["/health: connection refused", "serve-reward"], ["new_run"]),
+    ("reward model not in the HF cache", "train",
+     lambda e: train_args(e, "reward.weights={clipscore: 1.0}", "reward.heldout={}",
+                          "reward.options={clipscore: {model: flowrl-test/not-cached}}"),
+     ["'flowrl-test/not-cached' (reward.options.clipscore.model)", "nor in the local Hugging Face cache",
+      "HF_HUB_OFFLINE is set", "HF_HOME"], ["new_run"]),
     # --- generate-offline / rescore-offline
     ("no dataset directory", "generate-offline", lambda e: ["generate-offline", "--config", "recipes/digits_gdro.yaml",
                                                             f"model.path={e['model']}"],
@@ -95,12 +128,12 @@ CASES = [
                                                    "--max-shards", "0"], ["--max-shards", "positive integer"], []),
     ("misspelt reward", "rescore-offline", lambda e: ["rescore-offline", "--dataset", str(e["root"]), "--reward",
                                                       "pickscor"], ["Did you mean 'pickscore'"], []),
-    ("options not JSON", "rescore-offline", lambda e: ["rescore-offline", "--dataset", str(e["root"]), "--reward",
+    ("options not YAML", "rescore-offline", lambda e: ["rescore-offline", "--dataset", str(e["root"]), "--reward",
                                                        "pickscore", "--options", "{device: cpu"],
-     ["--options must be a JSON object"], []),
-    ("options not an object", "rescore-offline", lambda e: ["rescore-offline", "--dataset", str(e["root"]),
+     ["--options '{device: cpu': not YAML", "key=value"], []),
+    ("options not a mapping", "rescore-offline", lambda e: ["rescore-offline", "--dataset", str(e["root"]),
                                                             "--reward", "pickscore", "--options", "[1]"],
-     ["--options must be a JSON object"], []),
+     ["--options '[1]'", "expected key=value, a YAML (or JSON) mapping"], []),
     ("no such dataset", "rescore-offline", lambda e: ["rescore-offline", "--dataset", str(e["root"] / "nope"),
                                                       "--reward", "pickscore"], ["no such directory"], []),
     # --- pretrain-digits
@@ -117,6 +150,23 @@ CASES = [
     ("run without checkpoints", "sample", lambda e: ["sample", "--run", str(e["empty_run"]), "--prompts", "x",
                                                      "--out", str(e["root"] / "new.png")],
      ["has no checkpoint yet"], ["new.png"]),
+    ("base model not in the HF cache", "sample",
+     lambda e: ["sample", "--config", "recipes/sd3_group_pickscore.yaml", "--prompts", "x", "--out",
+                str(e["root"] / "new.png"), "model.device=cpu", "model.path=flowrl-test/not-cached"],
+     ["the sd3 base model 'flowrl-test/not-cached' (model.path)", "HF_HUB_OFFLINE is set", "huggingface-cli download",
+      "HF_HOME"], ["new.png"]),
+    ("base model not in the HF cache", "eval",
+     lambda e: ["eval", "--config", "recipes/sd3_group_pickscore.yaml", "--prompts", "x", "model.device=cpu",
+                "model.path=flowrl-test/not-cached"], ["'flowrl-test/not-cached' (model.path)", "HF_HOME"], []),
+    ("no readable checkpoint", "sample", lambda e: ["sample", "--run", str(e["broken_run"]), "--prompts", "x", "--out",
+                                                    str(e["root"] / "new.png")],
+     ["no readable checkpoint in", "the newest, iter_000001, is unreadable", "SafetensorError"], ["new.png"]),
+    ("no readable checkpoint", "eval", lambda e: ["eval", "--run", str(e["broken_run"]), "--per-prompt", "2"],
+     ["no readable checkpoint in", "iter_000001"], []),
+    ("named checkpoint unreadable", "sample",
+     lambda e: ["sample", "--run", str(e["half_broken_run"]), "--checkpoint", "iter_000002", "--prompts", "x",
+                "--out", str(e["root"] / "new.png")],
+     ["--checkpoint iter_000002", "is unreadable", "iter_000001, iter_000002"], ["new.png"]),
     ("both config and run", "sample", lambda e: sample_args(e, "--config", RECIPE), ["exactly one of --config"],
      ["new.png"]),
     ("no such checkpoint", "sample", lambda e: sample_args(e, "--checkpoint", "iter_000099"),
@@ -138,6 +188,9 @@ CASES = [
      ["has no checkpoint yet"], ["x"]),
     ("export into a used directory", "export", lambda e: ["export", str(e["run"]), str(e["made"])], ["--overwrite"],
      []),
+    ("export a run without a readable checkpoint", "export",
+     lambda e: ["export", str(e["broken_run"]), str(e["root"] / "x")], ["no readable checkpoint", "iter_000001"],
+     ["x"]),
     ("export EMA without one", "export", lambda e: ["export", str(e["run"]), str(e["root"] / "x"), "--ema"],
      ["export without --ema"], ["x"]),
     # --- bench / plan / the top level
@@ -148,9 +201,16 @@ CASES = [
      ["--pipeline", "invalid choice"], []),
     ("unknown bench variant", "bench sol", lambda e: ["bench", "sol", "--variants", "nope", "--budget", "1"],
      ["unknown variant", "choose from"], []),
+    ("unknown bench reward variant", "bench reward", lambda e: ["bench", "reward", "--variants", "bogus"],
+     ["unknown variant(s) ['bogus'] of bench reward", "choose from"], []),
     ("architecture flag on a CPU pipeline", "bench precision", lambda e: ["bench", "precision", "--tiny"],
      ["--tiny apply to the architecture pipelines"], []),
     ("plan without a recipe", "plan", lambda e: ["plan", "--config", "nope.yaml"], ["not found"], []),
+    ("plan a YAML list", "plan", lambda e: ["plan", "--config", str(e["root"] / "list.yaml")],
+     ["holds a YAML list"], []),
+    ("plan a plain string", "plan", lambda e: ["plan", "--config", str(e["root"] / "string.yaml")],
+     ["holds a plain string"], []),
+    ("plan an empty recipe", "plan", lambda e: ["plan", "--config", str(e["root"] / "empty.yaml")], ["is empty"], []),
     # --- serve-reward (fails before it binds a port or loads a model)
     ("serve an unknown reward", "serve-reward", lambda e: ["serve-reward", "pickscor"], ["pickscor"], []),
     ("serve with an option the reward lacks", "serve-reward",
