@@ -359,3 +359,56 @@ def test_ctrl_c_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_make_tiny", interrupted)
     rc, out, err = _run(["make-tiny", "digits", "/nonexistent/x"], capsys)
     assert rc == 130 and out == "" and err == "flowrl make-tiny: error: interrupted (Ctrl-C)\n"
+
+
+def test_unreadable_newest_checkpoint_falls_back_with_a_notice(env, capsys, tmp_path):
+    """sample / eval / export of a run whose newest checkpoint is unreadable use the previous readable one,
+    as train --resume does, and say so on stderr naming both."""
+    run = env["half_broken_run"]
+    png = tmp_path / "s.png"
+    for argv in (["sample", "--run", str(run), "--prompts", "a handwritten digit 1", "--per-prompt", "1", "--steps",
+                  "2", "--out", str(png)],
+                 ["eval", "--run", str(run), "--per-prompt", "2", "--steps", "2", "--prompts", "a handwritten digit 1"],
+                 ["export", str(run), str(tmp_path / "lora")]):
+        rc, out, err = _run(argv, capsys)
+        assert rc == 0, err
+        assert "the newest checkpoint" in err and "iter_000002 is unreadable (SafetensorError" in err, err
+        assert "using the previous readable one, iter_000001" in err and "Traceback" not in err
+    assert png.is_file() and json.loads((tmp_path / "lora" / "flowrl_export.json").read_text())["checkpoint"] == \
+        "iter_000001"
+
+
+def test_resume_with_nothing_to_resume_says_so(env, capsys):
+    """--resume into a directory without a run starts a new run, and says so (not silently)."""
+    out_dir = env["root"] / "resume_into_nothing"
+    rc, out, err = _run(["train", "--config", RECIPE, "--output-dir", str(out_dir), "--resume",
+                         *tiny_train_overrides(env["model"], **{"train.iterations": 1})], capsys)
+    assert rc == 0, err
+    assert f"--resume: nothing to resume in {out_dir} (no run there): starting a new run" in err
+    assert (out_dir / "checkpoints" / "iter_000001").is_dir()
+
+
+def test_smoke_with_a_users_reward_missing_from_the_cache(env, capsys):
+    """--smoke with the user's own reward whose model is not in the Hugging Face cache: rc 2, the last line
+    names the model (after the smoke run's own status line), no traceback, no run written."""
+    out_dir = env["root"] / "smoke_run"
+    rc, out, err = _run(["train", "--smoke", "--config", RECIPE, "--output-dir", str(out_dir),
+                         "reward.weights={pickscore: 1.0}", "reward.options={pickscore: {model: flowrl-test/none, "
+                                                            "processor: flowrl-test/none}}"], capsys)
+    assert rc == 2 and out == "" and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("flowrl train: error: the CLIP model 'flowrl-test/none' (reward.options.pickscore.model)")
+    assert len(err.strip().splitlines()) <= 2 and not out_dir.exists()
+
+
+def test_reward_options_read_alike_in_both_verbs():
+    """rescore-offline and serve-reward take --options in the same forms, with one help text."""
+    from flowrl.cli import build_parser
+    from flowrl.command_line import reward_options
+
+    assert reward_options(["device=cpu", '{"batch_size": 2}', "{dtype: float32}"]) == {
+        "device": "cpu", "batch_size": 2, "dtype": "float32"}
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices
+    helps = {v: next(a for a in sub[v]._actions if a.dest == "options") for v in ("rescore-offline", "serve-reward")}
+    assert helps["rescore-offline"].help == helps["serve-reward"].help and \
+        helps["rescore-offline"].nargs == helps["serve-reward"].nargs == "*"
