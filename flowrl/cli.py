@@ -24,6 +24,7 @@ from typing import Optional
 
 from .command_line import (OPTIONS_HELP, Parser, emit, example, positive_float, positive_int, require_device,
                            reward_options, split_overrides, user_message, verb_parser)
+from .utils.threads import chosen_threads
 
 
 # ---------------------------------------------------------------- the verbs
@@ -99,16 +100,19 @@ def _rescore_offline(a) -> dict:
 
 def _pretrain(a) -> dict:
     from flowrl.digits_report import cached_report
-    from flowrl.pipelines.digits import PretrainConfig, default_base_path, pretrain_digits
+    from flowrl.pipelines.digits import PretrainConfig, base_lock, default_base_path, pretrain_digits
 
     out = Path(a.out) if a.out else default_base_path()
-    if (out / "transformer").is_dir() and not a.force:
-        print(f"[flowrl] digits base already at {out} (use --force to retrain)")
-    else:
-        given = {k: getattr(a, k) for k in ("steps", "batch_size", "lr", "seed", "max_seconds") if getattr(a, k) is not None}
-        pretrain_digits(out, PretrainConfig(**given))
+    with base_lock(out):  # a second command started at the same time waits, then finds the base
+        if (out / "transformer").is_dir() and not a.force:
+            print(f"[flowrl] digits base already at {out} (use --force to retrain)")
+        else:
+            given = {k: getattr(a, k) for k in ("steps", "batch_size", "lr", "seed", "max_seconds")
+                     if getattr(a, k) is not None}
+            pretrain_digits(out, PretrainConfig(**given))
+        report = cached_report(out, force=a.force)
     pretrained = json.loads((out / "pretrain.json").read_text()) if (out / "pretrain.json").is_file() else None
-    return {**cached_report(out, force=a.force), "model": str(out), "pretrain": pretrained}
+    return {**report, "model": str(out), "pretrain": pretrained}
 
 
 def _sample(a) -> dict:
@@ -349,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
 # verbs whose handler prints its own output (flowrl plan: its table and JSON; flowrl serve-reward: its URL
 # line once it serves, which a client or a launcher script reads from stdout)
 _PRINTS_ITS_OWN = {"plan", "serve-reward"}
+# verbs whose CPU work runs on the threads flowrl.utils.threads chooses (not the benchmarks: they time torch as set)
+_CHOOSES_THREADS = {"train", "generate-offline", "rescore-offline", "pretrain-digits", "sample", "eval"}
 # verbs that load diffusers models
 _LOADS_MODELS = {"train", "generate-offline", "rescore-offline", "pretrain-digits", "sample", "eval", "export", "bench"}
 
@@ -374,7 +380,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if args.command in _PRINTS_ITS_OWN:
             return args.fn(args)
-        with contextlib.redirect_stdout(sys.stderr):  # status lines to stderr: stdout holds the result only
+        threads = chosen_threads() if args.command in _CHOOSES_THREADS else contextlib.nullcontext()
+        with contextlib.redirect_stdout(sys.stderr), threads:  # status lines to stderr: stdout holds the result
             result = args.fn(args)
         emit(result)
         return 130 if isinstance(result, dict) and result.get("stopped_by") == "SIGINT" else 0

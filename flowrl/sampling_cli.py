@@ -15,6 +15,7 @@ import torch
 from .command_line import require_device
 from .errors import ConfigError
 from .export import read_run_weights, resolve_checkpoint
+from .data.items import item_sources, item_texts
 from .media import save_samples
 from .rollout.base import score_images
 from .rollout.ode import ode_sample
@@ -82,7 +83,10 @@ def _generate(a):
 def sample_command(a) -> dict:
     """``flowrl sample``: write the grid (a row per prompt); returns what was written."""
     _, rows, images, steps = _generate(a)
-    save_samples(images, Path(a.out), nrow=a.per_prompt, scale=max(1, 64 // images.shape[-1]))
+    prompts = rows[::a.per_prompt]  # a row of the grid per prompt, captioned with it
+    sources = item_sources(prompts)
+    save_samples(images, Path(a.out), nrow=a.per_prompt, scale=max(1, 64 // images.shape[-1]),
+                 labels=item_texts(prompts), sources=sources if any(s is not None for s in sources) else None)
     return {"samples": len(rows), "out": str(a.out), "steps": steps}
 
 

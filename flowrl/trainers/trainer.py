@@ -30,7 +30,7 @@ import torch
 from ..builders import build_policy_from_config, build_reward, build_rewards, evaluate_policy
 from ..checkpoints.common import CheckpointError, list_checkpoints
 from ..data.embeddings import attach_text_cache
-from ..data.items import item_texts
+from ..data.items import item_sources, item_texts
 from ..diagnostics import watch
 from ..distributed.fsdp import check_launcher
 from ..distributed.strategy import evaluation_weights, strategy_for
@@ -303,8 +303,10 @@ class Trainer:
         if self.acc.is_main_process:
             real = self._real_data_reference() if first else {}
             self.run.log({**met, **real, "iteration": i})
+            sources = item_sources(self.eval_prompts)  # an editing set's inputs, shown before each row
             save_samples(images, self.run.samples / f"eval_{i:06d}.png", nrow=self.cfg.data.eval_seeds_per_prompt,
-                         scale=max(1, 64 // images.shape[-1]))
+                         scale=max(1, 64 // images.shape[-1]), labels=item_texts(self.eval_prompts),
+                         sources=sources if any(s is not None for s in sources) else None)
 
     def _real_data_reference(self) -> dict:
         """The evaluation metrics on real data (digits: held-out images), when the policy has them."""
