@@ -163,7 +163,8 @@ def save_samples(samples: torch.Tensor, path: Union[str, os.PathLike], nrow: int
     over the frames (:func:`save_animation`: ``.gif``, ``.webp``). Grid rows hold ``nrow`` samples (fewer
     when there are fewer: no empty canvas); ``labels`` captions each row (its prompt or instruction) and
     ``sources`` puts each row's source image(s) before it (an edit's inputs: None, a tensor, or a list
-    per row), as :func:`flowrl.utils.images.labeled_grid`. Returns the paths written."""
+    per row; no column when every row has None), as :func:`flowrl.utils.images.labeled_grid`. Returns
+    the paths written."""
     from .utils.images import labeled_grid
     from .utils.io import save_png
 

@@ -84,9 +84,8 @@ def sample_command(a) -> dict:
     """``flowrl sample``: write the grid (a row per prompt); returns what was written."""
     _, rows, images, steps = _generate(a)
     prompts = rows[::a.per_prompt]  # a row of the grid per prompt, captioned with it
-    sources = item_sources(prompts)
     save_samples(images, Path(a.out), nrow=a.per_prompt, scale=max(1, 64 // images.shape[-1]),
-                 labels=item_texts(prompts), sources=sources if any(s is not None for s in sources) else None)
+                 labels=item_texts(prompts), sources=item_sources(prompts))
     return {"samples": len(rows), "out": str(a.out), "steps": steps}
 
 

@@ -16,7 +16,6 @@ from typing import Optional
 
 import numpy as np
 
-
 from ..trainers.config import Config
 from ..trainers.config_text import apply_overrides, read_recipe, resolve_recipe
 from ..trainers.online import OnlineTrainer

@@ -303,10 +303,9 @@ class Trainer:
         if self.acc.is_main_process:
             real = self._real_data_reference() if first else {}
             self.run.log({**met, **real, "iteration": i})
-            sources = item_sources(self.eval_prompts)  # an editing set's inputs, shown before each row
             save_samples(images, self.run.samples / f"eval_{i:06d}.png", nrow=self.cfg.data.eval_seeds_per_prompt,
                          scale=max(1, 64 // images.shape[-1]), labels=item_texts(self.eval_prompts),
-                         sources=sources if any(s is not None for s in sources) else None)
+                         sources=item_sources(self.eval_prompts))  # a row per prompt: its text, an edit's inputs
 
     def _real_data_reference(self) -> dict:
         """The evaluation metrics on real data (digits: held-out images), when the policy has them."""
