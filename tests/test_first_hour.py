@@ -23,13 +23,15 @@ def test_thread_choice():
     assert choose_threads(2, 0.1, 500_000_000, None)[0] == 2  # idle cores, a large model: all of them
     assert choose_threads(8, 5.0, 500_000_000, None)[0] == 3  # the cores others leave free
     assert choose_threads(4, 9.0, 500_000_000, None)[0] == 1 and choose_threads(4, None, None, None)[0] == 4
+    assert choose_threads(8, 0.0, 500_000_000, None, procs=2)[0] == 4  # two processes of one run share the cores
     assert SMALL_MODEL_PARAMS > 580_000
 
 
 def test_threads_are_chosen_once_under_the_command_line_only(monkeypatch, capsys):
     from flowrl.utils import threads
 
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for var in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(var, raising=False)
     before = torch.get_num_threads()
     assert threads.use_cpu_threads(1000) is None  # a library caller keeps its setting
     with threads.chosen_threads():

@@ -32,13 +32,17 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def choose_threads(cores: int, load: Optional[float], params: Optional[int], env: Optional[str]) -> tuple[int, str]:
+def choose_threads(cores: int, load: Optional[float], params: Optional[int], env: Optional[str],
+                   procs: int = 1) -> tuple[int, str]:
     """(threads, why) for ``cores`` usable cores, the 1-minute ``load`` average (None: unknown), a model of
-    ``params`` parameters (None: unknown) and the ``OMP_NUM_THREADS`` value ``env`` (None: unset)."""
+    ``params`` parameters (None: unknown), the ``OMP_NUM_THREADS`` value ``env`` (None: unset) and ``procs``
+    processes of this run on the machine (a launcher's ``LOCAL_WORLD_SIZE``: they share the free cores)."""
     if env is not None and env.strip().isdigit() and int(env) > 0:
         return int(env), f"OMP_NUM_THREADS={env.strip()}"
     free = cores if load is None else max(1, min(cores, int(cores - load + 0.5)))
-    why = f"{cores} core(s)" + ("" if load is None else f", load average {load:.1f} from other processes")
+    free = max(1, free // max(1, procs))
+    why = f"{cores} core(s)" + ("" if load is None else f", load average {load:.1f} from other processes") + \
+        (f", {procs} processes of this run" if procs > 1 else "")
     if params is not None and params < SMALL_MODEL_PARAMS:
         return 1, f"{why}; a {params / 1e6:.2f}M-parameter model: more threads only add synchronisation"
     return free, why
@@ -72,10 +76,12 @@ def use_cpu_threads(params: Optional[int] = None, device: str = "cpu") -> Option
         load: Optional[float] = os.getloadavg()[0]
     except (AttributeError, OSError):
         load = None
-    n, why = choose_threads(available_cores(), load, params, os.environ.get("OMP_NUM_THREADS"))
+    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    n, why = choose_threads(available_cores(), load, params, os.environ.get("OMP_NUM_THREADS"), procs)
     torch.set_num_threads(n)
-    print(f"[flowrl] CPU work on {n} torch thread(s) ({why}; set OMP_NUM_THREADS to choose)", file=sys.stderr,
-          flush=True)
+    if os.environ.get("RANK", "0") == "0":  # one line per run, not per process
+        print(f"[flowrl] CPU work on {n} torch thread(s) ({why}; set OMP_NUM_THREADS to choose)", file=sys.stderr,
+              flush=True)
     return n
 
 
