@@ -43,10 +43,16 @@ def with_frame_stride(rewards: dict, frame_stride: int) -> dict:
 
 
 def build_policy_from_config(cfg, device):
+    """The config's policy on ``device``; on the CPU, torch's threads are then chosen for its size
+    (:func:`flowrl.utils.threads.use_cpu_threads`, under the command line)."""
     from flowrl.pipelines import build_policy
+    from flowrl.utils.threads import model_params, use_cpu_threads
 
-    return build_policy(cfg.model.pipeline, cfg.model.path, guidance_scale=cfg.model.guidance_scale,
-                        device=device, **cfg.model.options)
+    policy = build_policy(cfg.model.pipeline, cfg.model.path, guidance_scale=cfg.model.guidance_scale,
+                          device=device, **cfg.model.options)
+    transformer = getattr(policy, "transformer", None)
+    use_cpu_threads(model_params(transformer) if transformer is not None else None, str(device))
+    return policy
 
 
 def _with_heldout(reward, heldout: dict):

@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
 
 from .checkpoints import checkpoint_tensors, format_of
-from .checkpoints.common import list_checkpoints
+from .checkpoints.common import CheckpointError, list_checkpoints
 from .trainers.config import Config, load_run_config
 from .errors import ConfigError
 from .utils.io import atomic_dir, write_json
@@ -74,6 +75,35 @@ def resolve_checkpoint(run_dir: Path, checkpoint: Optional[Union[str, os.PathLik
         raise ExportError(f"run {run_dir} has no checkpoint yet (checkpoints/iter_NNNNNN is written every "
                           f"train.checkpoint_every iterations and at the end); train it first or wait for one")
     return ckpts[-1]
+
+
+def read_run_weights(run_dir: Path, checkpoint: Optional[Union[str, os.PathLike]] = None,
+                     group: str = "trainable") -> tuple[Path, Optional[dict[str, torch.Tensor]]]:
+    """(the checkpoint ``--checkpoint`` names, default the run's newest, and its ``group`` tensors: None when
+    it has no such group), for ``sample``, ``eval`` and ``export``. An unreadable newest checkpoint (a
+    truncated file) falls back to the previous readable one, as ``train --resume`` does, with a notice on
+    stderr naming both; a named checkpoint that is unreadable, or no readable one, is a
+    :class:`CheckpointError` naming it."""
+    newest = resolve_checkpoint(run_dir, checkpoint)
+    candidates = [newest] if checkpoint is not None else list_checkpoints(run_dir / "checkpoints")[::-1]
+    failed: list[tuple[Path, str]] = []
+    for path in candidates:
+        try:
+            tensors = checkpoint_tensors(path, group)
+        except CheckpointError as e:
+            cause = e.__cause__ or e
+            failed.append((path, f"{type(cause).__name__}: {str(cause)[:200]}"))
+            continue
+        if failed:
+            print(f"[flowrl] WARNING: the newest checkpoint {newest} is unreadable ({failed[0][1]}); using the "
+                  f"previous readable one, {path.name}", file=sys.stderr, flush=True)
+        return path, tensors
+    if checkpoint is not None:
+        have = ", ".join(c.name for c in list_checkpoints(run_dir / "checkpoints")) or "none"
+        raise CheckpointError(f"--checkpoint {checkpoint}: {newest} is unreadable ({failed[0][1]}); pick another "
+                              f"(checkpoints of {run_dir}: {have})")
+    raise CheckpointError(f"no readable checkpoint in {run_dir / 'checkpoints'}: the newest, {newest.name}, is "
+                          f"unreadable ({failed[0][1]}), and so is every older one; retrain, or restore the files")
 
 
 def base_model_path(cfg: Config, model_path: Optional[str] = None) -> str:
@@ -134,7 +164,11 @@ def empty_transformer(cfg: Config, base: str) -> torch.nn.Module:
 def _empty_transformer(pipeline: str, base: str, hub_kwargs: dict) -> torch.nn.Module:
     from accelerate import init_empty_weights
 
+    from .utils.hub import require_hub_model
+
     cls = _transformer_class(pipeline)
+    require_hub_model(base, f"the {pipeline} base model", "the run's model.path, or --model-path",
+                      hub_kwargs.get("cache_dir"))
     try:
         config = cls.load_config(base, subfolder="transformer", **hub_kwargs)
     except (OSError, ValueError) as e:
@@ -239,9 +273,8 @@ def export_run(run_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike
         raise ExportError(f"{run} is not a flowrl run directory (no config.yaml)")
     cfg = load_run_config(run / "config.yaml")
     adapter_class(cfg.model.pipeline)  # raises the explanation when the adapter declares no export writer
-    ck = resolve_checkpoint(run, checkpoint)
+    ck, tensors = read_run_weights(run, checkpoint, "ema" if ema else "trainable")
     fname = "ema.safetensors" if ema else "trainable.safetensors"
-    tensors = checkpoint_tensors(ck, "ema" if ema else "trainable")
     if tensors is None:
         raise ExportError(f"{ck} has no {fname}: the run was trained without train.ema; export without --ema")
     if out.exists() and any(out.iterdir()):
@@ -258,7 +291,10 @@ def export_run(run_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike
     def write(tmp: Path) -> None:  # a sibling temporary directory, renamed into place when complete
         tmp.mkdir(parents=True)
         done = export_lora(cfg, tensors, tmp, base) if cfg.train.lora_rank > 0 else export_full(cfg, tensors, tmp, base)
-        state = json.loads((ck / "trainer_state.json").read_text()) if (ck / "trainer_state.json").is_file() else {}
+        try:
+            state = json.loads((ck / "trainer_state.json").read_text())
+        except (OSError, ValueError):  # absent or unreadable: the weights are what is exported
+            state = {}
         info.update({**done, "pipeline": cfg.model.pipeline, "base_model": base, "run_dir": str(run.resolve()),
                      "checkpoint": ck.name, "iteration": state.get("iteration"), "weights": "ema" if ema else "trained",
                      "load": done["load"].replace("BASE", repr(base)).replace("OUT", repr(str(out)))})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -85,18 +85,22 @@ def score_per_frame(reward_fn: Callable[..., torch.Tensor], videos: torch.Tensor
     return scores.view(b, k).nanmean(dim=1)  # [B]
 
 
-def frame_strip(video: torch.Tensor, frame_stride: int = 1) -> torch.Tensor:
+def frame_strip(video: torch.Tensor, frame_stride: int = 1, gap: int = 0, gap_value: float = 1.0) -> torch.Tensor:
     """The kept frames side by side: ``[3, F, H, W]`` -> ``[3, H, F' W]`` (one video), or
-    ``[B, 3, F, H, W]`` -> ``[B, 3, H, F' W]`` (a batch, ready for ``flowrl.utils.images.image_grid``)."""
+    ``[B, 3, F, H, W]`` -> ``[B, 3, H, F' W]`` (a batch, ready for ``flowrl.utils.images.image_grid``);
+    ``gap`` columns of ``gap_value`` between frames make the width ``F' W + (F' - 1) gap``."""
     _check_stride(frame_stride)
     if video.ndim == 4 and video.shape[0] == 3:
-        return frame_strip(video[None], frame_stride)[0]
+        return frame_strip(video[None], frame_stride, gap, gap_value)[0]
     if not is_video(video):
         raise ValueError(f"frame_strip expects a video [3, F, H, W] or videos [B, 3, F, H, W], "
                          f"got {tuple(video.shape)}")
     x = video[:, :, ::frame_stride]  # [B, 3, F', H, W]
+    if gap:
+        x = torch.cat([x, torch.full((*x.shape[:4], gap), gap_value, dtype=x.dtype)], dim=4)  # [B, 3, F', H, W+g]
     b, c, f, h, w = x.shape
-    return x.permute(0, 1, 3, 2, 4).reshape(b, c, h, f * w)  # [B, 3, H, F' W]
+    strip = x.permute(0, 1, 3, 2, 4).reshape(b, c, h, f * w)  # [B, 3, H, F' (W + g)]
+    return strip[..., :f * w - gap] if gap else strip
 
 
 def animation_formats() -> tuple[str, ...]:
@@ -148,18 +152,30 @@ def save_animation(video: torch.Tensor, path: Union[str, os.PathLike], fps: floa
     return written
 
 
+VIDEO_PAD, VIDEO_BACKGROUND = 4, 0.2  # between the videos of a grid: 4 dark pixels (their frames: 1 white)
+
+
 def save_samples(samples: torch.Tensor, path: Union[str, os.PathLike], nrow: int, scale: int = 1,
-                 fps: float = 8.0) -> list[Path]:
+                 fps: float = 8.0, labels: Optional[Sequence[str]] = None, sources=None) -> list[Path]:
     """Save a batch of samples for people to look at: images ``[N, 3, H, W]`` as one PNG grid at
-    ``path``; videos ``[N, 3, F, H, W]`` as a PNG grid of frame strips (:func:`frame_strip`) at ``path``
-    and beside it the grid animated over the frames (:func:`save_animation`: ``.gif``, ``.webp``).
-    Returns the paths written."""
-    from .utils.images import image_grid, save_grid
+    ``path``; videos ``[N, 3, F, H, W]`` as a PNG grid of frame strips (:func:`frame_strip`, frames 1 px
+    apart, videos :data:`VIDEO_PAD` px apart on a dark ground) at ``path`` and beside it the grid animated
+    over the frames (:func:`save_animation`: ``.gif``, ``.webp``). Grid rows hold ``nrow`` samples (fewer
+    when there are fewer: no empty canvas); ``labels`` captions each row (its prompt or instruction) and
+    ``sources`` puts each row's source image(s) before it (an edit's inputs: None, a tensor, or a list
+    per row; no column when every row has None), as :func:`flowrl.utils.images.labeled_grid`. Returns
+    the paths written."""
+    from .utils.images import labeled_grid
+    from .utils.io import save_png
 
     if not is_video(samples):
-        save_grid(samples, path, nrow=nrow, scale=scale)
+        save_png(labeled_grid(samples, nrow, scale, labels, sources), path)
         return [Path(path)]
-    save_grid(frame_strip(samples), path, nrow=nrow, scale=scale)
-    frames = [torch.from_numpy(image_grid(samples[:, :, f], nrow, scale=scale)).permute(2, 0, 1).float() / 255
+    size = tuple(samples.shape[-2:])
+    grid = labeled_grid(frame_strip(samples, gap=1), nrow, scale, labels, sources, pad=VIDEO_PAD,
+                        background=VIDEO_BACKGROUND, source_size=size)
+    save_png(grid, path)
+    frames = [torch.from_numpy(labeled_grid(samples[:, :, f], nrow, scale, labels, sources, pad=VIDEO_PAD,
+                                            background=VIDEO_BACKGROUND)).permute(2, 0, 1).float() / 255
               for f in range(samples.shape[2])]  # F x [3, H', W']
     return [Path(path), *save_animation(torch.stack(frames, 1), Path(path).with_name(Path(path).stem + "_anim"), fps)]

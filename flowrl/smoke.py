@@ -14,6 +14,10 @@ targets, sharding) and :func:`smoke_overrides` shrinks everything else:
   a prompt set or reward given on the command line (``data.*``, ``reward.*``) is kept instead;
 - offline GDRO recipes (``train.mode: offline``): a dataset of 2 groups x 2 images is generated first.
 
+Before any of that, :func:`check_real_inputs` reads what the real run would read (the recipe's prompt
+files, the local files its rewards name): a missing one fails the smoke run as it would fail the real
+one.
+
 Files besides the run (the dataset, a text-embedding cache) go to a temporary directory removed at
 the end, never to the recipe's own cache paths, so the real run finds no stale cache.
 """
@@ -109,6 +113,46 @@ def smoke_overrides(cfg, model_dir: Path, scratch: Path) -> list[str]:
     return [f"{k}={v}" for k, v in ov.items()]
 
 
+# reward options naming a file of weights or settings (checked to exist: the real run reads them)
+MODEL_FILE_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt", ".onnx", ".json", ".yaml")
+SMOKE_DATA_HINT = ("give data.prompts=... data.eval_prompts=... on this command line (e.g. the shipped "
+                   "flowgrpo-pickscore-sample): --smoke then checks and uses those")
+
+
+def _names_a_local_file(value) -> bool:
+    return isinstance(value, str) and (value.startswith(("/", "./", "../", "~")) or
+                                       Path(value).suffix.lower() in MODEL_FILE_SUFFIXES)
+
+
+def check_real_inputs(cfg) -> None:
+    """What the real run of ``cfg`` reads before its first iteration, checked on this machine before the
+    smoke sizes replace it (a ``ConfigError`` that says so): the prompt sets (``data.prompts``,
+    ``data.eval_prompts``, read by the real loader) and the local files the rewards name
+    (``reward.options``, ``reward.heldout``). An offline recipe's ``offline.dataset`` that does not exist
+    yet gets a notice (``flowrl generate-offline`` writes it)."""
+    from .data.prompts import PromptSetError
+    from .errors import ConfigError
+
+    for key, read in (("data.prompts", cfg.data.train_prompts), ("data.eval_prompts", cfg.data.eval_prompt_set)):
+        try:
+            read()
+        except (PromptSetError, FileNotFoundError) as e:
+            raise ConfigError(f"--smoke checks what the real run reads, and {key} fails: {e}; copy the file there, "
+                              f"or {SMOKE_DATA_HINT}") from None
+    for section, spec in (("reward.options", cfg.reward.options), ("reward.heldout", cfg.reward.heldout)):
+        for name, options in spec.items():
+            for key, value in (options or {}).items():
+                if _names_a_local_file(value) and not Path(value).expanduser().exists():
+                    raise ConfigError(f"--smoke checks what the real run reads: {section}.{name}.{key}={value} is "
+                                      f"no file here (building the {name} reward would fail); put the file there "
+                                      f"or point the option at it")
+    dataset = getattr(cfg.offline, "dataset", None) if cfg.train.mode == "offline" else None
+    if dataset and not Path(dataset).is_dir():
+        print(f"[flowrl] note: offline.dataset {dataset} does not exist yet; write it with `flowrl generate-offline "
+              f"--config RECIPE` before the real run (the smoke run generates a tiny one of its own)",
+              file=sys.stderr, flush=True)
+
+
 def smoke_config(recipe: str, overrides: Sequence[str], scratch: Path) -> tuple:
     """(the smoke-sized config of ``recipe`` with the user's ``overrides``, all the overrides applied).
     The smoke sizes apply after the user's overrides, except in :data:`USER_SECTIONS`: a prompt set or
@@ -117,6 +161,7 @@ def smoke_config(recipe: str, overrides: Sequence[str], scratch: Path) -> tuple:
     from .trainers.config_text import override_key
 
     first = load_config(recipe, list(overrides))
+    check_real_inputs(first)
     mine = {override_key(o) for o in overrides if override_key(o).split(".")[0] in USER_SECTIONS}
     ov = [*overrides, *(o for o in smoke_overrides(first, tiny_model(first.model.pipeline), scratch)
                         if not _covered(override_key(o), mine))]

@@ -205,7 +205,7 @@ class DiffusersPolicy(ModelFacts):
         if path_or_id is None or str(path_or_id) == "":
             raise ValueError(f"pass a model directory or hub id (`flowrl make-tiny {cls.kind} DIR` writes a "
                              f"tiny offline one)")
-        check_model_path(str(path_or_id), cls.kind, cls.example_hub_id or None)
+        check_model_path(str(path_or_id), cls.kind, cls.example_hub_id or None, kwargs.get("cache_dir"))
         if resolution is None:
             resolution = read_flowrl_json(path_or_id).get("resolution")
         own = set(inspect.signature(cls.__init__).parameters) - {"self", "pipe"}

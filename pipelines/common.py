@@ -143,10 +143,12 @@ def transformer_dtype(transformer: torch.nn.Module) -> torch.dtype:
     return module_dtype(getattr(transformer, "module", transformer))
 
 
-def check_model_path(path_or_id: str, kind: str, example_hub_id: Optional[str] = None) -> None:
+def check_model_path(path_or_id: str, kind: str, example_hub_id: Optional[str] = None,
+                     cache_dir: Optional[str] = None) -> None:
     """A local-looking path that does not exist gets an error that says what to do.
 
-    Hub ids (``org/name``) pass through to ``from_pretrained``; offline, that fails in diffusers.
+    Hub ids (``org/name``) pass through to ``from_pretrained`` when they are in the local cache or can
+    be downloaded; otherwise they fail here at once (:func:`flowrl.utils.hub.require_hub_model`).
     """
     p = Path(os.path.expanduser(str(path_or_id)))
     looks_local = str(path_or_id).startswith((".", "/", "~")) or p.exists() or str(path_or_id).count("/") != 1
@@ -155,6 +157,9 @@ def check_model_path(path_or_id: str, kind: str, example_hub_id: Optional[str] =
             f"{kind} model path {str(path_or_id)!r} does not exist. Pass a directory written by "
             f"save_pretrained (e.g. `flowrl make-tiny {kind} DIR` for a tiny offline one) or a hub id "
             f"like {example_hub_id or 'stabilityai/stable-diffusion-3.5-medium'!r}.")
+    from flowrl.utils.hub import require_hub_model
+
+    require_hub_model(path_or_id, f"the {kind} base model", "model.path", cache_dir)
 
 
 DECODE_BATCH = 8  # images per VAE call: at 512 px a float32 SD3 / FLUX decode holds ~0.75 GiB per image

@@ -16,7 +16,8 @@ HTTP 408 / 429 / 502 / 503 / 504 are retried ``retries`` times with exponential 
 ``2 backoff``, ...), then :class:`RemoteRewardError` names the URL and the last error. A request the
 server refuses (4xx: malformed, too large, unauthorized) or a reward that failed there (500) is
 not retried: the error carries the server's message and the field it names. The constructor asks
-``/health`` first (with the same retries), so a wrong URL fails before any sampling. Errors are
+``/health`` first, so a wrong URL fails before any sampling, at once when nothing listens there (a
+refused connection is not retried then; other failures are, as above). Errors are
 :class:`flowrl.rewards.RewardUnavailable`: training stops at the iteration boundary and continues
 with ``--resume`` once the server is back. The bearer token, if any, is read from the environment
 variable ``token_env`` and never logged.
@@ -88,24 +89,26 @@ class RemoteReward:
                                  f"server's bearer token there")
         self.served: Optional[str] = None  # the reward the server serves (its /health)
         if check:
-            self.health()
+            self.health(refused_is_final=True)
 
     def __repr__(self) -> str:  # no token in here
         return f"RemoteReward(url={self.url!r}, served={self.served!r}, encoding={self.encoding!r})"
 
     # ------------------------------------------------------------ HTTP with retries
-    def _request(self, path: str, body: Optional[bytes] = None) -> bytes:
+    def _request(self, path: str, body: Optional[bytes] = None, refused_is_final: bool = False) -> bytes:
         headers = {"Content-Type": CONTENT_TYPE} if body is not None else {}
         if self._token:
             headers["Authorization"] = f"Bearer {self._token}"
         req = urllib.request.Request(self.url + path, data=body, headers=headers, method="POST" if body else "GET")
         return fetch(req, timeout=self.timeout, retries=self.retries, backoff=self.backoff,
                      what=f"reward server {self.url}{path}", error=RemoteRewardError, detail=_server_error,
-                     retry_status=RETRY_STATUS, hint=". Is `flowrl serve-reward` running there?")
+                     retry_status=RETRY_STATUS, hint=". Is `flowrl serve-reward` running there?",
+                     refused_is_final=refused_is_final)
 
-    def health(self) -> dict:
-        """The server's ``/health`` (checks that it is a flowrl reward server of this protocol)."""
-        raw = self._request("/health")
+    def health(self, refused_is_final: bool = False) -> dict:
+        """The server's ``/health`` (checks that it is a flowrl reward server of this protocol);
+        ``refused_is_final``: a refused connection fails at once (the check when the reward is built)."""
+        raw = self._request("/health", refused_is_final=refused_is_final)
         try:
             info = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):

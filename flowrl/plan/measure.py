@@ -77,6 +77,9 @@ def _real_transformer(cfg, comp, device: torch.device):
 
     name = "diffusers:" + comp.adapter.transformer_class
     if device.type == "cuda" and cfg.model.path:
+        from ..utils.hub import require_hub_model
+
+        require_hub_model(cfg.model.path, f"the {cfg.model.pipeline} base model", "model.path")
         return component_class(name).from_pretrained(cfg.model.path, subfolder="transformer",
                                                      torch_dtype=comp.dtypes["transformer"]).to(device)
     return build_component(Component(name, comp.config), device, comp.dtypes["transformer"])

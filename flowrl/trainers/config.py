@@ -19,7 +19,7 @@ from ..registry import SAMPLERS
 from ..updates import DEFAULT_LOSS, UPDATES, updates_by_input
 from ..updates.base import build_options, incompatibility
 from .config_base import SECTION_NAMES, _h
-from .config_text import (_fix_floats, apply_overrides, keep_loss_options_of_new_loss, moved_key_hint, resolve_recipe,
+from .config_text import (_fix_floats, apply_overrides, keep_loss_options_of_new_loss, moved_key_hint, read_recipe,
                           upgrade_saved_config)
 from .offline_config import OfflineConfig
 
@@ -409,13 +409,7 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[lis
     ``path`` is a YAML file, or the name of a shipped recipe (``digits``, ``digits.yaml`` or
     ``recipes/digits.yaml`` from any directory, also when flowrl is installed from a wheel).
     """
-    d: dict = {}
-    if path is not None:
-        p = resolve_recipe(path)
-        try:
-            d = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"recipe {path} is not valid YAML: {e}") from None
+    d: dict = read_recipe(path) if path is not None else {}
     recipe_train = d.get("train") if isinstance(d.get("train"), dict) else {}
     recipe_loss = recipe_train.get("loss") or DEFAULT_LOSS.get(recipe_train.get("mode", "online"))  # before overrides
     d = _fix_floats(apply_overrides(d, overrides or []))

@@ -137,6 +137,25 @@ def resolve_recipe(path: Union[str, Path]) -> Path:
                       f"{', '.join(r.name for r in shipped_recipes()) or '(none)'}")
 
 
+def read_recipe(path: Union[str, Path]) -> dict:
+    """The mapping of sections a recipe file (or shipped recipe name, :func:`resolve_recipe`) holds. An
+    empty file, a YAML list or a plain string is a :class:`ConfigError` (an empty recipe would otherwise
+    train the defaults without a word)."""
+    p = resolve_recipe(path)
+    try:
+        d = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"recipe {path} is not valid YAML: {e}") from None
+    example = "start from a shipped recipe, e.g. --config digits (recipes/digits.yaml)"
+    if d is None:
+        raise ConfigError(f"recipe {path} is empty: it needs sections such as model:, sampler:, train:; {example}")
+    if not isinstance(d, dict):
+        kind = {list: "a YAML list", str: "a plain string"}.get(type(d), f"a YAML {type(d).__name__}")
+        raise ConfigError(f"recipe {path} holds {kind}, not a mapping of sections (model:, sampler:, train:, "
+                          f"...); {example}")
+    return d
+
+
 def keep_loss_options_of_new_loss(d: dict, recipe_loss: Optional[str], overrides: list[str]) -> None:
     """``train.loss=X`` on the command line over a recipe of another loss (``recipe_loss``: the recipe's
     own, or its mode's default), with no ``train.loss_options``

@@ -30,7 +30,7 @@ import torch
 from ..builders import build_policy_from_config, build_reward, build_rewards, evaluate_policy
 from ..checkpoints.common import CheckpointError, list_checkpoints
 from ..data.embeddings import attach_text_cache
-from ..data.items import item_texts
+from ..data.items import item_sources, item_texts
 from ..diagnostics import watch
 from ..distributed.fsdp import check_launcher
 from ..distributed.strategy import evaluation_weights, strategy_for
@@ -134,13 +134,14 @@ class Trainer:
         device = self._make_accelerator()
         prompts = self._setup_data()
         self.eval_prompts = cfg.data.eval_prompt_set()
+        # the rewards before the model: a reward server that does not answer fails before minutes of loading
+        self.reward = self._given_reward if self._given_reward is not None else build_reward(cfg)
+        self.heldout = build_rewards(cfg.reward.heldout, cfg.reward.frame_stride)
         policy = self._given_policy if self._given_policy is not None else build_policy_from_config(cfg, device)
         policy.cfg_uncond_grad = cfg.train.cfg_uncond_grad  # CFG's unconditional half in the update's forwards
         self.policy = attach_text_cache(policy, cfg.model, prompts + self.eval_prompts,
                                         is_main=self.acc.is_main_process, barrier=self.acc.wait_for_everyone,
                                         progress=cfg.logging.progress and self.acc.is_main_process)
-        self.reward = self._given_reward if self._given_reward is not None else build_reward(cfg)
-        self.heldout = build_rewards(cfg.reward.heldout, cfg.reward.frame_stride)
         self._prepare_model(cfg.train.update_class.needs_reference(cfg.train))  # as the update declares
         self.start_iteration = 0  # first unit to train (an offline run's unit is an optimizer step)
         if self.resume:
@@ -251,6 +252,8 @@ class Trainer:
         weights, optimizer, scheduler, RNG, EMA, counters. Returns it (None: nothing to resume)."""
         ckpts = list_checkpoints(self.run.checkpoints)
         if not ckpts:
+            why = "no checkpoint yet" if (self.run.path / "config.yaml").is_file() else "no run there"
+            self.acc.print(f"[flowrl] --resume: nothing to resume in {self.run.path} ({why}): starting a new run")
             return None
         for path in reversed(ckpts):
             try:
@@ -301,7 +304,8 @@ class Trainer:
             real = self._real_data_reference() if first else {}
             self.run.log({**met, **real, "iteration": i})
             save_samples(images, self.run.samples / f"eval_{i:06d}.png", nrow=self.cfg.data.eval_seeds_per_prompt,
-                         scale=max(1, 64 // images.shape[-1]))
+                         scale=max(1, 64 // images.shape[-1]), labels=item_texts(self.eval_prompts),
+                         sources=item_sources(self.eval_prompts))  # a row per prompt: its text, an edit's inputs
 
     def _real_data_reference(self) -> dict:
         """The evaluation metrics on real data (digits: held-out images), when the policy has them."""
