@@ -42,11 +42,16 @@ def with_frame_stride(rewards: dict, frame_stride: int) -> dict:
     return rewards
 
 
-def build_policy_from_config(cfg, device):
-    from flowrl.pipelines import build_policy
+def build_policy_from_config(cfg, device, without_text_encoders: bool = False):
+    """The policy ``cfg.model`` names, on ``device``; ``without_text_encoders``: its pipeline's text encoders
+    are not loaded (a text-embedding cache serves every prompt; diffusers loads a component passed as None)."""
+    from flowrl.pipelines import build_policy, policy_class
 
+    skip = {}
+    if without_text_encoders:
+        skip = {n: None for n in getattr(policy_class(cfg.model.pipeline), "text_encoder_names", ())}
     return build_policy(cfg.model.pipeline, cfg.model.path, guidance_scale=cfg.model.guidance_scale,
-                        device=device, **cfg.model.options)
+                        device=device, **cfg.model.options, **skip)
 
 
 def _with_heldout(reward, heldout: dict):
