@@ -1,11 +1,12 @@
 """Run under ``torchrun`` by tests/test_context_parallel.py: one transformer forward + backward split over the
-processes' context-parallel groups (Ulysses, ring, FSDP2 over the same processes) against the same forward on
-one process, for the tiny Wan and Qwen-Image transformers.
+processes' context-parallel groups (Ulysses, ring, both, FSDP2 over the same processes) against the same
+forward on one process, for the tiny Wan and Qwen-Image transformers.
 
 Each process computes the one-process reference itself (the unsplit model on the whole batch), then the
-split one; the split gradients are averaged over the processes as DDP does (or reduce-scattered by FSDP2 and
-gathered back), so they must equal the reference's. Writes ``OUT/rank{R}.json``: per case the largest
-relative differences of the output, the loss and the gradients.
+split one; every data-parallel replica runs the same batch, and the split gradients are averaged over all
+processes as DDP does (or reduce-scattered by FSDP2 and gathered back), so they must equal the reference's.
+Writes ``OUT/rank{R}.json``: per case the largest relative differences of the output, the loss and the
+gradients. ``python -m torch.distributed.run --nproc_per_node N tests/helpers_context_parallel.py OUT CASE...``
 """
 from __future__ import annotations
 
@@ -83,16 +84,17 @@ def case(build, attention: str, fsdp: bool, layout):
 
 
 def main(out_dir: str, cases: list[str]) -> None:
+    """``cases``: ``MODEL-ATTENTION-CP-SHARDING``, e.g. ``wan-ring-2-none`` (model wan or qwen, attention auto,
+    ulysses or ring, the context-parallel degree, sharding none (DDP's average) or fsdp)."""
     from flowrl.distributed.mesh import ParallelLayout
 
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     results = {}
     for name in cases:
-        model, attention, *rest = name.split("-")
-        cp = world // 2 if rest == ["fsdp"] and world > 2 else world
-        layout = ParallelLayout(world, rank, cp)
-        results[name] = case({"wan": wan, "qwen": qwen}[model], attention, rest == ["fsdp"], layout)
+        model, attention, cp, sharding = name.split("-")
+        layout = ParallelLayout(world, rank, int(cp))
+        results[name] = case({"wan": wan, "qwen": qwen}[model], attention, sharding == "fsdp", layout)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.barrier()
