@@ -59,3 +59,35 @@ def test_two_loopback_nodes_train_then_resume_as_one_node(tiny_digits_dir, tmp_p
     assert a["trainable"].keys() == b["trainable"].keys()
     assert all(torch.equal(a["trainable"][k], b["trainable"][k]) for k in a["trainable"])
     assert any(v.abs().sum() > 0 for k, v in b["trainable"].items() if ".lora_B." in k)  # it trained
+
+
+STUBS = {
+    # srun: the command (after its options) as two nodes of this machine, SLURM_NODEID 0 and 1; fails if one fails
+    "srun": '#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\nSLURM_NODEID=0 "$@" & a=$!\nSLURM_NODEID=1 "$@" & b=$!\n'
+            'wait $a && wait $b\n',
+    "scontrol": "#!/bin/sh\necho 127.0.0.1\n",  # `scontrol show hostnames LIST`: the first node is this machine
+    "accelerate": f"#!/bin/sh\nexec {sys.executable} -m accelerate.commands.accelerate_cli \"$@\"\n",
+}
+
+
+def test_the_slurm_script_on_two_loopback_nodes(tiny_digits_dir, tmp_path):
+    """configs/slurm/train.sbatch as SLURM runs it on two nodes (its srun / scontrol stubbed, one process per
+    node): accelerate's multi-node config launches a two-process gloo world that trains and checkpoints."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in STUBS.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    run = tmp_path / "run"
+    over = tiny_train_overrides(tiny_digits_dir, **{"train.iterations": 1, "train.sharding": "fsdp",
+                                                    "logging.eval_every": 100, "data.eval_prompts": "[a handwritten digit 1, a handwritten digit 2]"})
+    env = {**ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[0-1]",
+           "GPUS_PER_NODE": "1", "MASTER_PORT": str(_free_port())}
+    r = subprocess.run(["bash", "configs/slurm/train.sbatch", "recipes/digits.yaml", str(run), *over], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["num_processes"] == 2 and summary["ranks_in_sync"] is True and summary["iterations_done"] == 1
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["iter_000001"]
