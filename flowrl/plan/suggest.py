@@ -1,8 +1,8 @@
 """``flowrl plan --suggest``: the smallest setting that fits a recipe on GPUs of a given size.
 
 A setting is ``(GPUs, FSDP x CP, offload, activation checkpointing)``: ``G`` processes as ``G / C``
-data-parallel replicas of ``C`` context-parallel ranks, the state DDP-replicated or FSDP-sharded over
-all ``G`` ("FSDP G/C x CP C" in the mesh's terms), what ``train.offload`` keeps in host memory, and
+data-parallel replicas of ``C`` context-parallel ranks (the mesh ``G/C x C``), the state DDP-replicated
+or FSDP-sharded over all ``G``, what ``train.offload`` keeps in host memory, and
 ``model.options.gradient_checkpointing``. The recipe's per-replica batch (``train.batch_size``) and
 everything else stay as given.
 
@@ -41,10 +41,9 @@ class Setting:
         return self.level, self.ckpt, self.cp, self.sharding == "fsdp"
 
     def describe(self) -> str:
-        mesh = (f"FSDP {self.gpus // self.cp} x CP {self.cp}" if self.sharding == "fsdp"
-                else f"DDP {self.gpus // self.cp} x CP {self.cp}")
-        return (f"{self.gpus} GPU(s), {mesh}, gradient checkpointing {'on' if self.ckpt else 'off'}, "
-                f"offload: {LEVELS[self.level]}")
+        state = f"FSDP over all {self.gpus}" if self.sharding == "fsdp" else "DDP replicas"
+        return (f"{self.gpus} GPU(s) = {self.gpus // self.cp} data-parallel x {self.cp} context-parallel ({state}), "
+                f"gradient checkpointing {'on' if self.ckpt else 'off'}, offload: {LEVELS[self.level]}")
 
 
 def _offload(cfg, level: int, sharding: str) -> Optional[dict]:
