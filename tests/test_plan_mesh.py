@@ -90,7 +90,7 @@ def wan_check_model(tmp_path_factory):
     from flowrl.plan.measure import write_wan_check_model
 
     d = tmp_path_factory.mktemp("plan-cp") / "wan-mid"
-    write_wan_check_model(d, num_layers=6, heads=4)
+    write_wan_check_model(d, num_layers=8, heads=8)
     recipe = d.parent / "mid.yaml"
     recipe.write_text(f"""
 model:
@@ -107,11 +107,12 @@ train: {{batch_size: 4, minibatch_size: 4, lora_rank: 8, lora_alpha: 8, context_
 
 def test_plan_measure_under_context_parallelism_is_within_10_percent(wan_check_model):
     """`flowrl plan --measure` with train.context_parallel=2: the training step and the sampling forward run
-    in two CPU processes splitting the tokens (each measuring its peak); the plan of one rank within 10%."""
+    in two CPU processes splitting the tokens (each measuring its peak); the plan of one rank within 10%
+    (a mid-size Wan, 320 video tokens; docs/memory.md has the other cases, gradient checkpointing's among them)."""
     from flowrl.plan.measure import measure_recipe
 
     r = measure_recipe(load_config(str(wan_check_model)))
     assert r["ranks"] == 2
     for k in ("train", "infer"):
-        assert r[k]["measured_bytes"] > 40 * 2 ** 20, k
+        assert r[k]["measured_bytes"] > 100 * 2 ** 20, k
         assert abs(r[k]["relative_error"]) < 0.10, (k, r[k])
