@@ -49,6 +49,24 @@ def qwen():
     return m, kw
 
 
+def flux():
+    """The tiny FLUX.1 transformer (one double-stream and one single-stream block, guidance-distilled)."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    m = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                               num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+                               guidance_embeds=True, axes_dims_rope=(4, 4, 8))
+    g = torch.Generator().manual_seed(1)
+    img_ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(2.0), torch.arange(2.0), indexing="ij"),
+                          -1).reshape(4, 3)  # [S_img, 3]
+    kw = dict(hidden_states=torch.randn(2, 4, 64, generator=g), encoder_hidden_states=torch.randn(2, 8, 32, generator=g),
+              pooled_projections=torch.randn(2, 32, generator=g), timestep=torch.tensor([0.5, 0.3]),
+              guidance=torch.tensor([3.5, 3.5]), img_ids=img_ids, txt_ids=torch.zeros(8, 3),
+              return_dict=False)  # 4 image tokens, 8 text tokens
+    return m, kw
+
+
 def loss_and_grads(model, kw):
     out = model(**kw)[0]  # [B, S, C]
     loss = (out.float() ** 2).mean() + out.float().mean()
@@ -84,7 +102,7 @@ def case(build, attention: str, fsdp: bool, layout):
 
 
 def main(out_dir: str, cases: list[str]) -> None:
-    """``cases``: ``MODEL-ATTENTION-CP-SHARDING``, e.g. ``wan-ring-2-none`` (model wan or qwen, attention auto,
+    """``cases``: ``MODEL-ATTENTION-CP-SHARDING``, e.g. ``wan-ring-2-none`` (model wan, qwen or flux, attention auto,
     ulysses or ring, the context-parallel degree, sharding none (DDP's average) or fsdp)."""
     from flowrl.distributed.mesh import ParallelLayout
 
@@ -94,7 +112,7 @@ def main(out_dir: str, cases: list[str]) -> None:
     for name in cases:
         model, attention, cp, sharding = name.split("-")
         layout = ParallelLayout(world, rank, int(cp))
-        results[name] = case({"wan": wan, "qwen": qwen}[model], attention, sharding == "fsdp", layout)
+        results[name] = case({"wan": wan, "qwen": qwen, "flux": flux}[model], attention, sharding == "fsdp", layout)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.barrier()

@@ -1,8 +1,8 @@
 """Context parallelism (`train.context_parallel`, flowrl/distributed/context.py) on CPU processes (gloo).
 
-* the tiny Wan and Qwen-Image transformers, split over context-parallel groups (Ulysses, ring attention,
-  both, FSDP2 over the same four processes), give the one-process output, loss and gradients within
-  float32 round-off (tests/helpers_context_parallel.py, one launch of four processes);
+* the tiny Wan and Qwen-Image transformers (and FLUX.1's), split over context-parallel groups (Ulysses, ring
+  attention, both, FSDP2 over the same four processes), give the one-process output, loss and gradients
+  within float32 round-off (tests/helpers_context_parallel.py, one launch of four processes);
 * a tiny Wan GRPO run with context parallelism 2 (two processes: one data-parallel replica) is the
   one-process run (its first iteration's loss, gradient norm and rewards; its weights after a step), and
   its checkpoint resumes on one process (another layout), exactly restored, ending where the split run ends;
@@ -28,8 +28,8 @@ from flowrl.trainers.config import load_config
 from helpers import ROOT, tiny_overrides, train_records
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
-SPLIT_CASES = ["wan-auto-2-none", "wan-ring-2-none", "wan-auto-4-none", "qwen-auto-2-none", "wan-auto-2-fsdp",
-               "qwen-auto-2-fsdp"]
+SPLIT_CASES = ["wan-auto-2-none", "wan-ring-2-none", "wan-auto-4-none", "qwen-auto-2-none", "flux-auto-2-none",
+               "wan-auto-2-fsdp", "qwen-auto-2-fsdp"]
 
 
 def _free_port() -> int:
@@ -67,8 +67,8 @@ def _drift(a: dict, b: dict, start: dict) -> float:
 
 def test_split_forwards_and_gradients_equal_one_process(tmp_path):
     """Ulysses (2 heads over 2), ring attention (flowrl's ops under the native backend), both (2 heads over
-    4: Ulysses 2 x ring 2), Qwen-Image's masked joint attention, and FSDP2 sharding the split model over the
-    four processes (2 x 2): the output, loss and gradients of one process."""
+    4: Ulysses 2 x ring 2), Qwen-Image's masked joint attention, FLUX.1's text and image tokens, and FSDP2
+    sharding the split model over the four processes (2 x 2): the output, loss and gradients of one process."""
     _ok(_launch(4, ["tests/helpers_context_parallel.py", str(tmp_path), *SPLIT_CASES]))
     for rank in range(4):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
