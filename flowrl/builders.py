@@ -42,14 +42,19 @@ def with_frame_stride(rewards: dict, frame_stride: int) -> dict:
     return rewards
 
 
-def build_policy_from_config(cfg, device):
-    """The config's policy on ``device``; on the CPU, torch's threads are then chosen for its size
-    (:func:`flowrl.utils.threads.use_cpu_threads`, under the command line)."""
-    from flowrl.pipelines import build_policy
+def build_policy_from_config(cfg, device, without_text_encoders: bool = False):
+    """The policy ``cfg.model`` names, on ``device``; ``without_text_encoders``: its pipeline's text encoders
+    are not loaded (a text-embedding cache serves every prompt; diffusers loads a component passed as None).
+    On the CPU, torch's threads are then chosen for its size (:func:`flowrl.utils.threads.use_cpu_threads`,
+    under the command line)."""
+    from flowrl.pipelines import build_policy, policy_class
     from flowrl.utils.threads import model_params, use_cpu_threads
 
+    skip = {}
+    if without_text_encoders:
+        skip = {n: None for n in getattr(policy_class(cfg.model.pipeline), "text_encoder_names", ())}
     policy = build_policy(cfg.model.pipeline, cfg.model.path, guidance_scale=cfg.model.guidance_scale,
-                          device=device, **cfg.model.options)
+                          device=device, **cfg.model.options, **skip)
     transformer = getattr(policy, "transformer", None)
     use_cpu_threads(model_params(transformer) if transformer is not None else None, str(device))
     return policy

@@ -8,7 +8,8 @@ targets, sharding) and :func:`smoke_overrides` shrinks everything else:
   (:data:`MODEL_OPTIONS`: 32 px, 8 text tokens, 5 video frames, no gradient checkpointing);
 - the sampler: the few steps and samples of its row in :data:`SAMPLERS` (a new sampler adds a row);
   Sol's exploration runs ``int8-dynamic`` (the recipes' NVFP4 needs CUDA);
-- training: 1 iteration of 4 samples, one pass, a checkpoint; evaluation on one prompt;
+- training: 1 iteration of 4 samples, one pass, a checkpoint; evaluation on one prompt; one process, so
+  ``train.context_parallel`` is 1 (a context-parallel group needs several);
 - reward: ``jpeg_compressibility`` (no download; the recipe's reward models need their weights);
   an editing model (:data:`DATA`) edits the shipped ``digits-edit-sample`` set, rewarded by ``digits_edit``;
   a prompt set or reward given on the command line (``data.*``, ``reward.*``) is kept instead;
@@ -36,6 +37,7 @@ MODEL_OPTIONS = {"resolution": SMOKE_PIXELS, "max_sequence_length": 8, "dtype": 
                  "gradient_checkpointing": "false", "decode_batch": "null", "num_frames": 5}
 TRAIN = {"train.iterations": 1, "train.batch_size": 4, "train.minibatch_size": 64, "train.grad_accum": 1,
          "train.mixed_precision": "'no'", "train.checkpoint_every": 1, "train.ema_every": 1,
+         "train.context_parallel": 1,
          "data.eval_seeds_per_prompt": 2, "reward.weights": "{jpeg_compressibility: 1.0}", "reward.options": "{}",
          "reward.heldout": "{}", "logging.trackers": "[]", "logging.eval_every": 100, "logging.image_every": 100}
 # pipelines whose smoke run trains on other data: FLUX.1 Kontext edits the shipped digits editing set

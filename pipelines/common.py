@@ -143,6 +143,15 @@ def transformer_dtype(transformer: torch.nn.Module) -> torch.dtype:
     return module_dtype(getattr(transformer, "module", transformer))
 
 
+def context_parallel_degree(module: torch.nn.Module) -> int:
+    """How many processes split ``module``'s token sequences (context parallelism: diffusers'
+    ``_parallel_config`` on the model, or under a DDP wrapper's ``module``; 1: none). An adapter that trims
+    padding tokens before the transformer keeps a multiple of it (each process takes an equal slice)."""
+    cfg = getattr(getattr(module, "module", module), "_parallel_config", None)
+    cp = getattr(cfg, "context_parallel_config", None)
+    return 1 if cp is None else int(cp.ring_degree * cp.ulysses_degree)
+
+
 def check_model_path(path_or_id: str, kind: str, example_hub_id: Optional[str] = None,
                      cache_dir: Optional[str] = None) -> None:
     """A local-looking path that does not exist gets an error that says what to do.

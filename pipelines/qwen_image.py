@@ -37,7 +37,7 @@ import torch
 from flowrl.schedules import flow_sigmas, flux_mu
 
 from .base import IMAGE_SIZE, DiffusersPolicy
-from .common import Resolution, cfg_combine, cfg_halves, resolve_resolution
+from .common import Resolution, cfg_combine, cfg_halves, context_parallel_degree, resolve_resolution
 from .facts import Component, ModelConfigs
 from .flux import PackedLatents, pack_latents, unpack_latents
 from .wan import WAN21_VAE, video_vae_decode
@@ -223,11 +223,12 @@ class QwenImagePolicy(PackedLatents, DiffusersPolicy):
                                                   dtype=torch.int64)}  # [B, L]
 
     @classmethod
-    def transformer_inputs(cls, config, dtype, x, sigma, cond, **settings) -> dict:
+    def transformer_inputs(cls, config, dtype, x, sigma, cond, token_multiple: int = 1, **settings) -> dict:
         """Unpacked latents ``[B, C, h, w]`` packed to ``[B, (h/2)(w/2), 4C]`` with their grid
         (``img_shapes``, one frame), ``timestep = sigma``; the text trimmed to the batch's longest
-        prompt, its mask dropped when nothing is padded (module doc). Meta tensors (the planner's
-        shapes) keep every token, unmasked."""
+        prompt (rounded up to a multiple of ``token_multiple``, the context-parallel degree, with the
+        extra tokens masked), its mask dropped when nothing is padded (module doc). Meta tensors (the
+        planner's shapes) keep every token, unmasked."""
         b, _, h, w = x.shape
         if h % 2 or w % 2:
             raise ValueError(f"Qwen-Image latents need even height and width (2x2 packing), got {tuple(x.shape)}")
@@ -236,6 +237,7 @@ class QwenImagePolicy(PackedLatents, DiffusersPolicy):
             mask = None
         else:
             keep = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1  # the batch's longest prompt
+            keep = min(-(-keep // token_multiple) * token_multiple, mask.shape[1])
             pe, mask = pe[:, :keep], mask[:, :keep]  # [B, keep, D], [B, keep]
             mask = None if bool(mask.all()) else mask.to(x.device)
         return dict(hidden_states=pack_latents(x).to(dtype), timestep=sigma,  # [B, (h/2)(w/2), 4C]
@@ -291,6 +293,10 @@ class QwenImagePolicy(PackedLatents, DiffusersPolicy):
         return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer)
 
     # --- FlowPolicy ----------------------------------------------------------------------
+    def forward_settings(self) -> dict:
+        """The context-parallel degree the text is trimmed to a multiple of (``transformer_inputs``)."""
+        return {"token_multiple": context_parallel_degree(self.transformer)}
+
     def _encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         pe, mask = self.pipe.encode_prompt(prompts, device=self.device, max_sequence_length=self.max_sequence_length)
         b, n, d = pe.shape  # n = the batch's longest prompt (<= max_sequence_length)

@@ -16,6 +16,13 @@ activations, the output included). Passes:
 Memory is affine in the rows (per-sample activations plus a constant) and in the block count of each block
 type (the adapter's ``block_counts``), so each pass is measured on reduced-depth copies of the transformer (:func:`probe_depths`) at 1
 and 2 rows and evaluated at any count (:meth:`Activations.bytes`); fits are cached per pass.
+
+Context parallelism (``train.context_parallel: C``): the transformer passes are measured as one rank of
+a ``C``-way group runs them, with the model's own ``_cp_plan`` applied on the meta model
+(:func:`flowrl.distributed.context.emulate_context_parallel`: inputs sliced to ``1/C`` of their tokens
+where the plan splits them, outputs gathered back to the whole sequence, attention over the local
+tokens, which holds the same bytes as Ulysses' all heads of ``1/C`` of the tokens -> ``1/C`` of the heads
+of all tokens). :meth:`Activations.degree` is that view; the VAE decode is not split.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from typing import Optional
 import torch
 
 from ..pipelines.facts import Geometry
+from ..distributed.context import emulate_context_parallel
 from .models import MetaComponents
 from .tracker import LiveBytes, flash_attention
 
@@ -152,6 +160,14 @@ class Activations:
     _fits: dict = field(default_factory=dict)
     _models: list = field(default_factory=list)  # probe depths built so far
     _built: list = field(default_factory=list)  # their meta transformers
+    cp: int = 1  # context-parallel degree of this view (:meth:`degree`)
+
+    def degree(self, cp: int) -> "Activations":
+        """The same measurements as one rank of a ``cp``-way context-parallel group makes them (sharing the
+        fits and meta models of this object)."""
+        view = dataclasses.replace(self, cp=int(cp))
+        view._fits, view._models, view._built = self._fits, self._models, self._built
+        return view
 
     def _probe(self, kind: str, ckpt: bool, rows: int) -> tuple[float, float]:
         """(peak, saved) bytes of pass ``kind`` at ``rows``, from reduced-depth transformers (probe_depths)."""
@@ -166,7 +182,9 @@ class Activations:
                 self._models.append(d)
                 self._built.append(self.comp.transformer if d == real else
                                    self.comp.build(adapter.with_block_counts(self.comp.config, d)))
-            view = dataclasses.replace(self.comp, transformer=self._built[self._models.index(d)])
+            built = self._built[self._models.index(d)]
+            emulate_context_parallel(built, self.cp)
+            view = dataclasses.replace(self.comp, transformer=built)
             results.append(_train_pass(view, self.shapes, rows, ckpt) if kind == "train"
                            else _infer_pass(view, self.shapes, rows))
         peak, saved = (extrapolate(real, depths, [r[i] for r in results]) for i in (0, 1))
@@ -175,8 +193,9 @@ class Activations:
         return peak, saved
 
     def _fit(self, key: tuple) -> tuple[float, float, float, float]:
+        key = (*key, self.cp if key[0] != "decode" else 1)
         if key not in self._fits:
-            kind, ckpt = key
+            kind, ckpt, _ = key
             (p1, s1), (p2, s2) = self._probe(kind, ckpt, 1), self._probe(kind, ckpt, 2)
             self._fits[key] = (p1 - (p2 - p1), p2 - p1, s1 - (s2 - s1), s2 - s1)
         return self._fits[key]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -99,8 +100,44 @@ def _inputs(comp, shapes, rows: int, device: torch.device) -> dict:
 
 
 def _set_up(cfg, comp, device: torch.device):
-    """The transformer with the trainer's LoRA (or all weights trainable)."""
-    return set_up_trained(_real_transformer(cfg, comp, device), cfg)
+    """The transformer with the trainer's LoRA (or all weights trainable), its forwards split over the
+    process group under ``train.context_parallel`` (one group: the measuring processes)."""
+    tr = set_up_trained(_real_transformer(cfg, comp, device), cfg)
+    if cfg.train.context_parallel > 1:
+        import torch.distributed as dist
+
+        from ..distributed.context import enable_context_parallel
+        from ..distributed.mesh import ParallelLayout
+
+        layout = ParallelLayout(dist.get_world_size(), dist.get_rank(), cfg.train.context_parallel)
+        enable_context_parallel(tr, layout, device, cfg.train.context_parallel_attention)
+    return tr
+
+
+def measure_split_recipe(cfg) -> dict:
+    """:func:`measure_recipe` in ``train.context_parallel`` CPU processes (``torch.distributed.run``, one
+    context-parallel group), each measuring its own peaks: the largest over the ranks."""
+    import socket
+    import subprocess
+    import sys
+
+    from ..trainers.config import dump_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "recipe.yaml").write_text(dump_config(cfg))
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                            str(cfg.train.context_parallel), "--master_addr", "127.0.0.1", "--master_port", str(port),
+                            "-m", "flowrl.plan.measure", "--passes", str(Path(tmp) / "recipe.yaml"), tmp],
+                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if r.returncode != 0:
+            raise RuntimeError(f"--measure in {cfg.train.context_parallel} processes failed:\n{r.stderr[-2000:]}")
+        ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("passes_rank*.json"))]
+    out = max(ranks, key=lambda m: m["train"]["measured_bytes"])
+    out["ranks"] = len(ranks)
+    return out
 
 
 def _train(cfg, comp, inputs: dict, device: torch.device) -> None:
@@ -124,9 +161,16 @@ def _infer(cfg, comp, inputs: dict, device: torch.device) -> None:
 
 
 def measure_recipe(cfg, device=None) -> dict:
-    """Measured vs planned peak bytes of the training pass and the sampling forward (module doc)."""
+    """Measured vs planned peak bytes of the training pass and the sampling forward (module doc). With
+    ``train.context_parallel: C`` and no process group yet, the passes run in ``C`` processes
+    (:func:`measure_split_recipe`)."""
+    import torch.distributed as dist
+
+    if cfg.train.context_parallel > 1 and not dist.is_initialized():
+        return measure_split_recipe(cfg)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     comp, acts = measured_setup(cfg)
+    acts = acts.degree(cfg.train.context_parallel)
     if device.type == "cpu" and module_bytes(comp.transformer) > CPU_LIMIT_BYTES:
         raise ConfigError(f"--measure on the CPU builds the transformer for real: "
                           f"{module_bytes(comp.transformer) / 2**30:.1f} GiB of weights is too large for a CPU check "
@@ -187,11 +231,19 @@ def measure_trainer(cfg, run_dir) -> dict:
 
 def _main(argv: list[str]) -> None:
     """``python -m flowrl.plan.measure RECIPE OUT_DIR [overrides]`` (under torchrun for several processes):
-    writes ``OUT_DIR/measured_rank{R}.json`` (:func:`measure_trainer`)."""
-    from pathlib import Path
-
+    writes ``OUT_DIR/measured_rank{R}.json`` (:func:`measure_trainer`); with ``--passes`` first,
+    ``OUT_DIR/passes_rank{R}.json`` (:func:`measure_recipe` on this process group, CPU)."""
     from ..trainers.config import load_config
 
+    if argv[0] == "--passes":
+        import torch.distributed as dist
+
+        recipe, out, *overrides = argv[1:]
+        dist.init_process_group("gloo")
+        m = measure_recipe(load_config(recipe, overrides), "cpu")
+        Path(out, f"passes_rank{dist.get_rank()}.json").write_text(json.dumps(m))
+        dist.destroy_process_group()
+        return
     recipe, out, *overrides = argv
     m = measure_trainer(load_config(recipe, overrides), Path(out) / "run")
     Path(out, f"measured_rank{m['process_index']}.json").write_text(json.dumps(m))
@@ -201,8 +253,6 @@ def write_check_model(out_dir, num_layers: int = 12, heads: int = 4, resolution:
     """A mid-size SD3 (``num_layers`` MMDiT blocks, the first three with dual attention, ``heads`` x 64
     wide; tiny text encoders and VAE) saved as a diffusers directory: large enough that weights and
     activations are tens to hundreds of MB, small enough to train a step on a CPU in seconds."""
-    from pathlib import Path
-
     from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
     from ..pipelines.sd3 import SD3Policy
@@ -216,6 +266,27 @@ def write_check_model(out_dir, num_layers: int = 12, heads: int = 4, resolution:
         qk_norm="rms_norm")
     StableDiffusion3Pipeline(**comps).save_pretrained(str(out_dir))
     (Path(out_dir) / "flowrl.json").write_text(json.dumps({"kind": "sd3", "resolution": resolution}))
+    return Path(out_dir)
+
+
+def write_wan_check_model(out_dir, num_layers: int = 6, heads: int = 4, resolution: int = 128, frames: int = 9,
+                          seed: int = 0):
+    """A mid-size Wan2.1 (``num_layers`` blocks, ``heads`` x 64 wide, FFN 4x; the tiny UMT5 encoder and video
+    VAE) saved as a diffusers directory, at ``resolution`` px and ``frames`` frames by default: the
+    context-parallel check (its tokens split over processes), large enough that activations are tens of MB."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    from ..pipelines.wan import WanPolicy
+
+    comps = WanPolicy.tiny_components("wan", resolution, seed)
+    torch.manual_seed(seed)
+    comps["transformer"] = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=64, in_channels=16, out_channels=16,
+        text_dim=32, freq_dim=256, ffn_dim=4 * 64 * heads, num_layers=num_layers, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=64)
+    WanPipeline(**comps).save_pretrained(str(out_dir))
+    (Path(out_dir) / "flowrl.json").write_text(json.dumps({"kind": "wan", "resolution": resolution,
+                                                           "num_frames": frames}))
     return Path(out_dir)
 
 

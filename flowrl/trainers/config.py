@@ -13,6 +13,7 @@ from typing import Optional, Union
 
 import yaml
 
+from ..distributed.mesh import check_parallel_settings
 from ..distributed.strategy import SHARDINGS
 from ..errors import ConfigError
 from ..registry import SAMPLERS
@@ -158,8 +159,8 @@ class TrainConfig:
                             "{clip_range: 1.0e-3} for grpo, {beta: 1.0} for nft, {beta: 12.0, tau: 0.05} for gdro; "
                             "see docs/algorithms.md", factory=dict)
     iterations: int = _h("rollout -> update iterations (online)", 60)
-    batch_size: int = _h("samples generated per iteration per process; a multiple of the sampler's "
-                         "samples per prompt (group size)", 64)
+    batch_size: int = _h("samples per iteration per process (per data-parallel replica under "
+                         "train.context_parallel); a multiple of the sampler's samples per prompt", 64)
     seed: int = _h("seed of every random draw (prompts, noise, shuffles)", 0)
     # --- the optimizer and its accounting
     lr: float = _h("AdamW learning rate", 3e-4)
@@ -192,8 +193,15 @@ class TrainConfig:
     sharding: str = _h("'none' (DDP: every process holds the whole model) or 'fsdp' (FSDP2: parameters, gradients "
                        "and optimizer states sharded per transformer block over the processes; checkpoints through "
                        "torch.distributed.checkpoint). See docs/cluster.md", "none")
-    cpu_offload: bool = _h("with sharding=fsdp, keep the sharded parameters, gradients and optimizer states in CPU "
-                           "memory (FSDP2 CPUOffloadPolicy; GPU memory for the largest models, at a speed cost)", False)
+    cpu_offload: bool = _h("= train.offload.fsdp: with sharding=fsdp, the shards, gradients and AdamW states in "
+                           "CPU memory (FSDP2 CPUOffloadPolicy; for the largest models, at a speed cost)", False)
+    context_parallel: int = _h("processes splitting every transformer forward's tokens (sampling and training; a "
+                               "diffusers _cp_plan: FLUX, FLUX.2, Qwen-Image, Wan); processes / context_parallel "
+                               "data-parallel replicas; 1 = off. See docs/cluster.md", 1)
+    context_parallel_attention: str = _h("'auto' (Ulysses over gcd(heads, context_parallel), ring attention over "
+                                         "the rest), 'ulysses' or 'ring'", "auto")
+    offload: dict = _h("kept in host memory, each true/false: {fsdp, text_encoders, vae, reference, ema} "
+                       "(flowrl/distributed/offload.py, docs/cluster.md)", factory=dict)
     # --- checkpoints and guards
     checkpoint_every: int = _h("write a checkpoint every N iterations (and at the end)", 20)
     keep_checkpoints: int = _h("keep the newest N checkpoints", 2)
@@ -230,6 +238,7 @@ class TrainConfig:
             raise ConfigError(f"train.sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
         if self.cpu_offload and self.sharding != "fsdp":
             raise ConfigError("train.cpu_offload=true needs train.sharding=fsdp (it offloads the FSDP shards)")
+        check_parallel_settings(self)  # train.context_parallel*, train.offload (flowrl/distributed/)
         if self.sharding == "fsdp" and self.mixed_precision == "fp16":
             raise ConfigError("train.sharding=fsdp supports train.mixed_precision 'no' or 'bf16' (fp16 would need a "
                               "sharded GradScaler); use bf16")

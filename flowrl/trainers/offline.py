@@ -39,7 +39,8 @@ RESUME_FREE = {"train.iterations", "train.checkpoint_every", "train.keep_checkpo
                "offline.eval_every", "offline.eval_steps", "offline.judge", "offline.judge_range", "sampler",
                "offline.dataset", "offline.generation_batch", "offline.save_png", "offline.score_heldout",
                "reward.heldout", "data.eval_prompts", "data.eval_seeds_per_prompt", "model.text_embedding_cache",
-               "model.drop_text_encoders", "data.eval_prompt_split", "train.cpu_offload"}
+               "model.drop_text_encoders", "data.eval_prompt_split", "train.cpu_offload",
+               "train.offload", "train.context_parallel", "train.context_parallel_attention"}
 
 
 # ---------------------------------------------------------------- dataset generation (CLI glue)
@@ -184,12 +185,12 @@ class OfflineTrainer(Trainer):
 
     def _setup_data(self) -> list[str]:
         cfg = self.cfg
-        self.per_step = cfg.offline.batch_groups * cfg.train.grad_accum * self.acc.num_processes
+        self.per_step = cfg.offline.batch_groups * cfg.train.grad_accum * self.strategy.layout.dp_size
         self.steps_per_epoch = len(self.ds) // self.per_step
         if self.steps_per_epoch == 0:
             raise ConfigError(f"the dataset has {len(self.ds)} groups, fewer than one optimizer step takes "
                               f"(offline.batch_groups={cfg.offline.batch_groups} x train.grad_accum="
-                              f"{cfg.train.grad_accum} x {self.acc.num_processes} processes); lower those or "
+                              f"{cfg.train.grad_accum} x {self.strategy.layout.dp_size} data-parallel replicas); lower those or "
                               f"generate more groups (offline.groups_per_prompt)")
         self.total_steps = cfg.offline.epochs * self.steps_per_epoch
         if cfg.offline.max_steps:
@@ -246,7 +247,7 @@ class OfflineTrainer(Trainer):
         order = self._order[1]
         chunk = order[pos * self.per_step:(pos + 1) * self.per_step]  # [per_step]
         ga, bg = self.cfg.train.grad_accum, self.cfg.offline.batch_groups
-        chunk = chunk.view(ga, self.acc.num_processes, bg)[:, self.acc.process_index]  # [ga, bg]
+        chunk = chunk.view(ga, self.strategy.layout.dp_size, bg)[:, self.strategy.layout.dp_rank]  # [ga, bg]
         return list(chunk)
 
     def run_unit(self, i: int) -> tuple[dict, Optional[torch.Tensor]]:
@@ -262,7 +263,7 @@ class OfflineTrainer(Trainer):
         self.train_seconds += dt
         return {"iteration": step, **stats, "epoch": step // self.steps_per_epoch, "lr": self.sched.get_last_lr()[0],
                 "skipped_steps": self.steps.skipped, "step_seconds": dt, "train_seconds": self.train_seconds,
-                "groups_trained": len(passes) * self.cfg.offline.batch_groups * self.acc.num_processes}
+                "groups_trained": len(passes) * self.cfg.offline.batch_groups * self.strategy.layout.dp_size}
 
     # ---------------------------------------------------------------- evaluation: the corrected score
     @torch.no_grad()

@@ -35,7 +35,8 @@ from .trainer import Trainer
 RESUME_FREE = {"train.iterations", "train.checkpoint_every", "train.keep_checkpoints", "logging", "model.device",
                "reward.overlap",  # when chunks are scored, not what they score
                "model.path", "train.max_consecutive_skips", "model.text_embedding_cache", "model.drop_text_encoders",
-               "train.cpu_offload"}  # offloading the FSDP shards changes where they live, not the numbers
+               "train.cpu_offload", "train.offload",  # offloading changes where tensors live, not the numbers
+               "train.context_parallel", "train.context_parallel_attention"}  # the layout, not the replicas' data
 
 
 @dataclass
@@ -119,13 +120,13 @@ class OnlineTrainer(Trainer):
 
     # ---------------------------------------------------------------- one iteration
     def _iteration_prompts(self, it: int) -> list[str]:
-        rng = np.random.default_rng(stream_sequence("prompts", self.cfg.train.seed, it, self.acc.process_index))
+        rng = np.random.default_rng(stream_sequence("prompts", self.cfg.train.seed, it, self.strategy.layout.dp_rank))
         k = self.prompts_per_iteration
         idx = rng.choice(len(self.prompts), size=k, replace=len(self.prompts) < k)
         return [self.prompts[i] for i in idx]
 
     def _rollout_seed(self, it: int) -> int:
-        return stream_seed("rollout", self.cfg.train.seed, it, self.acc.process_index, self.acc.num_processes)
+        return stream_seed("rollout", self.cfg.train.seed, it, self.strategy.layout.dp_rank, self.strategy.layout.dp_size)
 
     def run_unit(self, i: int) -> tuple[dict, Optional[torch.Tensor]]:
         res = self.run_iteration(i)

@@ -29,10 +29,11 @@ import torch
 
 from ..builders import build_policy_from_config, build_reward, build_rewards, evaluate_policy
 from ..checkpoints.common import CheckpointError, list_checkpoints
-from ..data.embeddings import attach_text_cache
+from ..data.embeddings import attach_text_cache, text_cache_covers
 from ..data.items import item_sources, item_texts
 from ..diagnostics import watch
 from ..distributed.fsdp import check_launcher
+from ..distributed.offload import Offload, offload_idle
 from ..distributed.strategy import evaluation_weights, strategy_for
 from ..media import save_samples
 from ..registry import Registry
@@ -137,7 +138,9 @@ class Trainer:
         # the rewards before the model: a reward server that does not answer fails before minutes of loading
         self.reward = self._given_reward if self._given_reward is not None else build_reward(cfg)
         self.heldout = build_rewards(cfg.reward.heldout, cfg.reward.frame_stride)
-        policy = self._given_policy if self._given_policy is not None else build_policy_from_config(cfg, device)
+        policy = self._given_policy if self._given_policy is not None else build_policy_from_config(
+            cfg, device, without_text_encoders=text_cache_covers(cfg.model, prompts + self.eval_prompts))
+        offload_idle(policy, Offload(**cfg.train.offload), device)  # train.offload: text encoders, VAE
         policy.cfg_uncond_grad = cfg.train.cfg_uncond_grad  # CFG's unconditional half in the update's forwards
         self.policy = attach_text_cache(policy, cfg.model, prompts + self.eval_prompts,
                                         is_main=self.acc.is_main_process, barrier=self.acc.wait_for_everyone,
@@ -150,20 +153,22 @@ class Trainer:
                 self.start_iteration = int(ck["state"]["iteration"])
                 self._update_state = dict(ck["extra"])  # e.g. DiffusionNFT's old policy, handed to the update
                 self.restore_state(ck)
-                self._note_world_size(ck["state"].get("num_processes"))
+                self._note_world_size(ck["state"].get("data_parallel", ck["state"].get("num_processes")))
         self.finished = (self.resume and self.start_iteration >= self.total_units()
                          and (self.run.path / "summary.json").is_file())
         if not self.finished:  # a finished run's directory is left exactly as it is
             self.run.claim(self.acc, self.start_iteration)
 
     def _note_world_size(self, saved: Optional[int]) -> None:
-        """One line when a run resumes on another number of processes than its checkpoint was written by:
-        the data of a unit is per process, so the global batch of a unit changes."""
-        now = self.acc.num_processes
+        """One line when a run resumes on another number of data-parallel replicas than its checkpoint was
+        written by: the data of a unit is per replica, so the global batch of a unit changes (the
+        process layout, FSDP x context parallel, may change freely)."""
+        now = self.strategy.layout.dp_size
         if saved is not None and int(saved) != now and self.acc.is_main_process:
-            print(f"[flowrl] note: this run's checkpoint was written by {saved} process(es) and resumes on {now}: "
-                  f"train.batch_size (prompts and samples per {self.unit}) is per process, so each {self.unit} now "
-                  f"trains on {now}/{saved} of the run's global batch so far; launch {saved} processes to keep it",
+            print(f"[flowrl] note: this run's checkpoint was written by {saved} data-parallel replica(s) and resumes "
+                  f"on {now}: train.batch_size (prompts and samples per {self.unit}) is per replica (per process "
+                  f"with train.context_parallel=1), so each {self.unit} now trains on {now}/{saved} of the run's "
+                  f"global batch so far; launch {saved} x train.context_parallel processes to keep it",
                   file=sys.stderr, flush=True)
 
     def _make_accelerator(self) -> torch.device:
@@ -200,7 +205,7 @@ class Trainer:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: min(1.0, (it + 1) / warm) if warm else 1.0)
         self.model, self.opt, self.sched, self.unwrapped = self.strategy.prepare(tr, opt, sched)
         self.policy.transformer = self.model
-        self.ema = EMA(self.unwrapped, cfg.train.ema_decay) if cfg.train.ema else None
+        self.ema = EMA(self.unwrapped, cfg.train.ema_decay, host=cfg.train.offload["ema"]) if cfg.train.ema else None
         self.steps = OptimizerSteps(self.acc, self.strategy, self.model, self.unwrapped, self.opt, self.ema, cfg.train,
                                     self.stop_causes)
 
@@ -212,8 +217,8 @@ class Trainer:
             autocast=self.acc.autocast, reference=lambda: self.ref.active(self.policy), gather=self._gather,
             min_over_processes=self._min_over_processes, accumulate=self.steps.accumulate,
             optimizer_steps=lambda: self.steps.opt_steps, train=self.cfg.train, reward=self.cfg.reward,
-            sampler_name=self.cfg.sampler.name, num_processes=self.acc.num_processes,
-            process_index=self.acc.process_index, dataset=getattr(self, "ds", None))
+            sampler_name=self.cfg.sampler.name, num_processes=self.strategy.layout.dp_size,
+            process_index=self.strategy.layout.dp_rank, dataset=getattr(self, "ds", None))
 
     def update_object(self, name: Optional[str] = None) -> Update:
         """The update ``name`` (default ``train.loss``) of this trainer, made on first use with its options
@@ -227,9 +232,11 @@ class Trainer:
         return self._updates[name]
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` of every data-parallel replica, concatenated in replica order (a context-parallel group's
+        ranks hold the same rows: one copy each)."""
         if self.acc.num_processes == 1:
             return t
-        return self.acc.gather(t.to(self.acc.device)).cpu()
+        return self.strategy.layout.replica_rows(self.acc.gather(t.to(self.acc.device)).cpu())
 
     def _min_over_processes(self, n: int) -> int:
         if self.acc.num_processes == 1:
@@ -243,7 +250,8 @@ class Trainer:
         self.strategy.save(self.run.checkpoints, done, model=self.model, unwrapped=self.unwrapped, optimizer=self.opt,
                            scheduler=self.sched, ema=self.ema.shadow if self.ema else None,
                            state={**self.steps.state_dict(), **self.checkpoint_state(),
-                                  "num_processes": self.acc.num_processes},
+                                  "num_processes": self.acc.num_processes,
+                                  "data_parallel": self.strategy.layout.dp_size},
                            extra=(upd.state_dict() if upd is not None else None) or None,
                            keep=self.cfg.train.keep_checkpoints)
 
