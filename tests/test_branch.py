@@ -233,7 +233,7 @@ def test_depth_window_slides_and_wraps():
     (dict(branch_factor=1), "branch_factor"),
     (dict(mode="tree"), "choose one of"),
     (dict(step="ode"), "stochastic step"),
-    (dict(step="ddim"), "choose one of"),
+    (dict(step="ddim"), "Valid step types"),
     (dict(noise_level=0.0), "noise_level"),
     (dict(branch_noise_mix=0.0), "branch_noise_mix"),
     (dict(mode="mix", window=0), "window"),

@@ -117,7 +117,7 @@ def test_training_cfg_runs_the_unconditional_half_outside_the_graph(tiny_digits_
     pol.transformer.requires_grad_(True)
     x, s, cond = pol.initial_noise([1, 2]), torch.tensor([0.8, 0.4]), pol.encode_prompts(P)
     log, hook = _forward_log(pol.transformer)
-    pol.cfg_uncond_grad = False  # as the trainer sets it from train.cfg_uncond_grad (default)
+    pol.cfg_uncond_grad = False  # as the trainer sets it from train.loss_options.cfg_uncond_grad (default)
     v_split, split_bytes = _saved_bytes(lambda: pol.velocity(x, s, cond))
     assert log == [(2, False), (2, True)]  # uncond alone under no_grad, then cond with the graph
     log.clear()
@@ -222,7 +222,7 @@ def _encode_spy(pol, monkeypatch):
 @pytest.mark.parametrize("loss", ["grpo", "nft", "dpo"])
 def test_update_reuses_the_rollout_conditioning(tiny_digits_policy, tmp_path, loss, monkeypatch):
     pol = tiny_digits_policy
-    own = [] if loss == "grpo" else ["train.loss_options={}"] + (["train.beta_kl=0"] if loss == "dpo" else [])
+    own = [] if loss == "grpo" else ["train.loss_options={}"]
     tr = _digits_trainer(pol, tmp_path, f"train.loss={loss}", *own)  # (the recipe's options and KL are GRPO's)
     ro = (GroupSampler(group_size=4, num_steps=2)(pol, P, _mean_pixel, seed=3) if loss == "grpo" else
           ode_rollout(pol, P, list(range(8)), 2, _mean_pixel))

@@ -48,8 +48,10 @@ class ModelConfig:
             raise ConfigError("model.drop_text_encoders=true needs model.text_embedding_cache ('memory' or a "
                               "directory): without cached embeddings the prompts could not be encoded")
 
-        if self.pipeline not in REGISTRY:
-            raise ConfigError(f"model.pipeline: unknown pipeline {self.pipeline!r}; valid: {', '.join(sorted(REGISTRY))}")
+        try:
+            REGISTRY.check(self.pipeline)
+        except ValueError as e:
+            raise ConfigError(f"model.pipeline: {e}") from None
         if not self.guidance_scale >= 1.0:
             raise ConfigError(f"model.guidance_scale must be >= 1.0 (1.0 = no guidance), got {self.guidance_scale}")
 
@@ -126,10 +128,10 @@ class RewardConfig:
         for where, names in (("reward.weights", self.weights), ("reward.heldout", self.heldout),
                              ("reward.options", self.options)):
             for n in names:
-                if n not in REGISTRY:
-                    close = difflib.get_close_matches(n, REGISTRY, n=1)
-                    hint = f" Did you mean {close[0]!r}?" if close else ""
-                    raise ConfigError(f"{where}: unknown reward {n!r}.{hint} Valid rewards: {', '.join(sorted(REGISTRY))}")
+                try:
+                    REGISTRY.check(n)
+                except ValueError as e:
+                    raise ConfigError(f"{where}: {e}") from None
         for n, w in self.weights.items():
             if not isinstance(w, (int, float)) or isinstance(w, bool):
                 raise ConfigError(f"reward.weights.{n} must be a number, got {w!r}")

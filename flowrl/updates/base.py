@@ -111,7 +111,8 @@ class Batch:
 
     rows: torch.Tensor                  # [n] long: ids of the units that carry signal (transitions, samples, groups)
     minibatch_size: int                 # units per minibatch
-    shuffle: Optional[str] = None       # seed purpose of each epoch's permutation (flowrl.seeding), None: no shuffle
+    shuffle: Optional[str] = "shuffle.update"  # seed purpose of each epoch's permutation (flowrl.seeding.PURPOSES;
+    #                                            a new update keeps the default), None: rows in the given order
     draws: Optional[Callable[[torch.Generator], dict]] = None  # an epoch's random tensors (needs a shuffle)
     data: dict = field(default_factory=dict)   # what loss() reads, made once per call (conditioning, advantages, ...)
     stats: dict = field(default_factory=dict)  # figures known before training, logged (trained stats override them)

@@ -94,7 +94,7 @@ class OfflineGDROUpdate(Update):
 
     def batch(self, passes: list, step: int) -> Batch:
         """The step's passes, in their order (no shuffle: the trainer's dataset order decides)."""
-        return Batch(torch.cat(list(passes)), len(passes[0]), data={"step": step})
+        return Batch(torch.cat(list(passes)), len(passes[0]), shuffle=None, data={"step": step})
 
     def loss(self, batch: Batch, mb: Minibatch) -> tuple[torch.Tensor, dict]:
         return self.pass_loss(mb.rows, batch.data["step"], mb.index)
