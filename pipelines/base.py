@@ -1,4 +1,5 @@
-"""``DiffusersPolicy``: the base class of the adapters over a diffusers pipeline (SD3, FLUX, SANA).
+"""``DiffusersPolicy``: the base class of the adapters over a diffusers pipeline (every shipped adapter but
+``digits``: SD3, FLUX, SANA, Qwen-Image, FLUX.1 Kontext, Wan).
 
 An adapter subclasses it and **declares** what flowrl needs to know about its model, as class
 attributes and class methods; nothing about a model lives in tables elsewhere (``flowrl export``,

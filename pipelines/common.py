@@ -162,7 +162,7 @@ DECODE_BATCH = 8  # images per VAE call: at 512 px a float32 SD3 / FLUX decode h
 
 def vae_decode(vae, latents: torch.Tensor, device, batch: Optional[int] = DECODE_BATCH) -> torch.Tensor:
     """Latents ``[B, C, h, w]`` -> float32 images ``[B, 3, f h, f w]`` in [0, 1] (f = the VAE's factor),
-    as the SD3, FLUX and SANA pipelines do: ``latents / scaling_factor + shift_factor`` (0 when the
+    as the diffusers pipelines do: ``latents / scaling_factor + shift_factor`` (0 when the
     VAE has none, e.g. SANA's DC-AE), VAE decode, ``x / 2 + 0.5`` clamped. The VAE runs on ``batch``
     images at a time (None: all at once), so its activations do not grow with the rollout."""
     cfg = vae.config

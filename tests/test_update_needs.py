@@ -249,8 +249,8 @@ def test_the_worked_example_is_one_file_and_one_line_and_trains(tiny_digits_dir,
     from flowrl.trainers.online import train
 
     module = types.ModuleType("flowrl_docs_rwr")
+    monkeypatch.setitem(sys.modules, "flowrl_docs_rwr", module)  # (dataclasses look their module up)
     exec(compile(worked_example(), "docs/design.md (rwr)", "exec"), module.__dict__)
-    monkeypatch.setitem(sys.modules, "flowrl_docs_rwr", module)
     monkeypatch.setitem(UPDATES, "rwr", "flowrl_docs_rwr:RWRUpdate")  # the one registry line
     ov = tiny_train_overrides(tiny_digits_dir, **{"train.loss": "rwr", "train.loss_options": "{temperature: 0.5}",
                                                   "train.iterations": 2, "train.lr": 1e-2})

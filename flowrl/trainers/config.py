@@ -31,7 +31,8 @@ __all__ = ["Config", "ModelConfig", "SamplerConfig", "RewardConfig", "TrainConfi
 
 @dataclass
 class ModelConfig:
-    pipeline: str = _h("flowrl.pipelines name: digits, sd3, flux", "digits")
+    pipeline: str = _h("a flowrl.pipelines.REGISTRY name, e.g. digits, sd3, flux (an unknown name lists them all)",
+                       "digits")
     path: Optional[str] = _h("directory or hub id; digits: empty = the cached base, pretrained on first use", None)
     guidance_scale: float = _h("classifier-free guidance inside the policy (1.0 = none)", 1.0)
     device: str = _h("'auto' = the accelerator's device, or cpu / cuda:N", "auto")
