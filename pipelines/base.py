@@ -148,7 +148,7 @@ class DiffusersPolicy(ModelFacts):
     tiny_kinds: ClassVar[tuple[str, ...]] = ()
     example_hub_id: ClassVar[str] = ""  # named in the missing-path error
     # with CFG in a differentiable forward: gradient through the unconditional half too (True), or that
-    # half without gradient (False, Flow-GRPO's training forward); the trainer sets train.cfg_uncond_grad
+    # half without gradient (False, Flow-GRPO's training forward); the trainer sets train.loss_options.cfg_uncond_grad
     cfg_uncond_grad: bool = True
 
     # --- declarations with defaults ---------------------------------------------------------

@@ -38,7 +38,7 @@ def cfg_combine(uncond: torch.Tensor, cond: torch.Tensor, scale: float, *, uncon
 
     ``uncond_grad=False`` detaches ``u`` (Flow-GRPO's training forward), so only the conditional half
     carries the gradient; adapters pass their ``cfg_uncond_grad`` attribute (the trainer sets it from
-    ``train.cfg_uncond_grad``). Values are the same either way.
+    ``train.loss_options.cfg_uncond_grad``). Values are the same either way.
     """
     u, c = uncond.float(), cond.float()
     if not uncond_grad:

@@ -15,7 +15,6 @@ from flowrl.advantages.tree import branch_structure
 from flowrl.losses import grpo_clipped_loss
 from flowrl.trainers.config import load_config
 from flowrl.structures import TreeStructure
-from flowrl.updates.base import build_options
 from flowrl.updates.grpo import GRPOUpdate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +49,7 @@ def _update_stub(adv_clip_max: float):
     """A GRPO update whose context holds only what ``advantages`` reads (one process)."""
     cfg = load_config(ROOT / "recipes/digits.yaml", [f"train.loss_options.adv_clip_max={adv_clip_max}"])
     return GRPOUpdate(SimpleNamespace(train=cfg.train, reward=cfg.reward, num_processes=1, process_index=0),
-                      build_options(GRPOUpdate, cfg.train))
+                      cfg.train.update_options)
 
 
 @pytest.mark.parametrize("clip", [2.0, 10.0])

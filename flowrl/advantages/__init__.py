@@ -2,7 +2,7 @@
 
 ``ADVANTAGES[rollout.structure](rollout, **options) -> (advantages [M], info)`` is the only
 thing a new sampler adds for the trainer to train on it (docs/design.md). The advantages come back
-clipped to ``+-adv_clip`` (``train.adv_clip_max``): each function clips where its own math needs
+clipped to ``+-adv_clip`` (``train.loss_options.adv_clip_max``): each function clips where its own math needs
 it (before pruning, per reward), and the update uses them as they are. ``rollout.structure``
 is the ``name`` of the rollout's typed record ``rollout.layout`` (:mod:`flowrl.structures`:
 ``GroupStructure``, ``TreeStructure``, ``TempFlowStructure``, ...), which the function reads with
