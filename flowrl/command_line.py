@@ -82,14 +82,13 @@ def user_errors() -> dict[type, Callable[[BaseException], str]]:
     messages already say what was wrong and how to fix it; anything not listed is a bug."""
     import yaml
 
-    from flowrl.bench import BenchError
     from flowrl.data.embeddings import TextCacheError
     from flowrl.data.offline_store import DatasetError
     from flowrl.data.prompts import PromptSetError
     from flowrl.quant.common import BackendUnavailable
     from flowrl.checkpoints.common import CheckpointError
     from flowrl.trainers.steps import TrainingStopped
-    from flowrl.errors import ConfigError
+    from flowrl.errors import BenchError, ConfigError
     from flowrl.rewards import RewardUnavailable
 
     plain = str

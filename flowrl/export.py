@@ -155,12 +155,6 @@ def _hub_kwargs(cfg: Config) -> dict:
     return {k: v for k, v in cfg.model.options.items() if k in _HUB_KWARGS}
 
 
-def empty_transformer(cfg: Config, base: str) -> torch.nn.Module:
-    """The run's transformer architecture on the meta device (no weights), from ``base``'s
-    ``transformer/config.json``."""
-    return _empty_transformer(cfg.model.pipeline, base, _hub_kwargs(cfg))
-
-
 def _empty_transformer(pipeline: str, base: str, hub_kwargs: dict) -> torch.nn.Module:
     from accelerate import init_empty_weights
 

@@ -100,8 +100,3 @@ class Quantizer(Protocol):
 def index_cond(cond: Conditioning, index: torch.Tensor) -> dict[str, torch.Tensor]:
     """Rows ``index`` [M] of every conditioning tensor (prompt -> transition rows)."""
     return {k: v.index_select(0, index.to(v.device)) for k, v in cond.items()}
-
-
-def cat_cond(conds: list[Conditioning]) -> dict[str, torch.Tensor]:
-    """Concatenate conditionings along the batch dimension."""
-    return {k: torch.cat([c[k] for c in conds]) for k in conds[0]}

@@ -1,4 +1,5 @@
-"""``DiffusersPolicy``: the base class of the adapters over a diffusers pipeline (SD3, FLUX, SANA).
+"""``DiffusersPolicy``: the base class of the adapters over a diffusers pipeline (every shipped adapter but
+``digits``: SD3, FLUX, SANA, Qwen-Image, FLUX.1 Kontext, Wan).
 
 An adapter subclasses it and **declares** what flowrl needs to know about its model, as class
 attributes and class methods; nothing about a model lives in tables elsewhere (``flowrl export``,
@@ -147,7 +148,7 @@ class DiffusersPolicy(ModelFacts):
     tiny_kinds: ClassVar[tuple[str, ...]] = ()
     example_hub_id: ClassVar[str] = ""  # named in the missing-path error
     # with CFG in a differentiable forward: gradient through the unconditional half too (True), or that
-    # half without gradient (False, Flow-GRPO's training forward); the trainer sets train.cfg_uncond_grad
+    # half without gradient (False, Flow-GRPO's training forward); the trainer sets train.loss_options.cfg_uncond_grad
     cfg_uncond_grad: bool = True
 
     # --- declarations with defaults ---------------------------------------------------------

@@ -38,7 +38,7 @@ def cfg_combine(uncond: torch.Tensor, cond: torch.Tensor, scale: float, *, uncon
 
     ``uncond_grad=False`` detaches ``u`` (Flow-GRPO's training forward), so only the conditional half
     carries the gradient; adapters pass their ``cfg_uncond_grad`` attribute (the trainer sets it from
-    ``train.cfg_uncond_grad``). Values are the same either way.
+    ``train.loss_options.cfg_uncond_grad``). Values are the same either way.
     """
     u, c = uncond.float(), cond.float()
     if not uncond_grad:
@@ -176,7 +176,7 @@ DECODE_BATCH = 8  # images per VAE call: at 512 px a float32 SD3 / FLUX decode h
 
 def vae_decode(vae, latents: torch.Tensor, device, batch: Optional[int] = DECODE_BATCH) -> torch.Tensor:
     """Latents ``[B, C, h, w]`` -> float32 images ``[B, 3, f h, f w]`` in [0, 1] (f = the VAE's factor),
-    as the SD3, FLUX and SANA pipelines do: ``latents / scaling_factor + shift_factor`` (0 when the
+    as the diffusers pipelines do: ``latents / scaling_factor + shift_factor`` (0 when the
     VAE has none, e.g. SANA's DC-AE), VAE decode, ``x / 2 + 0.5`` clamped. The VAE runs on ``batch``
     images at a time (None: all at once), so its activations do not grow with the rollout."""
     cfg = vae.config

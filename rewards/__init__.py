@@ -10,10 +10,10 @@ from typing import Callable, Mapping, Optional, Union
 
 import torch
 
-from flowrl.registry import resolve_target
+from flowrl.registry import Registry
 
-# name -> "module:attribute" (lazy: importing flowrl.rewards loads no reward model library)
-REGISTRY: dict[str, str] = {
+# name -> "module:attribute" (lazy: importing flowrl.rewards loads no reward model library), or a callable
+REGISTRY = Registry("reward", {
     "digits": "flowrl.rewards.digits:DigitsReward",
     "digits_edit": "flowrl.rewards.digits_edit:DigitsEditReward",
     "jpeg_compressibility": "flowrl.rewards.compress:JpegCompressibility",
@@ -26,7 +26,7 @@ REGISTRY: dict[str, str] = {
     "ocr": "flowrl.rewards.ocr:OCRReward",
     "vlm_judge": "flowrl.rewards.vlm:VLMJudge",
     "remote": "flowrl.rewards.remote:RemoteReward",  # served by `flowrl serve-reward`
-}
+})
 
 
 class RewardUnavailable(RuntimeError):
@@ -36,23 +36,15 @@ class RewardUnavailable(RuntimeError):
 
 def register(name: str, target: Union[str, Callable]) -> None:
     """Add a reward builder: a ``"module:attr"`` string or a callable returning a reward."""
-    REGISTRY[name] = target
+    REGISTRY.register(name, target)
 
 
 def available() -> list[str]:
-    return sorted(REGISTRY)
+    return REGISTRY.names()
 
 
 def _resolve(name: str) -> Callable:
-    try:
-        target = REGISTRY[name]
-    except KeyError:
-        import difflib
-
-        close = difflib.get_close_matches(name, REGISTRY, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown reward {name!r}.{hint} Valid rewards: {', '.join(available())}") from None
-    return target if callable(target) else resolve_target(target)
+    return REGISTRY.get(name)
 
 
 def build(name: str, **kwargs):

@@ -125,7 +125,7 @@ CASES = [
     ("unknown reward", cfg("reward.weights={pickscore2: 1}"), ConfigError, r"unknown reward 'pickscore2'.*pickscore"),
     ("non-numeric reward weight", cfg("reward.weights={digits: high}"), ConfigError, r"must be a number"),
     ("unknown pipeline", cfg("model.pipeline=sdxl"), ConfigError, r"unknown pipeline 'sdxl'"),
-    ("unknown step type", cfg("sampler.step=ddim"), ConfigError, r"unknown step type 'ddim'.*choose one of"),
+    ("unknown step type", cfg("sampler.step=ddim"), ConfigError, r"unknown step type 'ddim'.*Valid step types"),
     ("guidance below 1", cfg("model.guidance_scale=0"), ConfigError, r"guidance_scale must be >= 1\.0"),
     ("bad mixed precision", cfg("train.mixed_precision=fp4"), ConfigError, r"'no', 'bf16' or 'fp16'"),
     ("bad override syntax", cfg("train.lr"), ConfigError, r"section\.key=value"),

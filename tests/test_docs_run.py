@@ -230,14 +230,22 @@ def workdirs(tmp_path_factory):
 def test_command_runs(block, cmd, workdirs):
     if block.marker is not None:
         pytest.skip(f"{block.marker[0]}: {block.marker[1]}")
-    dirs, env = workdirs
-    assert shutil.which("flowrl", path=env["PATH"]), "the flowrl console script is not on PATH"
     runs, reason = prepare(cmd)
     if reason:
         pytest.skip(f"{cmd!r}: {reason}")
+    run_commands(block, cmd, runs, workdirs)
+
+
+def run_commands(block: Block, cmd: str, runs: list[str], workdirs) -> None:
+    """Run a documented command's ``runs`` in its file's working directory (in a new shell after the block's
+    activation line, when it has one); each must exit 0 without a traceback. Marks the command done, so a
+    later test that needs its files does not run it again."""
+    dirs, env = workdirs
     act = activation(block, cmd)
     if act is not None:  # the new shell: only the activated environment provides flowrl
         env = new_shell(env, dirs[block.path], ACTIVATE.match(act).group(1))
+    else:
+        assert shutil.which("flowrl", path=env["PATH"]), "the flowrl console script is not on PATH"
     for run in runs:
         if act is not None and run != act:
             run = f"{act}\n{run}"
@@ -247,15 +255,24 @@ def test_command_runs(block, cmd, workdirs):
         print(f"{block.id}: {time.perf_counter() - t0:6.1f} s  {run}")  # (pytest -s shows where time goes)
         assert r.returncode == 0, f"{block.id}: {run}\n--- stderr ---\n{r.stderr[-4000:]}"
         assert "Traceback" not in r.stderr, f"{block.id}: {run}\n{r.stderr[-4000:]}"
+        DONE.add((block.id, run))
+
+
+DONE: set[tuple[str, str]] = set()  # (block id, command) run in this session
 
 
 def test_readme_writes_only_what_it_says(workdirs):
     """After the README's blocks: the working directory holds what its comments name, nothing else
-    (no stray benchmark JSON or PNG in the working directory)."""
+    (no stray benchmark JSON or PNG in the working directory). The README's commands that have not run
+    in this session (this test alone, or a selection without them) run here first, in their order."""
     dirs, _ = workdirs
     wd = dirs[ROOT / "README.md"]
-    if not (wd / "runs").exists():
-        pytest.skip("the README blocks did not run in this session")
+    for block, cmd in COMMANDS:
+        if block.path.name == "README.md" and block.marker is None:
+            runs, reason = prepare(cmd)
+            todo = [r for r in runs if (block.id, r) not in DONE]
+            if not reason and todo:
+                run_commands(block, cmd, todo, workdirs)
     assert sorted(p.name for p in wd.iterdir() if p.name != ".venv") == ["bench", "data", "lora_out", "runs",
                                                                           "three.png"]
     assert sorted(p.name for p in (wd / "runs").iterdir()) == ["a", "demo", "gdro", "smoke"]

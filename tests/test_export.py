@@ -143,7 +143,8 @@ def test_full_finetune_exports_the_transformer(tiny_digits_dir, tmp_path):
 
     run = tmp_path / "run"
     train(load_config(ROOT / "recipes" / "digits.yaml", tiny_train_overrides(
-        tiny_digits_dir, **{"train.iterations": 1, "train.lr": 1e-3, "train.lora_rank": 0, "train.beta_kl": 0})), run)
+        tiny_digits_dir, **{"train.iterations": 1, "train.lr": 1e-3, "train.lora_rank": 0,
+                            "train.loss_options.beta_kl": 0})), run)
     info = export_run(run, tmp_path / "out")
     assert info["kind"] == "full"
     exported = SD3Transformer2DModel.from_pretrained(tmp_path / "out", subfolder="transformer")

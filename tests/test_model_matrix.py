@@ -44,10 +44,10 @@ CASES = {
     "branch-grpo_guard": ([sampler("branch"), "train.loss=grpo_guard"], []),
     "tempflow-grpo": ([sampler("tempflow")], []),
     "sol_int8-nft": ([sampler("sol", regen="ode"), "train.loss=nft"], []),
-    "sol_nvfp4-dpo": ([sampler("sol", explore_backend="nvfp4-emulated"), "train.loss=dpo", "train.beta_kl=0"],
+    "sol_nvfp4-dpo": ([sampler("sol", explore_backend="nvfp4-emulated"), "train.loss=dpo"],
                       ["sampler.explore_backend=nvfp4-emulated"]),
-    "group-gdro": ([sampler("group"), "train.loss=gdro", "train.beta_kl=0"], []),
-    "offline_gdro": (["train.mode=offline", "train.loss=offline_gdro", "train.beta_kl=0"],
+    "group-gdro": ([sampler("group"), "train.loss=gdro"], []),
+    "offline_gdro": (["train.mode=offline", "train.loss=offline_gdro"],
                      ["offline.max_steps=2", "offline.epochs=2"]),
 }
 BATCH = ["train.batch_size=4"]  # every smoke row's samples per prompt divides it

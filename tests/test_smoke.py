@@ -101,7 +101,7 @@ def test_smoke_keeps_the_recipes_cache_paths_clean(tmp_path):
 
 
 def test_user_overrides_apply_under_the_smoke_sizes(tmp_path):
-    cfg, _ = smoke_config("recipes/digits.yaml", ["train.loss=dpo", "train.beta_kl=0", "train.iterations=50"], tmp_path)
+    cfg, _ = smoke_config("recipes/digits.yaml", ["train.loss=dpo", "train.iterations=50"], tmp_path)
     assert cfg.train.loss == "dpo" and cfg.train.iterations == 1  # the user's choice kept, the size shrunk
 
 

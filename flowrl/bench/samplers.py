@@ -8,7 +8,7 @@ from typing import Optional
 from ..command_line import positive_float
 from ..trainers.config_text import recipes_dir
 from ..utils.io import write_json
-from . import BenchError
+from ..errors import BenchError
 from .training import Variant, compare, table, time_to_reach
 
 

@@ -11,7 +11,7 @@
                     With ``model.text_embedding_cache`` + ``model.drop_text_encoders`` they are not kept at all,
                     and not even loaded once the cache covers every training and evaluation prompt.
 ``vae``             the VAE stays in host memory and moves to the GPU for each encode / decode call.
-``reference``       a full fine-tune's frozen reference copy (``train.beta_kl > 0``): its FSDP shards in host
+``reference``       a full fine-tune's frozen reference copy (an update whose KL needs the reference): its FSDP shards in host
                     memory (``CPUOffloadPolicy`` on the copy), gathered to the GPU block by block for its forward
                     (needs ``train.sharding=fsdp``; a LoRA run's reference is the adapter-disabled model: no copy).
 ``ema``             the EMA of the trained tensors in host memory (updated from the GPU weights every

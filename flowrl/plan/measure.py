@@ -215,7 +215,7 @@ def measure_trainer(cfg, run_dir) -> dict:
         tr.model.eval()
         out["r"] = tr.sampler(tr.policy, tr._iteration_prompts(0), tr.reward, seed=1, iteration=0)
 
-    measured = {"rollout": peak(rollout), "train": peak(lambda: tr.update_object()(out["r"], 0))}
+    measured = {"rollout": peak(rollout), "train": peak(lambda: tr.train_on(out["r"], 0))}
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
     holder = getattr(tr.policy, "pipe", tr.policy)
     mods = [tr.policy.transformer, getattr(tr.policy, "vae", None)] + [

@@ -55,7 +55,7 @@ def _offload(cfg, level: int, sharding: str) -> Optional[dict]:
         if sharding != "fsdp":
             return None
         out.update(fsdp=True, ema=bool(cfg.train.ema))
-        if cfg.train.lora_rank == 0 and cfg.train.update_class.needs_reference(cfg.train):
+        if cfg.train.lora_rank == 0 and cfg.train.update_needs.reference:
             out["reference"] = True
     return out
 

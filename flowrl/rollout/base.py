@@ -7,7 +7,7 @@ GRPO-family update needs nothing else.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -100,11 +100,6 @@ class Rollout:
     def structure(self) -> str:
         """Key of ``flowrl.advantages.ADVANTAGES`` for this rollout (``layout.name``)."""
         return self.layout.name
-
-    @property
-    def extras(self) -> dict[str, Any]:
-        """Backward-compatible untyped view of ``layout`` (a fresh dict; read ``layout`` instead)."""
-        return self.layout.as_extras()
 
     @property
     def num_samples(self) -> int:

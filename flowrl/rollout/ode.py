@@ -1,5 +1,6 @@
 """Deterministic (ODE) generation: evaluation sets, previews, offline datasets, and flat ODE
-groups for the DiffusionNFT loss (``train.loss: nft``), which trains on finished samples only."""
+groups for the updates that train on finished samples only (``Needs.clean_samples``: DiffusionNFT,
+online DPO / GDRO)."""
 from __future__ import annotations
 
 import time
@@ -129,7 +130,7 @@ def ode_rollout(policy: FlowPolicy, prompts: list[str], seeds: list[int], num_st
 class ODEGroupSampler:
     """``group_size`` deterministic ODE samples per prompt, one seed each: the flat sampler of
     DiffusionNFT (arXiv 2509.16117) and of online DPO / GDRO, which train on finished samples, not
-    log-probs (``train.loss: nft | dpo | gdro``; GRPO has no stochastic transitions to train on here)."""
+    log-probs (updates declaring ``Needs.clean_samples``; GRPO has no stochastic transitions to train on here)."""
 
     group_size: int = 8
     num_steps: int = 10

@@ -257,7 +257,7 @@ class OfflineTrainer(Trainer):
         """One optimizer step (``grad_accum`` passes) -> metrics."""
         t0 = time.perf_counter()
         passes = self.step_groups(step)
-        stats = self.update_object()(passes, step)
+        stats, _ = self.train_on(passes, step)
         self.sched.step()
         dt = time.perf_counter() - t0
         self.train_seconds += dt

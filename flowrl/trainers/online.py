@@ -6,7 +6,7 @@ function, and the update ``flowrl.updates.UPDATES[train.loss]`` trains on it (do
 This module feeds the shared loop (:class:`flowrl.trainers.trainer.Trainer`) its unit, an
 iteration: the prompts, the rollout seed, the rollout, the update and the iteration's metrics.
 
-Accounting (the shared skeleton, ``flowrl.updates.base.train_epochs``): each iteration trains
+Accounting (the update loop, ``flowrl.trainers.steps.OptimizerSteps.train``): each iteration trains
 ``inner_epochs`` passes over the rows that carry signal, shuffled into minibatches of
 ``minibatch_size``; ``grad_accum`` consecutive minibatches make one optimizer step (the last group
 of an epoch may be shorter). A minibatch's loss is divided by the number of minibatches in its group.
@@ -77,8 +77,8 @@ class OnlineTrainer(Trainer):
         self.sampler = self._given_sampler if self._given_sampler is not None else cfg.sampler.build()
         t = cfg.train
         if self._given_sampler is not None:  # a sampler object: the checks the config made on its own sampler
-            reason = incompatibility(t.update_class, t.loss, mode=t.mode, sampler=type(self.sampler).__name__,
-                                     stores_transitions=bool(self.sampler.stores_transitions), beta_kl=t.beta_kl,
+            reason = incompatibility(t.update_needs, t.loss, mode=t.mode, sampler=type(self.sampler).__name__,
+                                     stores_transitions=bool(self.sampler.stores_transitions),
                                      aggregate=cfg.reward.aggregate, inner_epochs=t.inner_epochs,
                                      alternatives=updates_by_input())
             if reason:
@@ -138,11 +138,11 @@ class OnlineTrainer(Trainer):
         t0 = time.perf_counter()
         prompts = self._iteration_prompts(it)
         self.model.eval()
-        with self.reward_available(it):
+        with self.reward_available(it), self.update_object().sampling_weights():
             rollout = self.sampler(self.policy, prompts, self.reward, seed=self._rollout_seed(it), iteration=it)
         t1 = time.perf_counter()
         maybe_fault("after_rollout", it)
-        upd, info = self.update_object()(rollout, it)
+        upd, info = self.train_on(rollout, it)
         maybe_fault("after_update", it)
         t2 = time.perf_counter()
         r_all = self._gather(rollout.rewards)

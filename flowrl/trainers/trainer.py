@@ -9,8 +9,9 @@ written) changes nothing and returns the summary it has.
 :class:`~flowrl.trainers.online.OnlineTrainer` feeds rollouts of a sampler to the update,
 :class:`~flowrl.trainers.offline.OfflineTrainer` steps of a dataset. Everything that differs between
 DDP and FSDP2 is the strategy object's (:mod:`flowrl.distributed.strategy`); the run directory and
-the resume check are :class:`~flowrl.trainers.run_dir.RunDirectory`'s; optimizer steps with their
-non-finite guard are :class:`~flowrl.trainers.steps.OptimizerSteps`'.
+the resume check are :class:`~flowrl.trainers.run_dir.RunDirectory`'s. One update call
+(:meth:`Trainer.train_on`) asks the update what it trains on, then runs the one update loop, epochs,
+minibatches, accumulation, clipping and the optimizer step (:meth:`flowrl.trainers.steps.OptimizerSteps.train`).
 
 A subclass sets ``RESUME_FREE`` (keys a resume may change), ``unit`` (what a checkpoint counts),
 ``stop_causes`` (likely causes of non-finite steps), ``progress_desc`` and ``extend_hint`` (how to train
@@ -40,7 +41,7 @@ from ..registry import Registry
 from ..rollout.base import score_images
 from ..trainable import EMA, Reference, set_up_trainable
 from ..updates import UPDATES
-from ..updates.base import Update, UpdateContext, build_options
+from ..updates.base import Update, UpdateContext
 from .config import Config
 from .run_dir import RunDirectory
 from .steps import OptimizerSteps, TrainingStopped
@@ -71,7 +72,7 @@ class Trainer:
         self.stopped_by: Optional[str] = None  # the signal that stopped the run early (SIGTERM, SIGINT)
         self.finished = False  # set up a resume of a run that is already complete (nothing to do)
         self._old_handlers: dict = {}
-        self._updates: dict[str, Update] = {}  # update name -> its object (made on first use)
+        self._update: Optional[Update] = None  # the update object (made on first use)
         self._update_state: dict = {}  # a resumed checkpoint's extra tensors, for the update
 
     # ---------------------------------------------------------------- hooks
@@ -141,17 +142,17 @@ class Trainer:
         policy = self._given_policy if self._given_policy is not None else build_policy_from_config(
             cfg, device, without_text_encoders=text_cache_covers(cfg.model, prompts + self.eval_prompts))
         offload_idle(policy, Offload(**cfg.train.offload), device)  # train.offload: text encoders, VAE
-        policy.cfg_uncond_grad = cfg.train.cfg_uncond_grad  # CFG's unconditional half in the update's forwards
+        policy.cfg_uncond_grad = cfg.train.update_options.cfg_uncond_grad  # CFG's unconditional half in training
         self.policy = attach_text_cache(policy, cfg.model, prompts + self.eval_prompts,
                                         is_main=self.acc.is_main_process, barrier=self.acc.wait_for_everyone,
                                         progress=cfg.logging.progress and self.acc.is_main_process)
-        self._prepare_model(cfg.train.update_class.needs_reference(cfg.train))  # as the update declares
+        self._prepare_model(cfg.train.update_needs.reference)  # as the update declares
         self.start_iteration = 0  # first unit to train (an offline run's unit is an optimizer step)
         if self.resume:
             ck = self._load_latest()
             if ck is not None:
                 self.start_iteration = int(ck["state"]["iteration"])
-                self._update_state = dict(ck["extra"])  # e.g. DiffusionNFT's old policy, handed to the update
+                self._update_state = self._update_copies(dict(ck["extra"]))  # e.g. DiffusionNFT's old policy
                 self.restore_state(ck)
                 self._note_world_size(ck["state"].get("data_parallel", ck["state"].get("num_processes")))
         self.finished = (self.resume and self.start_iteration >= self.total_units()
@@ -213,23 +214,35 @@ class Trainer:
     def update_context(self) -> UpdateContext:
         """What an update may use (flowrl.updates.base); built once the model is prepared."""
         return UpdateContext(
-            policy=self.policy, model=self.model, unwrapped=self.unwrapped, device=self.acc.device,
-            autocast=self.acc.autocast, reference=lambda: self.ref.active(self.policy), gather=self._gather,
-            min_over_processes=self._min_over_processes, accumulate=self.steps.accumulate,
-            optimizer_steps=lambda: self.steps.opt_steps, train=self.cfg.train, reward=self.cfg.reward,
-            sampler_name=self.cfg.sampler.name, num_processes=self.strategy.layout.dp_size,
+            policy=self.policy, unwrapped=self.unwrapped, device=self.acc.device, autocast=self.acc.autocast,
+            reference=lambda: self.ref.active(self.policy), gather=self._gather, train=self.cfg.train,
+            reward=self.cfg.reward, sampler_name=self.cfg.sampler.name, num_processes=self.strategy.layout.dp_size,
             process_index=self.strategy.layout.dp_rank, dataset=getattr(self, "ds", None))
 
-    def update_object(self, name: Optional[str] = None) -> Update:
-        """The update ``name`` (default ``train.loss``) of this trainer, made on first use with its options
-        (``train.loss_options``) and any state a resumed checkpoint holds for it."""
-        name = name or self.cfg.train.loss
-        if name not in self._updates:
-            cls = self.updates.get(name)
-            upd = cls(self.update_context(), build_options(cls, self.cfg.train))
-            upd.load_state_dict(self._update_state)
-            self._updates[name] = upd
-        return self._updates[name]
+    def update_object(self) -> Update:
+        """The update ``train.loss`` names, made on first use with its options (built when the config loaded)
+        and any state a resumed checkpoint holds for it."""
+        if self._update is None:
+            self._update = self.updates.get(self.cfg.train.loss)(self.update_context(), self.cfg.train.update_options)
+            self._update.load_state_dict(self._update_state)
+        return self._update
+
+    def train_on(self, data, it: int) -> tuple[dict, dict]:
+        """One update call on ``data`` (a rollout, or an offline step's group ids) -> (stats, advantage info):
+        the update says what it trains on (in eval mode, before any step), the update loop trains it."""
+        update = self.update_object()
+        batch = update.batch(data, it)
+        stats, trained = self.steps.train(update, batch, it)
+        return {**batch.stats, **stats, **update.after_update(batch, trained, self.steps.opt_steps)}, batch.info
+
+    def _update_copies(self, extra: dict) -> dict:
+        """A checkpoint's extra tensors, checked against the copies the update declares it keeps."""
+        missing = [c for c in self.cfg.train.update_needs.copies if c not in extra]
+        if missing:
+            raise CheckpointError(f"--resume: the newest checkpoint holds no {missing[0]!r}, which train.loss="
+                                  f"{self.cfg.train.loss} keeps and checkpoints, so the run cannot continue exactly "
+                                  f"(a checkpoint of another loss or an older flowrl); start a new --output-dir")
+        return extra
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` of every data-parallel replica, concatenated in replica order (a context-parallel group's
@@ -238,15 +251,10 @@ class Trainer:
             return t
         return self.strategy.layout.replica_rows(self.acc.gather(t.to(self.acc.device)).cpu())
 
-    def _min_over_processes(self, n: int) -> int:
-        if self.acc.num_processes == 1:
-            return n
-        return int(self.acc.gather(torch.tensor([n], device=self.acc.device)).min().item())
-
     # ---------------------------------------------------------------- checkpoints
     def _save(self, done: int) -> None:
         """Checkpoint after ``done`` units (the strategy writes it; every process returns once it is complete)."""
-        upd = self._updates.get(self.cfg.train.loss)
+        upd = self._update
         self.strategy.save(self.run.checkpoints, done, model=self.model, unwrapped=self.unwrapped, optimizer=self.opt,
                            scheduler=self.sched, ema=self.ema.shadow if self.ema else None,
                            state={**self.steps.state_dict(), **self.checkpoint_state(),
