@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 import numpy as np
 
-from . import BenchError
+from ..errors import BenchError
 from ..utils.io import write_json
 
 VARIANTS = ("ocr_serial", "ocr_overlap", "ocr_served", "judge_serial", "judge_overlap")
