@@ -138,10 +138,12 @@ def test_an_editing_run_rewards_see_the_sources(tiny_digits_dir, items, tmp_path
 def test_offline_dataset_keeps_the_sources(tiny_digits_policy, items, tmp_path):
     from flowrl.data.offline import GenerationSettings, add_reward_column, generate_dataset
     from flowrl.data.offline_store import OfflineDataset
+    from flowrl.rollout.ode import ode_sample
 
     reward = Recording()
     settings = GenerationSettings(k=2, groups_per_prompt=1, num_steps=2, groups_per_shard=2, save_png=False)
-    generate_dataset(tmp_path / "ds", tiny_digits_policy, items, {"rec": reward}, settings, progress=False)
+    generate_dataset(tmp_path / "ds", tiny_digits_policy, items, {"rec": reward}, settings, sample=ode_sample,
+                     progress=False)
     reward.check(items)
     ds = OfflineDataset(tmp_path / "ds")
     assert ds.prompts == items and all(torch.equal(a.image, b.image) for a, b in zip(ds.prompts, items))
@@ -151,10 +153,11 @@ def test_offline_dataset_keeps_the_sources(tiny_digits_policy, items, tmp_path):
     add_reward_column(tmp_path / "ds", "again", again, tiny_digits_policy.decode, progress=False)
     again.check(items)  # a rescored column sees the stored groups' sources
     # generating again with the same items resumes (the stored records compare equal)
-    generate_dataset(tmp_path / "ds", tiny_digits_policy, items, {"rec": Recording()}, settings, progress=False)
+    generate_dataset(tmp_path / "ds", tiny_digits_policy, items, {"rec": Recording()}, settings, sample=ode_sample,
+                     progress=False)
     with pytest.raises(ValueError, match="cannot be stored"):
         generate_dataset(tmp_path / "other", tiny_digits_policy, [PromptItem("x", items[0].image)], {}, settings,
-                         progress=False)
+                         sample=ode_sample, progress=False)
 
 
 def test_vlm_judge_sends_source_result_and_instruction(stub, monkeypatch):
@@ -219,21 +222,35 @@ def test_text_to_image_model_with_sources_says_so_once(tiny_digits_policy, items
     assert capsys.readouterr().err == ""
 
 
-def test_heldout_and_judge_rewards_take_the_frame_stride(monkeypatch):
+def test_frames_are_reduced_in_one_place_with_the_stride_as_an_argument(monkeypatch):
+    """Held-out and judge rewards (plain rewards from build_rewards) and the trained MultiReward reduce
+    video frames through the one function (flowrl.media.score_per_frame, called by score_images), with
+    the stride the caller passes; nothing is set on the reward objects."""
+    import flowrl.media
     import flowrl.rewards
     from flowrl.builders import build_rewards
-    from flowrl.rollout.base import score_images
+    from flowrl.rewards import MultiReward
+    from flowrl.scoring import score_images
 
-    seen = []
+    seen, reductions = [], []
 
     def frame_mean(images, prompts, **meta):  # [B, 3, H, W] per call
         seen.append(images.shape[0])
         return images.flatten(1).mean(1)
 
+    real = flowrl.media.score_per_frame
+    monkeypatch.setattr("flowrl.scoring.score_per_frame", lambda *a, **k: reductions.append(a[3]) or real(*a, **k))
     monkeypatch.setattr(flowrl.rewards, "build", lambda name, **kw: frame_mean)
-    got = build_rewards({"frame_mean_test": {}}, frame_stride=3)["frame_mean_test"]
-    assert got.frame_stride == 3
+    got = build_rewards({"frame_mean_test": {}})["frame_mean_test"]
+    assert got is frame_mean and not hasattr(got, "frame_stride")
     video = torch.rand(2, 3, 7, 4, 4)  # [B, C, F, H, W]: frames 0, 3, 6 scored
-    total, _ = score_images(got, video, ["a", "b"])
-    assert seen == [6]  # 2 videos x frames 0, 3, 6 in one call
-    torch.testing.assert_close(total, video[:, :, ::3].mean(dim=(1, 3, 4)).mean(1))
+    total, _ = score_images(got, video, ["a", "b"], frame_stride=3)
+    assert seen == [6] and reductions == [3]  # 2 videos x frames 0, 3, 6 in one call
+    want = video[:, :, ::3].mean(dim=(1, 3, 4)).mean(1)
+    torch.testing.assert_close(total, want)
+    multi = MultiReward({"m": frame_mean}, {"m": 1.0}, frame_stride=3)  # the trained reward: its own stride
+    total, comps = score_images(multi, video, ["a", "b"])
+    assert reductions == [3, 3] and seen == [6, 6]
+    torch.testing.assert_close(total, want) and torch.testing.assert_close(comps["m"], want)
+    total, _ = score_images(multi, video, ["a", "b"], frame_stride=7)  # the argument wins: frame 0 only
+    torch.testing.assert_close(total, video[:, :, 0].mean(dim=(1, 2, 3)))

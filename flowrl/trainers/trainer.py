@@ -36,7 +36,7 @@ from ..distributed.fsdp import check_launcher
 from ..distributed.strategy import evaluation_weights, strategy_for
 from ..media import save_samples
 from ..registry import Registry
-from ..rollout.base import score_images
+from ..scoring import score_images
 from ..trainable import EMA, Reference, set_up_trainable
 from ..updates import UPDATES
 from ..updates.base import Update, UpdateContext, build_options
@@ -140,7 +140,7 @@ class Trainer:
                                         is_main=self.acc.is_main_process, barrier=self.acc.wait_for_everyone,
                                         progress=cfg.logging.progress and self.acc.is_main_process)
         self.reward = self._given_reward if self._given_reward is not None else build_reward(cfg)
-        self.heldout = build_rewards(cfg.reward.heldout, cfg.reward.frame_stride)
+        self.heldout = build_rewards(cfg.reward.heldout)
         self._prepare_model(cfg.train.update_class.needs_reference(cfg.train))  # as the update declares
         self.start_iteration = 0  # first unit to train (an offline run's unit is an optimizer step)
         if self.resume:
@@ -276,7 +276,7 @@ class Trainer:
         with evaluation_weights(self.strategy, self.policy, self.unwrapped, self.ema), self.reward_available(i):
             met, images = evaluate_policy(self.policy, self.reward, self.heldout, self.eval_prompts,
                                           self.cfg.data.eval_seeds_per_prompt, self.eval_steps, i,
-                                          max_batch=self.eval_max_batch)
+                                          max_batch=self.eval_max_batch, frame_stride=self.cfg.reward.frame_stride)
         self.extend_evaluation(met, images)
         return met, images
 
@@ -314,7 +314,7 @@ class Trainer:
             return {}
         groups = torch.arange(len(self.eval_prompts)).repeat_interleave(k)
         prompts = [p for p in self.eval_prompts for _ in range(k)]
-        r, _ = score_images(self.reward, images, prompts)
+        r, _ = score_images(self.reward, images, prompts, frame_stride=self.cfg.reward.frame_stride)
         return {"real/reward": float(r[torch.isfinite(r)].mean()), **{f"real/{k}": v for k, v in watch(images, groups).items()}}
 
     # ---------------------------------------------------------------- the loop
