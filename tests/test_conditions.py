@@ -81,16 +81,21 @@ def test_text_prompts_pass_unchanged_and_mixed_rows(tiny_digits_policy, items):
     cond = encode_conditions(tiny_digits_policy, mixed)  # a text-only model: no source conditioning
     torch.testing.assert_close(cond, tiny_digits_policy.encode_prompts(texts))
 
-    class Sourced:  # a policy that takes sources refuses a batch mixing rows with and without one
+    class Sourced:  # a policy that takes one source per prompt: texts and sources arrive separately
+        max_sources = 1
         encode_prompts = staticmethod(tiny_digits_policy.encode_prompts)
 
         @staticmethod
-        def source_conditioning(images):
-            return {"source": torch.stack(images)}
+        def source_conditioning(texts, sources):
+            assert all(isinstance(t, str) for t in texts) and all(isinstance(s, tuple) for s in sources)
+            return {"source": torch.stack([s[0] if s else torch.zeros(3, 16, 16) for s in sources])}
 
-    assert encode_conditions(Sourced, items[:2])["source"].shape == (2, 3, 16, 16)
-    with pytest.raises(ValueError, match="1 of 2 prompts carry a source image"):
-        encode_conditions(Sourced, mixed)
+    got = encode_conditions(Sourced(), mixed)
+    assert got["source"].shape == (2, 3, 16, 16) and torch.equal(got["source"][0], items[0].image)
+    assert not got["source"][1].any()  # the text-only row: no source
+    two = PromptItem("write the sum of the two digits", [items[0].image, items[1].image])
+    with pytest.raises(ValueError, match="carries 2 source images but Sourced takes at most 1"):
+        encode_conditions(Sourced(), [two])
 
 
 def test_an_editing_run_rewards_see_the_sources(tiny_digits_dir, items, tmp_path):
