@@ -1,5 +1,5 @@
 """Prompt items that carry a source image (flowrl.data.items), the shipped digits editing set
-(flowrl.data.digits_edit), and FLUX.1 Kontext encoding PromptItems exactly as its own edit items."""
+(flowrl.data.digits_edit), and FLUX.1 Kontext taking their texts and sources separately (flowrl.conditions)."""
 import json
 import pickle
 
