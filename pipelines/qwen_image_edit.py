@@ -93,7 +93,7 @@ class QwenImageEditPolicy(QwenFamilyPolicy):
                                      "Qwen-Image-Edit-2509", "qwen-image-edit-arch"),
         "Qwen/Qwen-Image-Edit-2511": ModelConfigs(QWEN_IMAGE_EDIT_2511, QWEN_TEXT_ENCODERS, QWEN_IMAGE_VAE,
                                                   "Qwen/Qwen-Image-Edit-2511", "Qwen-Image-Edit-2511",
-                                                  "qwen-image-edit-arch")}
+                                                  "qwen-image-edit-2511-arch")}
 
     def __init__(self, pipe, *, guidance_scale: float = 4.0, negative_prompt: str = " ",
                  max_sequence_length: int = 1024, condition_area: int = CONDITION_AREA, source_area: int = SOURCE_AREA,
