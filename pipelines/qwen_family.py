@@ -248,6 +248,8 @@ class QwenFamilyPolicy(PackedLatents, DiffusersPolicy):
         per packed token to ``|c|`` (module doc; ``cfg_halves`` / ``cfg_combine`` for training).
         """
         x = latents.to(self.device)  # [B, C, h, w]
+        if x.shape[0] == 0:  # no rows (an update's empty minibatch): the transformer's RoPE needs a first row
+            return x.float()  # [0, C, h, w]
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(x.shape[0])  # [B]
         negative = [cond["negative_" + k] for k in self.cond_keys] if self.guidance_scale != 1.0 else []
         return self._guided(self._forward, x, sigma, [cond[k] for k in self.cond_keys], negative)

@@ -218,12 +218,12 @@ class QwenImageEditPolicy(QwenFamilyPolicy):
     def velocity(self, latents: torch.Tensor, sigma, cond) -> torch.Tensor:
         """``v_theta(x_t, sigma)`` float32 ``[B, C, h, w]``; with sources, each set of rows with one source
         layout in its own (guided) transformer call, the results in row order (module doc)."""
-        if "source_shapes" not in cond:
-            return super().velocity(latents, sigma, cond)
+        if "source_shapes" not in cond or latents.shape[0] == 0:  # text only (or no rows): Qwen-Image's velocity
+            return super().velocity(latents, sigma, {k: v for k, v in cond.items() if not k.startswith("source_")})
         x = latents.to(self.device)  # [B, C, h, w]
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(x.shape[0])  # [B]
         layouts: dict[tuple, list[int]] = {}
-        for i, row in enumerate(cond["source_shapes"].reshape(x.shape[0], -1).tolist()):
+        for i, row in enumerate(cond["source_shapes"].flatten(1).tolist()):
             layouts.setdefault(tuple(row), []).append(i)
         if len(layouts) == 1:
             return self._velocity_sources(x, sigma, cond)
