@@ -197,21 +197,25 @@ def test_vlm_judge_sends_source_result_and_instruction(stub, monkeypatch):
         judge(results, ["a", "b", "c"], sources=sources[:2])
 
 
-def test_remote_reward_carries_the_sources(tiny_digits_dir, items):
+@pytest.mark.parametrize("edit_set", ["digits-edit-sample", "digits-edit-multi-sample"])
+def test_remote_reward_carries_the_sources(edit_set):
+    """One source per row, or one to three (every source of every row, in order): the served reward scores
+    exactly what the local one does."""
     from helpers_reward_server import remote_kwargs, served
 
     from flowrl import rewards
     from flowrl.conditions import reward_inputs
 
+    items = load_prompts(edit_set)[:3] if edit_set == "digits-edit-sample" else load_prompts(edit_set)
     local = rewards.build("digits_edit")
-    results = torch.rand(3, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    results = torch.rand(len(items), 3, 16, 16, generator=torch.Generator().manual_seed(0))
     texts, meta = reward_inputs(items, {})
     want = local(results, texts, **meta)
     assert torch.isfinite(want).all()
     with served("digits_edit") as url:
         remote = rewards.build("remote", **remote_kwargs(url, encoding="float32"))
         assert torch.equal(remote(results, texts, **meta), want)
-        with pytest.raises(ValueError, match="1 of 3 rows have no image"):
+        with pytest.raises(ValueError, match=f"1 of {len(items)} rows have no image"):
             remote(results, texts, sources=[None, *meta["sources"][1:]])
 
 
