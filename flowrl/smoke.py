@@ -11,7 +11,9 @@ targets, sharding) and :func:`smoke_overrides` shrinks everything else:
 - training: 1 iteration of 4 samples, one pass, a checkpoint; evaluation on one prompt; one process, so
   ``train.context_parallel`` is 1 (a context-parallel group needs several);
 - reward: ``jpeg_compressibility`` (no download; the recipe's reward models need their weights);
-  an editing model (:data:`DATA`) edits the shipped ``digits-edit-sample`` set, rewarded by ``digits_edit``;
+  an editing model (its adapter's ``max_sources``: :func:`editing_data`) edits the shipped
+  ``digits-edit-sample`` set (one source per prompt) or ``digits-edit-multi-sample`` (one to three),
+  rewarded by ``digits_edit``;
   a prompt set or reward given on the command line (``data.*``, ``reward.*``) is kept instead;
 - offline GDRO recipes (``train.mode: offline``): a dataset of 2 groups x 2 images is generated first.
 
@@ -34,17 +36,19 @@ PROMPTS = {"digits": ["a handwritten digit 3", "a handwritten digit 7"]}
 DEFAULT_PROMPTS = ["a photo of a cat", "a red apple on a table"]
 # recipe model.options -> its smoke value (only keys the recipe sets are changed)
 MODEL_OPTIONS = {"resolution": SMOKE_PIXELS, "max_sequence_length": 8, "dtype": "float32",
-                 "gradient_checkpointing": "false", "decode_batch": "null", "num_frames": 5}
+                 "gradient_checkpointing": "false", "decode_batch": "null", "num_frames": 5,
+                 "condition_area": SMOKE_PIXELS ** 2, "source_area": SMOKE_PIXELS ** 2}
 TRAIN = {"train.iterations": 1, "train.batch_size": 4, "train.minibatch_size": 64, "train.grad_accum": 1,
          "train.mixed_precision": "'no'", "train.checkpoint_every": 1, "train.ema_every": 1,
          "train.context_parallel": 1,
          "data.eval_seeds_per_prompt": 2, "reward.weights": "{jpeg_compressibility: 1.0}", "reward.options": "{}",
          "reward.heldout": "{}", "logging.trackers": "[]", "logging.eval_every": 100, "logging.image_every": 100}
-# pipelines whose smoke run trains on other data: FLUX.1 Kontext edits the shipped digits editing set
-# (instruction + source image rows), scored offline by digits_edit, which needs each row's source
+# an editing model's smoke run trains on the shipped digits editing sets (instruction + source image rows),
+# scored offline by digits_edit, which needs each row's sources: one per prompt, or one to three
 EDITING = {"data.prompts": "digits-edit-sample", "data.eval_prompts": "digits-edit-sample",
            "reward.weights": "{digits_edit: 1.0}"}
-DATA = {"flux-kontext": EDITING}
+MULTI_EDITING = {"data.prompts": "digits-edit-multi-sample", "data.eval_prompts": "digits-edit-multi-sample",
+                 "reward.weights": "{digits_edit: 1.0}"}
 # sections whose command-line overrides win over the smoke values: the user's own prompt set and reward
 # (a reward that needs downloaded weights then fails as it would in the real run, with its message)
 USER_SECTIONS = ("data", "reward")
@@ -93,6 +97,16 @@ def tiny_model(pipeline: str) -> Path:
     return out
 
 
+def editing_data(pipeline: str) -> dict:
+    """The smoke data of an editing model, from its adapter's ``max_sources`` (source images per prompt):
+    the multi-source sample for a model that takes several, the one-source sample for one, none for a
+    text-to-image model."""
+    from .pipelines import policy_class
+
+    most = int(getattr(policy_class(pipeline), "max_sources", 0) or 0)
+    return MULTI_EDITING if most > 1 else EDITING if most == 1 else {}
+
+
 def smoke_overrides(cfg, model_dir: Path, scratch: Path) -> list[str]:
     """Overrides (applied after the user's) that shrink the recipe ``cfg`` as the module doc says;
     ``scratch`` is a temporary directory for a text-embedding cache."""
@@ -107,7 +121,7 @@ def smoke_overrides(cfg, model_dir: Path, scratch: Path) -> list[str]:
           **{f"model.options.{k}": v for k, v in MODEL_OPTIONS.items() if k in cfg.model.options},
           **{f"sampler.{k}": v for k, v in shrink(cfg.sampler.to_dict()).items()},
           **TRAIN, "data.prompts": f"[{', '.join(prompts)}]", "data.eval_prompts": f"[{prompts[0]}]",
-          **DATA.get(cfg.model.pipeline, {})}
+          **editing_data(cfg.model.pipeline)}
     if cfg.model.text_embedding_cache:  # never the recipe's own (relative, shared) cache directory
         ov["model.text_embedding_cache"] = str(scratch / "text-embeddings")
     if cfg.train.mode == "offline":

@@ -19,9 +19,11 @@ Conditioning = Mapping[str, torch.Tensor]
 class FlowPolicy(Protocol):
     """A rectified-flow image model: ``x_t = (1 - sigma) x0 + sigma eps``, velocity ``eps - x0``.
 
-    A model conditioned on source images (editing) also has ``source_conditioning(images) -> {name:
-    [B, ...]}``, added to ``encode_prompts``' text conditioning by :func:`flowrl.conditions.encode_conditions`;
-    video models decode ``[B, 3, F, H, W]``."""
+    A model conditioned on source images (editing) also declares ``max_sources`` (source images per
+    prompt) and has ``source_conditioning(texts, sources) -> {name: [B, ...]}`` (``sources``: one tuple of
+    ``[3, H, W]`` per row, in order), added to ``encode_prompts(texts)``' conditioning by
+    :func:`flowrl.conditions.encode_conditions`, or replacing it when the model declares
+    ``text_reads_sources`` (its text encoder sees the sources); video models decode ``[B, 3, F, H, W]``."""
 
     transformer: nn.Module  # the trainable denoiser (LoRA goes here)
 

@@ -20,6 +20,7 @@ REGISTRY = Registry("pipeline", {
     "sana": "flowrl.pipelines.sana:SanaPolicy.from_pretrained",
     "qwen-image": "flowrl.pipelines.qwen_image:QwenImagePolicy.from_pretrained",
     "flux-kontext": "flowrl.pipelines.flux_kontext:FluxKontextPolicy.from_pretrained",
+    "qwen-image-edit": "flowrl.pipelines.qwen_image_edit:QwenImageEditPolicy.from_pretrained",
     "wan": "flowrl.pipelines.wan:WanPolicy.from_pretrained",
 })
 

@@ -26,7 +26,7 @@ def test_the_architecture_names_are_the_adapters_published_models():
 
     models = arch_models()
     assert {"sd35m-arch", "sd35l-arch", "flux-arch", "sana-arch", "qwen-image-arch", "flux-kontext-arch",
-            "wan-1.3b-arch", "wan-14b-arch"} <= set(models)  # public names
+            "wan-1.3b-arch", "wan-14b-arch", "qwen-image-edit-arch", "qwen-image-edit-2511-arch"} <= set(models)
     assert models["sd35m-arch"] == (SD3Policy, SD3Policy.published["stabilityai/stable-diffusion-3.5-medium"])
     assert models["flux-arch"][0] is FluxPolicy and models["sana-arch"][0] is SanaPolicy
     assert models["qwen-image-arch"][0] is QwenImagePolicy and models["flux-kontext-arch"][0] is FluxKontextPolicy
@@ -37,6 +37,7 @@ def test_the_architecture_names_are_the_adapters_published_models():
                                                 ("flux-arch", 11.8e9, 12.0e9), ("sana-arch", 1.59e9, 1.61e9),
                                                 ("qwen-image-arch", 20.42e9, 20.44e9),
                                                 ("flux-kontext-arch", 11.8e9, 12.0e9),
+                                                ("qwen-image-edit-arch", 20.42e9, 20.44e9),
                                                 ("wan-1.3b-arch", 1.41e9, 1.43e9), ("wan-14b-arch", 14.2e9, 14.3e9)])
 def test_published_configs_have_the_published_sizes(pipeline, low, high):
     """Built on the meta device (no memory): 2.24B (+0.23B position table) / 8.06B / 11.9B / 1.6B parameters;
@@ -60,7 +61,8 @@ def test_full_size_architectures_need_cuda():
 
 @pytest.mark.parametrize("pipeline,resolutions", [("sd35m-arch", (32, 48)), ("flux-arch", (32, 48)),
                                                   ("sana-arch", (32, 64)), ("qwen-image-arch", (32, 48)),
-                                                  ("flux-kontext-arch", (32, 48)), ("wan-1.3b-arch", (32, 48))])
+                                                  ("flux-kontext-arch", (32, 48)), ("wan-1.3b-arch", (32, 48)),
+                                                  ("qwen-image-edit-2511-arch", (32,))])
 def test_arch_bench_end_to_end_tiny(tmp_path, pipeline, resolutions):
     out = bench_arch(pipeline, ["full", "fp8:simulate_on_cpu=true", "nvfp4-emulated:engine=torch"],
                      tmp_path / "a.json", resolutions=resolutions, batch=2, steps=2, repeats=1, device="cpu",

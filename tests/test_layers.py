@@ -47,7 +47,7 @@ def test_every_module_has_a_layer():
 @pytest.mark.parametrize("module, layer", [
     ("flowrl.utils.io", "utils"), ("flowrl.sde", "math"), ("flowrl.advantages.tempflow", "math"),
     ("flowrl.data.digits", "components"), ("flowrl.data.offline_store", "components"),
-    ("flowrl.data.offline", "data.offline"), ("flowrl.rollout.ode", "rollout"), ("flowrl.updates.grpo", "builders"),
+    ("flowrl.data.offline", "components"), ("flowrl.scoring", "components"), ("flowrl.rollout.ode", "rollout"), ("flowrl.updates.grpo", "builders"),
     ("flowrl.errors", "utils"), ("flowrl.trainable", "training"), ("flowrl.checkpoints.sharded", "training"),
     ("flowrl.trainers.online", "trainers"), ("flowrl.cli", "application"), ("flowrl", "utils")])
 def test_most_specific_prefix_wins(module, layer):

@@ -1,5 +1,5 @@
-"""Every sampler and every update on each of the three newer models (Qwen-Image, FLUX.1 Kontext,
-Wan2.1 text-to-video), two iterations each, through the model's own shipped recipe.
+"""Every sampler and every update on each of the newer models (Qwen-Image, FLUX.1 Kontext, Wan2.1
+text-to-video, Qwen-Image-Edit), two iterations each, through the model's own shipped recipe.
 
 Each case takes the recipe, swaps in the sampler and update under test, and shrinks the rest with
 ``flowrl train --smoke``'s table (``flowrl.smoke.smoke_overrides``: the tiny random model, 32 px, a
@@ -7,8 +7,9 @@ few steps and samples). The group sampler with GRPO is each model's own test (te
 test_flux_kontext.py, test_wan.py); here: branch with GRPO-Guard, TempFlow with GRPO, Sol exploring
 with ``int8-dynamic`` (DiffusionNFT) and with ``nvfp4-emulated`` (online DPO), online GDRO, and
 offline GDRO on a generated dataset. Kontext trains on the shipped digits editing set with the
-``digits_edit`` reward (NaN without a source: a finite reward shows the source reached it); Wan on
-videos with a per-frame reward. The exported LoRA of each model loading into its diffusers pipeline
+``digits_edit`` reward (NaN without a source: a finite reward shows the source reached it),
+Qwen-Image-Edit on the multi-source one (one to three sources per row; NaN without every source an
+instruction needs); Wan on videos with a per-frame reward. The exported LoRA of each model loading into its diffusers pipeline
 is in the model's own test."""
 import math
 
@@ -22,7 +23,9 @@ from helpers import lora_weights, train_records
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
 
-RECIPES = {"qwen-image": "qwen_image_group_pickscore", "flux-kontext": "flux_kontext_edit", "wan": "wan_group_ocr"}
+RECIPES = {"qwen-image": "qwen_image_group_pickscore", "flux-kontext": "flux_kontext_edit", "wan": "wan_group_ocr",
+           "qwen-image-edit": "qwen_image_edit_group_pickscore"}
+EDITING = {"flux-kontext": "digits-edit-sample", "qwen-image-edit": "digits-edit-multi-sample"}  # flowrl.smoke
 
 
 def sampler(name: str, **extra) -> str:
@@ -53,7 +56,11 @@ CASES = {
 BATCH = ["train.batch_size=4"]  # every smoke row's samples per prompt divides it
 # per model, after the shrinking: Qwen-Image unsharded (its LoRA read back as one file), Wan's reward
 # scores every 2nd frame (Kontext: the smoke table's editing set and digits_edit)
-MODEL = {"qwen-image": ["train.sharding=none"], "wan": ["reward.frame_stride=2"], "flux-kontext": []}
+# Qwen-Image-Edit: the tiny random model's digits_edit scores on the multi-source sums differ by ~1e-6 within a
+# tree, under the advantage's eps; a dense 0.001 x JPEG size term gives every case a signal (digits_edit's NaN
+# without its sources still makes the total NaN, so a finite reward still shows every source arrived)
+MODEL = {"qwen-image": ["train.sharding=none"], "wan": ["reward.frame_stride=2"], "flux-kontext": [],
+         "qwen-image-edit": ["reward.weights={digits_edit: 1.0, jpeg_incompressibility: 0.001}"]}
 TWO = ["train.iterations=2", "logging.progress=false"]
 
 
@@ -66,7 +73,8 @@ def test_two_iterations(pipeline, case, tiny_model, tmp_path):
     cfg = load_config(recipe, ov := [*before, *smoke_overrides(first, tiny_model(pipeline), tmp_path), *TWO,
                                      *MODEL[pipeline], *after])
     assert cfg.model.pipeline == pipeline and cfg.train.loss == first.train.loss
-    assert (cfg.data.prompts == "digits-edit-sample") == (pipeline == "flux-kontext")
+    assert cfg.data.prompts == EDITING.get(pipeline, cfg.data.prompts) and (cfg.data.prompts in EDITING.values()) == (
+        pipeline in EDITING)
     run = tmp_path / "run"
     if cfg.train.mode == "offline":
         from flowrl.trainers.offline import generate_offline, train
@@ -83,7 +91,7 @@ def test_two_iterations(pipeline, case, tiny_model, tmp_path):
         recs = train_records(run)
         assert [r["iteration"] for r in recs] == [0, 1]
         assert all(math.isfinite(r["reward_mean"]) and math.isfinite(r["loss"]) for r in recs)
-        if pipeline == "flux-kontext":
+        if pipeline in EDITING:
             assert all(0 <= r["reward_mean"] <= 1 for r in recs)  # digits_edit saw every source
     ck = list_checkpoints(run / "checkpoints")
     assert len(ck) == 2

@@ -28,8 +28,10 @@ def _accepts(cls, arg: str) -> bool:
 
 
 def _options(cls, **extra) -> dict:
-    """Loader options that keep the tiny models fast (short text sequences where the model has them)."""
-    opts = {"max_sequence_length": 8} if _accepts(cls, "max_sequence_length") else {}
+    """Loader options that keep the tiny models fast (short text sequences where the model has them; a model
+    whose text encoder reads the source images keeps its default: its rows hold the pictures' tokens)."""
+    short = _accepts(cls, "max_sequence_length") and not getattr(cls, "text_reads_sources", False)
+    opts = {"max_sequence_length": 8} if short else {}
     return {**opts, **extra}
 
 
