@@ -38,9 +38,11 @@ from flowrl.schedules import flow_sigmas, flux_mu
 
 from .base import IMAGE_SIZE, DiffusersPolicy
 from .common import Resolution, cfg_combine, cfg_halves, resolve_resolution
+from .components import WAN21_VAE
 from .facts import Component, ModelConfigs
-from .flux import PackedLatents, pack_latents, unpack_latents
-from .wan import WAN21_VAE, video_vae_decode
+from .packing import PackedLatents, pack_latents, unpack_latents
+from .tiny import build_qwen_tokenizer
+from .video import video_vae_decode
 
 # Published configs of Qwen/Qwen-Image (its */config.json; flowrl plan and bench precision build the models from them
 # on the meta device or with random weights, no download). transformer/config.json (QwenImageTransformer2DModel:
@@ -63,7 +65,7 @@ QWEN25_VL_7B = dict(
                        window_size=112, fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu", tokens_per_second=2),
     image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
     tie_word_embeddings=False)
-# vae/config.json (AutoencoderKLQwenImage) holds Wan2.1's VAE values (pipelines/wan.py WAN21_VAE): base_dim 96,
+# vae/config.json (AutoencoderKLQwenImage) holds Wan2.1's VAE values (pipelines/components.py WAN21_VAE): base_dim 96,
 # dim_mult [1, 2, 4, 4], temporal downsampling [False, True, True], 16 channels and the same latent mean / std
 
 # Flow-GRPO's LoRA targets for Qwen-Image (scripts/train_qwenimage_edit_plus.py: r=64, alpha=128, gaussian
@@ -76,59 +78,6 @@ QWEN_IMAGE_LORA_TARGET_MODULES = (
 
 # the last block's text stream feeds nothing (the model returns the image stream): LoRA there gets no gradient
 LAST_BLOCK_UNUSED = ("attn.add_q_proj", "attn.to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2")
-
-# Qwen2.5-VL's special tokens (the chat markers the pipeline's prompt template uses, and the vision ones)
-QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                       "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
-# the words of the pipeline's system prompt (whole tokens, so the template's prefix is 34 tokens as with Qwen's)
-_TEMPLATE_WORDS = ("the", "image", "by", "detailing", "color", "shape", "size", "texture", "quantity", "text",
-                   "spatial", "relationships", "of", "objects", "and", "background")
-_LINE_START_WORDS = ("system", "user", "assistant", "Describe")  # words that follow a newline in the template
-
-
-def build_qwen_tokenizer(num_words: int = 2000, model_max_length: int = 32768):
-    """An offline byte-level BPE ``Qwen2Tokenizer`` for tiny models (Qwen2's pre-tokenizer, byte
-    alphabet and special tokens, a small vocabulary).
-
-    Every word is one token, built by a left-to-right merge chain over its byte-level spelling
-    (``"Ġcat"``: ``Ġ c -> Ġc``, ``Ġc a -> Ġca``, ``Ġca t -> Ġcat``): the words of
-    ``QwenImagePipeline``'s system prompt, the English words among the first ``num_words`` CLIP
-    merges (``pipelines/tiny.py``), each after a space, and the template's line-start words
-    without one (their chains last, so they never split a space-prefixed word). So the template's
-    prefix is 34 tokens, as ``prompt_template_encode_start_idx`` assumes; other text falls back to
-    bytes. Saved and loaded with ``save_pretrained`` / ``Qwen2Tokenizer.from_pretrained``.
-    """
-    from tokenizers import AddedToken
-    from transformers import Qwen2Tokenizer
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    from .tiny import clip_merges
-
-    byte_char = bytes_to_unicode()
-
-    def spell(text: str) -> str:
-        return "".join(byte_char[b] for b in text.encode("utf-8"))
-
-    vocab = {c: i for i, c in enumerate(byte_char.values())}
-    merges: list[tuple[str, str]] = []
-
-    def chain(word: str) -> None:
-        for k in range(2, len(word) + 1):
-            if word[:k] not in vocab:
-                vocab[word[:k]] = len(vocab)
-                merges.append((word[:k - 1], word[k - 1]))
-
-    clip_words = ["".join(m)[:-4] for m in clip_merges(num_words) if "".join(m).endswith("</w>")]
-    for w in dict.fromkeys(_TEMPLATE_WORDS + tuple(w for w in clip_words if w.isascii() and w.isalpha())):
-        chain(spell(" " + w))
-    for w in _LINE_START_WORDS:
-        chain(spell(w))
-    for s in QWEN_SPECIAL_TOKENS:
-        vocab[s] = len(vocab)
-    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length, eos_token="<|im_end|>")
-    tok.add_tokens([AddedToken(s, special=True, normalized=False) for s in QWEN_SPECIAL_TOKENS])
-    return tok
-
 
 def live_lora_targets(num_blocks: int, targets) -> list[str]:
     """``targets`` (peft suffix patterns) without the modules of the last of ``num_blocks`` blocks
@@ -347,5 +296,4 @@ class QwenImagePolicy(PackedLatents, DiffusersPolicy):
         return video[:, :, 0]  # [B, 3, H, W]
 
 
-__all__ = ["LAST_BLOCK_UNUSED", "QWEN_IMAGE_LORA_TARGET_MODULES", "QwenImagePolicy", "build_qwen_tokenizer",
-           "live_lora_targets"]
+__all__ = ["LAST_BLOCK_UNUSED", "QWEN_IMAGE_LORA_TARGET_MODULES", "QwenImagePolicy", "live_lora_targets"]

@@ -22,6 +22,10 @@ Tokenizers are real, built from files already installed:
   CLIP merges re-spelled SentencePiece-style (``"cat</w>"`` -> ``"▁cat"``), wrapped in
   ``T5TokenizerFast`` (``<pad>`` = 0, ``</s>`` = 1, ``<unk>`` = 2 as in T5).
 
+* Qwen: a byte-level BPE ``Qwen2Tokenizer`` (``build_qwen_tokenizer``) with Qwen2's pre-tokenizer,
+  byte alphabet and special tokens over a small vocabulary of whole words (the CLIP merges' English
+  words); Qwen-Image's template arithmetic holds on it.
+
 * a KL VAE (``kl_vae``) with downsampling 8 and 16 latent channels, as SD3 / FLUX.
 
 A ``flowrl.json`` beside ``model_index.json`` records the tiny image resolution, which the
@@ -113,6 +117,57 @@ def build_t5_tokenizer(num_merges: int = CLIP_MERGES, model_max_length: int = 51
         if word and set(word) <= printable:
             add("▁" + word if tok.endswith("</w>") else word, -3.0 - math.log(rank + 2) / 4)
     return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
+
+
+# Qwen2.5-VL's special tokens (the chat markers the pipeline's prompt template uses, and the vision ones)
+QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                       "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+# the words of the pipeline's system prompt (whole tokens, so the template's prefix is 34 tokens as with Qwen's)
+_TEMPLATE_WORDS = ("the", "image", "by", "detailing", "color", "shape", "size", "texture", "quantity", "text",
+                   "spatial", "relationships", "of", "objects", "and", "background")
+_LINE_START_WORDS = ("system", "user", "assistant", "Describe")  # words that follow a newline in the template
+
+
+def build_qwen_tokenizer(num_words: int = 2000, model_max_length: int = 32768):
+    """An offline byte-level BPE ``Qwen2Tokenizer`` for tiny models (Qwen2's pre-tokenizer, byte
+    alphabet and special tokens, a small vocabulary).
+
+    Every word is one token, built by a left-to-right merge chain over its byte-level spelling
+    (``"Ġcat"``: ``Ġ c -> Ġc``, ``Ġc a -> Ġca``, ``Ġca t -> Ġcat``): the words of
+    ``QwenImagePipeline``'s system prompt, the English words among the first ``num_words`` CLIP
+    merges (``pipelines/tiny.py``), each after a space, and the template's line-start words
+    without one (their chains last, so they never split a space-prefixed word). So the template's
+    prefix is 34 tokens, as ``prompt_template_encode_start_idx`` assumes; other text falls back to
+    bytes. Saved and loaded with ``save_pretrained`` / ``Qwen2Tokenizer.from_pretrained``.
+    """
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_char = bytes_to_unicode()
+
+    def spell(text: str) -> str:
+        return "".join(byte_char[b] for b in text.encode("utf-8"))
+
+    vocab = {c: i for i, c in enumerate(byte_char.values())}
+    merges: list[tuple[str, str]] = []
+
+    def chain(word: str) -> None:
+        for k in range(2, len(word) + 1):
+            if word[:k] not in vocab:
+                vocab[word[:k]] = len(vocab)
+                merges.append((word[:k - 1], word[k - 1]))
+
+    clip_words = ["".join(m)[:-4] for m in clip_merges(num_words) if "".join(m).endswith("</w>")]
+    for w in dict.fromkeys(_TEMPLATE_WORDS + tuple(w for w in clip_words if w.isascii() and w.isalpha())):
+        chain(spell(" " + w))
+    for w in _LINE_START_WORDS:
+        chain(spell(w))
+    for s in QWEN_SPECIAL_TOKENS:
+        vocab[s] = len(vocab)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length, eos_token="<|im_end|>")
+    tok.add_tokens([AddedToken(s, special=True, normalized=False) for s in QWEN_SPECIAL_TOKENS])
+    return tok
 
 
 # --- components ----------------------------------------------------------------------------

@@ -8,7 +8,7 @@ loop. Shapes, save / load and LoRA targets are in the contract battery (tests/te
 import pytest
 import torch
 
-from flowrl.pipelines.flux import pack_latents, unpack_latents
+from flowrl.pipelines.packing import pack_latents, unpack_latents
 from flowrl.pipelines.flux_kontext import FluxKontextPolicy
 from helpers import ode_loop
 from model_parity import exported_lora
