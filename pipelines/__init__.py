@@ -21,6 +21,9 @@ REGISTRY: dict[str, str] = {
     "qwen-image": "flowrl.pipelines.qwen_image:QwenImagePolicy.from_pretrained",
     "flux-kontext": "flowrl.pipelines.flux_kontext:FluxKontextPolicy.from_pretrained",
     "wan": "flowrl.pipelines.wan:WanPolicy.from_pretrained",
+    "flux2": "flowrl.pipelines.flux2:Flux2Policy.from_pretrained",
+    "flux2-klein": "flowrl.pipelines.flux2_klein:Flux2KleinPolicy.from_pretrained",
+    "z-image": "flowrl.pipelines.z_image:ZImagePolicy.from_pretrained",
 }
 
 

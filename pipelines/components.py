@@ -36,4 +36,12 @@ WAN21_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
                  latents_std=[2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743, 3.2687, 2.1526, 2.8652,
                               1.5579, 1.6382, 1.1253, 2.8251, 1.916])
 
-__all__ = ["CLIP_L", "FLUX_VAE", "SD3_VAE", "T5_XXL", "WAN21_VAE"]
+# Qwen/Qwen3-4B config.json (Qwen3: 36 layers, 2560 wide, 32 query / 8 KV heads of 128, tied embeddings): the text
+# encoder of black-forest-labs/FLUX.2-klein-4B (text_encoder/config.json, a Qwen3ForCausalLM) and of
+# Tongyi-MAI/Z-Image(-Turbo) (text_encoder/config.json, a Qwen3Model)
+QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, hidden_act="silu", max_position_embeddings=40960, rms_norm_eps=1e-6,
+                rope_theta=1000000.0, attention_bias=False, tie_word_embeddings=True, bos_token_id=151643,
+                eos_token_id=151645)
+
+__all__ = ["CLIP_L", "FLUX_VAE", "QWEN3_4B", "SD3_VAE", "T5_XXL", "WAN21_VAE"]

@@ -25,6 +25,7 @@ from .base import IMAGE_SIZE, DiffusersPolicy
 from .common import Resolution, resolve_resolution
 from .components import CLIP_L, FLUX_VAE, T5_XXL
 from .facts import Component, ModelConfigs
+from .mmdit import DoubleSingleStreamFacts
 from .packing import PackedLatents, latent_image_ids, pack_latents, unpack_latents
 
 # Flow-GRPO's LoRA targets for FLUX (scripts/train_flux.py: r=64, alpha=128, gaussian init): the
@@ -49,7 +50,7 @@ FLUX1_DEV = ModelConfigs(
     Component("diffusers:AutoencoderKL", FLUX_VAE), "black-forest-labs/FLUX.1-dev", "FLUX.1-dev", "flux-arch")
 
 
-class FluxFamilyPolicy(PackedLatents, DiffusersPolicy):
+class FluxFamilyPolicy(DoubleSingleStreamFacts, PackedLatents, DiffusersPolicy):
     """``FlowPolicy`` base of FLUX.1 and FLUX.1 Kontext (see module doc); an adapter adds its
     declarations (``kind``, ``pipeline_class``, ``tiny_kinds``, ``published``, ...).
 
@@ -130,15 +131,6 @@ class FluxFamilyPolicy(PackedLatents, DiffusersPolicy):
     @classmethod
     def transformer_output(cls, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return unpack_latents(out, *x.shape[-2:])  # [B, C, h, w]
-
-    @classmethod
-    def block_counts(cls, transformer: dict) -> dict[str, int]:
-        """Double-stream then single-stream blocks."""
-        return {"double": int(transformer["num_layers"]), "single": int(transformer.get("num_single_layers", 0))}
-
-    @classmethod
-    def with_block_counts(cls, transformer: dict, counts: dict[str, int]) -> dict:
-        return {**transformer, "num_layers": counts["double"], "num_single_layers": counts["single"]}
 
     @classmethod
     def shrink_config(cls, transformer: dict) -> dict:

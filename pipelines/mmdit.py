@@ -1,5 +1,11 @@
-"""Model facts of diffusers' ``SD3Transformer2DModel`` (the MMDiT of SD3 / SD3.5), shared by the adapters
-built on it (``sd3``, ``digits``): its block types for the planner's reduced-depth probes."""
+"""Model facts of the MMDiT transformers several adapters share: their block types, for the planner's
+reduced-depth probes (``pipelines/facts.py``: ``block_counts`` / ``with_block_counts``).
+
+* :class:`SD3TransformerFacts`: diffusers' ``SD3Transformer2DModel`` (SD3 / SD3.5, the digits model);
+* :class:`DoubleSingleStreamFacts`: double-stream then single-stream blocks (``num_layers`` /
+  ``num_single_layers``): ``FluxTransformer2DModel`` (FLUX.1, FLUX.1 Kontext) and
+  ``Flux2Transformer2DModel`` (FLUX.2 [dev], FLUX.2 [klein]).
+"""
 from __future__ import annotations
 
 
@@ -19,4 +25,18 @@ class SD3TransformerFacts:
                 "dual_attention_layers": tuple(range(counts["dual"]))}
 
 
-__all__ = ["SD3TransformerFacts"]
+class DoubleSingleStreamFacts:
+    """Block counts of a FLUX-style transformer: ``num_layers`` double-stream, then ``num_single_layers``
+    single-stream blocks."""
+
+    @classmethod
+    def block_counts(cls, transformer: dict) -> dict[str, int]:
+        """Double-stream then single-stream blocks."""
+        return {"double": int(transformer["num_layers"]), "single": int(transformer.get("num_single_layers", 0))}
+
+    @classmethod
+    def with_block_counts(cls, transformer: dict, counts: dict[str, int]) -> dict:
+        return {**transformer, "num_layers": counts["double"], "num_single_layers": counts["single"]}
+
+
+__all__ = ["DoubleSingleStreamFacts", "SD3TransformerFacts"]
