@@ -160,6 +160,12 @@ class Flux2FamilyPolicy(DoubleSingleStreamFacts, PackedLatents, DiffusersPolicy)
 
     # --- declarations ----------------------------------------------------------------------
     @classmethod
+    def example_conditioning(cls, configs, geometry, rows, device, dtype) -> dict[str, torch.Tensor]:
+        """The stacked text features ``[rows, L, joint_attention_dim]`` (no mask: the transformer sees all L)."""
+        return {"prompt_embeds": torch.empty(rows, geometry.text_tokens, configs.transformer["joint_attention_dim"],
+                                             device=device, dtype=dtype)}  # [B, L, D]
+
+    @classmethod
     def transformer_inputs(cls, config, dtype, x, sigma, cond, guidance_scale: float = 4.0, **settings) -> dict:
         """Unpacked latents ``[B, C, h, w]`` packed to ``[B, (h/2)(w/2), 4C]``, the text ``[B, L, D]`` unmasked,
         their 4-axis ids, ``timestep`` = the pipelines' ``(1000 sigma) / 1000``, and the embedded

@@ -9,10 +9,12 @@ length per sample, and returns a list; flowrl's latents are the VAE's ``[B, 16, 
 
 **Conventions** (``ZImagePipeline.__call__``). Z-Image's own time runs from noise (0) to data (1): the
 time input is ``(1000 - t) / 1000`` with ``t = 1000 sigma``, and the model predicts ``x0 - noise``, so the
-velocity is the negated output. Guidance is ``pos + g (pos - neg)`` against ``negative_prompt`` (the
-pipeline's default ``""``), on when ``guidance_scale`` g > 0 (``cfg_scale = 1 + g`` in flowrl's ``u + s (c -
-u)``; one doubled batch, as the pipeline runs it); the pipeline's optional ``cfg_normalization`` and
-``cfg_truncation`` are off by default and not reproduced.
+velocity is the negated output. The pipeline's guidance is ``pos + g (pos - neg)`` against
+``negative_prompt`` (its default ``""``), on when its ``guidance_scale`` g > 0; flowrl's ``guidance_scale``
+is the usual CFG scale s of ``u + s (c - u)`` (1.0 = none, as for every model), so **s = g + 1**: the
+pipeline's default g = 5.0 is s = 6.0, Z-Image-Turbo's g = 0 is s = 1.0 (one doubled batch, as the
+pipeline runs it). The pipeline's optional ``cfg_normalization`` and ``cfg_truncation`` are off by
+default and not reproduced.
 
 **Text.** The pipeline's own ``encode_prompt``: Qwen3 chat template (thinking on: no empty thinking
 block), the text encoder's second-to-last hidden state, each prompt's own tokens only (its attention
@@ -21,8 +23,8 @@ width); ``transformer_inputs`` cuts each row back to its own tokens.
 
 **Schedule.** The pipeline's: ``linspace(1, 1/T, T)`` through the scheduler. Both published
 schedulers are static (``use_dynamic_shifting: false``): shift 6.0 for Z-Image, 3.0 for Z-Image-Turbo,
-the step-distilled model, which samples in **8 steps without guidance** (``guidance_scale=0``: its
-published setting, the diffusers example's). Its recipe trains those 8 steps; each of them covers a
+the step-distilled model, which samples in **8 steps without guidance** (the pipeline's
+``guidance_scale=0``, flowrl's 1.0: its published setting, the diffusers example's). Its recipe trains those 8 steps; each of them covers a
 large sigma interval, so an SDE window of a few steps puts the exploration noise, and the trained
 log-probabilities, on transitions much coarser than a 20-50 step model's.
 """
@@ -64,8 +66,8 @@ class ZImagePolicy(DiffusersPolicy):
 
     Args:
         pipe: a loaded ``ZImagePipeline`` (its components are used, not its loop).
-        guidance_scale: Z-Image's ``g`` of ``pos + g (pos - neg)``; 0 = no guidance (one pass; Z-Image-Turbo's
-            setting). The pipeline's default is 5.0.
+        guidance_scale: the CFG scale s of ``u + s (c - u)``, 1.0 = none (one pass; Z-Image-Turbo's setting);
+            the pipeline's ``guidance_scale`` is s - 1 (its default 5.0 is s = 6.0, the default here).
         negative_prompt: the unconditional prompt (the pipeline's default ``""``).
         max_sequence_length: text tokens at most (the pipeline's default 512).
         shift: None (default) = the pipeline's schedule; a float replaces it by ``flow_sigmas(T, shift, schedule)``.
@@ -85,12 +87,12 @@ class ZImagePolicy(DiffusersPolicy):
     published = {m.source: m for m in (_published("Tongyi-MAI/Z-Image", "Z-Image"),
                                        _published(example_hub_id, "Z-Image-Turbo"))}
 
-    def __init__(self, pipe, *, guidance_scale: float = 5.0, negative_prompt: str = "", max_sequence_length: int = 512,
+    def __init__(self, pipe, *, guidance_scale: float = 6.0, negative_prompt: str = "", max_sequence_length: int = 512,
                  shift: Optional[float] = None, schedule: str = "diffusers", resolution: Resolution = None,
                  device: Union[str, torch.device] = "cpu"):
-        if guidance_scale < 0:
-            raise ValueError(f"guidance_scale must be >= 0 (Z-Image's pos + g (pos - neg); 0 = no guidance), "
-                             f"got {guidance_scale}")
+        if guidance_scale < 1.0:
+            raise ValueError(f"guidance_scale must be >= 1.0 (1.0 = no guidance; the pipeline's guidance_scale g is "
+                             f"flowrl's g + 1), got {guidance_scale}")
         if max_sequence_length < 1:
             raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
         cfg = pipe.scheduler.config
@@ -121,11 +123,6 @@ class ZImagePolicy(DiffusersPolicy):
     @classmethod
     def default_resolution(cls, configs: ModelConfigs) -> int:
         return 1024  # ZImagePipeline's default height / width
-
-    @classmethod
-    def cfg_rows(cls, guidance_scale: float, options: dict) -> int:
-        """Guidance (g > 0) doubles the batch."""
-        return 2 if guidance_scale > 0 else 1
 
     @classmethod
     def example_conditioning(cls, configs, geometry, rows, device, dtype) -> dict[str, torch.Tensor]:
@@ -205,11 +202,6 @@ class ZImagePolicy(DiffusersPolicy):
         zero padded) and ``prompt_embeds_mask`` [B, max_sequence_length]; with guidance also the cached
         ``negative_prompt_embeds`` / ``negative_prompt_embeds_mask``."""
         return super().encode_prompts(prompts)
-
-    @property
-    def cfg_scale(self) -> float:
-        """flowrl's ``u + s (c - u)`` scale of Z-Image's ``pos + g (pos - neg)``: ``1 + g``."""
-        return 1.0 + self.guidance_scale
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """``[num_steps + 1]`` float32 ending in 0; by default exactly the sigmas ``ZImagePipeline`` gives its
