@@ -64,8 +64,8 @@ def build_mistral_processor():
 
     from .tiny import byte_level_vocab
 
-    words = re.findall(r"[A-Za-z]+", SYSTEM_MESSAGE)
-    vocab, merges = byte_level_vocab(words[1:], words[:1])  # the message's first word starts a line
+    lines = [re.findall(r"[A-Za-z]+", line) for line in SYSTEM_MESSAGE.split("\n")]
+    vocab, merges = byte_level_vocab([w for ws in lines for w in ws], [ws[0] for ws in lines if ws])  # + line starts
     for s in MISTRAL_SPECIAL_TOKENS:
         vocab[s] = len(vocab)
     bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges))
