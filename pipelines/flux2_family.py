@@ -33,9 +33,9 @@ import torch
 from flowrl.schedules import flow_sigmas
 
 from .base import DiffusersPolicy
-from .common import DECODE_BATCH, Resolution, module_dtype, resolve_resolution
+from .common import DECODE_BATCH, Resolution, check_scheduler, module_dtype, resolve_resolution
 from .mmdit import DoubleSingleStreamFacts
-from .packing import PackedLatents, pack_latents, unpack_latents
+from .packing import PackedLatents, pack_latents
 
 # Flow-Factory's default LoRA targets for FLUX.2 and FLUX.2 [klein] (src/flow_factory/models/flux/flux2.py,
 # flux2_klein.py; r=64, alpha=128): both streams' attention projections and feed-forwards of the double-stream
@@ -54,8 +54,6 @@ FLUX2_VAE = dict(in_channels=3, out_channels=3, down_block_types=["DownEncoderBl
                  act_fn="silu", latent_channels=32, norm_num_groups=32, sample_size=1024, use_quant_conv=True,
                  use_post_quant_conv=True, mid_block_add_attention=True, batch_norm_eps=1e-4,
                  batch_norm_momentum=0.1, patch_size=[2, 2])
-_UNSUPPORTED_SCHEDULER = ("shift_terminal", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
-                          "invert_sigmas", "use_flow_sigmas")
 
 
 def patchify(x: torch.Tensor) -> torch.Tensor:
@@ -133,17 +131,7 @@ class Flux2FamilyPolicy(DoubleSingleStreamFacts, PackedLatents, DiffusersPolicy)
             raise ValueError(f"guidance_scale must be >= 0, got {guidance_scale}")
         if max_sequence_length < 1:
             raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
-        cfg = pipe.scheduler.config
-        unsupported = [k for k in _UNSUPPORTED_SCHEDULER if cfg.get(k)]
-        if cfg.get("use_dynamic_shifting") and cfg.get("time_shift_type", "exponential") != "exponential":
-            unsupported.append("time_shift_type=" + str(cfg.get("time_shift_type")))
-        if not cfg.get("use_dynamic_shifting"):
-            unsupported.append("use_dynamic_shifting=False")
-        if unsupported and shift is None:
-            raise ValueError(f"{type(self).__name__} reproduces FLUX.2's dynamic-shift schedule, not a scheduler with "
-                             f"{unsupported}; pass shift= to use flowrl's static-shift schedule instead")
-        if shift is not None:
-            flow_sigmas(1, float(shift), schedule)  # validate early
+        check_scheduler(type(self).__name__, pipe.scheduler.config, shift, schedule, dynamic=True)
         self._setup(pipe, device)  # frozen VAE / text encoder, vae_scale_factor, LoRA targets, negative cache
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
         self.distilled = bool(pipe.config.get("is_distilled", False))
@@ -180,10 +168,6 @@ class Flux2FamilyPolicy(DoubleSingleStreamFacts, PackedLatents, DiffusersPolicy)
         return dict(hidden_states=pack_latents(x).to(dtype), encoder_hidden_states=pe.to(x.device, dtype),
                     timestep=sigma * 1000.0 / 1000.0, guidance=guidance, img_ids=img_ids, txt_ids=txt_ids,
                     return_dict=False)  # hidden_states [B, (h/2)(w/2), 4C]
-
-    @classmethod
-    def transformer_output(cls, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return unpack_latents(out, *x.shape[-2:])  # [B, C, h, w]
 
     @classmethod
     def shrink_config(cls, transformer: dict) -> dict:

@@ -22,11 +22,11 @@ import torch
 from flowrl.schedules import flow_sigmas, flux_sigmas, shift_sigmas
 
 from .base import IMAGE_SIZE, DiffusersPolicy
-from .common import Resolution, resolve_resolution
+from .common import Resolution, check_scheduler, resolve_resolution
 from .components import CLIP_L, FLUX_VAE, T5_XXL
 from .facts import Component, ModelConfigs
 from .mmdit import DoubleSingleStreamFacts
-from .packing import PackedLatents, latent_image_ids, pack_latents, unpack_latents
+from .packing import PackedLatents, latent_image_ids, pack_latents
 
 # Flow-GRPO's LoRA targets for FLUX (scripts/train_flux.py: r=64, alpha=128, gaussian init): the
 # joint-attention projections of both streams plus both streams' feed-forwards. (As peft suffix
@@ -83,16 +83,7 @@ class FluxFamilyPolicy(DoubleSingleStreamFacts, PackedLatents, DiffusersPolicy):
             raise ValueError(f"true_cfg_scale must be >= 1.0 (1.0 = no CFG), got {true_cfg_scale}")
         if max_sequence_length < 1:
             raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
-        cfg = pipe.scheduler.config
-        unsupported = [k for k in ("shift_terminal", "use_karras_sigmas", "use_exponential_sigmas",
-                                   "use_beta_sigmas", "invert_sigmas", "use_flow_sigmas") if cfg.get(k)]
-        if cfg.get("use_dynamic_shifting") and cfg.get("time_shift_type", "exponential") != "exponential":
-            unsupported.append("time_shift_type=" + str(cfg.get("time_shift_type")))
-        if unsupported and shift is None:
-            raise ValueError(f"{type(self).__name__} cannot reproduce a scheduler with {unsupported}; pass shift= to use "
-                             f"flowrl's static-shift schedule instead")
-        if shift is not None:
-            flow_sigmas(1, float(shift), schedule)  # validate early
+        check_scheduler(type(self).__name__, pipe.scheduler.config, shift, schedule)
         self._setup(pipe, device)  # frozen VAE / text encoders, vae_scale_factor, LoRA targets, negative cache
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
         self.guidance_scale = float(guidance_scale)
@@ -127,10 +118,6 @@ class FluxFamilyPolicy(DoubleSingleStreamFacts, PackedLatents, DiffusersPolicy):
                     encoder_hidden_states=pe.to(x.device, dtype),  # [B, L, D]
                     txt_ids=torch.zeros(pe.shape[1], 3, device=x.device, dtype=dtype),  # [L, 3]
                     img_ids=latent_image_ids(h, w, x.device, dtype), return_dict=False)  # [(h/2)(w/2), 3]
-
-    @classmethod
-    def transformer_output(cls, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return unpack_latents(out, *x.shape[-2:])  # [B, C, h, w]
 
     @classmethod
     def shrink_config(cls, transformer: dict) -> dict:

@@ -55,5 +55,10 @@ class PackedLatents:
     def default_resolution(cls, configs: ModelConfigs) -> int:
         return 128 * cls.vae_factor(configs)  # the pipelines' default: 1024 px at a VAE factor of 8
 
+    @classmethod
+    def transformer_output(cls, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The packed prediction ``[B, (h/2)(w/2), 4C]`` unpacked like the latents ``x`` ``[B, C, h, w]``."""
+        return unpack_latents(out, *x.shape[-2:])  # [B, C, h, w]
+
 
 __all__ = ["PackedLatents", "latent_image_ids", "pack_latents", "unpack_latents"]

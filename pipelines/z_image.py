@@ -37,7 +37,7 @@ import torch
 from flowrl.schedules import flow_sigmas
 
 from .base import IMAGE_SIZE, DiffusersPolicy
-from .common import Resolution, resolve_resolution
+from .common import Resolution, check_scheduler, resolve_resolution
 from .components import FLUX_VAE, QWEN3_4B
 from .facts import Component, ModelConfigs
 
@@ -95,14 +95,7 @@ class ZImagePolicy(DiffusersPolicy):
                              f"flowrl's g + 1), got {guidance_scale}")
         if max_sequence_length < 1:
             raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
-        cfg = pipe.scheduler.config
-        unsupported = [k for k in ("shift_terminal", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
-                                   "invert_sigmas", "use_flow_sigmas") if cfg.get(k)]
-        if unsupported and shift is None:
-            raise ValueError(f"ZImagePolicy cannot reproduce a scheduler with {unsupported}; pass shift= to use "
-                             f"flowrl's static-shift schedule instead")
-        if shift is not None:
-            flow_sigmas(1, float(shift), schedule)  # validate early
+        check_scheduler("ZImagePolicy", pipe.scheduler.config, shift, schedule)
         self._setup(pipe, device)  # frozen VAE / text encoder, vae_scale_factor, LoRA targets, negative cache
         self.guidance_scale = float(guidance_scale)
         self.negative_prompt = str(negative_prompt)
