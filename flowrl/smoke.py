@@ -102,9 +102,9 @@ def smoke_overrides(cfg, model_dir: Path, scratch: Path) -> list[str]:
         raise ConfigError(f"--smoke knows the samplers {', '.join(sorted(SAMPLERS))}, not {cfg.sampler.name!r}: "
                           f"add its row to flowrl/smoke.py (SAMPLERS)")
     prompts = PROMPTS.get(cfg.model.pipeline, DEFAULT_PROMPTS)
+    options = {**MODEL_OPTIONS, **PIPELINE_OPTIONS.get(cfg.model.pipeline, {})}
     ov = {"model.path": str(model_dir), "model.device": "cpu",
-          **{f"model.options.{k}": v for k, v in {**MODEL_OPTIONS, **PIPELINE_OPTIONS.get(cfg.model.pipeline, {})}.items()
-             if k in cfg.model.options},
+          **{f"model.options.{k}": v for k, v in options.items() if k in cfg.model.options},
           **{f"sampler.{k}": v for k, v in shrink(cfg.sampler.to_dict()).items()},
           **TRAIN, "data.prompts": f"[{', '.join(prompts)}]", "data.eval_prompts": f"[{prompts[0]}]",
           **DATA.get(cfg.model.pipeline, {})}

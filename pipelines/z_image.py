@@ -24,9 +24,10 @@ width); ``transformer_inputs`` cuts each row back to its own tokens.
 **Schedule.** The pipeline's: ``linspace(1, 1/T, T)`` through the scheduler. Both published
 schedulers are static (``use_dynamic_shifting: false``): shift 6.0 for Z-Image, 3.0 for Z-Image-Turbo,
 the step-distilled model, which samples in **8 steps without guidance** (the pipeline's
-``guidance_scale=0``, flowrl's 1.0: its published setting, the diffusers example's). Its recipe trains those 8 steps; each of them covers a
-large sigma interval, so an SDE window of a few steps puts the exploration noise, and the trained
-log-probabilities, on transitions much coarser than a 20-50 step model's.
+``guidance_scale=0``, flowrl's 1.0: its published setting, the diffusers example's). Its recipe trains
+those 8 steps; each of them covers a large sigma interval, so an SDE window of a few steps puts the
+exploration noise, and the trained log-probabilities, on transitions much coarser than a 20-50 step
+model's (docs/models.md, "Few-step distilled models").
 """
 from __future__ import annotations
 
