@@ -79,7 +79,7 @@ from flowrl.seeding import seeded_randn
 from flowrl.utils.io import atomic_dir, write_json
 
 from .common import (DECODE_BATCH, DTypeArg, Resolution, cfg_combine, cfg_halves, check_model_path, resolve_dtype,
-                     transformer_dtype, vae_decode)
+                     resolve_resolution, transformer_dtype, vae_decode)
 from .facts import ModelFacts
 
 FLOWRL_JSON = "flowrl.json"
@@ -187,6 +187,24 @@ class DiffusersPolicy(ModelFacts):
         self.lora_target_modules = list(type(self).lora_target_modules)
         self._negative: Optional[dict[str, torch.Tensor]] = None  # cached [1, ...] negative conditioning
         self.decode_batch: Optional[int] = DECODE_BATCH  # images per VAE call (from_pretrained's decode_batch)
+
+    def _keep_options(self, guidance_scale: float, negative_prompt: str, max_sequence_length: int,
+                      shift: Optional[float], schedule: str) -> None:
+        """Record the options most adapters take (validated by the caller)."""
+        self.guidance_scale = float(guidance_scale)
+        self.negative_prompt = str(negative_prompt)
+        self.max_sequence_length = int(max_sequence_length)
+        self.shift = None if shift is None else float(shift)
+        self.schedule = schedule
+
+    def _image_geometry(self, resolution: Resolution, default: int, channels: int) -> None:
+        """``height`` / ``width`` (multiples of 2 x the VAE factor: a patch of 2), ``latent_shape`` ``(channels,
+        H / f, W / f)`` and ``image_seq_len``, the patch-2 tokens per image."""
+        f = self.vae_scale_factor
+        self.height, self.width = resolve_resolution(resolution, default, 2 * f)
+        h, w = self.height // f, self.width // f
+        self.latent_shape = (int(channels), h, w)  # (C, h, w)
+        self.image_seq_len = (h // 2) * (w // 2)
 
     @classmethod
     def from_pretrained(cls, path_or_id: Union[str, os.PathLike], *, dtype: DTypeArg = torch.float32,

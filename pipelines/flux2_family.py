@@ -33,7 +33,7 @@ import torch
 from flowrl.schedules import flow_sigmas
 
 from .base import DiffusersPolicy
-from .common import DECODE_BATCH, Resolution, check_scheduler, module_dtype, resolve_resolution
+from .common import DECODE_BATCH, Resolution, check_scheduler, module_dtype
 from .mmdit import DoubleSingleStreamFacts
 from .packing import PackedLatents, pack_latents
 
@@ -135,16 +135,9 @@ class Flux2FamilyPolicy(DoubleSingleStreamFacts, PackedLatents, DiffusersPolicy)
         self._setup(pipe, device)  # frozen VAE / text encoder, vae_scale_factor, LoRA targets, negative cache
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
         self.distilled = bool(pipe.config.get("is_distilled", False))
-        self.guidance_scale = float(guidance_scale)
-        self.negative_prompt = str(negative_prompt)
-        self.max_sequence_length = int(max_sequence_length)
-        self.shift = None if shift is None else float(shift)
-        self.schedule = schedule
-        f = self.vae_scale_factor
-        self.height, self.width = resolve_resolution(resolution, int(pipe.default_sample_size) * f, 2 * f)
-        h, w = self.height // f, self.width // f
-        self.latent_shape = (int(self.transformer.config.in_channels) // 4, h, w)  # (C, h, w), unpacked
-        self.image_seq_len = (h // 2) * (w // 2)  # packed tokens per image
+        self._keep_options(guidance_scale, negative_prompt, max_sequence_length, shift, schedule)
+        self._image_geometry(resolution, int(pipe.default_sample_size) * self.vae_scale_factor,
+                             int(self.transformer.config.in_channels) // 4)  # unpacked latents
 
     # --- declarations ----------------------------------------------------------------------
     @classmethod

@@ -38,7 +38,7 @@ import torch
 from flowrl.schedules import flow_sigmas
 
 from .base import IMAGE_SIZE, DiffusersPolicy
-from .common import Resolution, check_scheduler, resolve_resolution
+from .common import Resolution, check_scheduler
 from .components import FLUX_VAE, QWEN3_4B
 from .facts import Component, ModelConfigs
 
@@ -98,16 +98,8 @@ class ZImagePolicy(DiffusersPolicy):
             raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
         check_scheduler("ZImagePolicy", pipe.scheduler.config, shift, schedule)
         self._setup(pipe, device)  # frozen VAE / text encoder, vae_scale_factor, LoRA targets, negative cache
-        self.guidance_scale = float(guidance_scale)
-        self.negative_prompt = str(negative_prompt)
-        self.max_sequence_length = int(max_sequence_length)
-        self.shift = None if shift is None else float(shift)
-        self.schedule = schedule
-        f = self.vae_scale_factor
-        self.height, self.width = resolve_resolution(resolution, 1024, 2 * f)
-        h, w = self.height // f, self.width // f
-        self.latent_shape = (int(self.transformer.config.in_channels), h, w)  # (C, h, w)
-        self.image_seq_len = (h // 2) * (w // 2)  # patch-2 tokens per image (the pipeline's mu; unused when static)
+        self._keep_options(guidance_scale, negative_prompt, max_sequence_length, shift, schedule)
+        self._image_geometry(resolution, 1024, self.transformer.config.in_channels)  # the pipeline's default 1024 px
 
     # --- declarations ----------------------------------------------------------------------
     @classmethod
