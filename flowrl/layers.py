@@ -148,6 +148,15 @@ def module_graph(repo_root: Path) -> dict[str, set[str]]:
     return graph
 
 
+def adapter_imports(graph: dict[str, set[str]], adapters: set[str], package: str = "flowrl.pipelines") -> list[str]:
+    """One message per module of ``package`` that imports one of the ``adapters`` (the modules the
+    pipelines registry points at) other than itself: adapters share code only through modules of the
+    package that no adapter owns (packing, published components, family bases), so neither an adapter
+    nor such a shared module depends on an adapter."""
+    return [f"{m} imports the adapter {t}" for m in sorted(graph) if m == package or m.startswith(package + ".")
+            for t in sorted(graph[m] & adapters) if t != m]
+
+
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components of ``graph`` with more than one module (each sorted): every
     set of modules that import each other, directly or around a loop. Empty when the graph is a DAG."""

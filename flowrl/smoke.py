@@ -5,7 +5,8 @@ targets, sharding) and :func:`smoke_overrides` shrinks everything else:
 
 - the model: the pipeline's tiny random model (``flowrl make-tiny``, cached in
   ``$FLOWRL_HOME/smoke/``), on the CPU in float32, the recipe's model options shrunk
-  (:data:`MODEL_OPTIONS`: 32 px, 8 text tokens, 5 video frames, no gradient checkpointing);
+  (:data:`MODEL_OPTIONS`: 32 px, 8 text tokens, 5 video frames, no gradient checkpointing; a pipeline's own
+  values in :data:`PIPELINE_OPTIONS`);
 - the sampler: the few steps and samples of its row in :data:`SAMPLERS` (a new sampler adds a row);
   Sol's exploration runs ``int8-dynamic`` (the recipes' NVFP4 needs CUDA);
 - training: 1 iteration of 4 samples, one pass, a checkpoint; evaluation on one prompt; one process, so
@@ -38,6 +39,10 @@ DEFAULT_PROMPTS = ["a photo of a cat", "a red apple on a table"]
 MODEL_OPTIONS = {"resolution": SMOKE_PIXELS, "max_sequence_length": 8, "dtype": "float32",
                  "gradient_checkpointing": "false", "decode_batch": "null", "num_frames": 5,
                  "condition_area": SMOKE_PIXELS ** 2, "source_area": SMOKE_PIXELS ** 2}
+# pipeline -> its own smoke values of MODEL_OPTIONS keys: FLUX.2 [dev]'s Mistral template opens with a system
+# message of 32 tokens (tiny tokenizer), so 48 text tokens keep the prompt in the conditioning. (FLUX.2
+# [klein] and Z-Image: Qwen3's template puts 3 tokens before the prompt; 8 keep it.)
+PIPELINE_OPTIONS = {"flux2": {"max_sequence_length": 48}}
 TRAIN = {"train.iterations": 1, "train.batch_size": 4, "train.minibatch_size": 64, "train.grad_accum": 1,
          "train.mixed_precision": "'no'", "train.checkpoint_every": 1, "train.ema_every": 1,
          "train.context_parallel": 1,
@@ -117,8 +122,9 @@ def smoke_overrides(cfg, model_dir: Path, scratch: Path) -> list[str]:
         raise ConfigError(f"--smoke knows the samplers {', '.join(sorted(SAMPLERS))}, not {cfg.sampler.name!r}: "
                           f"add its row to flowrl/smoke.py (SAMPLERS)")
     prompts = PROMPTS.get(cfg.model.pipeline, DEFAULT_PROMPTS)
+    options = {**MODEL_OPTIONS, **PIPELINE_OPTIONS.get(cfg.model.pipeline, {})}
     ov = {"model.path": str(model_dir), "model.device": "cpu",
-          **{f"model.options.{k}": v for k, v in MODEL_OPTIONS.items() if k in cfg.model.options},
+          **{f"model.options.{k}": v for k, v in options.items() if k in cfg.model.options},
           **{f"sampler.{k}": v for k, v in shrink(cfg.sampler.to_dict()).items()},
           **TRAIN, "data.prompts": f"[{', '.join(prompts)}]", "data.eval_prompts": f"[{prompts[0]}]",
           **editing_data(cfg.model.pipeline)}

@@ -29,8 +29,8 @@ class FlowPolicy(Protocol):
 
     def encode_prompts(self, prompts: list[str]) -> Conditioning: ...
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor: ...
-    def decode(self, latents: torch.Tensor) -> torch.Tensor: ...          # [B, 3, H, W] in [0, 1]
-    def initial_noise(self, seeds: list[int]) -> torch.Tensor: ...       # [B, C, h, w], one generator per seed
+    def decode(self, latents: torch.Tensor) -> torch.Tensor: ...          # [B, 3, H, W]; video [B, 3, F, H, W]
+    def initial_noise(self, seeds: list[int]) -> torch.Tensor: ...       # [B, *latent_shape], one generator per seed
     def sigmas(self, num_steps: int) -> torch.Tensor: ...                # [num_steps + 1], ends in 0
 
 

@@ -22,7 +22,10 @@ REGISTRY = Registry("pipeline", {
     "flux-kontext": "flowrl.pipelines.flux_kontext:FluxKontextPolicy.from_pretrained",
     "qwen-image-edit": "flowrl.pipelines.qwen_image_edit:QwenImageEditPolicy.from_pretrained",
     "wan": "flowrl.pipelines.wan:WanPolicy.from_pretrained",
-})
+    "flux2": "flowrl.pipelines.flux2:Flux2Policy.from_pretrained",
+    "flux2-klein": "flowrl.pipelines.flux2_klein:Flux2KleinPolicy.from_pretrained",
+    "z-image": "flowrl.pipelines.z_image:ZImagePolicy.from_pretrained",
+}
 
 
 def available() -> list[str]:

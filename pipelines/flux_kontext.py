@@ -8,7 +8,7 @@ The transformer runs on ``[generated tokens, source tokens]`` and the velocity i
 the generated tokens only. Everything else (unpacked ``[B, 16, h, w]`` latents, the text
 encoders, embedded guidance, optional true CFG whose two halves share the source tokens, the
 dynamic-shift schedule over the *generated* token count, decoding) is FLUX.1's
-(``pipelines/flux.py``).
+(``pipelines/flux_family.py``).
 
 How a prompt carries its source image (the conditioning seam, :mod:`flowrl.conditions`): the
 adapter receives texts and sources separately. ``encode_prompts(texts)`` is FLUX's text conditioning
@@ -33,15 +33,16 @@ import torch
 from .base import IMAGE_SIZE
 from .common import cfg_combine, cfg_halves, module_dtype, transformer_dtype
 from .facts import ModelConfigs
-from .flux import FLUX_DEV, FLUX_LORA_TARGET_MODULES, FluxPolicy, latent_image_ids, pack_latents
+from .flux_family import FLUX1_DEV, FLUX_DEV, FLUX_LORA_TARGET_MODULES, FluxFamilyPolicy
+from .packing import latent_image_ids, pack_latents
 
 # Flow-GRPO's LoRA targets for FLUX.1 Kontext (scripts/train_flux_kontext.py): FLUX's (both streams'
 # attention projections and feed-forwards) plus the single-stream blocks' MLP input ``proj_mlp``.
 FLUX_KONTEXT_LORA_TARGET_MODULES = FLUX_LORA_TARGET_MODULES + ("proj_mlp",)
 
 
-class FluxKontextPolicy(FluxPolicy):
-    """``FlowPolicy`` for FLUX.1 Kontext (see module doc; the arguments are ``FluxPolicy``'s: the
+class FluxKontextPolicy(FluxFamilyPolicy):
+    """``FlowPolicy`` for FLUX.1 Kontext (see module doc; the arguments are ``FluxFamilyPolicy``'s: the
     pipeline's ``guidance_scale`` default is 3.5, Kontext-dev is guidance-distilled)."""
 
     kind = "flux-kontext"
@@ -50,15 +51,14 @@ class FluxKontextPolicy(FluxPolicy):
     tiny_kinds = ("flux-kontext",)
     max_sources = 1  # source images per prompt (FluxKontextPipeline takes one image)
     example_hub_id = "black-forest-labs/FLUX.1-Kontext-dev"
-    # Published configs of black-forest-labs/FLUX.1-Kontext-dev: FLUX.1-dev's (pipelines/flux.py). Black Forest
+    # Published configs of black-forest-labs/FLUX.1-Kontext-dev: FLUX.1-dev's (pipelines/flux_family.py). Black Forest
     # Labs' reference code (black-forest-labs/flux, src/flux/util.py, configs["flux-dev-kontext"]) gives the
     # Kontext transformer FLUX.1-dev's parameters exactly (64 packed channels, 19 double + 38 single blocks, 24
     # heads of 128, guidance embedding) and the same autoencoder; the repository's diffusers text_encoder /
     # text_encoder_2 are FLUX.1-dev's CLIP-L and T5-XXL (DiffSynth-Studio loads Kontext's DiT with FLUX.1-dev's
     # encoders and VAE)
     published = {example_hub_id: ModelConfigs(
-        FLUX_DEV, FluxPolicy.published["black-forest-labs/FLUX.1-dev"].text_encoders,
-        FluxPolicy.published["black-forest-labs/FLUX.1-dev"].vae, example_hub_id, "FLUX.1 Kontext [dev]",
+        FLUX_DEV, FLUX1_DEV.text_encoders, FLUX1_DEV.vae, example_hub_id, "FLUX.1 Kontext [dev]",
         "flux-kontext-arch")}
 
     @classmethod
@@ -71,9 +71,9 @@ class FluxKontextPolicy(FluxPolicy):
 
     @classmethod
     def tiny_components(cls, kind: str = "flux-kontext", image_size: int = IMAGE_SIZE, seed: int = 0) -> dict:
-        """The tiny FLUX.1-dev-like components (``FluxPolicy.tiny_components("flux")``: guidance
+        """The tiny FLUX.1-dev-like components (``FluxFamilyPolicy.tiny_components("flux")``: guidance
         embedding, dynamic shift); ``FluxKontextPipeline`` takes the same components."""
-        return FluxPolicy.tiny_components("flux", image_size, seed)
+        return FluxFamilyPolicy.tiny_components("flux", image_size, seed)
 
     # --- conditioning ----------------------------------------------------------------------
     def encode_sources(self, images: Sequence[torch.Tensor]) -> torch.Tensor:

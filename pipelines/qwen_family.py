@@ -37,9 +37,9 @@ from flowrl.schedules import flow_sigmas, flux_mu
 from .base import DiffusersPolicy
 from .common import Resolution, cfg_combine, cfg_halves, context_parallel_degree, resolve_resolution
 from .facts import Component, ModelConfigs
-# after the adapter-import cleanup these three come from pipelines/packing.py, video.py and components.py
-from .flux import PackedLatents, pack_latents, unpack_latents
-from .wan import WAN21_VAE, video_vae_decode
+from .components import WAN21_VAE
+from .packing import PackedLatents, pack_latents, unpack_latents
+from .video import video_vae_decode
 
 # Published configs of Qwen/Qwen-Image (its */config.json; flowrl plan and bench precision build the models from them
 # on the meta device or with random weights, no download). transformer/config.json (QwenImageTransformer2DModel:

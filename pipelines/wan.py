@@ -21,18 +21,17 @@ per-token timesteps (``expand_timesteps``) are refused.
 """
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 from typing import Optional, Union
 
 import torch
 
 from flowrl.schedules import flow_sigmas
 
-from .base import FLOWRL_JSON, IMAGE_SIZE, DiffusersPolicy, read_flowrl_json
-from .common import DECODE_BATCH, DTypeArg, Resolution, module_dtype, resolve_resolution
+from .base import IMAGE_SIZE, DiffusersPolicy
+from .common import Resolution, resolve_resolution
+from .components import WAN21_VAE
 from .facts import Component, Geometry, ModelConfigs
+from .video import video_vae_decode
 
 # Flow-GRPO's LoRA targets for Wan2.1 (scripts/train_wan2_1.py: r=32, alpha=64, gaussian init) are
 # to_q / to_k / to_v / to_out.0 plus add_k_proj / add_q_proj / add_v_proj / to_add_out; as peft suffix
@@ -59,47 +58,12 @@ UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers
                 relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
                 dropout_rate=0.1, layer_norm_epsilon=1e-6, is_encoder_decoder=False, use_cache=False,
                 tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
-# vae/config.json: AutoencoderKLWan with its defaults (the conversion script builds AutoencoderKLWan() for
-# Wan2.1_VAE.pth): causal 3D convolutions, 8x spatial and 4x temporal downsampling, 16 latent channels, its
-# latent mean / std
-WAN21_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
-                 temperal_downsample=[False, True, True], dropout=0.0,
-                 latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134, -0.0715,
-                               0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921],
-                 latents_std=[2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743, 3.2687, 2.1526, 2.8652,
-                              1.5579, 1.6382, 1.1253, 2.8251, 1.916])
+# vae/config.json: pipelines/components.py WAN21_VAE
 
 
 def _published(hub_id: str, transformer: dict, title: str, arch: str) -> ModelConfigs:
     return ModelConfigs(transformer, {"text_encoder": Component("transformers:UMT5EncoderModel", UMT5_XXL)},
                         Component("diffusers:AutoencoderKLWan", WAN21_VAE), hub_id, title, arch)
-
-
-def video_vae_decode(vae, latents: torch.Tensor, device, batch: Optional[int] = DECODE_BATCH) -> torch.Tensor:
-    """Latents ``[B, C, F', h, w]`` -> float32 videos ``[B, 3, F, f h, f w]`` in [0, 1] through a
-    Wan-style causal video VAE (``AutoencoderKLWan``, ``AutoencoderKLQwenImage``), as the Wan and
-    Qwen-Image pipelines decode: ``latents / (1 / latents_std) + latents_mean`` per channel, VAE
-    decode (``[-1, 1]``), ``x / 2 + 0.5`` clamped. ``batch`` videos per VAE call (None: all)."""
-    cfg = vae.config
-    dtype = module_dtype(vae)
-    inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(device, dtype)  # [1, C, 1, 1, 1]
-    mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(device, dtype)  # [1, C, 1, 1, 1]
-    step = batch or max(1, len(latents))
-    out = []
-    for i in range(0, len(latents), step):
-        z = latents[i:i + step].to(device, dtype) / inv_std + mean  # [b, C, F', h, w]
-        with torch.no_grad():
-            video = vae.decode(z, return_dict=False)[0]  # [b, 3, F, H, W] in [-1, 1]
-        out.append((video.float() / 2 + 0.5).clamp(0, 1))
-    return torch.cat(out)  # [B, 3, F, H, W]
-
-
-def _add_to_flowrl_json(path: Union[str, os.PathLike], **entries) -> None:
-    """Merge ``entries`` into ``path/flowrl.json`` (written whole to a sibling, then renamed)."""
-    p = Path(path) / FLOWRL_JSON
-    tmp = p.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({**read_flowrl_json(path), **entries}, indent=2))
-    os.replace(tmp, p)
 
 
 class WanPolicy(DiffusersPolicy):
@@ -240,24 +204,11 @@ class WanPolicy(DiffusersPolicy):
                     transformer_2=None)
 
     @classmethod
-    def make_tiny(cls, kind: str, out_dir: Union[str, os.PathLike], *, image_size: int = IMAGE_SIZE, seed: int = 0,
-                  overwrite: bool = False) -> Path:
-        """The base's tiny model, with ``num_frames`` = ``TINY_NUM_FRAMES`` recorded in ``flowrl.json``."""
-        out = super().make_tiny(kind, out_dir, image_size=image_size, seed=seed, overwrite=overwrite)
-        _add_to_flowrl_json(out, num_frames=TINY_NUM_FRAMES)
-        return out
+    def tiny_options(cls, kind: str) -> dict:
+        return {"num_frames": TINY_NUM_FRAMES}  # the tiny model's default video length (flowrl.json)
 
-    @classmethod
-    def from_pretrained(cls, path_or_id: Union[str, os.PathLike], *, dtype: DTypeArg = torch.float32, **kwargs):
-        """``DiffusersPolicy.from_pretrained``; ``num_frames`` None takes ``flowrl.json``'s (then 81)."""
-        if kwargs.get("num_frames") is None and path_or_id:
-            kwargs["num_frames"] = read_flowrl_json(path_or_id).get("num_frames")
-        return super().from_pretrained(path_or_id, dtype=dtype, **kwargs)
-
-    def save_pretrained(self, path: Union[str, os.PathLike]) -> None:
-        """The base's save, with ``num_frames`` in ``flowrl.json`` (the default when loaded back)."""
-        super().save_pretrained(path)
-        _add_to_flowrl_json(path, num_frames=self.num_frames)
+    def saved_options(self) -> dict:
+        return {"num_frames": self.num_frames}  # the default when loaded back
 
     # --- FlowPolicy ----------------------------------------------------------------------
     def _encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -279,5 +230,4 @@ class WanPolicy(DiffusersPolicy):
         return video_vae_decode(self.vae, latents, self.device, self.decode_batch)  # [B, 3, F, H, W]
 
 
-__all__ = ["DEFAULT_NUM_FRAMES", "DEFAULT_RESOLUTION", "TINY_NUM_FRAMES", "WAN_LORA_TARGET_MODULES", "WanPolicy",
-           "video_vae_decode"]
+__all__ = ["DEFAULT_NUM_FRAMES", "DEFAULT_RESOLUTION", "TINY_NUM_FRAMES", "WAN_LORA_TARGET_MODULES", "WanPolicy"]

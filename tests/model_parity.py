@@ -1,5 +1,6 @@
 """Helpers of the adapter-versus-diffusers-pipeline tests (tests/test_qwen_image.py, test_flux_kontext.py,
-test_wan.py): a LoRA written by ``flowrl export``'s writer and loaded back by the pipeline."""
+test_wan.py, test_flux2.py, test_z_image.py): a LoRA written by ``flowrl export``'s writer and loaded back by
+the pipeline, and a trained run's export checked against the trained policy."""
 from pathlib import Path
 
 import torch
@@ -27,3 +28,23 @@ def exported_lora(policy, name: str, base: str, out: Path, scale: float = 0.3):
     pipe.set_progress_bar_config(disable=True)
     pipe.load_lora_weights(out)
     return pipe
+
+
+def assert_export_is_the_trained_policy(run, out: Path, base: str, policy, cfg, trained_state: dict) -> None:
+    """``flowrl export`` of a training ``run`` loads into the declared diffusers pipeline with
+    ``load_lora_weights`` and is the trained policy: ``policy`` (a fresh load of ``base``) given the run's
+    LoRA state ``trained_state`` has the velocity of the loaded pipeline's transformer (``rtol 1e-5, atol 1e-6``)."""
+    from flowrl.export import export_run
+    from flowrl.trainable import load_trainable_state
+
+    export_run(run, out)
+    add_lora(policy.transformer, cfg.train.lora_rank, cfg.train.lora_alpha, policy.lora_target_modules)
+    load_trainable_state(policy.transformer, trained_state)
+    pipe = diffusers_attr(type(policy).pipeline_class).from_pretrained(base)
+    pipe.load_lora_weights(out)
+    x, cond = policy.initial_noise([5, 6]), policy.encode_prompts(["a photo of a cat", "a red apple on a table"])
+    with torch.no_grad():
+        v_trained = policy.velocity(x, 0.7, cond)
+        policy.transformer = pipe.transformer
+        v_loaded = policy.velocity(x, 0.7, cond)
+    torch.testing.assert_close(v_loaded, v_trained, rtol=1e-5, atol=1e-6)

@@ -10,7 +10,7 @@ import torch
 
 from flowrl.conditions import encode_conditions
 from flowrl.data.items import PromptItem
-from flowrl.pipelines.flux import pack_latents, unpack_latents
+from flowrl.pipelines.packing import pack_latents, unpack_latents
 from flowrl.pipelines.flux_kontext import FluxKontextPolicy
 from helpers import ode_loop
 from model_parity import exported_lora

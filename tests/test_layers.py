@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.layers import (LAYERS, check_tree, discover, import_cycles, imports_of, layer_name, layer_of, module_graph,
-                           upward_imports)
+from flowrl.layers import (LAYERS, adapter_imports, check_tree, discover, import_cycles, imports_of, layer_name,
+                           layer_of, module_graph, upward_imports)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,6 +36,23 @@ def test_no_trainer_module_sits_below_the_trainers():
     assert all(not p.startswith("flowrl.trainers") for i, (_, ps) in enumerate(LAYERS) if i != trainers for p in ps)
     below = [m for m in discover(ROOT) if m.startswith("flowrl.") and layer_of(m) < trainers]
     assert [e for m in below for e in _edges_of(m) if e.target.startswith("flowrl.trainers")] == []
+
+
+def test_no_adapter_imports_another_adapter():
+    """Adapters (the modules flowrl.pipelines.REGISTRY points at) share code only through pipelines modules
+    no adapter owns (lazy imports count), so a model is one adapter file that depends on no other."""
+    from flowrl.pipelines import REGISTRY
+
+    adapters = {target.partition(":")[0] for target in REGISTRY.values()}
+    assert {"flowrl.pipelines.flux", "flowrl.pipelines.flux_kontext", "flowrl.pipelines.wan"} <= adapters
+    bad = adapter_imports(module_graph(ROOT), adapters)
+    assert bad == [], "adapters importing adapters (move the shared code to a pipelines module no adapter owns):\n" + \
+        "\n".join(bad)
+    fake = {"flowrl.pipelines.a": {"flowrl.pipelines.packing"}, "flowrl.pipelines.b": {"flowrl.pipelines.a"},
+            "flowrl.pipelines.packing": {"flowrl.pipelines.b"}, "flowrl.export": {"flowrl.pipelines.a"}}
+    assert adapter_imports(fake, {"flowrl.pipelines.a", "flowrl.pipelines.b"}) == [
+        "flowrl.pipelines.b imports the adapter flowrl.pipelines.a",
+        "flowrl.pipelines.packing imports the adapter flowrl.pipelines.b"]  # flowrl.export may load adapters
 
 
 def test_every_module_has_a_layer():

@@ -105,7 +105,7 @@ def test_a_new_adapter_alone_is_arch_benchmarked(toy_registered, tmp_path, one_t
 
 
 @pytest.mark.parametrize("name", ["sd3", "flux", "sana", "digits", "qwen-image", "flux-kontext", "wan",
-                                  "qwen-image-edit"])
+                                  "qwen-image-edit", "flux2", "flux2-klein", "z-image"])
 def test_shipped_adapters_declare_their_facts(name):
     """Each shipped adapter answers every fact the planner and the benchmark read, consistently with the
     conditioning and geometry it declares (the published models at their default sizes, on the meta device)."""
@@ -131,7 +131,8 @@ def test_shipped_adapters_declare_their_facts(name):
 
 
 @pytest.mark.parametrize("name,published", [("sd3", 2), ("flux", 1), ("sana", 1), ("qwen-image", 1),
-                                            ("flux-kontext", 1), ("wan", 2), ("qwen-image-edit", 2)])
+                                            ("flux-kontext", 1), ("wan", 2), ("qwen-image-edit", 2), ("flux2", 1),
+                                            ("flux2-klein", 4), ("z-image", 2)])
 def test_published_models_name_their_sources(name, published):
     cls = policy_class(name)
     assert len(cls.published) == published

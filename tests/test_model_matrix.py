@@ -1,10 +1,11 @@
 """Every sampler and every update on each of the newer models (Qwen-Image, FLUX.1 Kontext, Wan2.1
-text-to-video, Qwen-Image-Edit), two iterations each, through the model's own shipped recipe.
+text-to-video, Qwen-Image-Edit, FLUX.2 [dev], FLUX.2 [klein], Z-Image-Turbo), two iterations each, through
+the model's own shipped recipe.
 
 Each case takes the recipe, swaps in the sampler and update under test, and shrinks the rest with
 ``flowrl train --smoke``'s table (``flowrl.smoke.smoke_overrides``: the tiny random model, 32 px, a
 few steps and samples). The group sampler with GRPO is each model's own test (test_qwen_image.py,
-test_flux_kontext.py, test_wan.py); here: branch with GRPO-Guard, TempFlow with GRPO, Sol exploring
+test_flux_kontext.py, test_wan.py, test_flux2.py, test_z_image.py); here: branch with GRPO-Guard, TempFlow with GRPO, Sol exploring
 with ``int8-dynamic`` (DiffusionNFT) and with ``nvfp4-emulated`` (online DPO), online GDRO, and
 offline GDRO on a generated dataset. Kontext trains on the shipped digits editing set with the
 ``digits_edit`` reward (NaN without a source: a finite reward shows the source reached it),
@@ -24,7 +25,8 @@ from helpers import lora_weights, train_records
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
 
 RECIPES = {"qwen-image": "qwen_image_group_pickscore", "flux-kontext": "flux_kontext_edit", "wan": "wan_group_ocr",
-           "qwen-image-edit": "qwen_image_edit_group_pickscore"}
+           "qwen-image-edit": "qwen_image_edit_group_pickscore", "flux2": "flux2_group_pickscore",
+           "flux2-klein": "flux2_klein_group_pickscore", "z-image": "z_image_turbo_group_pickscore"}
 EDITING = {"flux-kontext": "digits-edit-sample", "qwen-image-edit": "digits-edit-multi-sample"}  # flowrl.smoke
 
 
@@ -54,13 +56,17 @@ CASES = {
                      ["offline.max_steps=2", "offline.epochs=2"]),
 }
 BATCH = ["train.batch_size=4"]  # every smoke row's samples per prompt divides it
-# per model, after the shrinking: Qwen-Image unsharded (its LoRA read back as one file), Wan's reward
-# scores every 2nd frame (Kontext: the smoke table's editing set and digits_edit)
+# per model, after the shrinking: Qwen-Image and FLUX.2 [dev] unsharded (their LoRA read back as one file), Wan's
+# reward scores every 2nd frame (Kontext: the smoke table's editing set and digits_edit)
 # Qwen-Image-Edit: the tiny random model's digits_edit scores on the multi-source sums differ by ~1e-6 within a
 # tree, under the advantage's eps; a dense 0.001 x JPEG size term gives every case a signal (digits_edit's NaN
 # without its sources still makes the total NaN, so a finite reward still shows every source arrived)
 MODEL = {"qwen-image": ["train.sharding=none"], "wan": ["reward.frame_stride=2"], "flux-kontext": [],
-         "qwen-image-edit": ["reward.weights={digits_edit: 1.0, jpeg_incompressibility: 0.001}"]}
+         "qwen-image-edit": ["reward.weights={digits_edit: 1.0, jpeg_incompressibility: 0.001}"],
+         "flux2": ["train.sharding=none"], "flux2-klein": [], "z-image": []}
+# per model, before the shrinking: FLUX.2 [dev]'s recipe normalises per reward (Flow-Factory's GDPO), which only
+# the GRPO-family updates take; the smoke run has one reward, where the sum is the same
+FIRST = {"flux2": ["reward.aggregate=sum"]}
 TWO = ["train.iterations=2", "logging.progress=false"]
 
 
@@ -69,6 +75,7 @@ TWO = ["train.iterations=2", "logging.progress=false"]
 def test_two_iterations(pipeline, case, tiny_model, tmp_path):
     before, after = CASES[case]
     recipe = f"recipes/{RECIPES[pipeline]}.yaml"
+    before = [*before, *FIRST.get(pipeline, [])]
     first = load_config(recipe, [*before, *BATCH])
     cfg = load_config(recipe, ov := [*before, *smoke_overrides(first, tiny_model(pipeline), tmp_path), *TWO,
                                      *MODEL[pipeline], *after])

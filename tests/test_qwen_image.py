@@ -8,7 +8,7 @@ battery (tests/test_policy_contract.py)."""
 import pytest
 import torch
 
-from flowrl.pipelines.flux import pack_latents, unpack_latents
+from flowrl.pipelines.packing import pack_latents, unpack_latents
 from flowrl.pipelines.qwen_image import QwenImagePolicy
 from flowrl.pipelines.tiny import build_qwen_tokenizer
 from flowrl.rollout.ode import ode_sample
