@@ -13,7 +13,7 @@ import torch
 from flowrl.conditions import encode_conditions
 from flowrl.data import load_prompts
 from flowrl.data.items import PromptItem, row_sources
-from flowrl.pipelines.flux import pack_latents, unpack_latents
+from flowrl.pipelines.packing import pack_latents, unpack_latents
 from flowrl.pipelines.qwen_image_edit import QwenImageEditPolicy, _pil
 from helpers import ode_loop
 from model_parity import exported_lora
