@@ -76,7 +76,7 @@ def test_a_new_adapter_alone_is_planned(toy_registered, tmp_path, one_thread):
 model: {pipeline: toy, path: someone/toy-model, guidance_scale: 4.5, options: {resolution: 64}}
 sampler: {name: group, group_size: 4, num_steps: 4}
 reward: {weights: {jpeg_compressibility: 1.0}}
-train: {batch_size: 8, minibatch_size: 4, lora_rank: 4, lora_alpha: 4, beta_kl: 0.01}
+train: {batch_size: 8, minibatch_size: 4, lora_rank: 4, lora_alpha: 4, loss_options: {beta_kl: 0.01}}
 """)
     assert policy_class("toy") is ToyPolicy
     plan = plan_memory(load_config(str(recipe)), 1, 80 * GiB, str(recipe))
