@@ -84,6 +84,7 @@ def test_smoke_checks_what_the_real_run_reads(tmp_path, monkeypatch, capsys):
         smoke_config("recipes/sd3_branch_hps.yaml", SAMPLE, tmp_path)
     cfg, _ = smoke_config("recipes/sd3_group_pickscore.yaml", SAMPLE, tmp_path)
     assert cfg.data.prompts == "flowgrpo-pickscore-sample"
+    capsys.readouterr()  # what building the tiny model printed
     assert main(["train", "--smoke", "--config", "recipes/sd3_group_pickscore.yaml", "--output-dir",
                  str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
