@@ -21,6 +21,7 @@ REGISTRY: dict[str, str] = {
     "qwen-image": "flowrl.pipelines.qwen_image:QwenImagePolicy.from_pretrained",
     "flux-kontext": "flowrl.pipelines.flux_kontext:FluxKontextPolicy.from_pretrained",
     "wan": "flowrl.pipelines.wan:WanPolicy.from_pretrained",
+    "wan2.2": "flowrl.pipelines.wan:Wan22Policy.from_pretrained",
 }
 
 

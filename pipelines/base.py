@@ -287,7 +287,12 @@ class DiffusersPolicy(ModelFacts):
             return self._forward(*text).float()
         uncond = (x, sigma, *(cond["negative_" + k] for k in self.cond_keys))
         u, c = cfg_halves(self._forward, uncond, text, uncond_grad=self.cfg_uncond_grad)  # [B, C, h, w] each
-        return cfg_combine(u, c, self.cfg_scale, uncond_grad=self.cfg_uncond_grad)
+        return cfg_combine(u, c, self.cfg_scale_for(sigma, x.ndim), uncond_grad=self.cfg_uncond_grad)
+
+    def cfg_scale_for(self, sigma: torch.Tensor, ndim: int):
+        """The guidance scale of rows at ``sigma`` [B]: ``cfg_scale`` (a float); an adapter whose scale changes
+        along the schedule (Wan2.2's ``guidance_scale_2``) returns a float32 tensor ``[B, 1, ...]`` of ``ndim`` dims."""
+        return self.cfg_scale
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents ``[B, C, h, w]`` -> float32 images ``[B, 3, f h, f w]`` in [0, 1] (f = VAE factor):

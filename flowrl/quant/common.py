@@ -18,10 +18,11 @@ from torch import nn
 # (``filter_func_default``), plus the top-level ``proj_out`` that maps back to latents, and Wan's
 # ``condition_embedder`` (time, time projection and text embedders; modelopt's
 # ``filter_func_wan_video``), whose forward reads the dtype of the time embedder's first parameter.
+# Wan2.2's two experts (``flowrl.pipelines.experts.TwoExperts``) hold that top level one level down.
 DEFAULT_SKIP: tuple[str, ...] = (
     "*time_emb_proj*", "*time_embedding*", "*conv_in*", "*conv_out*", "*conv_shortcut*", "*add_embedding*",
     "*pos_embed*", "*time_text_embed*", "*context_embedder*", "*norm_out*", "*x_embedder*", "proj_out",
-    "*condition_embedder*",
+    "*condition_embedder*", "transformer.proj_out", "transformer_2.proj_out",
 )
 
 
