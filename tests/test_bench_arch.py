@@ -31,6 +31,7 @@ def test_the_architecture_names_are_the_adapters_published_models():
     assert models["flux-arch"][0] is FluxPolicy and models["sana-arch"][0] is SanaPolicy
     assert models["qwen-image-arch"][0] is QwenImagePolicy and models["flux-kontext-arch"][0] is FluxKontextPolicy
     assert models["wan-14b-arch"] == (WanPolicy, WanPolicy.published["Wan-AI/Wan2.1-T2V-14B-Diffusers"])
+    assert {"wan2.2-a14b-arch", "wan2.2-5b-arch"} <= set(models)  # Wan2.2 (tests/test_wan22.py: two experts)
 
 
 @pytest.mark.parametrize("pipeline,low,high", [("sd35m-arch", 2.2e9, 2.3e9), ("sd35l-arch", 8.0e9, 8.1e9),

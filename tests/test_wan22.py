@@ -22,7 +22,7 @@ from model_parity import exported_lora
 
 PROMPTS = ["a cat walking on grass", "a red car"]
 SEEDS, SEQ, SIZE = [5, 6], 8, 32
-STEPS = 4  # timesteps 1000 | 858, 602, 9: the first step on transformer, the other three on transformer_2
+STEPS = 4  # timesteps 1000, 858, 602 | 9: three steps on transformer, the last on transformer_2 (boundary 500)
 G, G2 = 4.0, 3.0
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
@@ -53,7 +53,7 @@ def test_ode_matches_the_two_expert_pipeline(tiny, tmp_path):
     policy = _policy(tiny, guidance_scale_2=G2)
     assert isinstance(policy.transformer, TwoExperts) and policy.latent_shape == (16, 2, 4, 4)
     t = policy.sigmas(STEPS)[:-1] * 1000
-    assert (t >= 875).sum() == 1 and (t < 875).sum() == 3  # both experts run
+    assert policy.boundary_timestep == 500 and (t >= 500).sum() == 3 and (t < 500).sum() == 1  # both experts run
     ours, videos = ode_sample(policy, PROMPTS, SEEDS, STEPS)  # [B, 16, 2, 4, 4], [B, 3, 5, 32, 32]
     pipe = policy.pipe
     ref = _pipeline(pipe, policy, "latent", guidance_scale_2=G2).float()
@@ -96,7 +96,7 @@ def test_each_row_runs_on_the_pipelines_expert(tiny):
     row reaches its expert only."""
     policy = _policy(tiny, guidance_scale_2=G2)
     experts = policy.transformer
-    sigma = torch.tensor([0.9, 0.45, 0.875, 0.87])  # 0.875 -> timestep 875 = the boundary: high noise
+    sigma = torch.tensor([0.9, 0.45, 0.5, 0.4999])  # 0.5 -> timestep 500 = the tiny's boundary: high noise
     x = policy.initial_noise([1, 2, 3, 4])
     cond = policy.encode_prompts(PROMPTS * 2)
     with torch.no_grad():
