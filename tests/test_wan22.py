@@ -235,3 +235,27 @@ def test_arch_bench_routes_both_experts_tiny(tmp_path):
         "Wan-AI/Wan2.2-T2V-A14B-Diffusers"].transformer)})
     names = replace_linears(merged_copy(pair), lambda n, m: m)
     assert not any(n.endswith("proj_out") and n.count(".") == 1 for n in names)
+
+
+def test_two_processes_each_with_rows_of_one_expert_under_ddp_and_fsdp(tmp_path):
+    """Two gloo processes, the first with a high-noise row, the second with a low-noise one (tests/
+    experts_dist_worker.py): under DDP and under FSDP2 two training steps and a no-grad forward complete, and
+    outputs and averaged gradients equal one process's computation of both rows."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), str(ROOT / "tests" / "experts_dist_worker.py"), str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in (0, 1):
+        result = torch.load(tmp_path / f"{rank}.pt")
+        for mode in ("ddp", "fsdp"):
+            out_diff, grad_diff = result[mode]
+            assert out_diff < 1e-5 and grad_diff < 1e-6, (rank, mode, result[mode])
