@@ -22,6 +22,9 @@ Loading, export and tiny models:
 ``_encode(prompts, negative)``  named batch-first text conditioning from the pipeline's encoder
 ``cond_keys``               the conditioning entries the transformer call takes, in order
 ``velocity`` / ``sigmas``   the model-specific math (``FlowPolicy``)
+``cfg_scale_for(sigma, n)`` the CFG scale per row (default ``cfg_scale``; Wan2.2: per expert)
+``lora_parts(tensors)``     optional: ``[(component, file, tensors)]``, one exported LoRA file per
+                            trained pipeline component (Wan2.2's two experts); default one file
 ==========================  =====================================================================
 
 Model facts (``pipelines/facts.py``, class ``ModelFacts``: the defaults fit an MMDiT with an
@@ -48,6 +51,8 @@ Model facts (``pipelines/facts.py``, class ``ModelFacts``: the defaults fit an M
 ``example_conditioning(configs, geometry, rows,    empty tensors shaped as ``encode_prompts``' output
 device, dtype)``                                   (the ``cond_keys``)
 ``cfg_rows(guidance_scale, options)``              rows per sample of a guided sampling forward (1/2)
+``transformer_component(config, options)``        the trained transformer as a ``Component`` to build
+                                                   (default the ``transformer_class``; Wan2.2: two experts)
 ``transformer_inputs(config, dtype, x, sigma,      the transformer's forward kwargs; the adapter's own
 cond, **settings)``                                velocity calls it, so plan and bench run the same
 ``transformer_output(out, x)``                     the forward's output as a velocity shaped like ``x``

@@ -60,7 +60,7 @@ def test_ode_matches_the_two_expert_pipeline(tiny, tmp_path):
     torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-5)
     ref_videos = _pipeline(pipe, policy, "pt", guidance_scale_2=G2).float().permute(0, 2, 1, 3, 4)  # frame-major
     torch.testing.assert_close(videos, ref_videos, atol=2e-5, rtol=1e-5)
-    assert (_pipeline(pipe, policy, "latent").float() - ref).abs().max() > 1e-3  # guidance_scale_2 is used
+    assert (_pipeline(pipe, policy, "latent").float() - ref).abs().max() > 1e-4  # guidance_scale_2 is used (last step)
 
     # a LoRA on both experts through flowrl export's writer: one file per expert, loaded into both
     lora_pipe = exported_lora(policy, "wan2.2", str(tiny), tmp_path / "lora")
@@ -71,7 +71,7 @@ def test_ode_matches_the_two_expert_pipeline(tiny, tmp_path):
     torch.testing.assert_close(ours_lora, ref_lora, atol=2e-5, rtol=1e-5)
     assert (ref_lora - ref).abs().max() > 1e-2
     lora_pipe.transformer_2.disable_adapters()  # the low-noise expert's LoRA matters too
-    assert (_pipeline(lora_pipe, policy, "latent", guidance_scale_2=G2).float() - ref_lora).abs().max() > 1e-3
+    assert (_pipeline(lora_pipe, policy, "latent", guidance_scale_2=G2).float() - ref_lora).abs().max() > 1e-4
 
 
 def test_ti2v_matches_the_pipeline(tiny_ti2v):
