@@ -11,7 +11,9 @@ LoRA runs (``train.lora_rank > 0``) become a diffusers LoRA file,
 
 Which classes write and load the file is declared by the model's adapter (``pipelines/base.py``:
 ``transformer_class``, ``lora_writer()``, ``lora_load_hint()``), found through
-``flowrl.pipelines.policy_class``. The ``digits`` model has no diffusers pipeline; its adapter is
+``flowrl.pipelines.policy_class``. A model with several trained transformers declares ``lora_parts``:
+Wan2.2 T2V-A14B's two experts give ``pytorch_lora_weights.safetensors`` (``transformer``) and
+``pytorch_lora_weights_transformer_2.safetensors`` (loaded with ``load_into_transformer_2=True``). The ``digits`` model has no diffusers pipeline; its adapter is
 written in the same format (keys
 ``transformer.*``) and loads into the bare transformer::
 
@@ -21,7 +23,8 @@ written in the same format (keys
 (``load_lora_adapter`` looks for a pickled ``.bin`` unless told the safetensors name.)
 
 Full fine-tunes (``train.lora_rank == 0``) have no adapter: the whole trained transformer is
-written with ``save_pretrained`` to ``OUT_DIR/transformer`` (load it with
+written with ``save_pretrained`` to ``OUT_DIR/transformer`` (Wan2.2's second expert to
+``OUT_DIR/transformer_2``; load it with
 ``<Transformer>.from_pretrained(OUT_DIR, subfolder="transformer")`` and pass it to the pipeline as
 ``transformer=``).
 

@@ -220,7 +220,7 @@ class WanPolicy(DiffusersPolicy):
     @classmethod
     def geometry(cls, configs: ModelConfigs, options: dict) -> Geometry:
         """``options['num_frames']`` video frames (default 81, ``4 k + 1``) of ``options['resolution']``
-        (default 480 x 832): latents ``(C, (F - 1) / 4 + 1, H / 8, W / 8)``."""
+        (default 480 x 832): latents ``(C, (F - 1) / 4 + 1, H / f, W / f)`` (f = 8; TI2V-5B 16)."""
         f = cls.vae_factor(configs)
         vae = configs.vae.config
         ft = int(vae.get("scale_factor_temporal") or 2 ** sum(map(bool, vae["temperal_downsample"])))  # 4
@@ -333,7 +333,7 @@ class WanPolicy(DiffusersPolicy):
         return flow_sigmas(num_steps, self.shift, self.schedule)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents ``[B, C, F', h, w]`` -> float32 videos ``[B, 3, F, 8h, 8w]`` in [0, 1] (module doc)."""
+        """Latents ``[B, C, F', h, w]`` -> float32 videos ``[B, 3, F, f h, f w]`` in [0, 1] (module doc)."""
         return video_vae_decode(self.vae, latents, self.device, self.decode_batch)  # [B, 3, F, H, W]
 
 
