@@ -114,7 +114,11 @@ def test_each_row_runs_on_the_pipelines_expert(tiny):
 
 
 def test_train_experts_and_errors(tiny, tiny_ti2v, tmp_path):
-    from flowrl.trainable import set_up_trainable
+    from diffusers import WanTransformer3DModel
+
+    from flowrl.export import export_full
+    from flowrl.trainable import set_up_trainable, trainable_state
+    from flowrl.trainers.config import load_config
 
     policy = _policy(tiny, train_experts=["high"])
     set_up_trainable(policy.transformer, 2, 4.0, None, policy.lora_target_modules, seed=0)
@@ -124,6 +128,14 @@ def test_train_experts_and_errors(tiny, tiny_ti2v, tmp_path):
     full = _policy(tiny, train_experts=["low"])
     set_up_trainable(full.transformer, 0)  # full fine-tune of the low-noise expert only
     assert {n.split(".")[0] for n, p in full.transformer.named_parameters() if p.requires_grad} == {"transformer_2"}
+    with torch.no_grad():
+        full.transformer.transformer_2.proj_out.bias.add_(1.0)
+    cfg = load_config(ROOT / "recipes" / "wan22_group_pickscore.yaml",
+                      [f"model.path={tiny}", "train.lora_rank=0", "train.lora_targets=null"])
+    info = export_full(cfg, trainable_state(full.transformer), tmp_path / "full", str(tiny))  # OUT/transformer_2
+    assert info["dirs"] == ["transformer_2"] and "transformer_2=" in info["load"]
+    exported = WanTransformer3DModel.from_pretrained(tmp_path / "full", subfolder="transformer_2")
+    assert torch.equal(exported.proj_out.bias, full.transformer.transformer_2.proj_out.bias)
     with pytest.raises(ValueError, match="train_experts must be a non-empty list of \\['high', 'low'\\]"):
         _policy(tiny, train_experts=["mid"])
     with pytest.raises(ValueError, match="guidance_scale_2 must be >= 1.0 and needs guidance_scale > 1"):
