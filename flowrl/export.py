@@ -13,8 +13,8 @@ Which classes write and load the file is declared by the model's adapter (``pipe
 ``transformer_class``, ``lora_writer()``, ``lora_load_hint()``), found through
 ``flowrl.pipelines.policy_class``. A model with several trained transformers declares ``lora_parts``:
 Wan2.2 T2V-A14B's two experts give ``pytorch_lora_weights.safetensors`` (``transformer``) and
-``pytorch_lora_weights_transformer_2.safetensors`` (loaded with ``load_into_transformer_2=True``). The ``digits`` model has no diffusers pipeline; its adapter is
-written in the same format (keys
+``pytorch_lora_weights_transformer_2.safetensors`` (loaded with ``load_into_transformer_2=True``).
+The ``digits`` model has no diffusers pipeline; its adapter is written in the same format (keys
 ``transformer.*``) and loads into the bare transformer::
 
     tr = SD3Transformer2DModel.from_pretrained(base, subfolder="transformer")
