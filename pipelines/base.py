@@ -23,6 +23,9 @@ Loading, export and tiny models:
 ``_encode(prompts, negative)``  named batch-first text conditioning from the pipeline's encoder
 ``cond_keys``               the conditioning entries the transformer call takes, in order
 ``velocity`` / ``sigmas``   the model-specific math (``FlowPolicy``)
+``cfg_scale_for(sigma, n)`` the CFG scale per row (default ``cfg_scale``; Wan2.2: per expert)
+``lora_parts(tensors)``     optional: ``[(component, file, tensors)]``, one exported LoRA file per
+                            trained pipeline component (Wan2.2's two experts); default one file
 ==========================  =====================================================================
 
 Model facts (``pipelines/facts.py``, class ``ModelFacts``: the defaults fit an MMDiT with an
@@ -49,6 +52,8 @@ Model facts (``pipelines/facts.py``, class ``ModelFacts``: the defaults fit an M
 ``example_conditioning(configs, geometry, rows,    empty tensors shaped as ``encode_prompts``' output
 device, dtype)``                                   (the ``cond_keys``)
 ``cfg_rows(guidance_scale, options)``              rows per sample of a guided sampling forward (1/2)
+``transformer_component(config, options)``        the trained transformer as a ``Component`` to build
+                                                   (default the ``transformer_class``; Wan2.2: two experts)
 ``transformer_inputs(config, dtype, x, sigma,      the transformer's forward kwargs; the adapter's own
 cond, **settings)``                                velocity calls it, so plan and bench run the same
 ``transformer_output(out, x)``                     the forward's output as a velocity shaped like ``x``
@@ -325,7 +330,12 @@ class DiffusersPolicy(ModelFacts):
             return self._forward(*text).float()
         uncond = (x, sigma, *(cond["negative_" + k] for k in self.cond_keys))
         u, c = cfg_halves(self._forward, uncond, text, uncond_grad=self.cfg_uncond_grad)  # [B, C, (F',) h, w] each
-        return cfg_combine(u, c, self.cfg_scale, uncond_grad=self.cfg_uncond_grad)
+        return cfg_combine(u, c, self.cfg_scale_for(sigma, x.ndim), uncond_grad=self.cfg_uncond_grad)
+
+    def cfg_scale_for(self, sigma: torch.Tensor, ndim: int):
+        """The guidance scale of rows at ``sigma`` [B]: ``cfg_scale`` (a float); an adapter whose scale changes
+        along the schedule (Wan2.2's ``guidance_scale_2``) returns a float32 tensor ``[B, 1, ...]`` of ``ndim`` dims."""
+        return self.cfg_scale
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents ``[B, C, h, w]`` -> float32 images ``[B, 3, f h, f w]`` in [0, 1] (f = VAE factor):

@@ -15,7 +15,8 @@ RANK, ALPHA = 2, 8  # scaling 4: lost if the export dropped alpha (diffusers' de
 def exported_lora(policy, name: str, base: str, out: Path, scale: float = 0.3):
     """Give ``policy.transformer`` a LoRA (the policy's default targets, B random so it moves the
     model), write it with ``flowrl.export.write_lora`` to ``out`` and load it into a fresh copy of
-    the declared diffusers pipeline with ``load_lora_weights``; returns that pipeline."""
+    the declared diffusers pipeline with ``load_lora_weights`` (each file the export wrote into its
+    component); returns that pipeline."""
     add_lora(policy.transformer, RANK, ALPHA, policy.lora_target_modules)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -23,10 +24,12 @@ def exported_lora(policy, name: str, base: str, out: Path, scale: float = 0.3):
             if ".lora_B." in n:
                 p.copy_(scale * torch.randn(p.shape, generator=g))
     policy.transformer.eval()
-    write_lora(name, trainable_state(policy.transformer), out, base, RANK, ALPHA)
+    info = write_lora(name, trainable_state(policy.transformer), out, base, RANK, ALPHA)
     pipe = diffusers_attr(type(policy).pipeline_class).from_pretrained(base)
     pipe.set_progress_bar_config(disable=True)
-    pipe.load_lora_weights(out)
+    for component, weight in info["files"].items():  # one file per trained transformer (Wan2.2: two experts)
+        pipe.load_lora_weights(out, weight_name=weight,
+                               **({} if component == "transformer" else {f"load_into_{component}": True}))
     return pipe
 
 

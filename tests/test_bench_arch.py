@@ -35,6 +35,7 @@ def test_the_architecture_names_are_the_adapters_published_models():
     assert [models[n][0].kind for n in ("flux2-arch", "flux2-klein-arch", "z-image-arch")] == [
         "flux2", "flux2-klein", "z-image"]
     assert models["flux2-klein-arch"][1].title == "FLUX.2-klein-4B"  # base and distilled share it
+    assert {"wan2.2-a14b-arch", "wan2.2-5b-arch"} <= set(models)  # Wan2.2 (tests/test_wan22.py: two experts)
 
 
 @pytest.mark.parametrize("pipeline,low,high", [("sd35m-arch", 2.2e9, 2.3e9), ("sd35l-arch", 8.0e9, 8.1e9),

@@ -105,7 +105,7 @@ def test_a_new_adapter_alone_is_arch_benchmarked(toy_registered, tmp_path, one_t
 
 
 @pytest.mark.parametrize("name", ["sd3", "flux", "sana", "digits", "qwen-image", "flux-kontext", "wan",
-                                  "qwen-image-edit", "flux2", "flux2-klein", "z-image"])
+                                  "qwen-image-edit", "flux2", "flux2-klein", "z-image", "wan2.2"])
 def test_shipped_adapters_declare_their_facts(name):
     """Each shipped adapter answers every fact the planner and the benchmark read, consistently with the
     conditioning and geometry it declares (the published models at their default sizes, on the meta device)."""
@@ -123,7 +123,7 @@ def test_shipped_adapters_declare_their_facts(name):
         assert configs.transformer["zero_cond_t"] and configs.arch == "qwen-image-edit-2511-arch"
     counts = cls.block_counts(configs.transformer)
     assert cls.block_counts(cls.with_block_counts(configs.transformer, counts)) == counts
-    tr = build_component(Component("diffusers:" + cls.transformer_class, configs.transformer), "meta", torch.bfloat16)
+    tr = build_component(cls.transformer_component(configs.transformer, {}), "meta", torch.bfloat16)
     x = torch.empty(2, *g.latent_shape, device="meta", dtype=torch.bfloat16)
     with torch.no_grad():
         out = tr(**cls.transformer_inputs(configs.transformer, torch.bfloat16, x, torch.empty(2, device="meta"), cond))
@@ -132,7 +132,7 @@ def test_shipped_adapters_declare_their_facts(name):
 
 @pytest.mark.parametrize("name,published", [("sd3", 2), ("flux", 1), ("sana", 1), ("qwen-image", 1),
                                             ("flux-kontext", 1), ("wan", 2), ("qwen-image-edit", 2), ("flux2", 1),
-                                            ("flux2-klein", 4), ("z-image", 2)])
+                                            ("flux2-klein", 4), ("z-image", 2), ("wan2.2", 2)])
 def test_published_models_name_their_sources(name, published):
     cls = policy_class(name)
     assert len(cls.published) == published

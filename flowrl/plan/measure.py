@@ -74,16 +74,16 @@ def cuda_peak(fn: Callable[[], None]) -> int:
 
 def _real_transformer(cfg, comp, device: torch.device):
     """The recipe's transformer on ``device``: from_pretrained on CUDA, from the config on CPU (see module doc)."""
-    from ..pipelines.facts import Component, build_component, component_class
+    from ..pipelines.facts import build_component, component_class
 
-    name = "diffusers:" + comp.adapter.transformer_class
-    if device.type == "cuda" and cfg.model.path:
+    spec = comp.adapter.transformer_component(comp.config, cfg.model.options)
+    if device.type == "cuda" and cfg.model.path and spec.cls.startswith("diffusers:"):
         from ..utils.hub import require_hub_model
 
         require_hub_model(cfg.model.path, f"the {cfg.model.pipeline} base model", "model.path")
-        return component_class(name).from_pretrained(cfg.model.path, subfolder="transformer",
-                                                     torch_dtype=comp.dtypes["transformer"]).to(device)
-    return build_component(Component(name, comp.config), device, comp.dtypes["transformer"])
+        return component_class(spec.cls).from_pretrained(cfg.model.path, subfolder="transformer",
+                                                         torch_dtype=comp.dtypes["transformer"]).to(device)
+    return build_component(spec, device, comp.dtypes["transformer"])
 
 
 def _inputs(comp, shapes, rows: int, device: torch.device) -> tuple:

@@ -21,10 +21,12 @@ from torch import nn
 # FLUX.2's ``time_guidance_embed``; Z-Image's time and caption embedders (``t_embedder``, whose forward
 # reads its first layer's weight dtype, and ``cap_embedder``: the patterns diffusers' own
 # ``_skip_layerwise_casting_patterns`` keeps precise) and its per-patch input / output layers.
+# Wan2.2's two experts (``flowrl.pipelines.experts.TwoExperts``) hold that top level one level down.
 DEFAULT_SKIP: tuple[str, ...] = (
     "*time_emb_proj*", "*time_embedding*", "*conv_in*", "*conv_out*", "*conv_shortcut*", "*add_embedding*",
     "*pos_embed*", "*time_text_embed*", "*context_embedder*", "*norm_out*", "*x_embedder*", "proj_out",
     "*condition_embedder*", "*time_guidance_embed*", "*t_embedder*", "*cap_embedder*", "*all_final_layer*",
+    "transformer.proj_out", "transformer_2.proj_out",
 )
 
 
