@@ -246,16 +246,15 @@ def run_commands(block: Block, cmd: str, runs: list[str], workdirs) -> None:
         env = new_shell(env, dirs[block.path], ACTIVATE.match(act).group(1))
     else:
         assert shutil.which("flowrl", path=env["PATH"]), "the flowrl console script is not on PATH"
-    for run in runs:
-        if act is not None and run != act:
-            run = f"{act}\n{run}"
+    for documented in runs:
+        run = f"{act}\n{documented}" if act is not None and documented != act else documented
         t0 = time.perf_counter()
         r = subprocess.run(["bash", "-c", f"set -euo pipefail\n{run}"], cwd=dirs[block.path], env=env,
                            capture_output=True, text=True, timeout=590)
         print(f"{block.id}: {time.perf_counter() - t0:6.1f} s  {run}")  # (pytest -s shows where time goes)
         assert r.returncode == 0, f"{block.id}: {run}\n--- stderr ---\n{r.stderr[-4000:]}"
         assert "Traceback" not in r.stderr, f"{block.id}: {run}\n{r.stderr[-4000:]}"
-        DONE.add((block.id, run))
+        DONE.add((block.id, documented))  # as prepare() gives it (without the activation line)
 
 
 DONE: set[tuple[str, str]] = set()  # (block id, command) run in this session

@@ -51,7 +51,7 @@ def test_offload_moves_rows_to_the_host(capsys):
     base = ["train.lora_rank=0", "train.sharding=fsdp"]
     plain = _plan(WAN, base)
     off = _plan(WAN, base + ["train.offload={text_encoders: true, vae: true, reference: true, ema: true}"])
-    for prefix in ("text encoders", "VAE (", "KL reference copy", "EMA ("):
+    for prefix in ("text encoders", "VAE (", "reference copy", "EMA ("):
         assert _row(plain, prefix).where == "gpu" and _row(off, prefix).where == "host", prefix
     te, vae = _row(plain, "text encoders").bytes, _row(plain, "VAE (").bytes
     assert _row(off, "rollout: text encoders on the GPU while encoding").bytes == te  # moved in for each call

@@ -18,7 +18,7 @@ import dataclasses
 from .budget import Item
 
 # train.offload flag -> the name prefix of the budget row it moves to the host
-HOST_ROWS = {"text_encoders": "text encoders", "vae": "VAE", "reference": "KL reference copy", "ema": "EMA ("}
+HOST_ROWS = {"text_encoders": "text encoders", "vae": "VAE", "reference": "reference copy", "ema": "EMA ("}
 
 
 def _row(items: list[Item], prefix: str) -> Item | None:
