@@ -22,8 +22,9 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from .command_line import (Parser, emit, example, positive_float, positive_int, require_device, split_overrides,
-                           user_message, verb_parser)
+from .command_line import (OPTIONS_HELP, Parser, emit, example, positive_float, positive_int, require_device,
+                           reward_options, split_overrides, user_message, verb_parser)
+from .utils.threads import chosen_threads
 
 
 # ---------------------------------------------------------------- the verbs
@@ -90,13 +91,7 @@ def _rescore_offline(a) -> dict:
         Registry("reward", dict.fromkeys(available())).check(a.reward)
     except ValueError as e:
         raise ConfigError(f"--reward {a.reward}: {e}") from None
-    try:
-        options = json.loads(a.options) if a.options else {}
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--options must be a JSON object of the reward's keyword arguments, e.g. "
-                          f"'{{\"device\": \"cpu\"}}' ({e})") from None
-    if not isinstance(options, dict):
-        raise ConfigError(f"--options must be a JSON object (keyword arguments), got {a.options!r}")
+    options = reward_options(a.options)
     cfg = _load_config(a.config, a.overrides) if a.config else None
     if not Path(a.dataset).is_dir():
         raise ConfigError(f"--dataset {a.dataset}: no such directory; give a dataset written by flowrl generate-offline")
@@ -105,16 +100,19 @@ def _rescore_offline(a) -> dict:
 
 def _pretrain(a) -> dict:
     from flowrl.digits_report import cached_report
-    from flowrl.pipelines.digits import PretrainConfig, default_base_path, pretrain_digits
+    from flowrl.pipelines.digits import PretrainConfig, base_lock, default_base_path, pretrain_digits
 
     out = Path(a.out) if a.out else default_base_path()
-    if (out / "transformer").is_dir() and not a.force:
-        print(f"[flowrl] digits base already at {out} (use --force to retrain)")
-    else:
-        given = {k: getattr(a, k) for k in ("steps", "batch_size", "lr", "seed", "max_seconds") if getattr(a, k) is not None}
-        pretrain_digits(out, PretrainConfig(**given))
+    with base_lock(out):  # a second command started at the same time waits, then finds the base
+        if (out / "transformer").is_dir() and not a.force:
+            print(f"[flowrl] digits base already at {out} (use --force to retrain)")
+        else:
+            given = {k: getattr(a, k) for k in ("steps", "batch_size", "lr", "seed", "max_seconds")
+                     if getattr(a, k) is not None}
+            pretrain_digits(out, PretrainConfig(**given))
+        report = cached_report(out, force=a.force)
     pretrained = json.loads((out / "pretrain.json").read_text()) if (out / "pretrain.json").is_file() else None
-    return {**cached_report(out, force=a.force), "model": str(out), "pretrain": pretrained}
+    return {**report, "model": str(out), "pretrain": pretrained}
 
 
 def _sample(a) -> dict:
@@ -224,7 +222,7 @@ def _add_rescore_offline_parser(sub) -> None:
                         epilog=example("flowrl rescore-offline --dataset data/gdro --reward jpeg_incompressibility"))
     rs.add_argument("--dataset", required=True, help="dataset directory written by generate-offline")
     rs.add_argument("--reward", required=True, help="reward name, e.g. ocr, pickscore, jpeg_compressibility")
-    rs.add_argument("--options", default=None, help="the reward's keyword arguments as JSON, e.g. '{\"device\": \"cuda\"}'")
+    rs.add_argument("--options", nargs="*", default=[], help=OPTIONS_HELP)
     rs.add_argument("--config", default=None, help="recipe whose model decodes the latents (default: the dataset's)")
     rs.add_argument("--overwrite", action="store_true", help="rescore a column that already exists")
     rs.add_argument("overrides", nargs="*", help="dotted overrides of --config")
@@ -329,8 +327,7 @@ def _add_serve_reward_parser(sub) -> None:
     x = sub.add_parser("serve-reward", help="serve a reward over HTTP for the `remote` reward (its own environment, "
                                             "GPU or node); prints the URL once ready")
     x.add_argument("name", help="a registered reward (flowrl.rewards.available()) or module:callable")
-    x.add_argument("--options", nargs="*", default=[], help="the reward's keyword arguments: key=value items, a "
-                                                           "YAML mapping or a YAML file")
+    x.add_argument("--options", nargs="*", default=[], help=OPTIONS_HELP)
     x.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     x.add_argument("--port", type=int, default=0, help="port (0: a free one, printed)")
     x.add_argument("--max-batch", type=int, default=64, help="images per reward call; concurrent requests merge up to it")
@@ -346,9 +343,7 @@ def _add_serve_reward_parser(sub) -> None:
             opts = ServeOptions(host=a.host, port=a.port, max_batch=a.max_batch, max_wait=a.max_wait_ms / 1000,
                                 max_request_mb=a.max_request_mb, token_env=a.token_env)
             opts.token()  # an unset --token-env fails here, before the reward loads
-            from flowrl.rewards.server import parse_options
-
-            require_device(parse_options(a.options).get("device"), "--options device")
+            require_device(reward_options(a.options).get("device"), "--options device")
             return serve_reward_command(a.name, a.options, opts)
         except (ValueError, ImportError) as e:
             raise ConfigError(str(e)) from None
@@ -380,6 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
 # verbs whose handler prints its own output (flowrl plan: its table and JSON; flowrl serve-reward: its URL
 # line once it serves, which a client or a launcher script reads from stdout)
 _PRINTS_ITS_OWN = {"plan", "serve-reward"}
+# verbs whose CPU work runs on the threads flowrl.utils.threads chooses (not the benchmarks: they time torch as set)
+_CHOOSES_THREADS = {"train", "generate-offline", "rescore-offline", "pretrain-digits", "sample", "eval"}
 # verbs that load diffusers models
 _LOADS_MODELS = {"train", "generate-offline", "rescore-offline", "pretrain-digits", "sample", "eval", "export", "bench"}
 
@@ -405,7 +402,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if args.command in _PRINTS_ITS_OWN:
             return args.fn(args)
-        with contextlib.redirect_stdout(sys.stderr):  # status lines to stderr: stdout holds the result only
+        threads = chosen_threads() if args.command in _CHOOSES_THREADS else contextlib.nullcontext()
+        with contextlib.redirect_stdout(sys.stderr), threads:  # status lines to stderr: stdout holds the result
             result = args.fn(args)
         emit(result)
         return 130 if isinstance(result, dict) and result.get("stopped_by") == "SIGINT" else 0

@@ -82,14 +82,14 @@ def user_errors() -> dict[type, Callable[[BaseException], str]]:
     messages already say what was wrong and how to fix it; anything not listed is a bug."""
     import yaml
 
-    from flowrl.bench import BenchError
     from flowrl.data.embeddings import TextCacheError
     from flowrl.data.offline_store import DatasetError
     from flowrl.data.prompts import PromptSetError
     from flowrl.quant.common import BackendUnavailable
     from flowrl.checkpoints.common import CheckpointError
     from flowrl.trainers.steps import TrainingStopped
-    from flowrl.errors import ConfigError
+    from flowrl.errors import BenchError, ConfigError
+    from flowrl.rewards import RewardUnavailable
 
     plain = str
     return {
@@ -101,6 +101,7 @@ def user_errors() -> dict[type, Callable[[BaseException], str]]:
         TrainingStopped: plain,
         BackendUnavailable: plain,
         BenchError: plain,
+        RewardUnavailable: plain,  # a reward server or judge endpoint that does not answer (when it is built)
         yaml.YAMLError: lambda e: f"not valid YAML ({e}); quote the value and balance its brackets",
         FileNotFoundError: _os_error,
         FileExistsError: _os_error,
@@ -136,6 +137,26 @@ def require_device(device, setting: str = "model.device") -> None:
     if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"{setting}={device} but no CUDA GPU is visible here (torch.cuda.is_available() is "
                           f"False); use {setting}=auto (GPU when there is one, else CPU) or {setting}=cpu")
+
+
+# ---------------------------------------------------------------- a reward's --options (serve-reward, rescore-offline)
+OPTIONS_HELP = ("the reward's keyword arguments: key=value items (values read as YAML), a YAML or JSON mapping "
+                "('{device: cuda:1}', '{\"device\": \"cpu\"}') or a YAML file, merged left to right")
+
+
+def reward_options(items: Optional[list[str]]) -> dict:
+    """``--options`` items -> the reward's keyword arguments (:data:`OPTIONS_HELP`, one reading for every
+    verb: :func:`flowrl.rewards.server.parse_options`); a bad item is a ``ConfigError``."""
+    import yaml
+
+    from flowrl.rewards.server import parse_options
+
+    from .errors import ConfigError
+
+    try:
+        return parse_options(items)
+    except (ValueError, yaml.YAMLError) as e:
+        raise ConfigError(one_line(str(e))) from None
 
 
 # ---------------------------------------------------------------- overrides anywhere on the line

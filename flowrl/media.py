@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -17,6 +17,7 @@ import torch
 from .utils.io import atomic_write
 
 ANIMATION_FORMATS = ("gif", "webp")
+ScoreOut = Union[torch.Tensor, Mapping[str, torch.Tensor]]  # a reward's [n], or MultiReward.components' name -> [n]
 
 __all__ = ["is_video", "video_frames", "score_per_frame", "frame_strip", "save_animation",
            "animation_formats", "ANIMATION_FORMATS", "save_samples"]
@@ -56,21 +57,25 @@ def _repeat_rows(value, n: int, k: int):
     return value
 
 
-def score_per_frame(reward_fn: Callable[..., torch.Tensor], videos: torch.Tensor, prompts: Sequence[str],
-                    frame_stride: int = 1, **meta) -> torch.Tensor:
+def score_per_frame(reward_fn: Callable[..., ScoreOut], videos: torch.Tensor, prompts: Sequence[str],
+                    frame_stride: int = 1, **meta) -> ScoreOut:
     """Score videos with an image reward: every ``frame_stride``-th frame of every video in one image
-    batch, then the mean over each video's kept frames -> float32 ``[B]``.
+    batch, then the mean over each video's kept frames -> float32 ``[B]``. flowrl reduces frames here
+    and nowhere else (``flowrl.scoring.score_images`` calls it for every reward).
 
-    Images ``[B, 3, H, W]`` are scored as they are (``reward_fn(images, prompts, **meta)``), so callers
-    need not branch. ``prompts`` and every per-row ``meta`` value (a list, tuple or tensor of length
-    B, e.g. ``sources=``) are repeated once per kept frame; other ``meta`` values pass unchanged.
+    ``reward_fn`` returns scores ``[n]`` or a mapping ``name -> [n]`` (``MultiReward.components``);
+    a mapping is reduced per entry (-> ``name -> [B]``). Images ``[B, 3, H, W]`` are scored as they
+    are (``reward_fn(images, prompts, **meta)``), so callers need not branch. ``prompts`` and every
+    per-row ``meta`` value (a list, tuple or tensor of length B, e.g. ``sources=``) are repeated once
+    per kept frame; other ``meta`` values pass unchanged.
 
     NaN: a frame scored NaN (not applicable, or the reward could not judge it) is left out of its
     video's mean; a video is NaN only when all its kept frames are. For a reward whose NaN depends
     on the prompt alone (every frame of the video NaN) this is the reward's own NaN.
     """
     if not is_video(videos):
-        return torch.as_tensor(reward_fn(videos, list(prompts), **meta)).float().cpu()
+        out = reward_fn(videos, list(prompts), **meta)
+        return out if isinstance(out, Mapping) else torch.as_tensor(out).float().cpu()
     b = videos.shape[0]
     if len(prompts) != b:
         raise ValueError(f"score_per_frame got {b} videos but {len(prompts)} prompts")
@@ -78,25 +83,37 @@ def score_per_frame(reward_fn: Callable[..., torch.Tensor], videos: torch.Tensor
     k = frames.shape[0] // b
     frame_prompts = [p for p in prompts for _ in range(k)]
     frame_meta = {name: _repeat_rows(v, b, k) for name, v in meta.items()}
-    scores = torch.as_tensor(reward_fn(frames, frame_prompts, **frame_meta)).float().cpu()  # [B * F']
+    out = reward_fn(frames, frame_prompts, **frame_meta)  # [B * F'] (or name -> [B * F'])
+    if isinstance(out, Mapping):
+        return {name: _video_means(v, b, k) for name, v in out.items()}  # name -> [B]
+    return _video_means(out, b, k)  # [B]
+
+
+def _video_means(scores, b: int, k: int) -> torch.Tensor:
+    """Per-frame scores ``[B * F']`` (video-major) -> the NaN-aware mean per video, float32 ``[B]``."""
+    scores = torch.as_tensor(scores).float().cpu()  # [B * F']
     if scores.shape != (b * k,):
         raise ValueError(f"the reward returned shape {tuple(scores.shape)} for {b * k} frames; a reward returns "
                          f"one float per image, shape [{b * k}]")
     return scores.view(b, k).nanmean(dim=1)  # [B]
 
 
-def frame_strip(video: torch.Tensor, frame_stride: int = 1) -> torch.Tensor:
+def frame_strip(video: torch.Tensor, frame_stride: int = 1, gap: int = 0, gap_value: float = 1.0) -> torch.Tensor:
     """The kept frames side by side: ``[3, F, H, W]`` -> ``[3, H, F' W]`` (one video), or
-    ``[B, 3, F, H, W]`` -> ``[B, 3, H, F' W]`` (a batch, ready for ``flowrl.utils.images.image_grid``)."""
+    ``[B, 3, F, H, W]`` -> ``[B, 3, H, F' W]`` (a batch, ready for ``flowrl.utils.images.image_grid``);
+    ``gap`` columns of ``gap_value`` between frames make the width ``F' W + (F' - 1) gap``."""
     _check_stride(frame_stride)
     if video.ndim == 4 and video.shape[0] == 3:
-        return frame_strip(video[None], frame_stride)[0]
+        return frame_strip(video[None], frame_stride, gap, gap_value)[0]
     if not is_video(video):
         raise ValueError(f"frame_strip expects a video [3, F, H, W] or videos [B, 3, F, H, W], "
                          f"got {tuple(video.shape)}")
     x = video[:, :, ::frame_stride]  # [B, 3, F', H, W]
+    if gap:
+        x = torch.cat([x, torch.full((*x.shape[:4], gap), gap_value, dtype=x.dtype)], dim=4)  # [B, 3, F', H, W+g]
     b, c, f, h, w = x.shape
-    return x.permute(0, 1, 3, 2, 4).reshape(b, c, h, f * w)  # [B, 3, H, F' W]
+    strip = x.permute(0, 1, 3, 2, 4).reshape(b, c, h, f * w)  # [B, 3, H, F' (W + g)]
+    return strip[..., :f * w - gap] if gap else strip
 
 
 def animation_formats() -> tuple[str, ...]:
@@ -148,18 +165,30 @@ def save_animation(video: torch.Tensor, path: Union[str, os.PathLike], fps: floa
     return written
 
 
+VIDEO_PAD, VIDEO_BACKGROUND = 4, 0.2  # between the videos of a grid: 4 dark pixels (their frames: 1 white)
+
+
 def save_samples(samples: torch.Tensor, path: Union[str, os.PathLike], nrow: int, scale: int = 1,
-                 fps: float = 8.0) -> list[Path]:
+                 fps: float = 8.0, labels: Optional[Sequence[str]] = None, sources=None) -> list[Path]:
     """Save a batch of samples for people to look at: images ``[N, 3, H, W]`` as one PNG grid at
-    ``path``; videos ``[N, 3, F, H, W]`` as a PNG grid of frame strips (:func:`frame_strip`) at ``path``
-    and beside it the grid animated over the frames (:func:`save_animation`: ``.gif``, ``.webp``).
-    Returns the paths written."""
-    from .utils.images import image_grid, save_grid
+    ``path``; videos ``[N, 3, F, H, W]`` as a PNG grid of frame strips (:func:`frame_strip`, frames 1 px
+    apart, videos :data:`VIDEO_PAD` px apart on a dark ground) at ``path`` and beside it the grid animated
+    over the frames (:func:`save_animation`: ``.gif``, ``.webp``). Grid rows hold ``nrow`` samples (fewer
+    when there are fewer: no empty canvas); ``labels`` captions each row (its prompt or instruction) and
+    ``sources`` puts each row's source image(s) before it (an edit's inputs: None, a tensor, or a list
+    per row; no column when every row has None), as :func:`flowrl.utils.images.labeled_grid`. Returns
+    the paths written."""
+    from .utils.images import labeled_grid
+    from .utils.io import save_png
 
     if not is_video(samples):
-        save_grid(samples, path, nrow=nrow, scale=scale)
+        save_png(labeled_grid(samples, nrow, scale, labels, sources), path)
         return [Path(path)]
-    save_grid(frame_strip(samples), path, nrow=nrow, scale=scale)
-    frames = [torch.from_numpy(image_grid(samples[:, :, f], nrow, scale=scale)).permute(2, 0, 1).float() / 255
+    size = tuple(samples.shape[-2:])
+    grid = labeled_grid(frame_strip(samples, gap=1), nrow, scale, labels, sources, pad=VIDEO_PAD,
+                        background=VIDEO_BACKGROUND, source_size=size)
+    save_png(grid, path)
+    frames = [torch.from_numpy(labeled_grid(samples[:, :, f], nrow, scale, labels, sources, pad=VIDEO_PAD,
+                                            background=VIDEO_BACKGROUND)).permute(2, 0, 1).float() / 255
               for f in range(samples.shape[2])]  # F x [3, H', W']
     return [Path(path), *save_animation(torch.stack(frames, 1), Path(path).with_name(Path(path).stem + "_anim"), fps)]

@@ -1,7 +1,6 @@
 """Noise scales of the Flow-GRPO SDE step, and TempFlow-GRPO's noise-aware step weights. Pure functions.
 
-Step math (how much noise each step of a schedule injects), used by the TempFlow sampler. Issue 5 named
-``flowrl.advantages.noise_aware_weights`` as public API, so that import path works too.
+Step math (how much noise each step of a schedule injects), used by the TempFlow sampler.
 """
 from __future__ import annotations
 

@@ -12,12 +12,12 @@ from typing import Optional
 
 import torch
 
-from .checkpoints import checkpoint_tensors
 from .command_line import require_device
 from .errors import ConfigError
-from .export import resolve_checkpoint
+from .export import read_run_weights, resolve_checkpoint
+from .data.items import item_sources, item_texts
 from .media import save_samples
-from .rollout.base import score_images
+from .scoring import score_images
 from .rollout.ode import ode_sample
 from .seeding import derive_seeds
 from .trainers.config import load_config, load_run_config
@@ -27,14 +27,14 @@ from .utils.paths import resolve_device
 
 def run_weights(run_dir: Path, checkpoint: Optional[str] = None, ema: bool = False) -> tuple[Path, dict, str]:
     """(checkpoint directory, tensors, one-line description) of the weights ``--checkpoint`` /
-    ``--ema`` select in a run: the latest checkpoint's trained weights by default."""
-    ck = resolve_checkpoint(run_dir, checkpoint)
-    tensors = checkpoint_tensors(ck, "ema" if ema else "trainable")
+    ``--ema`` select in a run: the latest (readable: :func:`flowrl.export.read_run_weights`) checkpoint's
+    trained weights by default."""
+    ck, tensors = read_run_weights(run_dir, checkpoint, "ema" if ema else "trainable")
     if tensors is None:
         raise ConfigError(f"{ck} has no EMA weights (the run was trained without train.ema); drop --ema")
     also_ema = not ema and (ck / "ema.safetensors").is_file()
     which = "EMA" if ema else "trained" + (" (this run also keeps EMA weights: --ema)" if also_ema else "")
-    latest = " (latest)" if checkpoint is None else ""
+    latest = "" if checkpoint is not None else " (latest)" if ck == resolve_checkpoint(run_dir) else " (newest readable)"
     return ck, tensors, f"checkpoint {ck}{latest}, {which} weights"
 
 
@@ -83,7 +83,9 @@ def _generate(a):
 def sample_command(a) -> dict:
     """``flowrl sample``: write the grid (a row per prompt); returns what was written."""
     _, rows, images, steps = _generate(a)
-    save_samples(images, Path(a.out), nrow=a.per_prompt, scale=max(1, 64 // images.shape[-1]))
+    prompts = rows[::a.per_prompt]  # a row of the grid per prompt, captioned with it
+    save_samples(images, Path(a.out), nrow=a.per_prompt, scale=max(1, 64 // images.shape[-1]),
+                 labels=item_texts(prompts), sources=item_sources(prompts))
     return {"samples": len(rows), "out": str(a.out), "steps": steps}
 
 

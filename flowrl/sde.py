@@ -24,6 +24,8 @@ from typing import Callable, Union
 
 import torch
 
+from .registry import Registry
+
 Sigma = Union[float, torch.Tensor]
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -184,8 +186,8 @@ def cps_flow_grpo_step(velocity, latents, sigma: Sigma, sigma_next: Sigma, *, no
 
 
 StepFn = Callable[..., StepOutput]
-STEPS: dict[str, StepFn] = {"ode": ode_step, "sde": sde_step, "sde_wan": sde_wan_step, "dance": dance_step,
-                            "cps": cps_step, "cps_flow_grpo": cps_flow_grpo_step}
+STEPS = Registry("step type", {"ode": ode_step, "sde": sde_step, "sde_wan": sde_wan_step, "dance": dance_step,
+                               "cps": cps_step, "cps_flow_grpo": cps_flow_grpo_step})
 DEFAULT_NOISE_LEVEL = {"ode": 0.0, "sde": 0.7, "sde_wan": 1.0, "dance": 0.3, "cps": 0.8, "cps_flow_grpo": 0.8}
 # steps whose Flow-GRPO KL divides by the step's whole scale squared (its ``kl_form: flow_grpo`` is then the exact
 # form): CPS, whose noise coefficient ``std_dev_t`` is the scale itself (no sqrt(-dt) factor), and the Wan step,
@@ -194,8 +196,5 @@ SCALE_IS_NOISE_COEFFICIENT = frozenset({"cps", "cps_flow_grpo", "sde_wan"})
 
 
 def get_step(name: str) -> StepFn:
-    """Step function by name; an unknown name lists the valid ones."""
-    try:
-        return STEPS[name]
-    except KeyError:
-        raise ValueError(f"unknown step type {name!r}; choose one of {sorted(STEPS)}") from None
+    """Step function by name; an unknown name lists the valid ones (and the closest)."""
+    return STEPS.get(name)

@@ -96,6 +96,9 @@ PURPOSES: dict[str, Purpose] = {
     "shuffle.preference": Purpose(("seed", "iteration", "epoch"),
                                   lambda s, it, e: (s * _SHUFFLE_SALT + it, e + 3, e + 2, True),
                                   "online DPO / GDRO update: the epoch's shuffle, times and noise"),
+    "shuffle.update": Purpose(("seed", "iteration", "epoch"), lambda s, it, e: ((s, it, e, 23), 1, 0, False),
+                              "any other update (flowrl.updates.base.Batch's default): the epoch's shuffle and "
+                              "draws"),
     "sol.selection": Purpose(("rollout_seed",), lambda s: (s * _SHUFFLE_SALT + 17, 1, 0, True),
                              "Sol-RL: the random pick among the candidate pool"),
     "prompts": Purpose(("seed", "iteration", "rank"), lambda s, it, r: ((s, it, r, 1), 1, 0, False),

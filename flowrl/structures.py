@@ -12,8 +12,8 @@ A new structure is a frozen dataclass subclassing :class:`Structure` with its ow
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Optional, Sequence, TypeVar
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Sequence, TypeVar
 
 import torch
 
@@ -24,10 +24,6 @@ class Structure:
 
     name: ClassVar[str] = ""
     made_by: ClassVar[str] = "a sampler"  # the sampler that builds it (for error messages)
-
-    def as_extras(self) -> dict[str, Any]:
-        """The record as the untyped ``Rollout.extras`` dict of earlier versions (read-only view)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,9 +46,6 @@ class SolStructure(GroupStructure):
     backend: str                   # quantization backend of the exploration copy
 
     made_by: ClassVar[str] = "SolSampler"
-
-    def as_extras(self) -> dict[str, Any]:
-        return {"sol": super().as_extras()}
 
 
 @dataclass(frozen=True, eq=False)

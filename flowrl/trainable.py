@@ -82,7 +82,10 @@ def load_trainable_state(transformer: nn.Module, state: dict[str, torch.Tensor])
         for n, t in state.items():
             if params[n].shape != t.shape:
                 raise ValueError(f"checkpoint tensor {n} has shape {tuple(t.shape)}, model has {tuple(params[n].shape)}")
-            params[n].copy_(t)
+            if hasattr(params[n], "to_local") and hasattr(t, "to_local"):  # shards (an EMA in host memory too)
+                params[n].to_local().copy_(t.to_local())
+            else:
+                params[n].copy_(t)
 
 
 class Reference:
@@ -109,19 +112,30 @@ class Reference:
                 self.transformer.enable_adapters()
 
 
-class EMA:
-    """Exponential moving average of the trained tensors (``ema <- d ema + (1 - d) theta``)."""
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A ``DTensor``'s local shard (elementwise updates act shard by shard), anything else as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
-    def __init__(self, transformer: nn.Module, decay: float):
+
+class EMA:
+    """Exponential moving average of the trained tensors (``ema <- d ema + (1 - d) theta``); with ``host``
+    the average lives in host memory (``train.offload.ema``; FSDP shards stay shards)."""
+
+    def __init__(self, transformer: nn.Module, decay: float, host: bool = False):
+        from .distributed.offload import host_copy
+
         self.decay = decay
         self.shadow = trainable_state(transformer)
+        if host:
+            self.shadow = {n: host_copy(t) for n, t in self.shadow.items()}
 
     @torch.no_grad()
     def update(self, transformer: nn.Module, decay: Optional[float] = None) -> None:
         d = self.decay if decay is None else decay
         for n, p in transformer.named_parameters():
             if n in self.shadow:
-                self.shadow[n].mul_(d).add_(p.detach(), alpha=1 - d)
+                s = _local(self.shadow[n])
+                s.mul_(d).add_(_local(p.detach()).to(s.device), alpha=1 - d)
 
     @contextlib.contextmanager
     def applied(self, transformer: nn.Module) -> Iterator[None]:

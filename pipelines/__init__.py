@@ -8,32 +8,33 @@ and ``tiny_kinds()`` collects the ``flowrl make-tiny`` kinds.
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Union
+from typing import Callable
 
-from flowrl.registry import resolve_target
+from flowrl.registry import Registry
 
-# name -> "module:callable(path, **kwargs) -> FlowPolicy"
-REGISTRY: dict[str, str] = {
+# name -> "module:callable(path, **kwargs) -> FlowPolicy" (or the callable itself)
+REGISTRY = Registry("pipeline", {
     "digits": "flowrl.pipelines.digits:load_digits_policy",
     "sd3": "flowrl.pipelines.sd3:SD3Policy.from_pretrained",
     "flux": "flowrl.pipelines.flux:FluxPolicy.from_pretrained",
     "sana": "flowrl.pipelines.sana:SanaPolicy.from_pretrained",
     "qwen-image": "flowrl.pipelines.qwen_image:QwenImagePolicy.from_pretrained",
     "flux-kontext": "flowrl.pipelines.flux_kontext:FluxKontextPolicy.from_pretrained",
+    "qwen-image-edit": "flowrl.pipelines.qwen_image_edit:QwenImageEditPolicy.from_pretrained",
     "wan": "flowrl.pipelines.wan:WanPolicy.from_pretrained",
-}
+    "flux2": "flowrl.pipelines.flux2:Flux2Policy.from_pretrained",
+    "flux2-klein": "flowrl.pipelines.flux2_klein:Flux2KleinPolicy.from_pretrained",
+    "z-image": "flowrl.pipelines.z_image:ZImagePolicy.from_pretrained",
+    "wan2.2": "flowrl.pipelines.wan:Wan22Policy.from_pretrained",
+})
 
 
 def available() -> list[str]:
-    return sorted(REGISTRY)
+    return REGISTRY.names()
 
 
 def _loader(name: str) -> Callable:
-    try:
-        target: Union[str, Callable] = REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown pipeline {name!r}; valid pipelines: {', '.join(available())}") from None
-    return target if callable(target) else resolve_target(target)
+    return REGISTRY.get(name)
 
 
 def build_policy(name: str, path=None, **kwargs):

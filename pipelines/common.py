@@ -12,6 +12,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from flowrl.schedules import flow_sigmas
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 DTypeArg = Union[torch.dtype, str, dict]
@@ -33,12 +35,34 @@ def resolve_resolution(resolution: Resolution, default: int, multiple: int) -> t
     return h, w
 
 
+# FlowMatchEulerDiscreteScheduler options the adapters' reproductions of their pipelines' schedules do not cover
+SCHEDULER_OPTIONS_NOT_REPRODUCED = ("shift_terminal", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
+                                    "invert_sigmas", "use_flow_sigmas")
+
+
+def check_scheduler(owner: str, config, shift: Optional[float], schedule: str, *, dynamic: bool = False) -> None:
+    """Refuse a scheduler ``config`` whose options (:data:`SCHEDULER_OPTIONS_NOT_REPRODUCED`, a time shift
+    other than the exponential one; with ``dynamic``, a static scheduler) ``owner``'s reproduction of the
+    pipeline's schedule does not cover, unless ``shift`` replaces that schedule by flowrl's static-shift one
+    (``flow_sigmas(T, shift, schedule)``, whose arguments are validated here)."""
+    unsupported = [k for k in SCHEDULER_OPTIONS_NOT_REPRODUCED if config.get(k)]
+    if config.get("use_dynamic_shifting") and config.get("time_shift_type", "exponential") != "exponential":
+        unsupported.append("time_shift_type=" + str(config.get("time_shift_type")))
+    if dynamic and not config.get("use_dynamic_shifting"):
+        unsupported.append("use_dynamic_shifting=False")
+    if unsupported and shift is None:
+        raise ValueError(f"{owner} cannot reproduce a scheduler with {unsupported}; pass shift= to use flowrl's "
+                         f"static-shift schedule instead")
+    if shift is not None:
+        flow_sigmas(1, float(shift), schedule)  # validate early
+
+
 def cfg_combine(uncond: torch.Tensor, cond: torch.Tensor, scale: float, *, uncond_grad: bool) -> torch.Tensor:
     """Classifier-free guidance ``u + s (c - u)`` (Ho & Salimans 2022), computed in float32.
 
     ``uncond_grad=False`` detaches ``u`` (Flow-GRPO's training forward), so only the conditional half
     carries the gradient; adapters pass their ``cfg_uncond_grad`` attribute (the trainer sets it from
-    ``train.cfg_uncond_grad``). Values are the same either way.
+    ``train.loss_options.cfg_uncond_grad``). Values are the same either way.
     """
     u, c = uncond.float(), cond.float()
     if not uncond_grad:
@@ -143,10 +167,21 @@ def transformer_dtype(transformer: torch.nn.Module) -> torch.dtype:
     return module_dtype(getattr(transformer, "module", transformer))
 
 
-def check_model_path(path_or_id: str, kind: str, example_hub_id: Optional[str] = None) -> None:
+def context_parallel_degree(module: torch.nn.Module) -> int:
+    """How many processes split ``module``'s token sequences (context parallelism: diffusers'
+    ``_parallel_config`` on the model, or under a DDP wrapper's ``module``; 1: none). An adapter that trims
+    padding tokens before the transformer keeps a multiple of it (each process takes an equal slice)."""
+    cfg = getattr(getattr(module, "module", module), "_parallel_config", None)
+    cp = getattr(cfg, "context_parallel_config", None)
+    return 1 if cp is None else int(cp.ring_degree * cp.ulysses_degree)
+
+
+def check_model_path(path_or_id: str, kind: str, example_hub_id: Optional[str] = None,
+                     cache_dir: Optional[str] = None) -> None:
     """A local-looking path that does not exist gets an error that says what to do.
 
-    Hub ids (``org/name``) pass through to ``from_pretrained``; offline, that fails in diffusers.
+    Hub ids (``org/name``) pass through to ``from_pretrained`` when they are in the local cache or can
+    be downloaded; otherwise they fail here at once (:func:`flowrl.utils.hub.require_hub_model`).
     """
     p = Path(os.path.expanduser(str(path_or_id)))
     looks_local = str(path_or_id).startswith((".", "/", "~")) or p.exists() or str(path_or_id).count("/") != 1
@@ -155,6 +190,9 @@ def check_model_path(path_or_id: str, kind: str, example_hub_id: Optional[str] =
             f"{kind} model path {str(path_or_id)!r} does not exist. Pass a directory written by "
             f"save_pretrained (e.g. `flowrl make-tiny {kind} DIR` for a tiny offline one) or a hub id "
             f"like {example_hub_id or 'stabilityai/stable-diffusion-3.5-medium'!r}.")
+    from flowrl.utils.hub import require_hub_model
+
+    require_hub_model(path_or_id, f"the {kind} base model", "model.path", cache_dir)
 
 
 DECODE_BATCH = 8  # images per VAE call: at 512 px a float32 SD3 / FLUX decode holds ~0.75 GiB per image
@@ -162,7 +200,7 @@ DECODE_BATCH = 8  # images per VAE call: at 512 px a float32 SD3 / FLUX decode h
 
 def vae_decode(vae, latents: torch.Tensor, device, batch: Optional[int] = DECODE_BATCH) -> torch.Tensor:
     """Latents ``[B, C, h, w]`` -> float32 images ``[B, 3, f h, f w]`` in [0, 1] (f = the VAE's factor),
-    as the SD3, FLUX and SANA pipelines do: ``latents / scaling_factor + shift_factor`` (0 when the
+    as the diffusers pipelines do: ``latents / scaling_factor + shift_factor`` (0 when the
     VAE has none, e.g. SANA's DC-AE), VAE decode, ``x / 2 + 0.5`` clamped. The VAE runs on ``batch``
     images at a time (None: all at once), so its activations do not grow with the rollout."""
     cfg = vae.config

@@ -8,6 +8,7 @@ but imperfect, so RL has room to improve (like CFG-free SD3).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -28,12 +29,13 @@ from flowrl.data.digits import DIGIT_WORDS, IMAGE_SIZE, digit_prompt, digits_dat
 from flowrl.schedules import flow_sigmas
 from flowrl.sde import flow_interpolate
 from flowrl.seeding import seeded_randn
-from flowrl.utils.io import atomic_dir, write_json
+from flowrl.utils.io import atomic_dir, exclusive, write_json
 from flowrl.utils.paths import default_cache_dir
+from flowrl.utils.threads import use_cpu_threads
 
 from .common import cfg_combine, cfg_halves, transformer_dtype
 from .facts import Component, Geometry, ModelConfigs, ModelFacts
-from .sd3 import SD3Policy
+from .mmdit import SD3TransformerFacts
 
 PAD, OTHER = 0, 11  # token ids; digits are 1..10
 
@@ -100,7 +102,7 @@ def tiny_transformer_config() -> dict:
                 caption_projection_dim=64, pooled_projection_dim=32, pos_embed_max_size=IMAGE_SIZE // 2)
 
 
-class DigitsPolicy(ModelFacts):
+class DigitsPolicy(SD3TransformerFacts, ModelFacts):
     """``FlowPolicy`` over the digits model. ``guidance_scale`` 1.0 = no CFG (one pass)."""
 
     # the adapter declarations of pipelines/base.py (no diffusers pipeline: the LoRA loads into the transformer)
@@ -147,9 +149,6 @@ class DigitsPolicy(ModelFacts):
         """Pixels ``[B, 1, 16, 16]`` (already in the transformer's dtype), ``timestep = sigma * 1000``."""
         return dict(hidden_states=x, encoder_hidden_states=cond["encoder_hidden_states"],
                     pooled_projections=cond["pooled_projections"], timestep=sigma * 1000.0, return_dict=False)
-
-    block_counts = SD3Policy.block_counts  # an SD3 transformer (no dual-attention blocks)
-    with_block_counts = SD3Policy.with_block_counts
 
     @classmethod
     def lora_writer(cls):
@@ -295,6 +294,7 @@ def pretrain_digits(out_dir: str | os.PathLike, config: PretrainConfig = Pretrai
     tr = SD3Transformer2DModel(**tiny_transformer_config())
     te = DigitTextEncoder()
     params = list(tr.parameters()) + list(te.parameters())
+    use_cpu_threads(sum(p.numel() for p in params))  # under the command line: 1 thread for this small model
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(s, config.steps) / config.steps)))
@@ -340,10 +340,22 @@ def default_base_path() -> Path:
     return default_cache_dir() / "digits-base-v1"
 
 
+@contextlib.contextmanager
+def base_lock(path: str | os.PathLike):
+    """Held while the digits base at ``path`` is pretrained (or re-measured): a second command started at
+    the same time waits, says so, and then finds the cached base (``.<name>.lock`` beside it)."""
+    p = Path(path)
+    with exclusive(p.parent / f".{p.name}.lock", f"pretraining the digits base into {p}"):
+        yield
+
+
 def load_digits_policy(path: Optional[str] = None, pretrain_if_missing: bool = True, **kwargs) -> DigitsPolicy:
-    """Load the digits base from ``path`` (default: the cache), pretraining it on first use."""
+    """Load the digits base from ``path`` (default: the cache), pretraining it on first use (under
+    :func:`base_lock`: one process pretrains, the others wait for it)."""
     p = Path(path) if path else default_base_path()
     if not (p / "transformer").is_dir() and pretrain_if_missing and path in (None, "", "digits"):
-        print(f"[flowrl] no digits base model at {p}: pretraining one now (cached for later runs)")
-        pretrain_digits(p)
+        with base_lock(p):
+            if not (p / "transformer").is_dir():  # (another process may have written it while this one waited)
+                print(f"[flowrl] no digits base model at {p}: pretraining one now (cached for later runs)")
+                pretrain_digits(p)
     return DigitsPolicy.from_pretrained(p, **kwargs)

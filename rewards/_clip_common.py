@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flowrl.utils.hub import require_hub_model
+
 # OpenAI CLIP statistics (also used by BLIP / ImageReward and open_clip's ViT-H-14)
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -234,8 +236,11 @@ def load_weights(path: Union[str, Path], what: str, hint: str) -> dict[str, torc
     return {(k[len("module."):] if k.startswith("module.") else k): v for k, v in sd.items()}
 
 
-def from_pretrained(load: Callable, path_or_id: str, what: str, **kwargs):
-    """``load(path_or_id)`` with an error that says what to pass when nothing is found."""
+def from_pretrained(load: Callable, path_or_id: str, what: str, setting: str = "the reward's options", **kwargs):
+    """``load(path_or_id)`` with an error that says what to pass when nothing is found; a hub id that is
+    not cached and cannot be downloaded fails at once (:func:`flowrl.utils.hub.require_hub_model`),
+    ``setting`` naming where it was given."""
+    require_hub_model(path_or_id, f"the {what}", setting, kwargs.get("cache_dir"))
     try:
         return load(path_or_id, **kwargs)
     except OSError as e:
@@ -279,21 +284,28 @@ class HFClip:
 
     ``model`` and ``processor`` are ``from_pretrained`` paths or ids (PickScore keeps its
     processor in a different repository than its weights). ``text=False`` skips the tokenizer.
-    ``preprocess`` picks the image path's reference (:meth:`ImageTransform.from_hf`).
+    ``preprocess`` picks the image path's reference (:meth:`ImageTransform.from_hf`). ``setting`` and
+    ``model_key``: where the user gave the ids (``reward.options.pickscore`` + ``model``), for errors.
     """
 
     def __init__(self, model: str, processor: Optional[str] = None, device: str = "cpu",
-                 dtype: DTypeLike = "float32", text: bool = True, preprocess: str = "transformers"):
+                 dtype: DTypeLike = "float32", text: bool = True, preprocess: str = "transformers",
+                 setting: str = "reward.options.REWARD", model_key: str = "model"):
         transformers = require("transformers", "transformers")
         self.device, self.dtype = torch.device(device), resolve_dtype(dtype)
         src = processor or model
-        self.model = from_pretrained(transformers.CLIPModel.from_pretrained, model, "CLIP model")
+        src_key = f"{setting}.{'processor' if processor else model_key}"
+        setting = f"{setting}.{model_key}"
+        require_hub_model(model, "the CLIP model", setting)  # both before either loads
+        require_hub_model(src, "the CLIP processor", src_key)
+        self.model = from_pretrained(transformers.CLIPModel.from_pretrained, model, "CLIP model", setting)
         self.model = self.model.eval().requires_grad_(False).to(self.device, self.dtype)
-        image_processor = from_pretrained(transformers.CLIPImageProcessor.from_pretrained, src, "CLIP image processor")
+        image_processor = from_pretrained(transformers.CLIPImageProcessor.from_pretrained, src, "CLIP image processor",
+                                          src_key)
         self.transform = ImageTransform.from_hf(image_processor, preprocess)
         self.tokenizer = None
         if text:
-            self.tokenizer = from_pretrained(transformers.AutoTokenizer.from_pretrained, src, "CLIP tokenizer")
+            self.tokenizer = from_pretrained(transformers.AutoTokenizer.from_pretrained, src, "CLIP tokenizer", src_key)
         self.max_length = min(int(self.tokenizer.model_max_length) if text else 77,
                               int(self.model.config.text_config.max_position_embeddings))
 
@@ -340,7 +352,8 @@ class ScaledCosineReward:
                  divisor: float = 1.0, batch_size: int = 32, preprocess: str = "transformers"):
         if divisor <= 0:
             raise ValueError(f"divisor must be > 0, got {divisor}")
-        self.clip = HFClip(model, processor, device=device, dtype=dtype, preprocess=preprocess)
+        self.clip = HFClip(model, processor, device=device, dtype=dtype, preprocess=preprocess,
+                           setting=f"reward.options.{self.name}")
         self.divisor, self.batch_size = float(divisor), int(batch_size)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], **meta) -> torch.Tensor:

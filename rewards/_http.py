@@ -21,12 +21,14 @@ RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
 def fetch(req: urllib.request.Request, *, timeout: float, retries: int, backoff: float, what: str,
           error: type[Exception], detail: Callable[[urllib.error.HTTPError], str],
-          retry_status: frozenset | set = frozenset(RETRY_STATUS), hint: str = "") -> bytes:
-    """The body of ``req``'s answer, trying ``retries + 1`` times (``backoff``, ``2 backoff``, ... apart).
+          retry_status: frozenset | set = frozenset(RETRY_STATUS), hint: str = "", refused_is_final: bool = False) -> bytes:
+    """The body of ``req``'s answer, trying ``retries + 1`` times (``backoff``, ``2 backoff``, ... apart);
+    each failed attempt but the last is logged (a warning).
 
     Raises ``error("{what} answered HTTP {code}: {detail(e)}")`` for a final HTTP status, and
     ``error("{what} failed after N attempts (timeout T s each): {last cause}{hint}")`` once retries
-    are spent."""
+    are spent. ``refused_is_final``: a refused connection (nothing listens at the address: a wrong URL,
+    or a server not started) is final at once, ``error("{what}: connection refused ...{hint}")``."""
     last = ""
     for attempt in range(retries + 1):
         if attempt:
@@ -42,9 +44,12 @@ def fetch(req: urllib.request.Request, *, timeout: float, retries: int, backoff:
         except (TimeoutError, socket.timeout):
             last = f"timed out after {timeout:g} s"
         except urllib.error.URLError as e:
+            if refused_is_final and isinstance(e.reason, ConnectionRefusedError):
+                raise error(f"{what}: connection refused (nothing listens at that address){hint}") from None
             last = f"timed out after {timeout:g} s" if isinstance(e.reason, (TimeoutError, socket.timeout)) \
                 else f"{e.reason}"
         except (ConnectionError, http.client.HTTPException, OSError) as e:
             last = f"{type(e).__name__}: {e}" if str(e) else f"connection dropped ({type(e).__name__})"
-        log.warning("%s failed (attempt %d/%d): %s", what, attempt + 1, retries + 1, last)
+        if attempt < retries:  # the last one is in the error raised below
+            log.warning("%s failed (attempt %d/%d): %s", what, attempt + 1, retries + 1, last)
     raise error(f"{what} failed after {retries + 1} attempts (timeout {timeout:g} s each): {last}{hint}")

@@ -31,7 +31,8 @@ class LaionAesthetic:
             raise ValueError(f"the aesthetic reward needs its MLP head file. {HEAD_HINT}")
         sd = load_weights(head, "aesthetic head", HEAD_HINT)  # fail fast, before loading CLIP
         self.head = LinearMLPHead.from_state_dict(sd, "aesthetic head")
-        self.clip = HFClip(clip, device=device, dtype=dtype, text=False)
+        self.clip = HFClip(clip, device=device, dtype=dtype, text=False, setting="reward.options.aesthetic",
+                           model_key="clip")
         dim = self.clip.model.config.projection_dim
         if self.head.layers[0].in_features != dim:
             raise ValueError(f"aesthetic head expects {self.head.layers[0].in_features}-d embeddings but the CLIP "

@@ -177,7 +177,8 @@ class ImageReward:
         self.model.vision.to(self.device, self.dtype)
         self.model.text.to(self.device, self.dtype)
         self.model.head.to(self.device)
-        self.tokenizer = from_pretrained(transformers.AutoTokenizer.from_pretrained, tokenizer, "BERT tokenizer")
+        self.tokenizer = from_pretrained(transformers.AutoTokenizer.from_pretrained, tokenizer, "BERT tokenizer",
+                                         "reward.options.imagereward.tokenizer")
         # BLIP's init_tokenizer: [DEC] as bos, [ENC] as an extra special token (ids 30522, 30523)
         self.tokenizer.add_special_tokens({"bos_token": "[DEC]"})
         self.tokenizer.add_tokens(["[ENC]"], special_tokens=True)

@@ -87,7 +87,10 @@ def parse_options(items: Optional[list[str]]) -> dict:
     out: dict = {}
     for item in items or []:
         if os.path.isfile(item):
-            value = yaml.safe_load(Path(item).read_text())
+            try:
+                value = yaml.safe_load(Path(item).read_text())
+            except yaml.YAMLError as e:
+                raise ValueError(f"--options {item}: the file is not YAML ({e})") from None
         elif "=" in item and not item.lstrip().startswith("{"):
             k, _, v = item.partition("=")
             value = {k.strip(): yaml.safe_load(v) if v.strip() else None}
@@ -95,9 +98,10 @@ def parse_options(items: Optional[list[str]]) -> dict:
             try:
                 value = yaml.safe_load(item)
             except yaml.YAMLError as e:
-                raise ValueError(f"--options {item!r}: not YAML ({e})") from None
+                raise ValueError(f"--options {item!r}: not YAML ({e}); balance its brackets, or give key=value "
+                                 f"items") from None
         if not isinstance(value, dict):
-            raise ValueError(f"--options {item!r}: expected a YAML mapping, a YAML file or key=value")
+            raise ValueError(f"--options {item!r}: expected key=value, a YAML (or JSON) mapping or a YAML file")
         out.update(value)
     return out
 

@@ -1,4 +1,4 @@
-"""Advantage and ratio clips are reached, exact, and follow ``train.adv_clip_max``.
+"""Advantage and ratio clips are reached, exact, and follow ``train.loss_options.adv_clip_max``.
 
 Every input here has unclipped values beyond the clip, so each test fails if the clamp it
 names is removed from the source (checked by mutation when written).
@@ -15,7 +15,6 @@ from flowrl.advantages.tree import branch_structure
 from flowrl.losses import grpo_clipped_loss
 from flowrl.trainers.config import load_config
 from flowrl.structures import TreeStructure
-from flowrl.updates.base import build_options
 from flowrl.updates.grpo import GRPOUpdate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,15 +47,15 @@ def test_branch_structure_clips_at_adv_clip():
 
 def _update_stub(adv_clip_max: float):
     """A GRPO update whose context holds only what ``advantages`` reads (one process)."""
-    cfg = load_config(ROOT / "recipes/digits.yaml", [f"train.adv_clip_max={adv_clip_max}"])
+    cfg = load_config(ROOT / "recipes/digits.yaml", [f"train.loss_options.adv_clip_max={adv_clip_max}"])
     return GRPOUpdate(SimpleNamespace(train=cfg.train, reward=cfg.reward, num_processes=1, process_index=0),
-                      build_options(GRPOUpdate, cfg.train))
+                      cfg.train.update_options)
 
 
 @pytest.mark.parametrize("clip", [2.0, 10.0])
 def test_per_reward_sums_are_clipped_once_more(clip):
     # two rewards weighted 1 each, both with the outlier at row 0: each component's advantage is
-    # clipped, their sum (up to 2 x 6.93) is clipped to train.adv_clip_max again, once, by the structure
+    # clipped, their sum (up to 2 x 6.93) is clipped to adv_clip_max again, once, by the structure
     r = torch.zeros(50)
     r[0] = OUTLIER
     ro = SimpleNamespace(structure="group", rewards=r, group_index=torch.zeros(50).long(),

@@ -66,14 +66,14 @@ def test_registry_dispatches_every_structure_to_its_function():
     a = 1 / (torch.tensor([1.0, 2.0, 3.0]).std(unbiased=False) + 1e-4)  # (3 - 2) / (std + eps)
     assert torch.allclose(adv, torch.stack([a, -a, -a, torch.tensor(0.0)]))
     assert info["zero_var"].tolist() == [False, False, False, True]
-    with pytest.raises(ValueError, match=r"no advantage function for rollout structure 'nope'; registered: \['branch'"):
+    with pytest.raises(ValueError, match=r"unknown rollout structure 'nope'.* Valid rollout structures: branch, group"):
         transition_advantages(SimpleNamespace(structure="nope"))
 
 
 def test_public_names_named_by_the_issues_are_the_ones_in_use(tiny_digits_policy):
     """The rollout classes importable from ``flowrl.rollout`` are the registry's samplers, and
-    ``flowrl.advantages.noise_aware_weights`` gives the weights a TempFlow rollout trains with."""
-    from flowrl.advantages import noise_aware_weights
+    ``flowrl.noise.noise_aware_weights`` gives the weights a TempFlow rollout trains with."""
+    from flowrl.noise import noise_aware_weights
     from flowrl.registry import SAMPLERS
     from flowrl.rollout import BranchSampler, GroupSampler, SolSampler, TempFlowSampler
 

@@ -64,7 +64,7 @@ def disk_full_checkpoint(tmp):
 
 
 def wrong_shape_reward(tmp):
-    from flowrl.rollout.base import score_images
+    from flowrl.scoring import score_images
 
     return score_images(lambda im, p: torch.zeros(3, 2), torch.rand(3, 3, 4, 4), ["a"] * 3)
 
@@ -94,6 +94,46 @@ def eval_models_on_two_pipelines(tmp):
     return check_same_pipeline(specs, [load_config(RECIPE), load_config("recipes/sd3_group_pickscore.yaml")])
 
 
+def recipe_file(text: str):
+    def f(tmp):
+        p = tmp / "r.yaml"
+        p.write_text(text)
+        return load_config(str(p))
+    return f
+
+
+def remote_reward_down(tmp):
+    from flowrl.rewards import build
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    return build("remote", url=f"http://127.0.0.1:{port}", retries=3, backoff=5.0)  # refused: no retry, no wait
+
+
+def hub_model(endpoint=None, offline=True):
+    """A hub id absent from an empty cache; downloads off (HF_HUB_OFFLINE) or the hub at ``endpoint``."""
+    def f(tmp):
+        from huggingface_hub import constants
+
+        from flowrl.utils import hub
+
+        hub._unreachable.cache_clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("HF_HUB_OFFLINE", "1" if offline else "0")
+            mp.setattr(constants, "HF_HUB_OFFLINE", offline)
+            if endpoint:
+                mp.setenv("HF_ENDPOINT", endpoint(tmp))
+            return hub.require_hub_model("flowrl-test/absent", "the sd3 base model", "model.path", str(tmp / "hub"))
+    return f
+
+
+def closed_endpoint(tmp):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
 CASES = [
     # (id, callable(tmp_path), exception, message pattern)
     ("unknown key", cfg("train.lrr=1"), ConfigError, r"unknown key train\.lrr.*Did you mean train\.lr"),
@@ -110,12 +150,21 @@ CASES = [
     ("unknown reward", cfg("reward.weights={pickscore2: 1}"), ConfigError, r"unknown reward 'pickscore2'.*pickscore"),
     ("non-numeric reward weight", cfg("reward.weights={digits: high}"), ConfigError, r"must be a number"),
     ("unknown pipeline", cfg("model.pipeline=sdxl"), ConfigError, r"unknown pipeline 'sdxl'"),
-    ("unknown step type", cfg("sampler.step=ddim"), ConfigError, r"unknown step type 'ddim'.*choose one of"),
+    ("unknown step type", cfg("sampler.step=ddim"), ConfigError, r"unknown step type 'ddim'.*Valid step types"),
     ("guidance below 1", cfg("model.guidance_scale=0"), ConfigError, r"guidance_scale must be >= 1\.0"),
     ("bad mixed precision", cfg("train.mixed_precision=fp4"), ConfigError, r"'no', 'bf16' or 'fp16'"),
     ("bad override syntax", cfg("train.lr"), ConfigError, r"section\.key=value"),
     ("undotted override", cfg("lr=1"), ConfigError, r"must be dotted"),
     ("missing recipe", lambda tmp: load_config(tmp / "nope.yaml"), ConfigError, r"not found\. Shipped recipes"),
+    ("recipe a YAML list", recipe_file("- model\n- train\n"), ConfigError, r"holds a YAML list, not a mapping"),
+    ("recipe a plain string", recipe_file("digits\n"), ConfigError, r"holds a plain string.*--config digits"),
+    ("empty recipe", recipe_file("# nothing yet\n"), ConfigError, r"is empty.*start from a shipped recipe"),
+    ("base model not cached, offline", hub_model(), FileNotFoundError,
+     r"'flowrl-test/absent' \(model\.path\) is neither a local directory nor in the local Hugging Face cache.*"
+     r"HF_HUB_OFFLINE is set: download it on a machine with network.*point model\.path to a local copy.*HF_HOME"),
+    ("base model not cached, hub unreachable", hub_model(closed_endpoint, offline=False), FileNotFoundError,
+     r"http://127\.0\.0\.1:\d+ cannot be reached from here"),
+    ("reward server not running", remote_reward_down, RuntimeError, r"/health: connection refused.*serve-reward"),
     ("missing model path", lambda tmp: __import__("flowrl.pipelines", fromlist=["x"]).build_policy(
         "digits", str(tmp / "missing")), FileNotFoundError, r"flowrl pretrain-digits"),
     ("missing sd3 path", lambda tmp: __import__("flowrl.pipelines", fromlist=["x"]).build_policy(
@@ -144,6 +193,33 @@ CASES = [
 def test_bad_input(name, fn, exc, match, tmp_path):
     with pytest.raises(exc, match=match):
         fn(tmp_path)
+
+
+def test_hub_models_that_can_load_pass(tmp_path, monkeypatch):
+    """A cached hub id, or one the hub answers for (any HTTP status), passes the check; so do local paths."""
+    import http.server
+    import threading
+
+    from huggingface_hub import constants
+
+    from flowrl.utils import hub
+
+    (tmp_path / "hub" / "models--flowrl-test--cached" / "snapshots" / "abc").mkdir(parents=True)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub.require_hub_model("flowrl-test/cached", "m", "model.path", str(tmp_path / "hub"))
+    hub.require_hub_model(str(tmp_path), "m", "model.path")  # a local directory
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+        hub._unreachable.cache_clear()
+        hub.require_hub_model("flowrl-test/downloadable", "m", "model.path", str(tmp_path / "hub"))
+    finally:
+        server.shutdown()
+        hub._unreachable.cache_clear()
 
 
 def test_matrix_is_large_enough():

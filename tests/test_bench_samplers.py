@@ -28,15 +28,18 @@ def test_bench_sol_smoke(tiny_digits_dir, tmp_path):
     assert flat["curve"][0]["eval_reward"] == sol["curve"][0]["eval_reward"]  # same base, same evaluation set
     # the first curve point at or above flat GRPO's final eval reward, found here without time_to_reach;
     # flat GRPO reaches its own final reward (at its last point at the latest), so its value is never None
+    # (n/a when that reward is not above the base model's: a random tiny model may end below its start)
     target = flat["final_eval_reward"]
+    assert saved["flat_final_above_base"] == (target > flat["curve"][0]["eval_reward"])
     for r in (flat, sol):
         reached = [p["train_seconds"] for p in r["curve"] if p["eval_reward"] >= target]
-        assert r["seconds_to_flat_final_reward"] == (reached[0] if reached else None)
-    assert flat["seconds_to_flat_final_reward"] is not None
-    assert flat["seconds_to_flat_final_reward"] <= flat["curve"][-1]["train_seconds"] <= flat["train_seconds"]
+        assert r["seconds_to_flat_final_reward"] == (reached[0] if reached and saved["flat_final_above_base"] else None)
+    if saved["flat_final_above_base"]:
+        assert flat["seconds_to_flat_final_reward"] is not None
+        assert flat["seconds_to_flat_final_reward"] <= flat["curve"][-1]["train_seconds"] <= flat["train_seconds"]
     assert sol["samples_per_iteration"] == 40 and flat["samples_per_iteration"] == 80
     assert (tmp_path / "sol.png").exists() and out["variants"].keys() == saved["variants"].keys()
-    assert "reaches flat GRPO's final eval reward" in report(out)
+    assert ("reaches flat GRPO's final eval reward" if saved["flat_final_above_base"] else "n/a") in report(out)
 
 
 def test_bench_report_times_each_variant_to_flat_final_reward(tmp_path, monkeypatch):
@@ -62,6 +65,26 @@ def test_bench_report_times_each_variant_to_flat_final_reward(tmp_path, monkeypa
     printed = samplers.report(out)
     assert "sol_nft_int8         reaches flat GRPO's final eval reward 0.8000 at never" in printed
     assert "at 30.0 training s" in printed
+
+
+def test_bench_target_below_the_base_is_not_reached_at_zero_seconds(tmp_path, monkeypatch):
+    """Flat GRPO ending below the base model's reward (0.6 < 0.7): no variant "reaches" it at 0.0 s; the
+    report says n/a and why."""
+    import flowrl.bench.samplers as samplers
+
+    def record(curve):
+        return {"curve": [{"train_seconds": t, "eval_reward": r} for t, r in curve], "final_eval_reward": curve[-1][1],
+                "rollout_seconds_per_iteration": 1.0, "model_evals_per_iteration": 10.0, "samples_per_iteration": 8,
+                "train_seconds": 25, "seconds_per_iteration": 2.0, "iterations": 3}
+
+    fake = {"variants": {"flat_grpo": record([(0, 0.7), (10, 0.65), (20, 0.6)]),
+                         "online_dpo": record([(0, 0.7), (10, 0.9)])}}
+    monkeypatch.setattr(samplers, "compare", lambda *a, **k: fake)
+    out = bench_sampler("preference", out_dir=str(tmp_path))
+    assert out["flat_final_above_base"] is False
+    assert all(v["seconds_to_flat_final_reward"] is None for v in out["variants"].values())
+    printed = samplers.report(out)
+    assert "at 0.0" not in printed and "n/a (0.6000 is not above the base model's 0.7000" in printed
 
 
 def test_bench_rejects_unknown_variant_and_pipeline(tmp_path):

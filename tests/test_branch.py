@@ -31,7 +31,7 @@ def test_default_tree_counts_evals_edges_and_width_pruning(tiny_digits_policy, c
     assert pol.rows == 203 and ro.stats["model_evals"] == 203 and pol.calls == 20
     assert len(ro.transitions) == 218 and ro.num_samples == 16 and ro.structure == "branch"
     assert ro.layout.node_parent.numel() == 219  # root + one node per edge
-    assert ro.extras["node_parent"] is ro.layout.node_parent and ro.extras["split_steps"] == [0, 3, 6, 9]  # old view
+    assert ro.layout.split_steps == [0, 3, 6, 9]
 
     flat = counting(tiny_digits_policy)
     GroupSampler(group_size=16, num_steps=20, step="dance")(flat, [P3], brightness, seed=3)
@@ -233,7 +233,7 @@ def test_depth_window_slides_and_wraps():
     (dict(branch_factor=1), "branch_factor"),
     (dict(mode="tree"), "choose one of"),
     (dict(step="ode"), "stochastic step"),
-    (dict(step="ddim"), "choose one of"),
+    (dict(step="ddim"), "Valid step types"),
     (dict(noise_level=0.0), "noise_level"),
     (dict(branch_noise_mix=0.0), "branch_noise_mix"),
     (dict(mode="mix", window=0), "window"),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +45,21 @@ def env(tiny_digits_dir, tmp_path_factory):
     made = root / "made"
     made.mkdir()
     (made / "keep.txt").write_text("mine")
-    return {"root": root, "model": tiny_digits_dir, "run": run, "empty_run": empty_run, "made": made}
+    (root / "list.yaml").write_text("- model\n- train\n")
+    (root / "string.yaml").write_text("recipes/digits.yaml\n")
+    (root / "empty.yaml").write_text("\n# nothing\n")
+    broken = root / "broken_run"  # its only checkpoint unreadable (a truncated copy)
+    shutil.copytree(run, broken)
+    (broken / "checkpoints" / "iter_000001" / "trainable.safetensors").write_bytes(b"\x00" * 10)
+    half = root / "half_broken_run"  # a newer checkpoint unreadable, the previous one fine
+    shutil.copytree(run, half)
+    shutil.copytree(half / "checkpoints" / "iter_000001", half / "checkpoints" / "iter_000002")
+    (half / "checkpoints" / "iter_000002" / "trainable.safetensors").write_bytes(b"\x00" * 10)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed_port = sock.getsockname()[1]  # nothing listens there once closed
+    return {"root": root, "model": tiny_digits_dir, "run": run, "empty_run": empty_run, "made": made,
+            "broken_run": broken, "half_broken_run": half, "closed_port": closed_port}
 
 
 def train_args(e, *extra):
@@ -87,6 +103,23 @@ CASES = [
                                                        "--resume", *tiny_train_overrides(e["model"],
                                                                                          **{"train.lr": 0.5})],
      ["train.lr", "new --output-dir"], []),
+    ("recipe is a YAML list", "train", lambda e: ["train", "--config", str(e["root"] / "list.yaml"), "--output-dir",
+                                                  str(e["root"] / "new_run")],
+     ["holds a YAML list, not a mapping of sections", "--config digits"], ["new_run"]),
+    ("recipe is a plain string", "train", lambda e: ["train", "--config", str(e["root"] / "string.yaml"),
+                                                     "--output-dir", str(e["root"] / "new_run")],
+     ["holds a plain string"], ["new_run"]),
+    ("empty recipe", "train", lambda e: ["train", "--config", str(e["root"] / "empty.yaml"), "--output-dir",
+                                         str(e["root"] / "new_run")], ["is empty", "--config digits"], ["new_run"]),
+    ("reward server not running", "train",
+     lambda e: train_args(e, "reward.weights={remote: 1.0}", "reward.heldout={}",
+                          f"reward.options={{remote: {{url: 'http://127.0.0.1:{e['closed_port']}'}}}}"),
+     ["/health: connection refused", "serve-reward"], ["new_run"]),
+    ("reward model not in the HF cache", "train",
+     lambda e: train_args(e, "reward.weights={clipscore: 1.0}", "reward.heldout={}",
+                          "reward.options={clipscore: {model: flowrl-test/not-cached}}"),
+     ["'flowrl-test/not-cached' (reward.options.clipscore.model)", "nor in the local Hugging Face cache",
+      "HF_HUB_OFFLINE is set", "HF_HOME"], ["new_run"]),
     # --- generate-offline / rescore-offline
     ("no dataset directory", "generate-offline", lambda e: ["generate-offline", "--config", "recipes/digits_gdro.yaml",
                                                             f"model.path={e['model']}"],
@@ -95,12 +128,12 @@ CASES = [
                                                    "--max-shards", "0"], ["--max-shards", "positive integer"], []),
     ("misspelt reward", "rescore-offline", lambda e: ["rescore-offline", "--dataset", str(e["root"]), "--reward",
                                                       "pickscor"], ["Did you mean 'pickscore'"], []),
-    ("options not JSON", "rescore-offline", lambda e: ["rescore-offline", "--dataset", str(e["root"]), "--reward",
+    ("options not YAML", "rescore-offline", lambda e: ["rescore-offline", "--dataset", str(e["root"]), "--reward",
                                                        "pickscore", "--options", "{device: cpu"],
-     ["--options must be a JSON object"], []),
-    ("options not an object", "rescore-offline", lambda e: ["rescore-offline", "--dataset", str(e["root"]),
+     ["--options '{device: cpu': not YAML", "key=value"], []),
+    ("options not a mapping", "rescore-offline", lambda e: ["rescore-offline", "--dataset", str(e["root"]),
                                                             "--reward", "pickscore", "--options", "[1]"],
-     ["--options must be a JSON object"], []),
+     ["--options '[1]'", "expected key=value, a YAML (or JSON) mapping"], []),
     ("no such dataset", "rescore-offline", lambda e: ["rescore-offline", "--dataset", str(e["root"] / "nope"),
                                                       "--reward", "pickscore"], ["no such directory"], []),
     # --- pretrain-digits
@@ -117,6 +150,23 @@ CASES = [
     ("run without checkpoints", "sample", lambda e: ["sample", "--run", str(e["empty_run"]), "--prompts", "x",
                                                      "--out", str(e["root"] / "new.png")],
      ["has no checkpoint yet"], ["new.png"]),
+    ("base model not in the HF cache", "sample",
+     lambda e: ["sample", "--config", "recipes/sd3_group_pickscore.yaml", "--prompts", "x", "--out",
+                str(e["root"] / "new.png"), "model.device=cpu", "model.path=flowrl-test/not-cached"],
+     ["the sd3 base model 'flowrl-test/not-cached' (model.path)", "HF_HUB_OFFLINE is set", "huggingface-cli download",
+      "HF_HOME"], ["new.png"]),
+    ("base model not in the HF cache", "eval",
+     lambda e: ["eval", "--config", "recipes/sd3_group_pickscore.yaml", "--prompts", "x", "model.device=cpu",
+                "model.path=flowrl-test/not-cached"], ["'flowrl-test/not-cached' (model.path)", "HF_HOME"], []),
+    ("no readable checkpoint", "sample", lambda e: ["sample", "--run", str(e["broken_run"]), "--prompts", "x", "--out",
+                                                    str(e["root"] / "new.png")],
+     ["no readable checkpoint in", "the newest, iter_000001, is unreadable", "SafetensorError"], ["new.png"]),
+    ("no readable checkpoint", "eval", lambda e: ["eval", "--run", str(e["broken_run"]), "--per-prompt", "2"],
+     ["no readable checkpoint in", "iter_000001"], []),
+    ("named checkpoint unreadable", "sample",
+     lambda e: ["sample", "--run", str(e["half_broken_run"]), "--checkpoint", "iter_000002", "--prompts", "x",
+                "--out", str(e["root"] / "new.png")],
+     ["--checkpoint iter_000002", "is unreadable", "iter_000001, iter_000002"], ["new.png"]),
     ("both config and run", "sample", lambda e: sample_args(e, "--config", RECIPE), ["exactly one of --config"],
      ["new.png"]),
     ("no such checkpoint", "sample", lambda e: sample_args(e, "--checkpoint", "iter_000099"),
@@ -138,6 +188,9 @@ CASES = [
      ["has no checkpoint yet"], ["x"]),
     ("export into a used directory", "export", lambda e: ["export", str(e["run"]), str(e["made"])], ["--overwrite"],
      []),
+    ("export a run without a readable checkpoint", "export",
+     lambda e: ["export", str(e["broken_run"]), str(e["root"] / "x")], ["no readable checkpoint", "iter_000001"],
+     ["x"]),
     ("export EMA without one", "export", lambda e: ["export", str(e["run"]), str(e["root"] / "x"), "--ema"],
      ["export without --ema"], ["x"]),
     # --- bench / plan / the top level
@@ -148,9 +201,16 @@ CASES = [
      ["--pipeline", "invalid choice"], []),
     ("unknown bench variant", "bench sol", lambda e: ["bench", "sol", "--variants", "nope", "--budget", "1"],
      ["unknown variant", "choose from"], []),
+    ("unknown bench reward variant", "bench reward", lambda e: ["bench", "reward", "--variants", "bogus"],
+     ["unknown variant(s) ['bogus'] of bench reward", "choose from"], []),
     ("architecture flag on a CPU pipeline", "bench precision", lambda e: ["bench", "precision", "--tiny"],
      ["--tiny apply to the architecture pipelines"], []),
     ("plan without a recipe", "plan", lambda e: ["plan", "--config", "nope.yaml"], ["not found"], []),
+    ("plan a YAML list", "plan", lambda e: ["plan", "--config", str(e["root"] / "list.yaml")],
+     ["holds a YAML list"], []),
+    ("plan a plain string", "plan", lambda e: ["plan", "--config", str(e["root"] / "string.yaml")],
+     ["holds a plain string"], []),
+    ("plan an empty recipe", "plan", lambda e: ["plan", "--config", str(e["root"] / "empty.yaml")], ["is empty"], []),
     # --- serve-reward (fails before it binds a port or loads a model)
     ("serve an unknown reward", "serve-reward", lambda e: ["serve-reward", "pickscor"], ["pickscor"], []),
     ("serve with an option the reward lacks", "serve-reward",
@@ -299,3 +359,56 @@ def test_ctrl_c_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_make_tiny", interrupted)
     rc, out, err = _run(["make-tiny", "digits", "/nonexistent/x"], capsys)
     assert rc == 130 and out == "" and err == "flowrl make-tiny: error: interrupted (Ctrl-C)\n"
+
+
+def test_unreadable_newest_checkpoint_falls_back_with_a_notice(env, capsys, tmp_path):
+    """sample / eval / export of a run whose newest checkpoint is unreadable use the previous readable one,
+    as train --resume does, and say so on stderr naming both."""
+    run = env["half_broken_run"]
+    png = tmp_path / "s.png"
+    for argv in (["sample", "--run", str(run), "--prompts", "a handwritten digit 1", "--per-prompt", "1", "--steps",
+                  "2", "--out", str(png)],
+                 ["eval", "--run", str(run), "--per-prompt", "2", "--steps", "2", "--prompts", "a handwritten digit 1"],
+                 ["export", str(run), str(tmp_path / "lora")]):
+        rc, out, err = _run(argv, capsys)
+        assert rc == 0, err
+        assert "the newest checkpoint" in err and "iter_000002 is unreadable (SafetensorError" in err, err
+        assert "using the previous readable one, iter_000001" in err and "Traceback" not in err
+    assert png.is_file() and json.loads((tmp_path / "lora" / "flowrl_export.json").read_text())["checkpoint"] == \
+        "iter_000001"
+
+
+def test_resume_with_nothing_to_resume_says_so(env, capsys):
+    """--resume into a directory without a run starts a new run, and says so (not silently)."""
+    out_dir = env["root"] / "resume_into_nothing"
+    rc, out, err = _run(["train", "--config", RECIPE, "--output-dir", str(out_dir), "--resume",
+                         *tiny_train_overrides(env["model"], **{"train.iterations": 1})], capsys)
+    assert rc == 0, err
+    assert f"--resume: nothing to resume in {out_dir} (no run there): starting a new run" in err
+    assert (out_dir / "checkpoints" / "iter_000001").is_dir()
+
+
+def test_smoke_with_a_users_reward_missing_from_the_cache(env, capsys):
+    """--smoke with the user's own reward whose model is not in the Hugging Face cache: rc 2, the last line
+    names the model (after the smoke run's own status line), no traceback, no run written."""
+    out_dir = env["root"] / "smoke_run"
+    rc, out, err = _run(["train", "--smoke", "--config", RECIPE, "--output-dir", str(out_dir),
+                         "reward.weights={pickscore: 1.0}", "reward.options={pickscore: {model: flowrl-test/none, "
+                                                            "processor: flowrl-test/none}}"], capsys)
+    assert rc == 2 and out == "" and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("flowrl train: error: the CLIP model 'flowrl-test/none' (reward.options.pickscore.model)")
+    assert len(err.strip().splitlines()) <= 2 and not out_dir.exists()
+
+
+def test_reward_options_read_alike_in_both_verbs():
+    """rescore-offline and serve-reward take --options in the same forms, with one help text."""
+    from flowrl.cli import build_parser
+    from flowrl.command_line import reward_options
+
+    assert reward_options(["device=cpu", '{"batch_size": 2}', "{dtype: float32}"]) == {
+        "device": "cpu", "batch_size": 2, "dtype": "float32"}
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices
+    helps = {v: next(a for a in sub[v]._actions if a.dest == "options") for v in ("rescore-offline", "serve-reward")}
+    assert helps["rescore-offline"].help == helps["serve-reward"].help and \
+        helps["rescore-offline"].nargs == helps["serve-reward"].nargs == "*"

@@ -97,12 +97,15 @@ def test_shipped_recipe_by_name_from_any_directory(tmp_path, monkeypatch):
 
 
 def _old_format(cfg: Config) -> dict:
-    """``cfg`` as flowrl wrote a run's config.yaml before the updates owned their options (issue 23):
-    every train.* alias and GRPO knob, and offline GDRO's loss knobs in the offline section."""
+    """``cfg`` as flowrl wrote a run's config.yaml before the updates owned their options (issues 23 and 30):
+    every train.* alias and GRPO knob, the KL, advantage clip and CFG-gradient knobs in train, and offline
+    GDRO's loss knobs in the offline section."""
     d = cfg.to_dict()
     t, opts = d["train"], cfg.effective_loss_options()
     t.update({"clip_range": 1e-3, "global_std": False, "advantage_options": {}, "nft_beta": 1.0, "pref_beta": 12.0,
-              "pref_tau": 0.05})
+              "pref_tau": 0.05, "adv_clip_max": 5.0, "beta_kl": 0.0, "kl_form": "flow_grpo",
+              "cfg_uncond_grad": opts["cfg_uncond_grad"]})
+    t.update({k: opts[k] for k in ("adv_clip_max", "beta_kl", "kl_form") if k in opts})
     if t["loss"] in ("grpo", "grpo_guard"):
         t.update({k: opts[k] for k in ("clip_range", "global_std", "advantage_options")})
     if t["loss"] == "nft":
@@ -141,11 +144,11 @@ def test_a_run_saved_before_the_options_moved_loads_and_resumes(recipe, tmp_path
 def test_a_loss_given_on_the_command_line_keeps_only_its_own_recipe_options(capsys):
     """``--config digits train.loss=dpo``: the recipe's GRPO options that DPO does not take are dropped
     with a notice; GRPO -> GRPO-Guard keeps the shared clip range; options given too are the user's."""
-    cfg = load_config("digits", ["train.loss=dpo", "train.beta_kl=0"])
+    cfg = load_config("digits", ["train.loss=dpo"])
     assert cfg.train.loss == "dpo" and cfg.train.loss_options == {}
-    assert "dropped (clip_range)" in capsys.readouterr().err
-    recipe = load_config("digits").train.loss_options["clip_range"]
+    assert "dropped (beta_kl, clip_range, kl_form)" in capsys.readouterr().err
+    recipe = load_config("digits").train.loss_options
     guard = load_config("digits", ["train.loss=grpo_guard"])
-    assert guard.train.loss_options == {"clip_range": recipe} and capsys.readouterr().err == ""
+    assert guard.train.loss_options == recipe and capsys.readouterr().err == ""
     with pytest.raises(ConfigError, match="not an option of train.loss='dpo'"):
-        load_config("digits", ["train.loss=dpo", "train.beta_kl=0", "train.loss_options.clip_range=0.1"])
+        load_config("digits", ["train.loss=dpo", "train.loss_options.clip_range=0.1"])

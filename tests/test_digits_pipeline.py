@@ -48,7 +48,7 @@ def test_missing_model_path_says_how_to_fix(tmp_path):
         build_policy("digits", str(tmp_path / "nope"))
     with pytest.raises(FileNotFoundError, match="make-tiny"):
         build_policy("sd3", str(tmp_path / "nope"))
-    with pytest.raises(ValueError, match="valid pipelines"):
+    with pytest.raises(ValueError, match="unknown pipeline 'sdxl'.* Valid pipelines: digits"):
         build_policy("sdxl", None)
 
 

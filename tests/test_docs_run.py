@@ -9,8 +9,8 @@ marked on purpose by an HTML comment on the line before it, which this test repo
 
 The commands are the documented ones at full size (real budgets, hub models, GPU launchers); the
 table ``SUBSTITUTIONS`` below is every change this test makes before running one, each with its
-reason: it shrinks sizes and budgets and swaps a GPU launcher for ``flowrl train --smoke``, and
-never rewrites what a command does. A README that says a command writes a file is checked too: the
+reason: it shrinks sizes and budgets, and never rewrites what a command does (a multi-GPU launch
+is marked gpu-only: on a CPU it would start one training process per GPU of its config). A README that says a command writes a file is checked too: the
 README's working directory holds exactly what its comments name.
 """
 from __future__ import annotations
@@ -49,8 +49,6 @@ OFFLINE_BENCH = " ".join(f"--offline-override {o}" for o in GDRO.split()) + \
 
 # (pattern, replacement, why): applied in order to every command; the replacement may be a function
 SUBSTITUTIONS = [
-    (r"^accelerate launch .*?-m flowrl train\b", "flowrl train --smoke",
-     "a multi-GPU launch: the same recipe and overrides as a --smoke run on this CPU"),
     (r"^(flowrl pretrain-digits)$", r"\1 --steps 20", "600 pretraining steps: 20 (the model is a placeholder here)"),
     (r"^(flowrl train (?!.*--smoke).*recipes/digits\.yaml.*?)(\s+#.*)?$",
      lambda m: f"{m.group(1)} {DIGITS_RUN} train.iterations={2 if '--resume' in m.group(1) else 1}",
@@ -77,6 +75,9 @@ SUBSTITUTIONS = [
 ]
 # commands not run, with the reason (their block runs the rest)
 NOT_RUN = [(r"^make test\b", "the whole suite, which includes this test")]
+# a block that activates an environment: it and every later command of its block run in a new shell, PATH
+# without this test's environment, with the activation line first (as a user types them after `make demo`)
+ACTIVATE = re.compile(r"^source (\S+)/bin/activate(?:\s+#.*)?$")
 
 
 @dataclass
@@ -138,6 +139,22 @@ def makefile_target(name: str) -> list[str]:
     return body
 
 
+def activation(block: Block, cmd: str) -> Optional[str]:
+    """The ``source VENV/bin/activate`` line at or before ``cmd`` in ``block`` (None: the block has none there)."""
+    cmds = commands(block)
+    return next((c for c in cmds[:cmds.index(cmd) + 1] if ACTIVATE.match(c)), None)
+
+
+def new_shell(env: dict, wd: Path, venv: str) -> dict:
+    """``env`` as a new shell has it: no entry of this test's environment on PATH; ``wd/venv`` is the
+    environment ``make demo`` made (a link to this test's)."""
+    ours = {str(Path(sys.executable).parent), str(Path(sys.prefix) / "bin")}
+    if not (wd / venv).exists():
+        (wd / venv).symlink_to(Path(sys.prefix), target_is_directory=True)
+    path = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p and p not in ours)
+    return {**{k: v for k, v in env.items() if k != "VIRTUAL_ENV"}, "PATH": path}
+
+
 def prepare(cmd: str) -> tuple[list[str], Optional[str]]:
     """(the commands to run for one documented command, or the reason it is not run)."""
     for pattern, reason in NOT_RUN:
@@ -162,6 +179,22 @@ def test_markers_are_well_formed():
             if "docs-run" in ln:
                 assert MARKER.match(ln.strip()), f"{p.name}:{n}: {ln}"
     assert len(BLOCKS) >= 15 and sum(b.marker is None for b in BLOCKS) >= 5
+
+
+def test_readme_commands_need_the_activation_line(workdirs):
+    """The README's "Using it" block starts with the activation, and without it a new shell has no flowrl
+    (so the block runs only as printed)."""
+    dirs, env = workdirs
+    block = next(b for b in shell_blocks(ROOT / "README.md") if any(c.startswith("flowrl train") for c in commands(b)))
+    first = commands(block)[0]
+    assert ACTIVATE.match(first), first
+    shell = new_shell(env, dirs[ROOT / "README.md"], ACTIVATE.match(first).group(1))
+    r = subprocess.run(["bash", "-c", "flowrl --help"], cwd=dirs[ROOT / "README.md"], env=shell, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 127, "flowrl ran without the activation line: the test would not check it"
+    r = subprocess.run(["bash", "-c", f"{first}\nflowrl --help"], cwd=dirs[ROOT / "README.md"], env=shell,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "usage: flowrl" in r.stdout, r.stderr
 
 
 def test_substitutions_only_shrink():
@@ -199,28 +232,50 @@ def workdirs(tmp_path_factory):
 def test_command_runs(block, cmd, workdirs):
     if block.marker is not None:
         pytest.skip(f"{block.marker[0]}: {block.marker[1]}")
-    dirs, env = workdirs
-    assert shutil.which("flowrl", path=env["PATH"]), "the flowrl console script is not on PATH"
     runs, reason = prepare(cmd)
     if reason:
         pytest.skip(f"{cmd!r}: {reason}")
-    for run in runs:
+    run_commands(block, cmd, runs, workdirs)
+
+
+def run_commands(block: Block, cmd: str, runs: list[str], workdirs) -> None:
+    """Run a documented command's ``runs`` in its file's working directory (in a new shell after the block's
+    activation line, when it has one); each must exit 0 without a traceback. Marks the command done, so a
+    later test that needs its files does not run it again."""
+    dirs, env = workdirs
+    act = activation(block, cmd)
+    if act is not None:  # the new shell: only the activated environment provides flowrl
+        env = new_shell(env, dirs[block.path], ACTIVATE.match(act).group(1))
+    else:
+        assert shutil.which("flowrl", path=env["PATH"]), "the flowrl console script is not on PATH"
+    for documented in runs:
+        run = f"{act}\n{documented}" if act is not None and documented != act else documented
         t0 = time.perf_counter()
         r = subprocess.run(["bash", "-c", f"set -euo pipefail\n{run}"], cwd=dirs[block.path], env=env,
                            capture_output=True, text=True, timeout=590)
         print(f"{block.id}: {time.perf_counter() - t0:6.1f} s  {run}")  # (pytest -s shows where time goes)
         assert r.returncode == 0, f"{block.id}: {run}\n--- stderr ---\n{r.stderr[-4000:]}"
         assert "Traceback" not in r.stderr, f"{block.id}: {run}\n{r.stderr[-4000:]}"
+        DONE.add((block.id, documented))  # as prepare() gives it (without the activation line)
+
+
+DONE: set[tuple[str, str]] = set()  # (block id, command) run in this session
 
 
 def test_readme_writes_only_what_it_says(workdirs):
     """After the README's blocks: the working directory holds what its comments name, nothing else
-    (no stray benchmark JSON or PNG in the working directory)."""
+    (no stray benchmark JSON or PNG in the working directory). The README's commands that have not run
+    in this session (this test alone, or a selection without them) run here first, in their order."""
     dirs, _ = workdirs
     wd = dirs[ROOT / "README.md"]
-    if not (wd / "runs").exists():
-        pytest.skip("the README blocks did not run in this session")
-    assert sorted(p.name for p in wd.iterdir()) == ["bench", "data", "lora_out", "runs", "three.png"]
+    for block, cmd in COMMANDS:
+        if block.path.name == "README.md" and block.marker is None:
+            runs, reason = prepare(cmd)
+            todo = [r for r in runs if (block.id, r) not in DONE]
+            if not reason and todo:
+                run_commands(block, cmd, todo, workdirs)
+    assert sorted(p.name for p in wd.iterdir() if p.name != ".venv") == ["bench", "data", "lora_out", "runs",
+                                                                          "three.png"]
     assert sorted(p.name for p in (wd / "runs").iterdir()) == ["a", "demo", "gdro", "smoke"]
     assert sorted(p.name for p in (wd / "bench").iterdir()) == sorted(
         [f"{k}.{ext}" for k in ("branch", "tempflow", "sol", "preference", "offline") for ext in ("json", "png")]

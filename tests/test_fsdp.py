@@ -167,7 +167,7 @@ def test_fsdp_matches_ddp_across_samplers_and_updates(tiny_sd3, tmp_path, case):
         "branch": ("sd3_branch_hps", "branch", {}),
         "tempflow": ("sd3_tempflow_pickscore", "tempflow", {}),
         "full_finetune_with_reference": ("sd3_group_pickscore", "group",
-                                         {"train.lora_rank": 0, "train.lr": 1e-4, "train.beta_kl": 0.04}),
+                                         {"train.lora_rank": 0, "train.lr": 1e-4, "train.loss_options.beta_kl": 0.04}),
         "sol_nft": ("sd3_sol_nvfp4", "sol", {"train.minibatch_size": 4,  # with the recipe's text-embedding cache
                                              "model.text_embedding_cache": str(tmp_path / "emb")}),
     }[case]
@@ -237,7 +237,7 @@ def test_one_process_fsdp_shards_a_full_finetunes_reference(tiny_sd3, tmp_path):
 
     cfg = load_config(ROOT / "recipes" / "sd3_group_pickscore.yaml",
                       tiny_overrides(tiny_sd3, "group", **{"train.sharding": "fsdp", "train.lora_rank": 0,
-                                                           "train.beta_kl": 0.04, "train.iterations": 1}))
+                                                           "train.loss_options.beta_kl": 0.04, "train.iterations": 1}))
     tr = OnlineTrainer(cfg, tmp_path / "run")
     try:
         tr.setup()

@@ -17,6 +17,7 @@ from flowrl.rollout.group import GroupSampler
 from flowrl.rollout.ode import ode_rollout
 from flowrl.rollout.tempflow import TempFlowSampler
 from flowrl.seeding import seeded_randn, seeded_randn_rows
+from flowrl.updates.base import Batch, Update
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 P = ["a handwritten digit 3", "a handwritten digit 7"]
@@ -117,7 +118,7 @@ def test_training_cfg_runs_the_unconditional_half_outside_the_graph(tiny_digits_
     pol.transformer.requires_grad_(True)
     x, s, cond = pol.initial_noise([1, 2]), torch.tensor([0.8, 0.4]), pol.encode_prompts(P)
     log, hook = _forward_log(pol.transformer)
-    pol.cfg_uncond_grad = False  # as the trainer sets it from train.cfg_uncond_grad (default)
+    pol.cfg_uncond_grad = False  # as the trainer sets it from train.loss_options.cfg_uncond_grad (default)
     v_split, split_bytes = _saved_bytes(lambda: pol.velocity(x, s, cond))
     assert log == [(2, False), (2, True)]  # uncond alone under no_grad, then cond with the graph
     log.clear()
@@ -160,7 +161,7 @@ def test_sd3_and_flux_training_cfg_split(tiny_pipelines, kind):
 
 
 def test_flux_image_ids_are_built_on_the_device():
-    from flowrl.pipelines.flux import latent_image_ids
+    from flowrl.pipelines.packing import latent_image_ids
 
     ids = torch.zeros(4, 3, 3)
     ids[..., 1], ids[..., 2] = torch.arange(4)[:, None], torch.arange(3)[None, :]
@@ -222,7 +223,7 @@ def _encode_spy(pol, monkeypatch):
 @pytest.mark.parametrize("loss", ["grpo", "nft", "dpo"])
 def test_update_reuses_the_rollout_conditioning(tiny_digits_policy, tmp_path, loss, monkeypatch):
     pol = tiny_digits_policy
-    own = [] if loss == "grpo" else ["train.loss_options={}"] + (["train.beta_kl=0"] if loss == "dpo" else [])
+    own = [] if loss == "grpo" else ["train.loss_options={}"]
     tr = _digits_trainer(pol, tmp_path, f"train.loss={loss}", *own)  # (the recipe's options and KL are GRPO's)
     ro = (GroupSampler(group_size=4, num_steps=2)(pol, P, _mean_pixel, seed=3) if loss == "grpo" else
           ode_rollout(pol, P, list(range(8)), 2, _mean_pixel))
@@ -230,20 +231,18 @@ def test_update_reuses_the_rollout_conditioning(tiny_digits_policy, tmp_path, lo
         want = pol.encode_prompts(ro.prompts)
     assert all(torch.equal(ro.cond[k], want[k]) for k in want)  # encoded in the same batch: bit for bit
     calls = _encode_spy(pol, monkeypatch)
-    tr.update_object(loss)(ro, 0)
+    tr.train_on(ro, 0)
     assert calls == []  # before: one encode_prompts(rollout.prompts) per update
     ro.cond = None  # a rollout that kept none: encoded once, as before
-    tr.update_object(loss)(ro, 1)
+    tr.train_on(ro, 1)
     assert calls == [list(ro.prompts)]
 
 
 def test_update_reads_device_values_once_per_optimizer_step(tiny_digits_policy, tmp_path):
-    from flowrl.advantages import transition_advantages
-
     pol = tiny_digits_policy
     tr = _digits_trainer(pol, tmp_path, minibatch=4, grad_accum=2)  # the digits recipe: KL on
     ro = GroupSampler(group_size=4, num_steps=2)(pol, P, _mean_pixel, seed=3)  # 16 transitions: 4 minibatches
-    upd = tr.update_object("grpo")
+    upd = tr.update_object()
     per_minibatch, mbl = [], upd.minibatch_loss
 
     def counted(*a, **k):
@@ -253,16 +252,16 @@ def test_update_reads_device_values_once_per_optimizer_step(tiny_digits_policy, 
         return out
 
     upd.minibatch_loss = counted
-    stats, _ = upd(ro, 0)
+    stats, _ = tr.train_on(ro, 0)
     assert per_minibatch == [0] * 4  # before: 5 each (.item() of 3 loss stats, the loss, the KL)
     assert tr.steps.opt_steps + tr.steps.skipped == 2 and not any(isinstance(v, torch.Tensor) for v in stats.values())
-    sums, mbs = {}, list(torch.arange(len(ro.transitions)).split(4))
-    cond, (adv, _) = ro.conditioning(pol), transition_advantages(ro)
+    batch = upd.batch(ro, 1)  # what the update trains on (its advantages read the rewards once, before the loop)
     with host_counters() as c:
-        n = tr.steps.accumulate(mbs, lambda mb: mbl(ro, cond, mb, adv), sums)
-    # one step-or-skip read per optimizer step, one for all the stats (before: 3 per minibatch + 2 per step)
-    assert n == 4 and c["reads_flowrl"] == 2 + 1
-    assert {"loss", "kl", "clip_fraction", "ratio_mean", "grad_norm", "policy_loss"} <= set(sums)
+        stats, trained = tr.steps.train(upd, batch, 1)
+    # the update loop: one step-or-skip read per optimizer step, one for all the stats (before: 3 per minibatch
+    # + 2 per step)
+    assert trained == 16 and len(per_minibatch) == 8 and c["reads_flowrl"] == 2 + 1
+    assert {"loss", "kl", "clip_fraction", "ratio_mean", "grad_norm", "policy_loss"} <= set(stats)
 
 
 def test_nonfinite_pass_skips_its_group_and_leaves_the_weights_alone(tiny_digits_policy, tmp_path):
@@ -272,18 +271,22 @@ def test_nonfinite_pass_skips_its_group_and_leaves_the_weights_alone(tiny_digits
     trs = [_digits_trainer(p, tmp_path / str(i), minibatch=2, grad_accum=2) for i, p in enumerate(pols)]
     x, s = pols[0].initial_noise([1, 2]), torch.tensor([0.5, 0.5])
 
-    def loss_of(pol):
-        cond = pol.encode_prompts(P)
-        return lambda bad: ((pol.velocity(x, s, cond).pow(2).mean() * (float("nan") if bad else 1.0)),
-                            {"stat": torch.tensor(1.0)})
+    class Passes(Update):  # minibatch i of the epoch is NaN where bad[i]: a stand-in for a real update
+        def __init__(self, pol, bad):
+            self.pol, self.bad, self.cond = pol, bad, pol.encode_prompts(P)
 
-    sums = {}
-    with host_counters() as c:
-        n = trs[0].steps.accumulate([False, True, False, False], loss_of(pols[0]), sums)  # group 1 has a NaN pass
-    trs[1].steps.accumulate([False, False], loss_of(pols[1]), {})  # group 2 alone
+        def loss(self, batch, mb):
+            nan = float("nan") if self.bad[mb.index] else 1.0
+            return self.pol.velocity(x, s, self.cond).pow(2).mean() * nan, {"stat": torch.tensor(1.0)}
+
+    with host_counters() as c:  # group 1 has a NaN minibatch
+        stats, trained = trs[0].steps.train(Passes(pols[0], [False, True, False, False]),
+                                            Batch(torch.arange(4), 1, shuffle=None), 0)
+    trs[1].steps.train(Passes(pols[1], [False, False]), Batch(torch.arange(2), 1, shuffle=None), 0)  # group 2 alone
     assert c["reads_flowrl"] == 2 + 1
-    assert n == 3 and sums["stat"] == 3.0 and trs[0].steps.skipped == 1 and trs[0].steps.opt_steps == 1
-    assert torch.isnan(torch.as_tensor(sums["grad_norm"])).item()  # NaN logged for the skipped step, as before
+    assert trained == 4 and stats["stat"] == 1.0 and stats["loss"] > 0  # the mean over the 3 finite minibatches
+    assert trs[0].steps.skipped == 1 and trs[0].steps.opt_steps == 1
+    assert torch.isnan(torch.as_tensor(stats["grad_norm"])).item()  # NaN logged for the skipped step, as before
     w = [{k: v for k, v in t.unwrapped.state_dict().items() if "lora" in k} for t in trs]
     assert w[0] and all(torch.equal(w[0][k], w[1][k]) for k in w[0])  # the NaN group left no trace
 
@@ -331,7 +334,7 @@ def test_cuda_rollout_and_update_sync_per_step_not_per_row(tmp_path):
     assert ro.transitions.latents.is_cuda and ro.x0.is_cuda
     tr = bench_trainer(pol, o, tmp_path)
     with host_counters(pol.transformer) as c:
-        tr.update_object("grpo")(ro, 0)
+        tr.train_on(ro, 0)
     assert c["cuda_syncs"] <= (tr.steps.opt_steps + tr.steps.skipped) + 8  # per optimizer step, not per minibatch
 
 

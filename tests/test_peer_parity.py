@@ -14,7 +14,8 @@ from flowrl.advantages.group import group_structure
 from flowrl.losses import kl_form_for_step, kl_to_reference
 from flowrl.rollout.sol import select_indices
 from flowrl.sde import cps_flow_grpo_step, cps_step, sde_step
-from flowrl.trainers.config import TrainConfig
+from flowrl.trainers.config import load_config
+from flowrl.updates.grpo import GRPOOptions
 from flowrl.errors import ConfigError
 
 torch.manual_seed(0)
@@ -54,9 +55,9 @@ def test_kl_forms_reject_bad_input():
         kl_to_reference(m, m, torch.ones(2))
     with pytest.raises(ValueError, match="choose one of"):
         kl_to_reference(m, m, torch.ones(2), form="nope")
-    with pytest.raises(ConfigError, match="kl_form"):
-        TrainConfig(kl_form="nope")
-    assert TrainConfig().kl_form == "flow_grpo"  # published betas carry over by default
+    with pytest.raises(ConfigError, match="train.loss_options.kl_form must be one of"):
+        load_config("digits", ["train.loss_options.kl_form=nope"])
+    assert GRPOOptions().kl_form == "flow_grpo"  # published betas carry over by default
     # deterministic rows (std 0) contribute 0, in both forms
     z = kl_to_reference(m, m + 1, torch.tensor([0.0, 1.0]), dt=torch.tensor([-0.1, -0.1]))
     assert z[0] == 0 and z[1] > 0
@@ -203,7 +204,7 @@ def test_cfg_training_gradient_detaches_the_unconditional_half(tmp_path):
 
     assert pol.cfg_uncond_grad  # a policy's default: gradient through both halves
     g_full = _grads(pol, lambda: pol.velocity(x, sig, cond))
-    pol.cfg_uncond_grad = False  # what the trainer sets from train.cfg_uncond_grad=false (the default)
+    pol.cfg_uncond_grad = False  # what the trainer sets from cfg_uncond_grad=false (the default)
     v_det = pol.velocity(x, sig, cond)
     g_det = _grads(pol, lambda: pol.velocity(x, sig, cond))
     g_hand = _grads(pol, by_hand)
@@ -235,8 +236,9 @@ def test_trainer_passes_kl_form_dt_and_cfg_setting(tiny_digits_dir, tmp_path, mo
 
     monkeypatch.setattr("flowrl.pipelines.digits.cfg_combine", spy)
     cfg = load_config("recipes/digits.yaml", tiny_train_overrides(tiny_digits_dir, **{
-        "train.iterations": 1, "train.beta_kl": 0.04, "train.kl_form": "flow_grpo", "model.guidance_scale": 2.0}))
+        "train.iterations": 1, "train.loss_options.beta_kl": 0.04, "train.loss_options.kl_form": "flow_grpo",
+        "model.guidance_scale": 2.0}))
     online.train(cfg, tmp_path / "run")
     assert seen and all(f == "flow_grpo" and (dt < 0).all() for f, dt in seen)
     assert (False, True) in uncond  # the update's differentiable forwards detach the unconditional half
-    assert all(not grad_flows for grad_flows, _ in uncond)  # train.cfg_uncond_grad=false reaches every call
+    assert all(not grad_flows for grad_flows, _ in uncond)  # cfg_uncond_grad=false reaches every call

@@ -43,7 +43,7 @@ def test_shipped_recipes_print_a_breakdown(recipe, capsys, tmp_path, monkeypatch
     names = [i["name"] for i in d["items"]]
     if "sol_nvfp4" in recipe:
         assert any(n.startswith("exploration copy (nvfp4)") for n in names)
-        assert any(n.startswith("NFT old policy") for n in names)
+        assert any(n.startswith("old policy of train.loss=nft") for n in names)  # the copy it declares
 
 
 def test_the_gdro_recipes_fit_as_their_comments_say():
@@ -313,3 +313,22 @@ def test_report_rows_set_their_sharding(capsys):
 
     qwen = "recipes/qwen_image_group_pickscore.yaml"  # ships train.sharding: fsdp
     assert [load_config(qwen, v).train.sharding for _, _, v in VARIANTS] == ["none", "fsdp", "none", "fsdp"]
+
+
+def test_what_is_planned_follows_the_updates_declarations():
+    """The plan reads the update's Needs, not its name: a reference copy wherever an update evaluates the
+    reference in a full fine-tune (GDRO always, GRPO only with a KL weight), the copies it keeps, the whole
+    groups a preference pass holds, and the finished samples with their noise for updates on samples."""
+    def names(recipe, *overrides):
+        return [i.name for i in _plan(recipe, overrides).items]
+
+    assert "reference copy" in names("recipes/sd3_gdro_ocr.yaml", "train.lora_rank=0")
+    assert "reference copy" not in names("recipes/sd3_group_pickscore.yaml", "train.lora_rank=0",
+                                         "train.loss_options.beta_kl=0")
+    assert "reference copy" in names("recipes/sd3_group_pickscore.yaml", "train.lora_rank=0")
+    nft = names("recipes/sd3_sol_nvfp4.yaml")
+    assert any(n.startswith("old policy of train.loss=nft") for n in nft)
+    assert "update: x0 + noise of the batch (float32)" in nft
+    dpo = _plan("recipes/digits.yaml", ["train.loss=dpo", "train.minibatch_size=5"])  # pairs: 2 whole pairs
+    gdro = _plan("recipes/digits.yaml", ["train.loss=gdro", "train.minibatch_size=20"])  # groups of 8: 2 groups
+    assert any("(4 rows)" in i.name for i in dpo.items) and any("(16 rows)" in i.name for i in gdro.items)

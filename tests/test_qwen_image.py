@@ -8,8 +8,9 @@ battery (tests/test_policy_contract.py)."""
 import pytest
 import torch
 
-from flowrl.pipelines.flux import pack_latents, unpack_latents
-from flowrl.pipelines.qwen_image import QwenImagePolicy, build_qwen_tokenizer
+from flowrl.pipelines.packing import pack_latents, unpack_latents
+from flowrl.pipelines.qwen_image import QwenImagePolicy
+from flowrl.pipelines.tiny import build_qwen_tokenizer
 from flowrl.rollout.ode import ode_sample
 from model_parity import exported_lora
 
@@ -92,7 +93,7 @@ def test_grpo_trains_on_qwen_image(tiny, tmp_path):
     from flowrl.trainers.online import train
     from helpers import ROOT, tiny_overrides, two_grpo_iterations
 
-    overrides = tiny_overrides(tiny, "group", **{"train.sharding": "none", "train.beta_kl": 0.04})
+    overrides = tiny_overrides(tiny, "group", **{"train.sharding": "none", "train.loss_options.beta_kl": 0.04})
     cfg = load_config(ROOT / "recipes" / "qwen_image_group_pickscore.yaml", overrides)
     assert cfg.model.pipeline == "qwen-image" and cfg.sampler.name == "group" and cfg.train.loss == "grpo"
     assert cfg.model.guidance_scale == 4.0 and cfg.sampler.options["sde_window"] == 2

@@ -165,12 +165,13 @@ def test_resuming_on_another_number_of_processes_is_noted(capsys):
     from flowrl.trainers.trainer import Trainer
 
     t = _stub()
+    t.strategy = SimpleNamespace(layout=SimpleNamespace(dp_size=1))  # one data-parallel replica now
     Trainer._note_world_size(t, 1)
     Trainer._note_world_size(t, None)  # a checkpoint from before the count was recorded
     assert capsys.readouterr().err == ""
     Trainer._note_world_size(t, 2)
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "written by 2 process(es) and resumes on 1" in err and "per process" in err
+    assert err.count("\n") == 1 and "written by 2 data-parallel replica(s) and resumes on 1" in err and "per replica" in err
 
 
 def test_reward_curve_and_before_after_name_what_they_show(tiny_digits_dir, tmp_path, monkeypatch):

@@ -25,6 +25,7 @@ from flowrl.registry import SAMPLERS
 from flowrl.seeding import derive_seeds
 from flowrl.updates import UPDATES
 from flowrl.updates.base import UpdateContext
+from flowrl.updates.grpo import GRPOOptions
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
 
@@ -87,14 +88,9 @@ def seeds_for(name, sampler, n_prompts: int, seed: int) -> list[int]:
 
 def update_context(policy) -> UpdateContext:
     """The GRPO update's view of a one-process CPU trainer whose reference is the policy itself."""
-    def unused(*a, **k):
-        raise AssertionError("the battery calls minibatch_loss only")
-
-    return UpdateContext(policy=policy, model=policy.transformer, unwrapped=policy.transformer,
-                         device=torch.device("cpu"), autocast=contextlib.nullcontext, reference=contextlib.nullcontext,
-                         gather=lambda t: t, min_over_processes=lambda n: n, accumulate=unused,
-                         optimizer_steps=lambda: 0,
-                         train=SimpleNamespace(clip_range=1e-4, beta_kl=0.04, kl_form="exact", seed=0))
+    return UpdateContext(policy=policy, unwrapped=policy.transformer, device=torch.device("cpu"),
+                         autocast=contextlib.nullcontext, reference=contextlib.nullcontext, gather=lambda t: t,
+                         train=SimpleNamespace(seed=0))
 
 
 @pytest.mark.parametrize("name,case", PARAMS)
@@ -106,7 +102,8 @@ def test_first_minibatch_ratio_is_one_on_policy(tiny_digits_policy, name, case):
         assert m == 0  # nothing for GRPO to train on (DiffusionNFT / preference updates train on samples)
         return
     assert m > 0
-    upd = UPDATES.get("grpo")(update_context(tiny_digits_policy))
+    upd = UPDATES.get("grpo")(update_context(tiny_digits_policy), GRPOOptions(clip_range=1e-4, beta_kl=0.04,
+                                                                               kl_form="exact"))
     adv, _ = transition_advantages(r)
     cond = r.conditioning(tiny_digits_policy)
     order = torch.randperm(m, generator=torch.Generator().manual_seed(0))  # minibatches unlike the sampling batches

@@ -3,10 +3,8 @@ needed by callers), and every rollout carries a typed structure record."""
 import inspect
 
 import pytest
-import torch
 
 from flowrl.registry import SAMPLERS
-from flowrl.structures import GroupStructure, SolStructure
 from flowrl.types import SAMPLER_MEMBERS, Sampler, check_sampler
 
 # the smallest valid configuration of each sampler (defaults otherwise)
@@ -57,12 +55,3 @@ def test_check_sampler_lists_every_protocol_member():
         n for n, v in vars(Sampler).items() if callable(v) and (n == "__call__" or not n.startswith("_"))}
     assert set(SAMPLER_MEMBERS) == declared and len(SAMPLER_MEMBERS) == len(declared)
 
-
-def test_records_extras_view():
-    """The untyped ``Rollout.extras`` view of the records: a flat group has none, Sol nests its own."""
-    assert GroupStructure().as_extras() == {}
-    sol = SolStructure(pool_seeds=torch.arange(4), explore_rewards=torch.rand(4), selected=torch.tensor([0, 3]),
-                       backend="none")
-    extras = sol.as_extras()
-    assert list(extras) == ["sol"] and set(extras["sol"]) == {"pool_seeds", "explore_rewards", "selected", "backend"}
-    assert extras["sol"]["selected"] is sol.selected and sol.name == "group"  # trained as flat groups

@@ -29,7 +29,7 @@ def test_grpo_trains_on_sana(tiny_sana, tmp_path):
     """Two GRPO iterations (group sampler, SDE steps, CFG on) on the recipe's model section."""
     overrides = ["sampler={name: group, step: sde, noise_level: 0.7}", "train.loss=grpo",
                  "train.loss_options={global_std: true}", "model.guidance_scale=4.5",  # (the recipe's are nft's)
-                 f"model.text_embedding_cache={tmp_path / 'emb'}", "train.beta_kl=0.04"]
+                 f"model.text_embedding_cache={tmp_path / 'emb'}", "train.loss_options.beta_kl=0.04"]
     cfg = load_config(RECIPE, overrides + tiny_overrides(tiny_sana, "group"))
     assert cfg.model.pipeline == "sana" and cfg.sampler.name == "group" and cfg.train.loss == "grpo"
     run = tmp_path / "run"

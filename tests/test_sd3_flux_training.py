@@ -41,7 +41,8 @@ def test_group_recipe_trains(tiny_models, tmp_path, kind):
     # the update rescores the rollout's own transitions: before any step, new == old policy
     assert abs(recs[0]["ratio_mean"] - 1) < 1e-4
     # SD3 recipe: KL to the adapter-disabled model, logged; FLUX recipe (beta 0): no KL term, none logged
-    assert ("kl" in recs[1]) == (cfg.train.beta_kl > 0) and cfg.train.beta_kl == {"sd3": 0.04, "flux": 0.0}[kind]
+    beta_kl = cfg.train.update_options.beta_kl
+    assert ("kl" in recs[1]) == (beta_kl > 0) and beta_kl == {"sd3": 0.04, "flux": 0.0}[kind]
     ck1, ck2 = list_checkpoints(run / "checkpoints")
     w1, w2 = lora_weights(ck1), lora_weights(ck2)
     assert w2 and all(".lora_A." in k or ".lora_B." in k for k in w2)

@@ -13,14 +13,45 @@ from flowrl.trainers.config_text import shipped_recipes
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
 RECIPES = [p.stem for p in shipped_recipes()]
+# a shipped prompt set on the line, for recipes whose prompt files are not on this machine
+SAMPLE = ["data.prompts=flowgrpo-pickscore-sample", "data.eval_prompts=flowgrpo-pickscore-sample"]
 
 
 def test_every_shipped_sampler_has_a_row():
     assert {load_config(f"{r}.yaml").sampler.name for r in RECIPES} <= set(SAMPLERS)
 
 
+def provide_recipe_files(recipe: str, where: Path) -> None:
+    """The files a recipe names (prompt files, reward weights), put under ``where`` as a user copies them
+    before the real run: a shipped sample set for a prompt file (the editing set with its images for a
+    ``.jsonl``), an empty file for a reward's weights (the smoke run checks they exist, then swaps the reward)."""
+    import shutil
+
+    from flowrl.data.prompts import available_sets
+    from flowrl.smoke import _names_a_local_file
+
+    sets = Path(__import__("flowrl.data", fromlist=["x"]).__file__).parent / "prompt_sets"
+    cfg = load_config(f"{recipe}.yaml")
+    for source in (cfg.data.prompts, cfg.data.eval_prompts):
+        if isinstance(source, str) and source not in available_sets() and not (where / source).exists():
+            (where / source).parent.mkdir(parents=True, exist_ok=True)
+            if source.endswith(".jsonl"):
+                shutil.copy(sets / "digits_edit_sample.jsonl", where / source)
+                shutil.copytree(sets / "digits_edit", (where / source).parent / "digits_edit", dirs_exist_ok=True)
+            else:
+                shutil.copy(sets / "flowgrpo_pickscore_sample.txt", where / source)
+    for spec in (cfg.reward.options, cfg.reward.heldout):
+        for options in spec.values():
+            for value in (options or {}).values():
+                if _names_a_local_file(value) and not value.startswith(("/", "~")):
+                    (where / value).parent.mkdir(parents=True, exist_ok=True)
+                    (where / value).touch()
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_smoke_run(recipe, tmp_path):
+def test_recipe_smoke_run(recipe, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where the recipe's files are, as for the real run
+    provide_recipe_files(recipe, tmp_path)
     run = tmp_path / "run"
     summary = smoke_run(f"recipes/{recipe}.yaml", str(run), ["logging.progress=false"])
     full = load_config(f"{recipe}.yaml")
@@ -31,15 +62,39 @@ def test_recipe_smoke_run(recipe, tmp_path):
     for kept in (f"pipeline: {full.model.pipeline}", f"name: {full.sampler.name}", f"loss: {full.train.loss}",
                  f"mode: {full.train.mode}"):
         assert kept in saved, kept  # the recipe's structure survives the shrinking
-    if full.model.pipeline == "flux-kontext":  # an editing run: digits_edit is NaN for a row without its source
+    editing = {"flux-kontext": "digits-edit-sample", "qwen-image-edit": "digits-edit-multi-sample"}
+    if full.model.pipeline in editing:  # an editing run: digits_edit is NaN for a row without its sources
         from helpers import train_records
 
-        assert "digits-edit-sample" in saved and all(0 <= r["reward_mean"] <= 1 for r in train_records(run))
+        assert editing[full.model.pipeline] in saved and all(0 <= r["reward_mean"] <= 1 for r in train_records(run))
+
+
+def test_smoke_checks_what_the_real_run_reads(tmp_path, monkeypatch, capsys):
+    """A prompt file or reward weights the recipe names but this machine lacks fail the smoke run, as they
+    would fail the real one (one line from the CLI, nothing written); given on the line, a shipped set passes."""
+    from flowrl.cli import main
+    from flowrl.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)  # no data/ here
+    with pytest.raises(ConfigError, match=r"--smoke checks what the real run reads, and data\.prompts fails: "
+                                          r"prompt file 'data/pickscore/train\.txt' not found.*flowgrpo-pickscore"):
+        smoke_config("recipes/sd3_group_pickscore.yaml", [], tmp_path)
+    with pytest.raises(ConfigError, match=r"reward\.options\.hps\.checkpoint=checkpoints/HPS_v2\.1_compressed\.pt "
+                                          r"is no file here"):
+        smoke_config("recipes/sd3_branch_hps.yaml", SAMPLE, tmp_path)
+    cfg, _ = smoke_config("recipes/sd3_group_pickscore.yaml", SAMPLE, tmp_path)
+    assert cfg.data.prompts == "flowgrpo-pickscore-sample"
+    capsys.readouterr()  # what building the tiny model printed
+    assert main(["train", "--smoke", "--config", "recipes/sd3_group_pickscore.yaml", "--output-dir",
+                 str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("flowrl train: error: --smoke checks what the real run reads")
+    assert not (tmp_path / "run").exists()
 
 
 def test_smoke_keeps_the_recipes_cache_paths_clean(tmp_path):
     """A recipe with a relative text-embedding cache (shared with the real run) gets a scratch one."""
-    cfg, ov = smoke_config("recipes/sd3_sol_nvfp4.yaml", [], tmp_path)
+    cfg, ov = smoke_config("recipes/sd3_sol_nvfp4.yaml", SAMPLE, tmp_path)
     assert load_config("recipes/sd3_sol_nvfp4.yaml").model.text_embedding_cache.startswith("cache/")
     assert Path(cfg.model.text_embedding_cache).parent == tmp_path
     assert cfg.sampler.to_dict()["explore_backend"] == "int8-dynamic" and cfg.model.device == "cpu"
@@ -48,7 +103,7 @@ def test_smoke_keeps_the_recipes_cache_paths_clean(tmp_path):
 
 
 def test_user_overrides_apply_under_the_smoke_sizes(tmp_path):
-    cfg, _ = smoke_config("recipes/digits.yaml", ["train.loss=dpo", "train.beta_kl=0", "train.iterations=50"], tmp_path)
+    cfg, _ = smoke_config("recipes/digits.yaml", ["train.loss=dpo", "train.iterations=50"], tmp_path)
     assert cfg.train.loss == "dpo" and cfg.train.iterations == 1  # the user's choice kept, the size shrunk
 
 

@@ -8,6 +8,7 @@ import yaml
 from flowrl.rollout.group import GroupSampler
 from flowrl.rollout.sol import SolSampler, select_indices
 from flowrl.seeding import derive_seeds
+from flowrl.structures import SolStructure
 
 PROMPTS = ["a handwritten digit 3", "a handwritten digit 7"]
 
@@ -78,7 +79,7 @@ def test_regenerated_samples_equal_full_precision_rollout(tiny_digits_policy, ba
     out = sol(pol, PROMPTS, reward, seed=11)
     pool = derive_seeds(11, 2 * 8)
     chosen = out.layout.selected
-    assert out.structure == "group" and torch.equal(out.extras["sol"]["selected"], chosen)  # the old dict view
+    assert out.structure == "group" and isinstance(out.layout, SolStructure)
     assert out.seeds.tolist() == [pool[i] for i in chosen.tolist()]
     assert all(i // 8 == p for i, p in zip(chosen.tolist(), out.prompt_index.tolist()))  # within its prompt
     ref = GroupSampler(group_size=4, num_steps=4)(pol, PROMPTS, reward, seeds=out.seeds.tolist())

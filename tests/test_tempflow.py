@@ -68,8 +68,6 @@ def test_one_transition_per_completion(small_rollout, tiny_digits_policy):
     keys = set(zip(tr.prompt_index.tolist(), ex.seed_slot.tolist(), ex.step.tolist(), ex.branch.tolist()))
     assert len(keys) == n and keys == {(a, b, c, d) for a in range(p) for b in range(s) for c in range(nb) for d in range(e)}
     assert torch.equal(tr.step, ex.step) and torch.equal(r.prompt_index, tr.prompt_index)
-    assert set(r.extras) == {"trajectory", "seed_slot", "step", "branch", "group_by", "branch_steps", "step_weights",
-                             "main_rewards"}  # the old dict view of the layout
     assert torch.equal(tr.sigma, r.sigmas[tr.step]) and torch.equal(tr.sigma_next, r.sigmas[tr.step + 1])
     assert torch.all(tr.old_log_prob != 0) and torch.isfinite(tr.old_log_prob).all()
     assert torch.allclose(r.rewards, mean_reward(r.images, None)) and r.images.shape == (n, 3, 16, 16)

@@ -61,6 +61,9 @@ def test_num_frames_option_and_errors(tiny, tmp_path):
     policy.save_pretrained(tmp_path / "saved")  # the frame count travels with the model, like the resolution
     back = WanPolicy.from_pretrained(tmp_path / "saved", max_sequence_length=SEQ)
     assert back.num_frames == 9 and (back.height, back.width) == (32, 48)
+    saved = json.loads((tmp_path / "saved" / "flowrl.json").read_text())  # written once, with every entry
+    assert saved == {"kind": "wan", "resolution": [32, 48], "num_frames": 9}
+    assert json.loads((tiny / "flowrl.json").read_text())["num_frames"] == TINY_NUM_FRAMES
     with pytest.raises(ValueError, match="4 k \\+ 1"):
         WanPolicy.from_pretrained(tiny, num_frames=8)
     with pytest.raises(ValueError, match="guidance_scale"):
@@ -88,12 +91,13 @@ def test_flow_grpo_wan_step_rollout_rescores_on_policy(tiny):
     sampler = SAMPLERS.get("group")(group_size=2, num_steps=3, step="sde_wan", noise_level=0.9828)
     r = sampler(policy, PROMPTS, lambda frames, prompts, **m: frames.float().flatten(1).mean(1), seed=3)  # per frame
     assert r.transitions.latents.shape[1:] == (16, 2, 4, 4) and len(r.transitions) == 4 * 3
-    ctx = UpdateContext(policy=policy, model=policy.transformer, unwrapped=policy.transformer,
-                        device=torch.device("cpu"), autocast=contextlib.nullcontext, reference=contextlib.nullcontext,
-                        gather=lambda t: t, min_over_processes=lambda n: n, accumulate=None, optimizer_steps=lambda: 0,
-                        train=SimpleNamespace(clip_range=1e-3, beta_kl=0.004, kl_form="flow_grpo", seed=0))
+    ctx = UpdateContext(policy=policy, unwrapped=policy.transformer, device=torch.device("cpu"),
+                        autocast=contextlib.nullcontext, reference=contextlib.nullcontext, gather=lambda t: t,
+                        train=SimpleNamespace(seed=0))
     adv, _ = transition_advantages(r)
-    _, stats = UPDATES.get("grpo")(ctx).minibatch_loss(r, r.conditioning(policy), torch.arange(len(r.transitions)), adv)
+    upd = UPDATES.get("grpo")(ctx, cfg.train.update_options)  # the recipe's: beta_kl 0.004, kl_form flow_grpo
+    assert (upd.opts.beta_kl, upd.opts.kl_form) == (0.004, "flow_grpo")
+    _, stats = upd.minibatch_loss(r, r.conditioning(policy), torch.arange(len(r.transitions)), adv)
     assert float(stats["approx_kl"]) < 1e-10 and abs(float(stats["ratio_mean"]) - 1) < 1e-5
     assert float(stats["kl"]) == 0.0
 

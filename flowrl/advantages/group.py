@@ -91,7 +91,7 @@ def group_structure(rollout, *, global_std: bool = False, per_reward_weights: Op
                     normalisation: str = "flow_grpo", adv_clip: float = ADV_CLIP,
                     **_: object) -> tuple[torch.Tensor, dict]:
     """Advantages of a flat group rollout: each transition takes its sample's group advantage,
-    clipped to ``+-adv_clip`` (``train.adv_clip_max``; the update uses them as they are).
+    clipped to ``+-adv_clip`` (``train.loss_options.adv_clip_max``; the update uses them as they are).
 
     ``normalisation`` names the std and eps (:data:`NORMALISATIONS`: ``flow_grpo`` or
     ``dance_grpo``).

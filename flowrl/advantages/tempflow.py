@@ -141,7 +141,7 @@ def tempflow_structure(rollout, *, group_by: Optional[str] = None, global_std: b
         global_std: divide by the std of all process rewards instead of the group's (tracker
             groupings: the std of all rewards of the same step).
         per_reward_weights: normalise each reward component first, then weight (MixGRPO).
-        adv_clip: advantage clip of every grouping (``train.adv_clip_max``, default 5).
+        adv_clip: advantage clip of every grouping (``train.loss_options.adv_clip_max``, default 5).
     Returns:
         ``(A [M] float32, info)``; ``info["zero_var"]`` [M] bool marks transitions without signal
         (skipped): groups whose rewards are all equal, or for the tracker groupings table rows

@@ -294,7 +294,7 @@ def branch_structure(rollout, *, iteration: int = 0, fusion: Optional[str] = Non
         compat: None, or ``"branchgrpo"``: the peer code's modes by default and only those
             allowed (:func:`resolve_modes`). Pruning stays off unless its option is set.
         adv_clip: edge advantages are clipped to ``+-adv_clip`` (the trainer passes
-            ``train.adv_clip_max``).
+            ``train.loss_options.adv_clip_max``).
     Returns:
         ``(A [M] float32, info)``; info: ``train_mask`` [M] bool (pruned edges False),
         ``zero_var`` [M] bool (degenerate depth: A = 0) and floats ``zero_var_fraction``,

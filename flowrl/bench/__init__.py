@@ -6,8 +6,3 @@ JSON + PNG written only where asked (``--out DIR``, or ``--json PATH``).
 - ``samplers`` / ``training``: reward per wall-clock second of BranchGRPO / TempFlow-GRPO vs flat GRPO
 - ``offline``: offline (GDRO) training benchmarks
 """
-
-
-class BenchError(ValueError):
-    """A benchmark cannot run as asked (unknown variant, pipeline, flag combination); the message
-    says what to give instead."""

@@ -311,12 +311,12 @@ def counted_calls(obj, name: str, counter: collections.Counter) -> Iterator[None
 def _timed_update(trainer, rollout, o: HostOptions) -> dict:
     dev, n = torch.device(o.device), collections.Counter()
     steps0 = trainer.steps.opt_steps + trainer.steps.skipped
-    upd = trainer.update_object("grpo")
+    upd = trainer.update_object()
     with counted_calls(trainer.policy, "encode_prompts", n), counted_calls(upd, "minibatch_loss", n), \
             host_counters(trainer.policy.transformer) as c:
         _sync(dev)
         t0 = time.perf_counter()
-        stats, _ = upd(rollout, 0)
+        stats, _ = trainer.train_on(rollout, 0)
         _sync(dev)
         wall = time.perf_counter() - t0
     m = max(1, n["minibatch_loss"])

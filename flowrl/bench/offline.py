@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 from ..command_line import positive_float
 from ..utils.io import save_figure, write_json
-from . import BenchError
+from ..errors import BenchError
 
 QUIET = ["logging.trackers=[]", "logging.progress=false"]
 

@@ -12,7 +12,7 @@ import argparse
 from typing import Optional
 
 from ..command_line import positive_int
-from . import BenchError
+from ..errors import BenchError
 from .precision_policy import PIPELINES
 
 COMPILE_CHOICES = ("off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

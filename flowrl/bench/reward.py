@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 import numpy as np
 
+from ..errors import BenchError
 from ..utils.io import write_json
 
 VARIANTS = ("ocr_serial", "ocr_overlap", "ocr_served", "judge_serial", "judge_overlap")
@@ -132,7 +133,7 @@ def bench_reward(a) -> dict:
 
     unknown = set(a.variants or []) - set(VARIANTS)
     if unknown:
-        raise ValueError(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
+        raise BenchError(f"unknown variant(s) {sorted(unknown)} of bench reward; choose from {list(VARIANTS)}")
     chosen = [v for v in VARIANTS if not a.variants or v in a.variants]
     work = Path(tempfile.mkdtemp(prefix="flowrl-bench-reward-"))
     base = _overrides(make_tiny("sd3", work / "tiny-sd3", image_size=a.resolution), a)

@@ -8,7 +8,7 @@ from typing import Optional
 from ..command_line import positive_float
 from ..trainers.config_text import recipes_dir
 from ..utils.io import write_json
-from . import BenchError
+from ..errors import BenchError
 from .training import Variant, compare, table, time_to_reach
 
 
@@ -82,13 +82,16 @@ def bench_sampler(kind: str, pipeline: str = "digits", budget_seconds: float = 1
                   title=f"{kind} vs flat GRPO on digits ({budget_seconds:.0f} s each)", extra=extra)
     if "flat_grpo" in res["variants"]:
         flat = res["variants"]["flat_grpo"]
+        # a target the base model already meets has no time to reach it (not "0.0 s")
+        res["flat_final_above_base"] = flat["final_eval_reward"] > flat["curve"][0]["eval_reward"]
         for name, r in res["variants"].items():
             r["rollout_time_ratio_vs_flat"] = r["rollout_seconds_per_iteration"] / flat["rollout_seconds_per_iteration"] \
                 * flat["samples_per_iteration"] / r["samples_per_iteration"]
             r["model_eval_ratio_vs_flat"] = r["model_evals_per_iteration"] / flat["model_evals_per_iteration"] \
                 * flat["samples_per_iteration"] / r["samples_per_iteration"]
-            # wall-clock to reach the flat baseline's final eval reward (None: never within the budget)
-            r["seconds_to_flat_final_reward"] = time_to_reach(r["curve"], flat["final_eval_reward"])
+            # wall-clock to reach the flat baseline's final eval reward (None: never within the budget, or n/a)
+            r["seconds_to_flat_final_reward"] = (time_to_reach(r["curve"], flat["final_eval_reward"])
+                                                 if res["flat_final_above_base"] else None)
         if out:
             write_json(res, out / f"{kind}.json")
     if out:
@@ -104,7 +107,12 @@ def report(res: dict) -> str:
             lines.append(f"{name:<20} rollout time per sample vs flat {r['rollout_time_ratio_vs_flat']:.3f}   "
                          f"model evaluations per sample vs flat {r['model_eval_ratio_vs_flat']:.3f}")
     if "flat_grpo" in res["variants"]:
-        target = res["variants"]["flat_grpo"]["final_eval_reward"]
+        flat = res["variants"]["flat_grpo"]
+        target, base = flat["final_eval_reward"], flat["curve"][0]["eval_reward"]
+        if not res.get("flat_final_above_base", target > base):
+            lines.append(f"time to flat GRPO's final eval reward: n/a ({target:.4f} is not above the base model's "
+                         f"{base:.4f}: the base already reaches it; raise --budget)")
+            return "\n".join(lines)
         for name, r in res["variants"].items():
             t = r.get("seconds_to_flat_final_reward")
             lines.append(f"{name:<20} reaches flat GRPO's final eval reward {target:.4f} at "

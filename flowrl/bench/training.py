@@ -16,10 +16,8 @@ from typing import Optional
 
 import numpy as np
 
-import yaml
-
 from ..trainers.config import Config
-from ..trainers.config_text import apply_overrides, resolve_recipe
+from ..trainers.config_text import apply_overrides, read_recipe, resolve_recipe
 from ..trainers.online import OnlineTrainer
 from ..utils.io import save_figure, write_json
 
@@ -37,7 +35,7 @@ class Variant:
         path = resolve_recipe(recipe)  # a file, or a shipped recipe by name (recipes/digits.yaml from anywhere)
         if self.recipe is not None:
             path = resolve_recipe(path.parent / self.recipe)
-        d = yaml.safe_load(path.read_text())
+        d = read_recipe(path)
         if self.sampler is not None:
             d["sampler"] = dict(self.sampler)
         d = apply_overrides(d, list(self.overrides) + list(extra))

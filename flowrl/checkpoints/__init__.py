@@ -14,6 +14,7 @@ from typing import Optional, Union
 
 import torch
 
+from .common import unreadable
 from .sharded import ShardedCheckpoint
 from .unsharded import UnshardedCheckpoint
 
@@ -31,5 +32,9 @@ def load_checkpoint(path: Path) -> dict:
 
 
 def checkpoint_tensors(path: Path, group: str) -> Optional[dict[str, torch.Tensor]]:
-    """The whole ``trainable``, ``ema`` or ``extra_<name>`` tensors of a checkpoint of either format, or None."""
-    return format_of(Path(path)).tensors(Path(path), group)
+    """The whole ``trainable``, ``ema`` or ``extra_<name>`` tensors of a checkpoint of either format, or None;
+    a file that cannot be read (truncated, not safetensors) is a :class:`CheckpointError`."""
+    try:
+        return format_of(Path(path)).tensors(Path(path), group)
+    except Exception as e:  # noqa: BLE001 - SafetensorError, a DCP read error, ...: the checkpoint is unusable
+        raise unreadable(Path(path), e) from e

@@ -318,6 +318,30 @@ class CachedTextPolicy:
         return f"CachedTextPolicy({self.wrapped!r}, {len(self.text_embedding_cache)} prompts cached)"
 
 
+def _config_fingerprint(model_cfg) -> str:
+    """:func:`model_fingerprint` of a ``ModelConfig``."""
+    return model_fingerprint({"pipeline": model_cfg.pipeline, "path": model_cfg.path,
+                              "guidance_scale": model_cfg.guidance_scale, "options": model_cfg.options})
+
+
+def text_cache_covers(model_cfg, prompts: list[str]) -> bool:
+    """Whether the text encoders would never run: ``model.drop_text_encoders`` with a
+    ``model.text_embedding_cache`` directory that already holds every prompt of ``prompts`` (the
+    trainer then does not load them at all)."""
+    where = model_cfg.text_embedding_cache
+    if not where or where == "memory" or not model_cfg.drop_text_encoders:
+        return False
+    fp = _config_fingerprint(model_cfg)
+    d = cache_directory(where, fp)
+    if not (d / INDEX).is_file():
+        return False
+    try:
+        cache = TextEmbeddingCache.load(str(d), fp)
+    except TextCacheError:
+        return False
+    return all(p in cache for p in dict.fromkeys(item_texts(prompts)))
+
+
 def attach_text_cache(policy, model_cfg, prompts: list[str], is_main: bool = True,
                       barrier: Optional[Callable[[], None]] = None, progress: bool = False):
     """Apply ``model.text_embedding_cache`` / ``model.drop_text_encoders`` to a freshly loaded policy.
@@ -332,8 +356,7 @@ def attach_text_cache(policy, model_cfg, prompts: list[str], is_main: bool = Tru
     if not where:
         return policy
     prompts = list(dict.fromkeys(item_texts(prompts)))  # edit items: the text part only (sources are not cached)
-    fp = model_fingerprint({"pipeline": model_cfg.pipeline, "path": model_cfg.path,
-                            "guidance_scale": model_cfg.guidance_scale, "options": model_cfg.options})
+    fp = _config_fingerprint(model_cfg)
     if where == "memory":
         cache = TextEmbeddingCache.build(policy, prompts, fp, progress=progress)
     else:

@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from safetensors import safe_open
@@ -167,9 +167,6 @@ class OfflineDataset:
         """A whole reward column ``[N, k]`` in group-id order (for statistics)."""
         return torch.cat([self._handle(s["columns"][f"reward/{name}"]).get_tensor(f"reward/{name}")
                           for s in self.shards]) if self.shards else torch.zeros(0, self.k)
-
-    def iter_shards(self) -> Iterator[dict]:
-        yield from self.shards
 
     def close(self) -> None:
         self._handles.clear()

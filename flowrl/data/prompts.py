@@ -26,6 +26,7 @@ NAMED = {
     "geneval": "geneval_metadata.jsonl",  # GenEval's 553 evaluation prompts with their clauses
     "flowgrpo-ocr-test": "flowgrpo_ocr_test.txt",  # Flow-GRPO's 1,018 OCR test prompts
     "digits-edit-sample": "digits_edit_sample.jsonl",
+    "digits-edit-multi-sample": "digits_edit_multi_sample.jsonl",  # two or three source images per row
 }
 # columns tried, in order, when a dataset's prompt column is not named
 PROMPT_COLUMNS = ("prompt", "caption", "text")

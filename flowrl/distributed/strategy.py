@@ -10,6 +10,11 @@ Everything the trainer does differently under DDP and under FSDP2 lives in one o
 | evaluation | main process, bare module (a DDP forward is collective) | every process (forwards are collective) |
 | in sync | checksums of the trained tensors gathered | one sharded copy: nothing to diverge |
 
+Both split every transformer forward over a context-parallel group when ``train.context_parallel > 1``
+(:mod:`flowrl.distributed.context`, applied in :meth:`shard` before FSDP2); ``layout`` says which
+data-parallel replica and which slice of the tokens this process has (:mod:`flowrl.distributed.mesh`).
+Under context parallelism every process evaluates (a forward is collective over its group).
+
 A strategy is made once the accelerator exists (``strategy_for(train.sharding, accelerator)``).
 """
 from __future__ import annotations
@@ -26,24 +31,41 @@ from ..checkpoints.sharded import ShardedCheckpoint
 from ..checkpoints.unsharded import UnshardedCheckpoint
 from ..trainable import load_trainable_state, trainable_state
 from ..types import swapped_transformer
+from .context import enable_context_parallel
 from .fsdp import clip_grad_norm, shard_model
+from .mesh import layout_for
 
 
-class ReplicatedStrategy:
+class _Strategy:
+    """What both strategies share: the process layout and context parallelism."""
+
+    def __init__(self, acc, train) -> None:
+        self.acc, self.train = acc, train
+        self.layout = layout_for(acc, train)
+
+    def split_tokens(self, modules: list[Optional[nn.Module]]) -> None:
+        """Context parallelism on each module (nothing when ``train.context_parallel`` is 1)."""
+        mesh = None
+        for m in modules:
+            if m is not None:
+                mesh = enable_context_parallel(m, self.layout, self.acc.device, self.train.context_parallel_attention,
+                                               mesh)
+
+
+class ReplicatedStrategy(_Strategy):
     """``train.sharding=none``: every process holds the whole model; DDP averages the gradients."""
 
     name = "none"
 
-    def __init__(self, acc, train) -> None:
-        self.acc, self.train = acc, train
-
     @property
     def evaluates_here(self) -> bool:
-        """Evaluation runs on the main process only."""
-        return self.acc.is_main_process
+        """Evaluation runs on the main process only (on every process under context parallelism)."""
+        return self.acc.is_main_process or self.layout.cp > 1
 
     def shard(self, modules: list[Optional[nn.Module]]) -> None:
-        """Nothing to shard: each process keeps whole modules."""
+        """Nothing to shard: each process keeps whole modules (their forwards split over a
+        context-parallel group when there is one)."""
+        self.split_tokens(modules)
 
     def prepare(self, model: nn.Module, optimizer, scheduler) -> tuple[nn.Module, object, object, nn.Module]:
         """``(model, optimizer, scheduler, unwrapped)`` after ``accelerate.prepare`` (the DDP wrapper)."""
@@ -92,14 +114,11 @@ class ReplicatedStrategy:
         return bool(torch.allclose(allsig, allsig[:1].expand_as(allsig), rtol=0, atol=0))
 
 
-class ShardedStrategy:
+class ShardedStrategy(_Strategy):
     """``train.sharding=fsdp``: the transformer FSDP2-sharded per block over the processes
     (:mod:`flowrl.distributed.fsdp`); the EMA and frozen copies are shards too."""
 
     name = "fsdp"
-
-    def __init__(self, acc, train) -> None:
-        self.acc, self.train = acc, train
 
     @property
     def evaluates_here(self) -> bool:
@@ -107,12 +126,14 @@ class ShardedStrategy:
         return True
 
     def shard(self, modules: list[Optional[nn.Module]]) -> None:
-        """FSDP2 in place on each module (blocks, then the root): the trained model and a full fine-tune's
-        frozen reference."""
-        for m in modules:
+        """FSDP2 in place on each module (blocks, then the root): ``modules[0]`` the trained model, the rest
+        frozen copies (a full fine-tune's reference; in host memory with ``train.offload.reference``), after
+        context parallelism when there is one."""
+        self.split_tokens(modules)
+        for i, m in enumerate(modules):
             if m is not None:
-                shard_model(m, self.acc.device, mixed_precision=self.train.mixed_precision,
-                            cpu_offload=self.train.cpu_offload)
+                offload = self.train.cpu_offload or (i > 0 and bool(self.train.offload.get("reference")))
+                shard_model(m, self.acc.device, mixed_precision=self.train.mixed_precision, cpu_offload=offload)
 
     def prepare(self, model: nn.Module, optimizer, scheduler) -> tuple[nn.Module, object, object, nn.Module]:
         """Unchanged (not through ``accelerate.prepare``, which would wrap the sharded model in DDP)."""

@@ -16,6 +16,13 @@ activations, the output included). Passes:
 Memory is affine in the rows (per-sample activations plus a constant) and in the block count of each block
 type (the adapter's ``block_counts``), so each pass is measured on reduced-depth copies of the transformer (:func:`probe_depths`) at 1
 and 2 rows and evaluated at any count (:meth:`Activations.bytes`); fits are cached per pass.
+
+Context parallelism (``train.context_parallel: C``): the transformer passes are measured as one rank of
+a ``C``-way group runs them, with the model's own ``_cp_plan`` applied on the meta model
+(:func:`flowrl.distributed.context.emulate_context_parallel`: inputs sliced to ``1/C`` of their tokens
+where the plan splits them, outputs gathered back to the whole sequence, attention over the local
+tokens, which holds the same bytes as Ulysses' all heads of ``1/C`` of the tokens -> ``1/C`` of the heads
+of all tokens). :meth:`Activations.degree` is that view; the VAE decode is not split.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from typing import Optional
 import torch
 
 from ..pipelines.facts import Geometry
+from ..distributed.context import emulate_context_parallel
 from .models import MetaComponents
 from .tracker import LiveBytes, flash_attention
 
@@ -48,14 +56,20 @@ def recipe_geometry(cfg, adapter: type, configs) -> Geometry:
         raise ConfigError(f"model.options: {e}") from None
 
 
-def transformer_inputs(comp: MetaComponents, geometry: Geometry, rows: int, device="meta") -> dict:
-    """Keyword arguments of the transformer's forward for ``rows`` rows of empty tensors, built by the
-    adapter's own ``transformer_inputs`` (what its velocity passes)."""
+def transformer_inputs(comp: MetaComponents, geometry: Geometry, rows: int, device="meta") -> tuple:
+    """``(x, kwargs)``: empty latents ``x`` of ``rows`` rows and the keyword arguments of the transformer's
+    forward for them, built by the adapter's own ``transformer_inputs`` (what its velocity passes)."""
     dt = comp.dtypes["transformer"]
     x = torch.empty(rows, *geometry.latent_shape, device=device, dtype=dt)  # [B, C, (F,) h, w]
     sigma = torch.empty(rows, device=device, dtype=torch.float32)  # [B]
     cond = comp.adapter.example_conditioning(comp.configs, geometry, rows, device, dt)
-    return comp.adapter.transformer_inputs(comp.config, dt, x, sigma, cond)
+    return x, comp.adapter.transformer_inputs(comp.config, dt, x, sigma, cond)
+
+
+def velocity_of(comp: MetaComponents, transformer, x: torch.Tensor, kw: dict) -> torch.Tensor:
+    """The forward's output as the adapter's velocity shaped like ``x`` (its ``transformer_output``: a
+    list of per-sample outputs for Z-Image), as its velocity computes it."""
+    return comp.adapter.transformer_output(transformer(**kw)[0], x)
 
 
 def probe_depths(real: dict[str, int]) -> list[dict[str, int]]:
@@ -113,9 +127,9 @@ def _train_pass(comp: MetaComponents, shapes: Geometry, rows: int, checkpointing
     for p in tr.parameters():
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)  # steady state: gradients accumulate in place
-    kw = transformer_inputs(comp, shapes, rows)
+    x, kw = transformer_inputs(comp, shapes, rows)
     with flash_attention(), LiveBytes().tracking() as live:
-        out = tr(**kw)[0]
+        out = velocity_of(comp, tr, x, kw)
         out.float().square().mean().backward()
         del out
     tr.disable_gradient_checkpointing()
@@ -124,9 +138,9 @@ def _train_pass(comp: MetaComponents, shapes: Geometry, rows: int, checkpointing
 
 def _infer_pass(comp: MetaComponents, shapes: Geometry, rows: int) -> tuple[int, int]:
     comp.transformer.eval()
-    kw = transformer_inputs(comp, shapes, rows)
+    x, kw = transformer_inputs(comp, shapes, rows)
     with torch.no_grad(), flash_attention(), LiveBytes().tracking() as live:
-        out = comp.transformer(**kw)[0]
+        out = velocity_of(comp, comp.transformer, x, kw)
         del out
     return live.peak, 0
 
@@ -152,6 +166,14 @@ class Activations:
     _fits: dict = field(default_factory=dict)
     _models: list = field(default_factory=list)  # probe depths built so far
     _built: list = field(default_factory=list)  # their meta transformers
+    cp: int = 1  # context-parallel degree of this view (:meth:`degree`)
+
+    def degree(self, cp: int) -> "Activations":
+        """The same measurements as one rank of a ``cp``-way context-parallel group makes them (sharing the
+        fits and meta models of this object)."""
+        view = dataclasses.replace(self, cp=int(cp))
+        view._fits, view._models, view._built = self._fits, self._models, self._built
+        return view
 
     def _probe(self, kind: str, ckpt: bool, rows: int) -> tuple[float, float]:
         """(peak, saved) bytes of pass ``kind`` at ``rows``, from reduced-depth transformers (probe_depths)."""
@@ -166,7 +188,9 @@ class Activations:
                 self._models.append(d)
                 self._built.append(self.comp.transformer if d == real else
                                    self.comp.build(adapter.with_block_counts(self.comp.config, d)))
-            view = dataclasses.replace(self.comp, transformer=self._built[self._models.index(d)])
+            built = self._built[self._models.index(d)]
+            emulate_context_parallel(built, self.cp)
+            view = dataclasses.replace(self.comp, transformer=built)
             results.append(_train_pass(view, self.shapes, rows, ckpt) if kind == "train"
                            else _infer_pass(view, self.shapes, rows))
         peak, saved = (extrapolate(real, depths, [r[i] for r in results]) for i in (0, 1))
@@ -175,8 +199,9 @@ class Activations:
         return peak, saved
 
     def _fit(self, key: tuple) -> tuple[float, float, float, float]:
+        key = (*key, self.cp if key[0] != "decode" else 1)
         if key not in self._fits:
-            kind, ckpt = key
+            kind, ckpt, _ = key
             (p1, s1), (p2, s2) = self._probe(kind, ckpt, 1), self._probe(kind, ckpt, 2)
             self._fits[key] = (p1 - (p2 - p1), p2 - p1, s1 - (s2 - s1), s2 - s1)
         return self._fits[key]

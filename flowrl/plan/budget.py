@@ -11,11 +11,13 @@
   images per forward), a separate run planned with this one's resident set;
 * training phase: the stored transitions (kept through the update) plus one training pass's
   activations (with or without gradient checkpointing, as the recipe sets it), with the reference
-  forward held beside the graph when the update has one (KL, GDRO / DPO implicit rewards).
+  forward held beside the graph when the update declares so (a KL term, GDRO / DPO implicit rewards).
 
 Sizes follow what the code holds: trained tensors in their own dtype (LoRA: float32; a full
 fine-tune trains the transformer in its loaded dtype), AdamW's two states per trained element in
-that dtype, the EMA and DiffusionNFT's old policy one copy of the trained tensors each.
+that dtype, the EMA and each copy an update keeps (DiffusionNFT's old policy) one copy of the trained
+tensors each. What the update needs comes from its declaration (``cfg.train.update_needs``,
+:class:`flowrl.updates.base.Needs`), never from its name.
 """
 from __future__ import annotations
 
@@ -91,19 +93,20 @@ def reward_items(cfg) -> list[Item]:
     """Trained-on and held-out reward models: declared parameters x their dtype, on their device."""
     out = []
     names = list(cfg.reward.weights) + [n for n in cfg.reward.heldout if n not in cfg.reward.weights]
+    names += [n for n in cfg.train.update_needs.rewards if n not in names]  # models the update keeps itself
     for n in names:
         opts = {**cfg.reward.options.get(n, {}), **cfg.reward.heldout.get(n, {})}
         params, source = reward_size(n)
         size = 2 if str(opts.get("dtype", "float32")) in ("bfloat16", "bf16", "float16", "fp16") else 4
         where = "host" if str(opts.get("device", "cpu")).startswith("cpu") else "gpu"
-        tag = "held-out" if n not in cfg.reward.weights else "reward"
+        tag = "reward" if n in cfg.reward.weights else "held-out" if n in cfg.reward.heldout else "update's reward"
         out.append(Item(f"{tag} model: {n}", (params or 0) * size, "resident", where, source, known=params is not None))
     return out
 
 
 def model_items(cfg, comp: MetaComponents, gpus: int) -> list[Item]:
     """Transformer weights, trained-state copies and the frozen components (module doc)."""
-    t = cfg.train
+    t, needs = cfg.train, cfg.train.update_needs
     tr = comp.transformer
     lora = t.lora_rank > 0
     fsdp = t.sharding == "fsdp"
@@ -112,21 +115,23 @@ def model_items(cfg, comp: MetaComponents, gpus: int) -> list[Item]:
     trained, trained_n = module_bytes(tr, trainable=True), num_params(tr, trainable=True)
     tdt = _dtype_name(next((p.dtype for p in tr.parameters() if p.requires_grad), torch.float32))
     shard_note = f" / {n} (FSDP)" if n > 1 else ""
+    note = f"; {tr.plan_note}" if hasattr(tr, "plan_note") else ""  # e.g. Wan2.2's two experts
     rows = [(f"transformer weights ({_dtype_name(comp.dtypes['transformer'])})",
-             module_bytes(tr, trainable=False) if lora else module_bytes(tr), f"{num_params(tr) - (trained_n if lora else 0):,} params")]
+             module_bytes(tr, trainable=False) if lora else module_bytes(tr), f"{num_params(tr) - (trained_n if lora else 0):,} params{note}")]
     if lora:
         rows.append((f"LoRA adapter (rank {t.lora_rank}, {tdt})", trained, f"{trained_n:,} params"))
     rows += [(f"gradients ({tdt})", trained, "one per trained element"),
              (f"AdamW states (2 x {tdt})", 2 * trained, "exp_avg + exp_avg_sq")]
     if t.ema:
         rows.append((f"EMA ({tdt})", trained, "train.ema: one copy of the trained tensors"))
-    if t.beta_kl > 0 and not lora:
-        rows.append(("KL reference copy", module_bytes(tr), "full fine-tune: a frozen copy of the transformer"))
-    if t.loss == "nft":
-        rows.append((f"NFT old policy ({tdt})", trained, "DiffusionNFT: one copy of the trained tensors"))
+    if needs.reference and not lora:
+        rows.append(("reference copy", module_bytes(tr), "full fine-tune: a frozen copy of the transformer"))
+    for copy in needs.copies:
+        rows.append((f"{copy.replace('_', ' ')} of train.loss={t.loss} ({tdt})", trained,
+                     "a copy of the trained tensors the update keeps"))
     items = [Item(name, -(-b // n), "resident", shard_where, note + shard_note) for name, b, note in rows]
-    if t.beta_kl > 0 and lora:
-        items.append(Item("KL reference", 0, "resident", "gpu", "LoRA: the adapter-disabled model, no copy"))
+    if needs.reference and lora:
+        items.append(Item("reference", 0, "resident", "gpu", "LoRA: the adapter-disabled model, no copy"))
     if fsdp and (n > 1 or t.cpu_offload):
         items.append(Item("FSDP unsharded blocks (2 x largest)", 2 * block_bytes(tr), "gathered", "gpu",
                           "one block gathered for compute, the next prefetched: during transformer passes only"))
@@ -229,37 +234,29 @@ def generation_items(cfg, comp: MetaComponents, acts: Activations) -> list[Item]
                  "model.options.decode_batch images per VAE call")]
 
 
-def _group_size(cfg) -> int:
-    from ..trainers.config import samples_per_prompt
-
-    return 2 if cfg.train.loss == "dpo" else samples_per_prompt(cfg.sampler.build())
-
-
 def pass_rows(cfg) -> int:
-    """Samples in one differentiable training pass: ``offline.batch_groups x offline.k`` offline (GDRO),
-    whole groups of ``train.minibatch_size`` online DPO / GDRO (the best and worst for DPO), else
-    ``train.minibatch_size`` transitions."""
-    if cfg.train.mode == "offline":
+    """Samples in one differentiable training pass: ``offline.batch_groups x offline.k`` for an update on a
+    dataset (GDRO); for one whose minibatch counts groups or pairs (``Needs.unit``), the whole groups (pairs)
+    that fit in ``train.minibatch_size``; else ``train.minibatch_size`` transitions or samples."""
+    needs = cfg.train.update_needs
+    if needs.consumes == "dataset":
         return cfg.offline.batch_groups * cfg.offline.k
-    if cfg.train.loss in ("dpo", "gdro"):
-        k = _group_size(cfg)
-        return max(1, cfg.train.minibatch_size // k) * k
-    return cfg.train.minibatch_size
+    k = {"group": cfg.sampler.samples_per_prompt, "pair": 2}.get(needs.unit, 1)
+    return max(1, cfg.train.minibatch_size // k) * k
 
 
 def reference_in_graph(cfg) -> bool:
-    """Whether a ``no_grad`` reference forward runs while the training pass's graph is held: GRPO's KL
-    (``train.beta_kl > 0``; DiffusionNFT evaluates its references before the graph) and the implicit
-    rewards of GDRO / DPO (offline or online)."""
-    return cfg.train.mode == "offline" or cfg.train.loss in ("dpo", "gdro") or (
-        cfg.train.beta_kl > 0 and cfg.train.loss != "nft")
+    """Whether a ``no_grad`` reference forward runs while the training pass's graph is held (GRPO's KL, the
+    implicit rewards of GDRO / DPO; DiffusionNFT evaluates its references before the graph): the update's
+    declaration."""
+    return cfg.train.update_needs.reference_in_graph
 
 
 def train_rows(cfg, comp: MetaComponents) -> int:
     """Rows of one differentiable training forward: :func:`pass_rows`, doubled when real CFG runs as one
-    batch with the gradient through both halves (``train.cfg_uncond_grad``)."""
+    batch with the gradient through both halves (``train.loss_options.cfg_uncond_grad``)."""
     k = cfg_rows(cfg, comp)
-    return pass_rows(cfg) * (2 if k == 2 and cfg.train.cfg_uncond_grad else 1)
+    return pass_rows(cfg) * (2 if k == 2 and cfg.train.update_options.cfg_uncond_grad else 1)
 
 
 def train_items(cfg, comp: MetaComponents, acts: Activations, gpus: int = 1) -> list[Item]:
@@ -285,7 +282,8 @@ def train_items(cfg, comp: MetaComponents, acts: Activations, gpus: int = 1) -> 
     if cfg.train.mode == "offline":
         items.append(Item(f"GDRO pass: dataset latents + shared noise ({pass_rows(cfg)} images, float32)",
                           2 * pass_rows(cfg) * acts.shapes.latent_bytes, "train"))
-    elif cfg.train.loss == "nft":
-        items.append(Item("NFT update: x0 + noise of the batch (float32)",
-                          2 * cfg.train.batch_size * acts.shapes.latent_bytes, "train"))
+    elif cfg.train.update_needs.clean_samples:
+        items.append(Item("update: x0 + noise of the batch (float32)",
+                          2 * cfg.train.batch_size * acts.shapes.latent_bytes, "train",
+                          note="finished samples and each one's training noise, kept through the update"))
     return items

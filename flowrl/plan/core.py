@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from .activations import Activations, recipe_geometry
 from .budget import Item, model_items, rollout_items, train_items
 from .models import meta_components, model_configs, num_params
+from .placement import place
 
 GiB = 2 ** 30
 _CACHE: dict = {}
@@ -20,9 +21,11 @@ _CACHE: dict = {}
 def measured_setup(cfg):
     """``(MetaComponents, Activations)`` of ``cfg``'s model set-up (cached)."""
     m, t = cfg.model, cfg.train
-    geometry = recipe_geometry(cfg, *model_configs(cfg))
+    adapter, configs = model_configs(cfg)
+    geometry = recipe_geometry(cfg, adapter, configs)
+    built = adapter.transformer_component(configs.transformer, m.options)  # e.g. which of Wan2.2's experts train
     key = json.dumps([m.path, m.pipeline, t.lora_rank, t.lora_alpha, t.lora_targets, m.options.get("dtype"),
-                      asdict(geometry)], sort_keys=True, default=str)
+                      asdict(geometry), built.cls, built.config], sort_keys=True, default=str)
     if key not in _CACHE:
         comp = meta_components(cfg)
         _CACHE[key] = (comp, Activations(comp, geometry))
@@ -61,11 +64,20 @@ class Plan:
 
 def plan_memory(cfg, gpus: int = 1, gpu_memory: int = 80 * GiB, recipe: str = "") -> Plan:
     """The plan of ``cfg`` (a loaded :class:`flowrl.trainers.config.Config`) on ``gpus`` processes of
-    ``gpu_memory`` bytes each (module doc of :mod:`flowrl.plan.budget` for the model)."""
+    ``gpu_memory`` bytes each (module doc of :mod:`flowrl.plan.budget` for the model). With
+    ``train.context_parallel: C`` the processes are ``gpus / C`` replicas of ``C``: the transformer's
+    activations are one rank's (:meth:`Activations.degree`); ``train.offload`` moves rows to the host
+    (:func:`flowrl.plan.placement.place`)."""
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"--gpus must be a positive integer, got {gpus!r}")
+    cp = cfg.train.context_parallel
+    if gpus % cp:
+        raise ValueError(f"--gpus {gpus} is not a multiple of train.context_parallel={cp} (each data-parallel "
+                         f"replica is {cp} processes)")
     comp, acts = measured_setup(cfg)
+    acts = acts.degree(cp)
     items = model_items(cfg, comp, gpus) + rollout_items(cfg, comp, acts) + train_items(cfg, comp, acts, gpus)
+    items = place(items, cfg.train.offload)
     gpu = [i for i in items if i.where == "gpu"]
     resident = sum(i.bytes for i in gpu if i.group == "resident")
     kept = sum(i.bytes for i in gpu if i.group == "kept")
@@ -81,7 +93,8 @@ def plan_memory(cfg, gpus: int = 1, gpu_memory: int = 80 * GiB, recipe: str = ""
                 "minibatch_size": t.minibatch_size, "batch_size": t.batch_size,
                 "gradient_checkpointing": bool(cfg.model.options.get("gradient_checkpointing", False)),
                 "resolution": [acts.shapes.height, acts.shapes.width], "text_tokens": acts.shapes.text_tokens,
-                "model": comp.source}
+                "model": comp.source, "context_parallel": cp, "data_parallel": gpus // cp,
+                "offload": sorted(k for k, v in t.offload.items() if v)}
     return Plan(recipe, gpus, int(gpu_memory), items, resident, rollout, train, step, resident + max(rollout, train, step),
                 sum(i.bytes for i in items if i.where == "host"), num_params(comp.transformer, trainable=None)
                 - (num_params(comp.transformer, trainable=True) if t.lora_rank > 0 else 0), settings,

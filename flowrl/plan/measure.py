@@ -22,12 +22,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 from ..errors import ConfigError
-from .activations import max_rows
+from .activations import max_rows, velocity_of
 from .budget import cfg_rows, train_rows
 from .core import measured_setup
 from .models import module_bytes, set_up_trained
@@ -73,17 +74,21 @@ def cuda_peak(fn: Callable[[], None]) -> int:
 
 def _real_transformer(cfg, comp, device: torch.device):
     """The recipe's transformer on ``device``: from_pretrained on CUDA, from the config on CPU (see module doc)."""
-    from ..pipelines.facts import Component, build_component, component_class
+    from ..pipelines.facts import build_component, component_class
 
-    name = "diffusers:" + comp.adapter.transformer_class
-    if device.type == "cuda" and cfg.model.path:
-        return component_class(name).from_pretrained(cfg.model.path, subfolder="transformer",
-                                                     torch_dtype=comp.dtypes["transformer"]).to(device)
-    return build_component(Component(name, comp.config), device, comp.dtypes["transformer"])
+    spec = comp.adapter.transformer_component(comp.config, cfg.model.options)
+    if device.type == "cuda" and cfg.model.path and spec.cls.startswith("diffusers:"):
+        from ..utils.hub import require_hub_model
+
+        require_hub_model(cfg.model.path, f"the {cfg.model.pipeline} base model", "model.path")
+        return component_class(spec.cls).from_pretrained(cfg.model.path, subfolder="transformer",
+                                                         torch_dtype=comp.dtypes["transformer"]).to(device)
+    return build_component(spec, device, comp.dtypes["transformer"])
 
 
-def _inputs(comp, shapes, rows: int, device: torch.device) -> dict:
-    """The transformer's forward kwargs for ``rows`` rows of random inputs (masks and ids: ones)."""
+def _inputs(comp, shapes, rows: int, device: torch.device) -> tuple:
+    """``(x, kwargs)``: ``rows`` rows of random latents and the transformer's forward kwargs for them
+    (random conditioning; masks and ids: ones)."""
     def real(t: torch.Tensor) -> torch.Tensor:
         return torch.rand(t.shape, dtype=t.dtype, device=device) if t.is_floating_point() else \
             torch.ones(t.shape, dtype=t.dtype, device=device)
@@ -92,38 +97,82 @@ def _inputs(comp, shapes, rows: int, device: torch.device) -> dict:
     x = torch.randn(rows, *shapes.latent_shape, device=device, dtype=dt)  # [B, C, (F,) h, w]
     sigma = torch.rand(rows, device=device)  # [B]
     cond = {k: real(v) for k, v in comp.adapter.example_conditioning(comp.configs, shapes, rows, "meta", dt).items()}
-    return comp.adapter.transformer_inputs(comp.config, dt, x, sigma, cond)
+    return x, comp.adapter.transformer_inputs(comp.config, dt, x, sigma, cond)
 
 
 def _set_up(cfg, comp, device: torch.device):
-    """The transformer with the trainer's LoRA (or all weights trainable)."""
-    return set_up_trained(_real_transformer(cfg, comp, device), cfg)
+    """The transformer with the trainer's LoRA (or all weights trainable), its forwards split over the
+    process group under ``train.context_parallel`` (one group: the measuring processes)."""
+    tr = set_up_trained(_real_transformer(cfg, comp, device), cfg)
+    if cfg.train.context_parallel > 1:
+        import torch.distributed as dist
+
+        from ..distributed.context import enable_context_parallel
+        from ..distributed.mesh import ParallelLayout
+
+        layout = ParallelLayout(dist.get_world_size(), dist.get_rank(), cfg.train.context_parallel)
+        enable_context_parallel(tr, layout, device, cfg.train.context_parallel_attention)
+    return tr
 
 
-def _train(cfg, comp, inputs: dict, device: torch.device) -> None:
+def measure_split_recipe(cfg) -> dict:
+    """:func:`measure_recipe` in ``train.context_parallel`` CPU processes (``torch.distributed.run``, one
+    context-parallel group), each measuring its own peaks: the largest over the ranks."""
+    import socket
+    import subprocess
+    import sys
+
+    from ..trainers.config import dump_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "recipe.yaml").write_text(dump_config(cfg))
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                            str(cfg.train.context_parallel), "--master_addr", "127.0.0.1", "--master_port", str(port),
+                            "-m", "flowrl.plan.measure", "--passes", str(Path(tmp) / "recipe.yaml"), tmp],
+                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if r.returncode != 0:
+            raise RuntimeError(f"--measure in {cfg.train.context_parallel} processes failed:\n{r.stderr[-2000:]}")
+        ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("passes_rank*.json"))]
+    out = max(ranks, key=lambda m: m["train"]["measured_bytes"])
+    out["ranks"] = len(ranks)
+    return out
+
+
+def _train(cfg, comp, inputs: tuple, device: torch.device) -> None:
     tr = _set_up(cfg, comp, device)
     if cfg.model.options.get("gradient_checkpointing"):
         tr.enable_gradient_checkpointing()
     tr.train()
     opt = torch.optim.AdamW([p for p in tr.parameters() if p.requires_grad], lr=1e-6)
+    x, kw = inputs
     for _ in range(2):
-        out = tr(**inputs)[0]
+        out = velocity_of(comp, tr, x, kw)
         out.float().square().mean().backward()
         del out
         opt.step()
         opt.zero_grad(set_to_none=False)
 
 
-def _infer(cfg, comp, inputs: dict, device: torch.device) -> None:
+def _infer(cfg, comp, inputs: tuple, device: torch.device) -> None:
     tr = _set_up(cfg, comp, device).eval()
     with torch.no_grad():
-        tr(**inputs)
+        velocity_of(comp, tr, *inputs)
 
 
 def measure_recipe(cfg, device=None) -> dict:
-    """Measured vs planned peak bytes of the training pass and the sampling forward (module doc)."""
+    """Measured vs planned peak bytes of the training pass and the sampling forward (module doc). With
+    ``train.context_parallel: C`` and no process group yet, the passes run in ``C`` processes
+    (:func:`measure_split_recipe`)."""
+    import torch.distributed as dist
+
+    if cfg.train.context_parallel > 1 and not dist.is_initialized():
+        return measure_split_recipe(cfg)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     comp, acts = measured_setup(cfg)
+    acts = acts.degree(cfg.train.context_parallel)
     if device.type == "cpu" and module_bytes(comp.transformer) > CPU_LIMIT_BYTES:
         raise ConfigError(f"--measure on the CPU builds the transformer for real: "
                           f"{module_bytes(comp.transformer) / 2**30:.1f} GiB of weights is too large for a CPU check "
@@ -168,7 +217,7 @@ def measure_trainer(cfg, run_dir) -> dict:
         tr.model.eval()
         out["r"] = tr.sampler(tr.policy, tr._iteration_prompts(0), tr.reward, seed=1, iteration=0)
 
-    measured = {"rollout": peak(rollout), "train": peak(lambda: tr.update_object()(out["r"], 0))}
+    measured = {"rollout": peak(rollout), "train": peak(lambda: tr.train_on(out["r"], 0))}
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
     holder = getattr(tr.policy, "pipe", tr.policy)
     mods = [tr.policy.transformer, getattr(tr.policy, "vae", None)] + [
@@ -184,11 +233,19 @@ def measure_trainer(cfg, run_dir) -> dict:
 
 def _main(argv: list[str]) -> None:
     """``python -m flowrl.plan.measure RECIPE OUT_DIR [overrides]`` (under torchrun for several processes):
-    writes ``OUT_DIR/measured_rank{R}.json`` (:func:`measure_trainer`)."""
-    from pathlib import Path
-
+    writes ``OUT_DIR/measured_rank{R}.json`` (:func:`measure_trainer`); with ``--passes`` first,
+    ``OUT_DIR/passes_rank{R}.json`` (:func:`measure_recipe` on this process group, CPU)."""
     from ..trainers.config import load_config
 
+    if argv[0] == "--passes":
+        import torch.distributed as dist
+
+        recipe, out, *overrides = argv[1:]
+        dist.init_process_group("gloo")
+        m = measure_recipe(load_config(recipe, overrides), "cpu")
+        Path(out, f"passes_rank{dist.get_rank()}.json").write_text(json.dumps(m))
+        dist.destroy_process_group()
+        return
     recipe, out, *overrides = argv
     m = measure_trainer(load_config(recipe, overrides), Path(out) / "run")
     Path(out, f"measured_rank{m['process_index']}.json").write_text(json.dumps(m))
@@ -198,8 +255,6 @@ def write_check_model(out_dir, num_layers: int = 12, heads: int = 4, resolution:
     """A mid-size SD3 (``num_layers`` MMDiT blocks, the first three with dual attention, ``heads`` x 64
     wide; tiny text encoders and VAE) saved as a diffusers directory: large enough that weights and
     activations are tens to hundreds of MB, small enough to train a step on a CPU in seconds."""
-    from pathlib import Path
-
     from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
     from ..pipelines.sd3 import SD3Policy
@@ -213,6 +268,27 @@ def write_check_model(out_dir, num_layers: int = 12, heads: int = 4, resolution:
         qk_norm="rms_norm")
     StableDiffusion3Pipeline(**comps).save_pretrained(str(out_dir))
     (Path(out_dir) / "flowrl.json").write_text(json.dumps({"kind": "sd3", "resolution": resolution}))
+    return Path(out_dir)
+
+
+def write_wan_check_model(out_dir, num_layers: int = 6, heads: int = 4, resolution: int = 128, frames: int = 9,
+                          seed: int = 0):
+    """A mid-size Wan2.1 (``num_layers`` blocks, ``heads`` x 64 wide, FFN 4x; the tiny UMT5 encoder and video
+    VAE) saved as a diffusers directory, at ``resolution`` px and ``frames`` frames by default: the
+    context-parallel check (its tokens split over processes), large enough that activations are tens of MB."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    from ..pipelines.wan import WanPolicy
+
+    comps = WanPolicy.tiny_components("wan", resolution, seed)
+    torch.manual_seed(seed)
+    comps["transformer"] = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=64, in_channels=16, out_channels=16,
+        text_dim=32, freq_dim=256, ffn_dim=4 * 64 * heads, num_layers=num_layers, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=64)
+    WanPipeline(**comps).save_pretrained(str(out_dir))
+    (Path(out_dir) / "flowrl.json").write_text(json.dumps({"kind": "wan", "resolution": resolution,
+                                                           "num_frames": frames}))
     return Path(out_dir)
 
 

@@ -36,6 +36,8 @@ def format_plan(plan: Plan) -> str:
              f"{s['resolution'][0]}x{s['resolution'][1]} px, {s['text_tokens']} text tokens, "
              f"sharding={s['sharding']}{' + cpu_offload' if s['cpu_offload'] else ''}, "
              f"lora_rank={s['lora_rank']}, gradient_checkpointing={str(s['gradient_checkpointing']).lower()}",
+             f"  mesh: {s['data_parallel']} data-parallel x {s['context_parallel']} context-parallel "
+             f"process(es); offload: {', '.join(s['offload']) or 'none'}",
              f"  {'item':<{width}}{'GiB':>8}  note"]
     for group, title in GROUP_TITLES.items():
         rows = [i for i in plan.items if i.group == group]

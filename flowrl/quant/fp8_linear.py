@@ -130,11 +130,6 @@ class FP8Linear(nn.Module):
             y = y[:, : self.out_features]  # [M, N]
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
-    def dequantized_weight(self) -> torch.Tensor:
-        """``W_q * s_w`` float32 ``[N, K]`` (tests, diagnostics)."""
-        s = self.weight_scale.reshape(-1, 1) if self.weight_scaling == "per_channel" else self.weight_scale
-        return (self.qweight.float() * s)[: self.out_features, : self.in_features]
-
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, weight={self.weight_scaling}, "
                 f"input_scale={float(self.input_scale):.3e}, fast_accum={self.fast_accum}")

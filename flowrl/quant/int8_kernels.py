@@ -118,11 +118,6 @@ def kernel_available(kernel: str) -> bool:
         return False
 
 
-def fused_kernel_available() -> bool:
-    """Whether a fixed-scale kernel (oneDNN or fbgemm) runs here; else the sentinel fallback."""
-    return kernel_available("onednn") or kernel_available("fbgemm")
-
-
 def resolve_kernel(kernel: str = "auto") -> str:
     """``"auto"``: the fastest of :data:`KERNELS` that works here; a named one must work here."""
     if kernel == "auto":

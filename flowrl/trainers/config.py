@@ -13,13 +13,14 @@ from typing import Optional, Union
 
 import yaml
 
+from ..distributed.mesh import check_parallel_settings
 from ..distributed.strategy import SHARDINGS
 from ..errors import ConfigError
 from ..registry import SAMPLERS
 from ..updates import DEFAULT_LOSS, UPDATES, updates_by_input
 from ..updates.base import build_options, incompatibility
 from .config_base import SECTION_NAMES, _h
-from .config_text import (_fix_floats, apply_overrides, keep_loss_options_of_new_loss, moved_key_hint, resolve_recipe,
+from .config_text import (_fix_floats, apply_overrides, keep_loss_options_of_new_loss, moved_key_hint, read_recipe,
                           upgrade_saved_config)
 from .offline_config import OfflineConfig
 
@@ -31,7 +32,8 @@ __all__ = ["Config", "ModelConfig", "SamplerConfig", "RewardConfig", "TrainConfi
 
 @dataclass
 class ModelConfig:
-    pipeline: str = _h("flowrl.pipelines name: digits, sd3, flux", "digits")
+    pipeline: str = _h("a flowrl.pipelines.REGISTRY name, e.g. digits, sd3, flux (an unknown name lists them all)",
+                       "digits")
     path: Optional[str] = _h("directory or hub id; digits: empty = the cached base, pretrained on first use", None)
     guidance_scale: float = _h("classifier-free guidance inside the policy (1.0 = none)", 1.0)
     device: str = _h("'auto' = the accelerator's device, or cpu / cuda:N", "auto")
@@ -48,8 +50,10 @@ class ModelConfig:
             raise ConfigError("model.drop_text_encoders=true needs model.text_embedding_cache ('memory' or a "
                               "directory): without cached embeddings the prompts could not be encoded")
 
-        if self.pipeline not in REGISTRY:
-            raise ConfigError(f"model.pipeline: unknown pipeline {self.pipeline!r}; valid: {', '.join(sorted(REGISTRY))}")
+        try:
+            REGISTRY.check(self.pipeline)
+        except ValueError as e:
+            raise ConfigError(f"model.pipeline: {e}") from None
         if not self.guidance_scale >= 1.0:
             raise ConfigError(f"model.guidance_scale must be >= 1.0 (1.0 = no guidance), got {self.guidance_scale}")
 
@@ -58,7 +62,8 @@ class ModelConfig:
 class SamplerConfig:
     """``name`` plus the sampler's own keyword arguments (flat in YAML)."""
 
-    name: str = _h("flowrl sampler: group, branch, tempflow, sol, ode (flat ODE groups, train.loss=nft only)", "group")
+    name: str = _h("flowrl sampler: group, branch, tempflow, sol, ode (flat ODE groups: no stored transitions, so "
+                   "an update on finished samples)", "group")
     options: dict = _h("keyword arguments of the sampler class", factory=dict)
 
     def __post_init__(self):
@@ -125,10 +130,10 @@ class RewardConfig:
         for where, names in (("reward.weights", self.weights), ("reward.heldout", self.heldout),
                              ("reward.options", self.options)):
             for n in names:
-                if n not in REGISTRY:
-                    close = difflib.get_close_matches(n, REGISTRY, n=1)
-                    hint = f" Did you mean {close[0]!r}?" if close else ""
-                    raise ConfigError(f"{where}: unknown reward {n!r}.{hint} Valid rewards: {', '.join(sorted(REGISTRY))}")
+                try:
+                    REGISTRY.check(n)
+                except ValueError as e:
+                    raise ConfigError(f"{where}: {e}") from None
         for n, w in self.weights.items():
             if not isinstance(w, (int, float)) or isinstance(w, bool):
                 raise ConfigError(f"reward.weights.{n} must be a number, got {w!r}")
@@ -144,7 +149,8 @@ class RewardConfig:
 @dataclass
 class TrainConfig:
     """The ``train`` section. An update's own knobs are its ``Options`` (``train.loss_options``, see
-    ``flowrl/updates/``); the fields here are shared by every update, grouped as below."""
+    ``flowrl/updates/``), built once here (``update_options``, with what the update needs:
+    ``update_needs``); the fields are shared by every update, grouped as below."""
 
     # --- what is trained on, and how long
     mode: str = _h("'online' (rollouts of the sampler section, section sampler) or 'offline' (a dataset from "
@@ -155,11 +161,12 @@ class TrainConfig:
                              "worst sample), 'gdro' (online GDRO: Plackett-Luce over each group's ranking), "
                              "'offline_gdro' (train.mode offline); empty = grpo online, offline_gdro offline", None)
     loss_options: dict = _h("the update's own options (its Options dataclass in flowrl/updates/): e.g. "
-                            "{clip_range: 1.0e-3} for grpo, {beta: 1.0} for nft, {beta: 12.0, tau: 0.05} for gdro; "
-                            "see docs/algorithms.md", factory=dict)
+                            "{clip_range: 1.0e-3, beta_kl: 0.04, kl_form: exact} for grpo, {beta: 1.0} for nft, "
+                            "{beta: 12.0, tau: 0.05} for gdro; every update takes cfg_uncond_grad. See "
+                            "docs/algorithms.md", factory=dict)
     iterations: int = _h("rollout -> update iterations (online)", 60)
-    batch_size: int = _h("samples generated per iteration per process; a multiple of the sampler's "
-                         "samples per prompt (group size)", 64)
+    batch_size: int = _h("samples per iteration per process (per data-parallel replica under "
+                         "train.context_parallel); a multiple of the sampler's samples per prompt", 64)
     seed: int = _h("seed of every random draw (prompts, noise, shuffles)", 0)
     # --- the optimizer and its accounting
     lr: float = _h("AdamW learning rate", 3e-4)
@@ -177,23 +184,19 @@ class TrainConfig:
     ema: bool = _h("keep an EMA of the trained weights, used for evaluation", False)
     ema_decay: float = _h("EMA decay per update", 0.9)
     ema_every: int = _h("EMA update interval in optimizer steps", 1)
-    # --- shared by the updates: advantage clip, KL to the reference, classifier-free guidance
-    adv_clip_max: float = _h("advantages are clipped to +-this (GRPO family, DiffusionNFT)", 5.0)
-    beta_kl: float = _h("weight of the KL to the reference (adapter-disabled) policy; updates with a KL term: "
-                        "grpo, grpo_guard, nft", 0.0)
-    kl_form: str = _h("GRPO's KL to the reference: 'flow_grpo' (Flow-GRPO's code: squared mean difference over "
-                      "2 std_t^2, the noise coefficient without sqrt(-dt); published betas such as 0.04 carry "
-                      "over) or 'exact' (the KL of the two transition Gaussians, 1/|dt| times larger; "
-                      "TempFlow-GRPO's code). See docs/algorithms.md", "flow_grpo")
-    cfg_uncond_grad: bool = _h("with CFG in training, let the gradient flow through the unconditional half of "
-                               "the guided velocity (flowrl's former behaviour); false detaches it, as "
-                               "Flow-GRPO's code does", False)
     # --- distribution over processes
     sharding: str = _h("'none' (DDP: every process holds the whole model) or 'fsdp' (FSDP2: parameters, gradients "
                        "and optimizer states sharded per transformer block over the processes; checkpoints through "
                        "torch.distributed.checkpoint). See docs/cluster.md", "none")
-    cpu_offload: bool = _h("with sharding=fsdp, keep the sharded parameters, gradients and optimizer states in CPU "
-                           "memory (FSDP2 CPUOffloadPolicy; GPU memory for the largest models, at a speed cost)", False)
+    cpu_offload: bool = _h("= train.offload.fsdp: with sharding=fsdp, the shards, gradients and AdamW states in "
+                           "CPU memory (FSDP2 CPUOffloadPolicy; for the largest models, at a speed cost)", False)
+    context_parallel: int = _h("processes splitting every transformer forward's tokens (sampling and training; a "
+                               "diffusers _cp_plan: FLUX, FLUX.2, Qwen-Image, Wan); processes / context_parallel "
+                               "data-parallel replicas; 1 = off. See docs/cluster.md", 1)
+    context_parallel_attention: str = _h("'auto' (Ulysses over gcd(heads, context_parallel), ring attention over "
+                                         "the rest), 'ulysses' or 'ring'", "auto")
+    offload: dict = _h("kept in host memory, each true/false: {fsdp, text_encoders, vae, reference, ema} "
+                       "(flowrl/distributed/offload.py, docs/cluster.md)", factory=dict)
     # --- checkpoints and guards
     checkpoint_every: int = _h("write a checkpoint every N iterations (and at the end)", 20)
     keep_checkpoints: int = _h("keep the newest N checkpoints", 2)
@@ -206,13 +209,12 @@ class TrainConfig:
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"train.{k} must be a positive integer, got {v!r}")
-        for k in ["lr", "adv_clip_max", "max_grad_norm"]:
+        for k in ["lr", "max_grad_norm"]:
             v = getattr(self, k)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ConfigError(f"train.{k} must be a positive number, got {v!r}")
-        for k in ["beta_kl", "weight_decay"]:
-            if not isinstance(getattr(self, k), (int, float)) or getattr(self, k) < 0:
-                raise ConfigError(f"train.{k} must be a number >= 0, got {getattr(self, k)!r}")
+        if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
+            raise ConfigError(f"train.weight_decay must be a number >= 0, got {self.weight_decay!r}")
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise ConfigError(f"train.lora_rank must be an integer >= 0 (0 = full fine-tune), got {self.lora_rank!r}")
         if self.lora_targets and self.lora_rank == 0:
@@ -222,14 +224,11 @@ class TrainConfig:
             raise ConfigError(f"train.mixed_precision must be 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}")
         if not 0 <= self.ema_decay < 1:
             raise ConfigError(f"train.ema_decay must be in [0, 1), got {self.ema_decay}")
-        from ..losses.grpo import KL_FORMS
-
-        if self.kl_form not in KL_FORMS:
-            raise ConfigError(f"train.kl_form must be one of {', '.join(KL_FORMS)}, got {self.kl_form!r}")
         if self.sharding not in SHARDINGS:
             raise ConfigError(f"train.sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
         if self.cpu_offload and self.sharding != "fsdp":
             raise ConfigError("train.cpu_offload=true needs train.sharding=fsdp (it offloads the FSDP shards)")
+        check_parallel_settings(self)  # train.context_parallel*, train.offload (flowrl/distributed/)
         if self.sharding == "fsdp" and self.mixed_precision == "fp16":
             raise ConfigError("train.sharding=fsdp supports train.mixed_precision 'no' or 'bf16' (fp16 would need a "
                               "sharded GradScaler); use bf16")
@@ -243,10 +242,12 @@ class TrainConfig:
             UPDATES.check(self.loss)
         except ValueError as e:
             raise ConfigError(f"train.loss: {e}") from None
-        try:  # the update's options, checked before any model loads
-            build_options(UPDATES.get(self.loss), self)
+        cls = UPDATES.get(self.loss)
+        try:  # the update's options, built once and checked before any model loads (not config fields)
+            self.update_options = build_options(cls, self.loss, self.loss_options)
         except (TypeError, ValueError) as e:
             raise ConfigError(str(e)) from None
+        self.update_needs = cls.needs(self.update_options)  # what it needs: validation, the trainer and plan read it
 
     @property
     def update_class(self) -> type:
@@ -321,8 +322,8 @@ class Config:
         """Cross-section rules: what the update (``train.loss``) declares it needs against the mode, the
         sampler and the other settings (:func:`flowrl.updates.base.incompatibility`), and batch accounting."""
         t = self.train
-        reason = incompatibility(t.update_class, t.loss, mode=t.mode, sampler=self.sampler.name,
-                                 stores_transitions=self.sampler.stores_transitions, beta_kl=t.beta_kl,
+        reason = incompatibility(t.update_needs, t.loss, mode=t.mode, sampler=self.sampler.name,
+                                 stores_transitions=self.sampler.stores_transitions,
                                  aggregate=self.reward.aggregate, inner_epochs=t.inner_epochs,
                                  alternatives=updates_by_input())
         if reason:
@@ -340,7 +341,7 @@ class Config:
 
     def effective_loss_options(self) -> dict:
         """``train.loss_options`` with the update's defaults filled in (what training uses)."""
-        return dataclasses.asdict(build_options(self.train.update_class, self.train))
+        return dataclasses.asdict(self.train.update_options)
 
     def to_dict(self) -> dict:
         out = {}
@@ -409,13 +410,7 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[lis
     ``path`` is a YAML file, or the name of a shipped recipe (``digits``, ``digits.yaml`` or
     ``recipes/digits.yaml`` from any directory, also when flowrl is installed from a wheel).
     """
-    d: dict = {}
-    if path is not None:
-        p = resolve_recipe(path)
-        try:
-            d = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"recipe {path} is not valid YAML: {e}") from None
+    d: dict = read_recipe(path) if path is not None else {}
     recipe_train = d.get("train") if isinstance(d.get("train"), dict) else {}
     recipe_loss = recipe_train.get("loss") or DEFAULT_LOSS.get(recipe_train.get("mode", "online"))  # before overrides
     d = _fix_floats(apply_overrides(d, overrides or []))

@@ -54,46 +54,43 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
     return d
 
 
-GRPO_FAMILY = ("grpo", "grpo_guard")
-# keys recipes took before the updates owned their options -> (the option, the losses that own it)
-MOVED_TO_LOSS_OPTIONS = {
-    "train.nft_beta": ("beta", ("nft",)),
-    "train.pref_beta": ("beta", ("dpo", "gdro")),
-    "train.pref_tau": ("tau", ("dpo", "gdro")),
-    "train.clip_range": ("clip_range", GRPO_FAMILY),
-    "train.global_std": ("global_std", GRPO_FAMILY + ("nft",)),
-    "train.advantage_options": ("advantage_options", GRPO_FAMILY),
-    **{f"offline.{k}": (k, ("offline_gdro",)) for k in ("beta", "tau", "gamma", "t_sampling", "t_min", "t_max",
-                                                         "t_mean", "t_std")},
-}
-
-
 def moved_key_hint(key: str) -> str:
-    """For a key that moved into an update's options: where it lives now (empty for any other key)."""
-    if key not in MOVED_TO_LOSS_OPTIONS:
+    """For a key that moved into an update's options (each update's ``Options.moved`` declares its own):
+    where it lives now (empty for any other key)."""
+    from ..updates import UPDATES, moved_key_table
+
+    table = moved_key_table()
+    if key not in table:
         return ""
-    opt, losses = MOVED_TO_LOSS_OPTIONS[key]
-    return f" It is an option of the update now: train.loss_options.{opt} (train.loss: {' / '.join(losses)})."
+    opt, losses = table[key]
+    owners = "every train.loss" if len(losses) == len(UPDATES.entries) else f"train.loss: {' / '.join(losses)}"
+    return f" It is an option of the update now: train.loss_options.{opt} ({owners})."
 
 
 def upgrade_saved_config(d: dict) -> dict:
     """A run's ``config.yaml`` written before the updates owned their options, in today's keys (a copy):
-    each moved key goes into ``train.loss_options`` when the run's loss owns it (dropped otherwise, as
-    it was unused), and an offline run's loss is ``offline_gdro``. Recipes are not upgraded: a moved
-    key there is an error that names its new place (:func:`moved_key_hint`)."""
+    each moved key goes into ``train.loss_options`` when the run's update declares it (dropped otherwise, as
+    it was unused), and a run whose loss does not consume what its mode trains on (an offline run saved
+    with the online default) gets its mode's default loss. Recipes are not upgraded: a moved key there is
+    an error that names its new place (:func:`moved_key_hint`)."""
+    from ..updates import DEFAULT_LOSS, MODE_INPUT, UPDATES, default_needs, moved_key_table
+    from ..updates.base import moved_keys
+
     d = yaml.safe_load(yaml.safe_dump(d))  # deep copy
     train, offline = d.setdefault("train", {}) or {}, d.get("offline") or {}
-    if train.get("mode") == "offline" and train.get("loss") in (None, "grpo"):
-        train["loss"] = "offline_gdro"
-    loss = train.get("loss") or "grpo"
+    mode = train.get("mode", "online")
+    loss = train.get("loss")
+    if mode in MODE_INPUT and (loss is None or (loss in UPDATES and default_needs(loss).consumes != MODE_INPUT[mode])):
+        train["loss"] = loss = DEFAULT_LOSS[mode]
+    own = moved_keys(UPDATES.get(loss).Options) if loss in UPDATES else {}
     opts = dict(train.get("loss_options") or {})
-    for key, (opt, losses) in MOVED_TO_LOSS_OPTIONS.items():
+    for key in moved_key_table():
         section, name = key.split(".")
         sec = train if section == "train" else offline
         if name in sec:
             value = sec.pop(name)
-            if loss in losses:
-                opts.setdefault(opt, value)
+            if key in own:
+                opts.setdefault(own[key], value)
     train["loss_options"] = opts
     d["train"] = train
     return d
@@ -135,6 +132,25 @@ def resolve_recipe(path: Union[str, Path]) -> Path:
         return shipped
     raise ConfigError(f"recipe {str(path)!r} not found. Shipped recipes (give a name or a path): "
                       f"{', '.join(r.name for r in shipped_recipes()) or '(none)'}")
+
+
+def read_recipe(path: Union[str, Path]) -> dict:
+    """The mapping of sections a recipe file (or shipped recipe name, :func:`resolve_recipe`) holds. An
+    empty file, a YAML list or a plain string is a :class:`ConfigError` (an empty recipe would otherwise
+    train the defaults without a word)."""
+    p = resolve_recipe(path)
+    try:
+        d = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"recipe {path} is not valid YAML: {e}") from None
+    example = "start from a shipped recipe, e.g. --config digits (recipes/digits.yaml)"
+    if d is None:
+        raise ConfigError(f"recipe {path} is empty: it needs sections such as model:, sampler:, train:; {example}")
+    if not isinstance(d, dict):
+        kind = {list: "a YAML list", str: "a plain string"}.get(type(d), f"a YAML {type(d).__name__}")
+        raise ConfigError(f"recipe {path} holds {kind}, not a mapping of sections (model:, sampler:, train:, "
+                          f"...); {example}")
+    return d
 
 
 def keep_loss_options_of_new_loss(d: dict, recipe_loss: Optional[str], overrides: list[str]) -> None:

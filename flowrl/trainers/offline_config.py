@@ -78,9 +78,10 @@ class OfflineConfig:
         if self.judge:
             from flowrl.rewards import REGISTRY
 
-            name = next(iter(self.judge))
-            if name not in REGISTRY:
-                raise _error(f"offline.judge: unknown reward {name!r}; valid rewards: {', '.join(sorted(REGISTRY))}")
+            try:
+                REGISTRY.check(next(iter(self.judge)))
+            except ValueError as e:
+                raise _error(f"offline.judge: {e}") from None
         jr = self.judge_range
         if not (isinstance(jr, list) and len(jr) == 2 and all(isinstance(x, (int, float)) for x in jr) and jr[0] < jr[1]):
             raise _error(f"offline.judge_range must be [lo, hi] with lo < hi, got {jr!r}")

@@ -6,7 +6,7 @@ function, and the update ``flowrl.updates.UPDATES[train.loss]`` trains on it (do
 This module feeds the shared loop (:class:`flowrl.trainers.trainer.Trainer`) its unit, an
 iteration: the prompts, the rollout seed, the rollout, the update and the iteration's metrics.
 
-Accounting (the shared skeleton, ``flowrl.updates.base.train_epochs``): each iteration trains
+Accounting (the update loop, ``flowrl.trainers.steps.OptimizerSteps.train``): each iteration trains
 ``inner_epochs`` passes over the rows that carry signal, shuffled into minibatches of
 ``minibatch_size``; ``grad_accum`` consecutive minibatches make one optimizer step (the last group
 of an epoch may be shorter). A minibatch's loss is divided by the number of minibatches in its group.
@@ -35,7 +35,8 @@ from .trainer import Trainer
 RESUME_FREE = {"train.iterations", "train.checkpoint_every", "train.keep_checkpoints", "logging", "model.device",
                "reward.overlap",  # when chunks are scored, not what they score
                "model.path", "train.max_consecutive_skips", "model.text_embedding_cache", "model.drop_text_encoders",
-               "train.cpu_offload"}  # offloading the FSDP shards changes where they live, not the numbers
+               "train.cpu_offload", "train.offload",  # offloading changes where tensors live, not the numbers
+               "train.context_parallel", "train.context_parallel_attention"}  # the layout, not the replicas' data
 
 
 @dataclass
@@ -76,8 +77,8 @@ class OnlineTrainer(Trainer):
         self.sampler = self._given_sampler if self._given_sampler is not None else cfg.sampler.build()
         t = cfg.train
         if self._given_sampler is not None:  # a sampler object: the checks the config made on its own sampler
-            reason = incompatibility(t.update_class, t.loss, mode=t.mode, sampler=type(self.sampler).__name__,
-                                     stores_transitions=bool(self.sampler.stores_transitions), beta_kl=t.beta_kl,
+            reason = incompatibility(t.update_needs, t.loss, mode=t.mode, sampler=type(self.sampler).__name__,
+                                     stores_transitions=bool(self.sampler.stores_transitions),
                                      aggregate=cfg.reward.aggregate, inner_epochs=t.inner_epochs,
                                      alternatives=updates_by_input())
             if reason:
@@ -119,13 +120,13 @@ class OnlineTrainer(Trainer):
 
     # ---------------------------------------------------------------- one iteration
     def _iteration_prompts(self, it: int) -> list[str]:
-        rng = np.random.default_rng(stream_sequence("prompts", self.cfg.train.seed, it, self.acc.process_index))
+        rng = np.random.default_rng(stream_sequence("prompts", self.cfg.train.seed, it, self.strategy.layout.dp_rank))
         k = self.prompts_per_iteration
         idx = rng.choice(len(self.prompts), size=k, replace=len(self.prompts) < k)
         return [self.prompts[i] for i in idx]
 
     def _rollout_seed(self, it: int) -> int:
-        return stream_seed("rollout", self.cfg.train.seed, it, self.acc.process_index, self.acc.num_processes)
+        return stream_seed("rollout", self.cfg.train.seed, it, self.strategy.layout.dp_rank, self.strategy.layout.dp_size)
 
     def run_unit(self, i: int) -> tuple[dict, Optional[torch.Tensor]]:
         res = self.run_iteration(i)
@@ -137,11 +138,11 @@ class OnlineTrainer(Trainer):
         t0 = time.perf_counter()
         prompts = self._iteration_prompts(it)
         self.model.eval()
-        with self.reward_available(it):
+        with self.reward_available(it), self.update_object().sampling_weights():
             rollout = self.sampler(self.policy, prompts, self.reward, seed=self._rollout_seed(it), iteration=it)
         t1 = time.perf_counter()
         maybe_fault("after_rollout", it)
-        upd, info = self.update_object()(rollout, it)
+        upd, info = self.train_on(rollout, it)
         maybe_fault("after_update", it)
         t2 = time.perf_counter()
         r_all = self._gather(rollout.rewards)

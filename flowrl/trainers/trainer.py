@@ -9,8 +9,9 @@ written) changes nothing and returns the summary it has.
 :class:`~flowrl.trainers.online.OnlineTrainer` feeds rollouts of a sampler to the update,
 :class:`~flowrl.trainers.offline.OfflineTrainer` steps of a dataset. Everything that differs between
 DDP and FSDP2 is the strategy object's (:mod:`flowrl.distributed.strategy`); the run directory and
-the resume check are :class:`~flowrl.trainers.run_dir.RunDirectory`'s; optimizer steps with their
-non-finite guard are :class:`~flowrl.trainers.steps.OptimizerSteps`'.
+the resume check are :class:`~flowrl.trainers.run_dir.RunDirectory`'s. One update call
+(:meth:`Trainer.train_on`) asks the update what it trains on, then runs the one update loop, epochs,
+minibatches, accumulation, clipping and the optimizer step (:meth:`flowrl.trainers.steps.OptimizerSteps.train`).
 
 A subclass sets ``RESUME_FREE`` (keys a resume may change), ``unit`` (what a checkpoint counts),
 ``stop_causes`` (likely causes of non-finite steps), ``progress_desc`` and ``extend_hint`` (how to train
@@ -29,17 +30,18 @@ import torch
 
 from ..builders import build_policy_from_config, build_reward, build_rewards, evaluate_policy
 from ..checkpoints.common import CheckpointError, list_checkpoints
-from ..data.embeddings import attach_text_cache
-from ..data.items import item_texts
+from ..data.embeddings import attach_text_cache, text_cache_covers
+from ..data.items import item_sources, item_texts
 from ..diagnostics import watch
 from ..distributed.fsdp import check_launcher
+from ..distributed.offload import Offload, offload_idle
 from ..distributed.strategy import evaluation_weights, strategy_for
 from ..media import save_samples
 from ..registry import Registry
-from ..rollout.base import score_images
+from ..scoring import score_images
 from ..trainable import EMA, Reference, set_up_trainable
 from ..updates import UPDATES
-from ..updates.base import Update, UpdateContext, build_options
+from ..updates.base import Update, UpdateContext
 from .config import Config
 from .run_dir import RunDirectory
 from .steps import OptimizerSteps, TrainingStopped
@@ -70,7 +72,7 @@ class Trainer:
         self.stopped_by: Optional[str] = None  # the signal that stopped the run early (SIGTERM, SIGINT)
         self.finished = False  # set up a resume of a run that is already complete (nothing to do)
         self._old_handlers: dict = {}
-        self._updates: dict[str, Update] = {}  # update name -> its object (made on first use)
+        self._update: Optional[Update] = None  # the update object (made on first use)
         self._update_state: dict = {}  # a resumed checkpoint's extra tensors, for the update
 
     # ---------------------------------------------------------------- hooks
@@ -134,35 +136,40 @@ class Trainer:
         device = self._make_accelerator()
         prompts = self._setup_data()
         self.eval_prompts = cfg.data.eval_prompt_set()
-        policy = self._given_policy if self._given_policy is not None else build_policy_from_config(cfg, device)
-        policy.cfg_uncond_grad = cfg.train.cfg_uncond_grad  # CFG's unconditional half in the update's forwards
+        # the rewards before the model: a reward server that does not answer fails before minutes of loading
+        self.reward = self._given_reward if self._given_reward is not None else build_reward(cfg)
+        self.heldout = build_rewards(cfg.reward.heldout)
+        policy = self._given_policy if self._given_policy is not None else build_policy_from_config(
+            cfg, device, without_text_encoders=text_cache_covers(cfg.model, prompts + self.eval_prompts))
+        offload_idle(policy, Offload(**cfg.train.offload), device)  # train.offload: text encoders, VAE
+        policy.cfg_uncond_grad = cfg.train.update_options.cfg_uncond_grad  # CFG's unconditional half in training
         self.policy = attach_text_cache(policy, cfg.model, prompts + self.eval_prompts,
                                         is_main=self.acc.is_main_process, barrier=self.acc.wait_for_everyone,
                                         progress=cfg.logging.progress and self.acc.is_main_process)
-        self.reward = self._given_reward if self._given_reward is not None else build_reward(cfg)
-        self.heldout = build_rewards(cfg.reward.heldout, cfg.reward.frame_stride)
-        self._prepare_model(cfg.train.update_class.needs_reference(cfg.train))  # as the update declares
+        self._prepare_model(cfg.train.update_needs.reference)  # as the update declares
         self.start_iteration = 0  # first unit to train (an offline run's unit is an optimizer step)
         if self.resume:
             ck = self._load_latest()
             if ck is not None:
                 self.start_iteration = int(ck["state"]["iteration"])
-                self._update_state = dict(ck["extra"])  # e.g. DiffusionNFT's old policy, handed to the update
+                self._update_state = self._update_copies(dict(ck["extra"]))  # e.g. DiffusionNFT's old policy
                 self.restore_state(ck)
-                self._note_world_size(ck["state"].get("num_processes"))
+                self._note_world_size(ck["state"].get("data_parallel", ck["state"].get("num_processes")))
         self.finished = (self.resume and self.start_iteration >= self.total_units()
                          and (self.run.path / "summary.json").is_file())
         if not self.finished:  # a finished run's directory is left exactly as it is
             self.run.claim(self.acc, self.start_iteration)
 
     def _note_world_size(self, saved: Optional[int]) -> None:
-        """One line when a run resumes on another number of processes than its checkpoint was written by:
-        the data of a unit is per process, so the global batch of a unit changes."""
-        now = self.acc.num_processes
+        """One line when a run resumes on another number of data-parallel replicas than its checkpoint was
+        written by: the data of a unit is per replica, so the global batch of a unit changes (the
+        process layout, FSDP x context parallel, may change freely)."""
+        now = self.strategy.layout.dp_size
         if saved is not None and int(saved) != now and self.acc.is_main_process:
-            print(f"[flowrl] note: this run's checkpoint was written by {saved} process(es) and resumes on {now}: "
-                  f"train.batch_size (prompts and samples per {self.unit}) is per process, so each {self.unit} now "
-                  f"trains on {now}/{saved} of the run's global batch so far; launch {saved} processes to keep it",
+            print(f"[flowrl] note: this run's checkpoint was written by {saved} data-parallel replica(s) and resumes "
+                  f"on {now}: train.batch_size (prompts and samples per {self.unit}) is per replica (per process "
+                  f"with train.context_parallel=1), so each {self.unit} now trains on {now}/{saved} of the run's "
+                  f"global batch so far; launch {saved} x train.context_parallel processes to keep it",
                   file=sys.stderr, flush=True)
 
     def _make_accelerator(self) -> torch.device:
@@ -199,7 +206,7 @@ class Trainer:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: min(1.0, (it + 1) / warm) if warm else 1.0)
         self.model, self.opt, self.sched, self.unwrapped = self.strategy.prepare(tr, opt, sched)
         self.policy.transformer = self.model
-        self.ema = EMA(self.unwrapped, cfg.train.ema_decay) if cfg.train.ema else None
+        self.ema = EMA(self.unwrapped, cfg.train.ema_decay, host=cfg.train.offload["ema"]) if cfg.train.ema else None
         self.steps = OptimizerSteps(self.acc, self.strategy, self.model, self.unwrapped, self.opt, self.ema, cfg.train,
                                     self.stop_causes)
 
@@ -207,42 +214,52 @@ class Trainer:
     def update_context(self) -> UpdateContext:
         """What an update may use (flowrl.updates.base); built once the model is prepared."""
         return UpdateContext(
-            policy=self.policy, model=self.model, unwrapped=self.unwrapped, device=self.acc.device,
-            autocast=self.acc.autocast, reference=lambda: self.ref.active(self.policy), gather=self._gather,
-            min_over_processes=self._min_over_processes, accumulate=self.steps.accumulate,
-            optimizer_steps=lambda: self.steps.opt_steps, train=self.cfg.train, reward=self.cfg.reward,
-            sampler_name=self.cfg.sampler.name, num_processes=self.acc.num_processes,
-            process_index=self.acc.process_index, dataset=getattr(self, "ds", None))
+            policy=self.policy, unwrapped=self.unwrapped, device=self.acc.device, autocast=self.acc.autocast,
+            reference=lambda: self.ref.active(self.policy), gather=self._gather, train=self.cfg.train,
+            reward=self.cfg.reward, sampler_name=self.cfg.sampler.name, num_processes=self.strategy.layout.dp_size,
+            process_index=self.strategy.layout.dp_rank, dataset=getattr(self, "ds", None))
 
-    def update_object(self, name: Optional[str] = None) -> Update:
-        """The update ``name`` (default ``train.loss``) of this trainer, made on first use with its options
-        (``train.loss_options``) and any state a resumed checkpoint holds for it."""
-        name = name or self.cfg.train.loss
-        if name not in self._updates:
-            cls = self.updates.get(name)
-            upd = cls(self.update_context(), build_options(cls, self.cfg.train))
-            upd.load_state_dict(self._update_state)
-            self._updates[name] = upd
-        return self._updates[name]
+    def update_object(self) -> Update:
+        """The update ``train.loss`` names, made on first use with its options (built when the config loaded)
+        and any state a resumed checkpoint holds for it."""
+        if self._update is None:
+            self._update = self.updates.get(self.cfg.train.loss)(self.update_context(), self.cfg.train.update_options)
+            self._update.load_state_dict(self._update_state)
+        return self._update
+
+    def train_on(self, data, it: int) -> tuple[dict, dict]:
+        """One update call on ``data`` (a rollout, or an offline step's group ids) -> (stats, advantage info):
+        the update says what it trains on (in eval mode, before any step), the update loop trains it."""
+        update = self.update_object()
+        batch = update.batch(data, it)
+        stats, trained = self.steps.train(update, batch, it)
+        return {**batch.stats, **stats, **update.after_update(batch, trained, self.steps.opt_steps)}, batch.info
+
+    def _update_copies(self, extra: dict) -> dict:
+        """A checkpoint's extra tensors, checked against the copies the update declares it keeps."""
+        missing = [c for c in self.cfg.train.update_needs.copies if c not in extra]
+        if missing:
+            raise CheckpointError(f"--resume: the newest checkpoint holds no {missing[0]!r}, which train.loss="
+                                  f"{self.cfg.train.loss} keeps and checkpoints, so the run cannot continue exactly "
+                                  f"(a checkpoint of another loss or an older flowrl); start a new --output-dir")
+        return extra
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` of every data-parallel replica, concatenated in replica order (a context-parallel group's
+        ranks hold the same rows: one copy each)."""
         if self.acc.num_processes == 1:
             return t
-        return self.acc.gather(t.to(self.acc.device)).cpu()
-
-    def _min_over_processes(self, n: int) -> int:
-        if self.acc.num_processes == 1:
-            return n
-        return int(self.acc.gather(torch.tensor([n], device=self.acc.device)).min().item())
+        return self.strategy.layout.replica_rows(self.acc.gather(t.to(self.acc.device)).cpu())
 
     # ---------------------------------------------------------------- checkpoints
     def _save(self, done: int) -> None:
         """Checkpoint after ``done`` units (the strategy writes it; every process returns once it is complete)."""
-        upd = self._updates.get(self.cfg.train.loss)
+        upd = self._update
         self.strategy.save(self.run.checkpoints, done, model=self.model, unwrapped=self.unwrapped, optimizer=self.opt,
                            scheduler=self.sched, ema=self.ema.shadow if self.ema else None,
                            state={**self.steps.state_dict(), **self.checkpoint_state(),
-                                  "num_processes": self.acc.num_processes},
+                                  "num_processes": self.acc.num_processes,
+                                  "data_parallel": self.strategy.layout.dp_size},
                            extra=(upd.state_dict() if upd is not None else None) or None,
                            keep=self.cfg.train.keep_checkpoints)
 
@@ -251,6 +268,8 @@ class Trainer:
         weights, optimizer, scheduler, RNG, EMA, counters. Returns it (None: nothing to resume)."""
         ckpts = list_checkpoints(self.run.checkpoints)
         if not ckpts:
+            why = "no checkpoint yet" if (self.run.path / "config.yaml").is_file() else "no run there"
+            self.acc.print(f"[flowrl] --resume: nothing to resume in {self.run.path} ({why}): starting a new run")
             return None
         for path in reversed(ckpts):
             try:
@@ -276,7 +295,7 @@ class Trainer:
         with evaluation_weights(self.strategy, self.policy, self.unwrapped, self.ema), self.reward_available(i):
             met, images = evaluate_policy(self.policy, self.reward, self.heldout, self.eval_prompts,
                                           self.cfg.data.eval_seeds_per_prompt, self.eval_steps, i,
-                                          max_batch=self.eval_max_batch)
+                                          max_batch=self.eval_max_batch, frame_stride=self.cfg.reward.frame_stride)
         self.extend_evaluation(met, images)
         return met, images
 
@@ -301,7 +320,8 @@ class Trainer:
             real = self._real_data_reference() if first else {}
             self.run.log({**met, **real, "iteration": i})
             save_samples(images, self.run.samples / f"eval_{i:06d}.png", nrow=self.cfg.data.eval_seeds_per_prompt,
-                         scale=max(1, 64 // images.shape[-1]))
+                         scale=max(1, 64 // images.shape[-1]), labels=item_texts(self.eval_prompts),
+                         sources=item_sources(self.eval_prompts))  # a row per prompt: its text, an edit's inputs
 
     def _real_data_reference(self) -> dict:
         """The evaluation metrics on real data (digits: held-out images), when the policy has them."""
@@ -314,7 +334,7 @@ class Trainer:
             return {}
         groups = torch.arange(len(self.eval_prompts)).repeat_interleave(k)
         prompts = [p for p in self.eval_prompts for _ in range(k)]
-        r, _ = score_images(self.reward, images, prompts)
+        r, _ = score_images(self.reward, images, prompts, frame_stride=self.cfg.reward.frame_stride)
         return {"real/reward": float(r[torch.isfinite(r)].mean()), **{f"real/{k}": v for k, v in watch(images, groups).items()}}
 
     # ---------------------------------------------------------------- the loop

@@ -1,9 +1,9 @@
 """Updates: what a trainer does with a rollout (online) or a dataset step (offline).
 
 ``UPDATES`` maps ``train.loss`` to an ``Update`` class (:mod:`flowrl.updates.base`); adding an update is
-one new file here and one line below (docs/design.md). Each class declares what it consumes
-(``rollout``: called ``update(rollout, iteration) -> (stats, advantage info)`` by the online trainer;
-``dataset``: ``update(passes, step) -> stats`` by the offline trainer) and what else it needs.
+one new file here and one line below (docs/design.md, "How to add an update"). Each class declares what it
+needs (:class:`~flowrl.updates.base.Needs`); this module answers the questions the rest of flowrl asks
+about the registered updates from those declarations alone.
 """
 from __future__ import annotations
 
@@ -19,14 +19,36 @@ UPDATES = Registry("update", {
 })
 
 DEFAULT_LOSS = {"online": "grpo", "offline": "offline_gdro"}  # train.loss when a recipe names none, by train.mode
+MODE_INPUT = {"online": "rollout", "offline": "dataset"}  # what an update must consume in each train.mode
+
+
+def default_needs(name: str):
+    """The :class:`~flowrl.updates.base.Needs` of update ``name`` with its default options."""
+    cls = UPDATES.get(name)
+    return cls.needs(cls.Options())
 
 
 def updates_by_input() -> dict[str, list[str]]:
-    """Registered update names by what they consume (``rollout``, ``dataset``), in registry order."""
+    """Registered update names by what they consume (``rollout``, ``dataset``) and, under ``samples``, the
+    online ones that train on finished samples (any sampler); in registry order."""
     out: dict[str, list[str]] = {}
     for name in UPDATES.entries:
-        out.setdefault(UPDATES.get(name).consumes, []).append(name)
+        needs = default_needs(name)
+        out.setdefault(needs.consumes, []).append(name)
+        if needs.consumes == "rollout" and needs.clean_samples:
+            out.setdefault("samples", []).append(name)
     return out
 
 
-__all__ = ["UPDATES", "DEFAULT_LOSS", "updates_by_input"]
+def moved_key_table() -> dict[str, tuple[str, list[str]]]:
+    """Keys that moved into updates' options (``Options.moved``) -> (the option, the updates that own it)."""
+    from .base import moved_keys
+
+    out: dict[str, tuple[str, list[str]]] = {}
+    for name in UPDATES.entries:
+        for key, opt in moved_keys(UPDATES.get(name).Options).items():
+            out.setdefault(key, (opt, []))[1].append(name)
+    return out
+
+
+__all__ = ["UPDATES", "DEFAULT_LOSS", "MODE_INPUT", "default_needs", "updates_by_input", "moved_key_table"]

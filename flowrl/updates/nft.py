@@ -10,16 +10,16 @@ Each sample is trained at one ``t ~ U(t_min, 1)`` with fresh noise per epoch, bo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from ..advantages import group_advantages
 from ..losses import nft_loss
 from ..sde import flow_interpolate
-from ..seeding import stream_seed
 from ..trainable import EMA
 from ..types import index_cond
-from .base import Update, train_epochs
+from .base import Batch, Minibatch, Needs, Update, UpdateOptions, check_number
 
 T_MIN = 0.02
 
@@ -39,20 +39,34 @@ class OldPolicy(EMA):
         self.update(module, self.decay_at(optimizer_steps))
 
 
+@dataclass
+class NFTOptions(UpdateOptions):
+    """``train.loss_options`` of ``nft``."""
+
+    beta: float = 1.0  # strength of the implicit positive / negative policies (DiffusionNFT beta)
+    global_std: bool = False  # normalise advantages by the whole batch's std instead of the group's
+    adv_clip_max: float = 5.0  # advantages are clipped to +-this, and the loss scaled by it (Amax)
+    beta_kl: float = 0.0  # weight of the velocity-space KL mean((v_theta - v_ref)^2) to the reference
+    moved: ClassVar[dict[str, str]] = {"train.nft_beta": "beta", "train.global_std": "global_std",
+                                       "train.adv_clip_max": "adv_clip_max", "train.beta_kl": "beta_kl"}
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.beta > 0:
+            raise ValueError(f"train.loss_options.beta (nft) must be > 0, got {self.beta}")
+        check_number(self, "adv_clip_max", strict=True)
+        check_number(self, "beta_kl")
+
+
 class NFTUpdate(Update):
     """DiffusionNFT; keeps the old policy across iterations (checkpointed as ``extra["old_policy"]``)."""
 
-    @dataclass
-    class Options:
-        beta: float = 1.0  # strength of the implicit positive / negative policies (DiffusionNFT beta)
-        global_std: bool = False  # normalise advantages by the whole batch's std instead of the group's
+    Options = NFTOptions
 
-        def __post_init__(self):
-            if not self.beta > 0:
-                raise ValueError(f"train.loss_options.beta (nft) must be > 0, got {self.beta}")
-
-    kl_term = True  # train.beta_kl x the velocity distance to the reference
-    keeps_old_policy = True
+    @classmethod
+    def needs(cls, options) -> Needs:
+        # the reference and the old policy are evaluated before the trained forward (no graph held)
+        return Needs(clean_samples=True, reference=options.beta_kl > 0, copies=("old_policy",), unit="sample")
 
     def __init__(self, ctx, options=None):
         super().__init__(ctx, options)
@@ -66,40 +80,43 @@ class NFTUpdate(Update):
             self.old_policy = OldPolicy(self.ctx.unwrapped)
             self.old_policy.shadow = extra["old_policy"]
 
-    def __call__(self, rollout, it: int) -> tuple[dict, dict]:
-        ctx, cfg = self.ctx, self.ctx.train
+    def batch(self, rollout, it: int) -> Batch:
+        """The samples of the groups with reward variance, their advantages and conditioning; each epoch
+        draws one ``t`` and one noise per sample."""
+        ctx = self.ctx
         if self.old_policy is None:
             self.old_policy = OldPolicy(ctx.unwrapped)
         adv, zero = group_advantages(rollout.rewards, rollout.group_index, global_std=self.opts.global_std,
                                      clip=None)  # nft_loss clips to +-adv_clip_max (and scales by it)
-        rows_all = torch.nonzero(~zero).flatten()
         dev = ctx.device
-        cond_all = rollout.conditioning(ctx.policy)  # the rollout's own: prompts are not encoded again
-        x0_all, adv_d, prompt_d = rollout.x0.to(dev), adv.to(dev), rollout.prompt_index.to(dev)  # once per update
 
         def draws(g: torch.Generator) -> dict:
             t_all = (T_MIN + (1 - T_MIN) * torch.rand(rollout.num_samples, generator=g)).to(dev)  # [N]
             return {"t": t_all, "eps": torch.randn(rollout.x0.shape, generator=g).to(dev)}  # eps [N, C, H, W]
 
-        def loss_of(mb: torch.Tensor, d: dict) -> tuple[torch.Tensor, dict]:
-            x0, t = x0_all[mb], d["t"][mb]  # [m, C, H, W], [m]
-            x_t = flow_interpolate(x0, d["eps"][mb], t.view(-1, *[1] * (x0.dim() - 1)))  # [m, C, (F,) H, W]
-            c = index_cond(cond_all, prompt_d[mb])
-            with torch.no_grad(), self.old_policy.applied(ctx.unwrapped):
-                v_old = ctx.policy.velocity(x_t, t, c)
-            v_ref = None
-            if cfg.beta_kl > 0:
-                with torch.no_grad(), ctx.reference():
-                    v_ref = ctx.policy.velocity(x_t, t, c)
-            with ctx.autocast():
-                v = ctx.policy.velocity(x_t, t, c)
-            return nft_loss(v, v_old, x_t, x0, t, adv_d[mb], beta=self.opts.beta,
-                            adv_clip_max=cfg.adv_clip_max, v_ref=v_ref, beta_kl=cfg.beta_kl)
+        data = {"cond": rollout.conditioning(ctx.policy),  # the rollout's own: prompts are not encoded again
+                "x0": rollout.x0.to(dev), "adv": adv.to(dev), "prompt": rollout.prompt_index.to(dev)}  # once per call
+        return Batch(torch.nonzero(~zero).flatten(), ctx.train.minibatch_size, shuffle="shuffle.nft", draws=draws,
+                     data=data, stats={"zero_var_fraction": zero.float().mean().item()})
 
-        out, _ = train_epochs(ctx, rows_all, seed_of_epoch=lambda e: stream_seed("shuffle.nft", cfg.seed, it, e),
-                              pass_size=cfg.minibatch_size, loss_of=loss_of, draws=draws,
-                              after_step=lambda: self.old_policy.step(ctx.unwrapped, ctx.optimizer_steps()))
-        out.update({"transitions_trained": int(len(rows_all)) * cfg.inner_epochs,
-                    "zero_var_fraction": zero.float().mean().item(),
-                    "nft/old_decay": OldPolicy.decay_at(ctx.optimizer_steps())})
-        return out, {}
+    def loss(self, batch: Batch, mb: Minibatch) -> tuple[torch.Tensor, dict]:
+        ctx, opts, d = self.ctx, self.opts, batch.data
+        x0, t = d["x0"][mb.rows], mb.draws["t"][mb.rows]  # [m, C, H, W], [m]
+        x_t = flow_interpolate(x0, mb.draws["eps"][mb.rows], t.view(-1, *[1] * (x0.dim() - 1)))  # [m, C, (F,) H, W]
+        c = index_cond(d["cond"], d["prompt"][mb.rows])
+        with torch.no_grad(), self.old_policy.applied(ctx.unwrapped):
+            v_old = ctx.policy.velocity(x_t, t, c)
+        v_ref = None
+        if opts.beta_kl > 0:
+            with torch.no_grad(), ctx.reference():
+                v_ref = ctx.policy.velocity(x_t, t, c)
+        with ctx.autocast():
+            v = ctx.policy.velocity(x_t, t, c)
+        return nft_loss(v, v_old, x_t, x0, t, d["adv"][mb.rows], beta=opts.beta, adv_clip_max=opts.adv_clip_max,
+                        v_ref=v_ref, beta_kl=opts.beta_kl)
+
+    def after_step(self, optimizer_steps: int) -> None:
+        self.old_policy.step(self.ctx.unwrapped, optimizer_steps)
+
+    def after_update(self, batch: Batch, trained: int, optimizer_steps: int) -> dict:
+        return {"transitions_trained": trained, "nft/old_decay": OldPolicy.decay_at(optimizer_steps)}

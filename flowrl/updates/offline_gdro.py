@@ -1,6 +1,6 @@
 """Offline GDRO step (``train.mode: offline``, ``train.loss: offline_gdro``; arXiv 2601.02036,
-docs/algorithms.md §8): one optimizer step over ``train.grad_accum`` passes of reference-model groups
-read from the dataset (``UpdateContext.dataset``), ranked by reward, trained through implicit rewards.
+docs/algorithms.md §8): one call is one optimizer step over ``train.grad_accum`` passes of reference-model
+groups read from the dataset (``UpdateContext.dataset``), ranked by reward, trained through implicit rewards.
 
 A pass's loss is the mean over its ranked groups of ``PL + gamma * FM(top image)``; the shared
 ``(t, eps)`` of each group come from ``(train.seed, step, pass, rank)`` only (seed purpose
@@ -9,13 +9,14 @@ A pass's loss is the mean over its ranked groups of ``PL + gamma * FM(top image)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from ..conditions import encode_conditions
 from ..losses.gdro import gdro_loss, group_velocity_errors, implicit_rewards, ranking_stats, usable_groups
 from ..seeding import stream_seed
-from .base import Update, train_passes
+from .base import Batch, Minibatch, Needs, Update, UpdateOptions
 
 
 def ranking_rewards(rewards: dict[str, torch.Tensor], weights: dict[str, float], aggregate: str) -> torch.Tensor:
@@ -45,7 +46,7 @@ T_SAMPLING = ("uniform", "logit_normal")
 
 
 @dataclass
-class OfflineGDROOptions:
+class OfflineGDROOptions(UpdateOptions):
     """``train.loss_options`` of ``offline_gdro`` (GDRO paper: k = 6, tau = 0.05, beta = 12 for OCR / 6 for
     GenEval, gamma = 0.5 / 1.0)."""
 
@@ -57,8 +58,11 @@ class OfflineGDROOptions:
     t_max: float = 0.98  # largest t
     t_mean: float = 0.0  # logit-normal location
     t_std: float = 1.0   # logit-normal scale (sigmoid of N(t_mean, t_std), clipped to [t_min, t_max])
+    moved: ClassVar[dict[str, str]] = {f"offline.{k}": k for k in ("beta", "tau", "gamma", "t_sampling", "t_min",
+                                                                    "t_max", "t_mean", "t_std")}
 
     def __post_init__(self):
+        super().__post_init__()
         for name in ("tau", "beta", "gamma", "t_std"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
@@ -74,20 +78,26 @@ class OfflineGDROOptions:
 
 
 class OfflineGDROUpdate(Update):
-    """``OfflineGDROUpdate(ctx, options)``; ``__call__(passes, step) -> stats`` with ``passes`` this
-    process's ``grad_accum`` tensors of group ids of ``ctx.dataset``."""
+    """``OfflineGDROUpdate(ctx, options)``: one call is one optimizer step over ``train.grad_accum`` passes
+    of ``offline.batch_groups`` group ids of ``ctx.dataset`` (in the order the trainer drew them)."""
 
     Options = OfflineGDROOptions
-    consumes = "dataset"
-    per_reward = True  # ranking_rewards with reward.aggregate: per_reward
 
     @classmethod
-    def needs_reference(cls, train) -> bool:
-        return True  # the implicit reward compares the policy with the reference
+    def needs(cls, options) -> Needs:
+        # the implicit reward compares the policy with the reference; per_reward: ranking_rewards' aggregate
+        return Needs(consumes="dataset", reference=True, reference_in_graph=True, per_reward=True, unit="group")
 
     @property
     def ds(self):
         return self.ctx.dataset
+
+    def batch(self, passes: list, step: int) -> Batch:
+        """The step's passes, in their order (no shuffle: the trainer's dataset order decides)."""
+        return Batch(torch.cat(list(passes)), len(passes[0]), shuffle=None, data={"step": step})
+
+    def loss(self, batch: Batch, mb: Minibatch) -> tuple[torch.Tensor, dict]:
+        return self.pass_loss(mb.rows, batch.data["step"], mb.index)
 
     def noise(self, step: int, micro: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Shared ``(t [g], eps [g, C, H, W])`` per group, from (seed, step, pass, rank) only."""
@@ -122,7 +132,3 @@ class OfflineGDROUpdate(Update):
         stats.update({"pl_loss": pl.item(), "fm_top": reg.item(),
                       "fm_ref_top": err_ref[m].gather(1, top.view(-1, 1)).mean().item(), **ranking_stats(s[m], rr)})
         return loss, stats
-
-    def __call__(self, passes: list, step: int) -> dict:
-        """One optimizer step over ``passes`` -> stats (per-key means over finite passes, ``grad_norm``)."""
-        return train_passes(self.ctx, list(enumerate(passes)), lambda jp: self.pass_loss(jp[1], step, jp[0]))

@@ -9,18 +9,18 @@ Per group (``k`` samples of one prompt, ranked by reward): one shared ``(t, eps)
 (per-image mean over dims). Groups whose rewards are all equal or non-finite carry no ranking and
 are skipped (``zero_var_fraction``). ``t ~ U(T_MIN, 1 - T_MIN)`` and ``eps`` come from
 ``(train.seed, iteration, epoch)`` (seed purpose ``shuffle.preference``), so resume stays exact.
-``train.minibatch_size`` counts images.
+``train.minibatch_size`` counts images: a minibatch holds ``minibatch_size // k`` whole groups (pairs for DPO).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from ..losses.gdro import dpo_loss, gdro_loss, group_velocity_errors, implicit_rewards, ranking_stats, usable_groups
-from ..seeding import stream_seed
 from ..types import index_cond
-from .base import Update, train_epochs
+from .base import Batch, Minibatch, Needs, Update, UpdateOptions
 
 T_MIN = 0.02
 
@@ -38,12 +38,14 @@ def grouped(rollout) -> torch.Tensor:
 
 
 @dataclass
-class PreferenceOptions:
+class PreferenceOptions(UpdateOptions):
     beta: float = 12.0  # implicit-reward beta of -beta (err - err_ref), per-image mean squared velocity errors
     #                     (GDRO: 12 for OCR, 6 for GenEval)
     tau: float = 0.05   # gdro: Plackett-Luce target temperature over rewards, 0 = hard (dpo: unused)
+    moved: ClassVar[dict[str, str]] = {"train.pref_beta": "beta", "train.pref_tau": "tau"}
 
     def __post_init__(self):
+        super().__post_init__()
         if not self.beta > 0 or not self.tau >= 0:
             raise ValueError(f"train.loss_options: beta must be > 0 and tau >= 0, got {self.beta}, {self.tau}")
 
@@ -55,11 +57,15 @@ class GDROUpdate(Update):
     pairwise = False
 
     @classmethod
-    def needs_reference(cls, train) -> bool:
-        return True  # the implicit reward compares the policy with the reference
+    def needs(cls, options) -> Needs:
+        # the implicit reward compares the policy with the reference, beside the training graph
+        return Needs(clean_samples=True, reference=True, reference_in_graph=True,
+                     unit="pair" if cls.pairwise else "group")
 
-    def __call__(self, rollout, it: int) -> tuple[dict, dict]:
-        ctx, cfg = self.ctx, self.ctx.train
+    def batch(self, rollout, it: int) -> Batch:
+        """The groups with a ranking (``[G, k]`` sample rows, best and worst only for DPO), their rewards and
+        conditioning; each epoch draws one ``(t, eps)`` per group."""
+        ctx = self.ctx
         rows = grouped(rollout)  # [G, k]
         r = rollout.rewards[rows].float()  # [G, k]
         usable = torch.nonzero(usable_groups(r)[1]).flatten()  # [G'] groups with a ranking
@@ -69,30 +75,29 @@ class GDROUpdate(Update):
             r = rollout.rewards[rows].float()  # [G, 2]
         g_all, k = rows.shape
         dev = ctx.device
-        cond_all = rollout.conditioning(ctx.policy)  # the rollout's own: prompts are not encoded again
-        x0_all, r_d = rollout.x0.to(dev), r.to(dev)  # once per update
-        group_prompt = rollout.prompt_index[rows[:, 0]].to(dev)  # [G]
-        rows_d = rows.to(dev)  # [G, k]
 
         def draws(g: torch.Generator) -> dict:
             t_all = (T_MIN + (1 - 2 * T_MIN) * torch.rand(g_all, generator=g)).to(dev)  # [G]
             return {"t": t_all, "eps": torch.randn((g_all, *rollout.x0.shape[1:]), generator=g).to(dev)}  # [G, C, H, W]
 
-        def loss_of(mb: torch.Tensor, d: dict) -> tuple[torch.Tensor, dict]:
-            err, err_ref = group_velocity_errors(
-                ctx.policy, ctx.reference, x0_all[rows_d[mb]], index_cond(cond_all, group_prompt[mb]),
-                d["t"][mb], d["eps"][mb], autocast=ctx.autocast)  # [m, k] each
-            s = implicit_rewards(err, err_ref, self.opts.beta)  # [m, k]
-            rr = r_d[mb]  # [m, k]
-            loss = dpo_loss(s[:, 0], s[:, 1]) if self.pairwise else gdro_loss(s, rr, self.opts.tau)
-            return loss, {"pref_loss": loss.detach(), **ranking_stats(s.detach(), rr)}
+        data = {"cond": rollout.conditioning(ctx.policy),  # the rollout's own: prompts are not encoded again
+                "x0": rollout.x0.to(dev), "r": r.to(dev), "prompt": rollout.prompt_index[rows[:, 0]].to(dev),  # [G]
+                "rows": rows.to(dev), "k": k}  # [G, k]
+        return Batch(usable, max(1, ctx.train.minibatch_size // k), shuffle="shuffle.preference", draws=draws,
+                     data=data, stats={"loss": float("nan"), "zero_var_fraction": 1.0 - len(usable) / max(1, g_all)})
 
-        out, _ = train_epochs(ctx, usable, seed_of_epoch=lambda e: stream_seed("shuffle.preference", cfg.seed, it, e),
-                              pass_size=max(1, cfg.minibatch_size // k), loss_of=loss_of, draws=draws)
-        out.setdefault("loss", float("nan"))
-        out.update({"transitions_trained": int(len(usable)) * k * cfg.inner_epochs,
-                    "zero_var_fraction": 1.0 - len(usable) / max(1, g_all)})
-        return out, {}
+    def loss(self, batch: Batch, mb: Minibatch) -> tuple[torch.Tensor, dict]:
+        d = batch.data
+        err, err_ref = group_velocity_errors(
+            self.ctx.policy, self.ctx.reference, d["x0"][d["rows"][mb.rows]], index_cond(d["cond"], d["prompt"][mb.rows]),
+            mb.draws["t"][mb.rows], mb.draws["eps"][mb.rows], autocast=self.ctx.autocast)  # [m, k] each
+        s = implicit_rewards(err, err_ref, self.opts.beta)  # [m, k]
+        rr = d["r"][mb.rows]  # [m, k]
+        loss = dpo_loss(s[:, 0], s[:, 1]) if self.pairwise else gdro_loss(s, rr, self.opts.tau)
+        return loss, {"pref_loss": loss.detach(), **ranking_stats(s.detach(), rr)}
+
+    def after_update(self, batch: Batch, trained: int, optimizer_steps: int) -> dict:
+        return {"transitions_trained": trained * batch.data["k"]}
 
 
 class DPOUpdate(GDROUpdate):

@@ -8,14 +8,19 @@ file behind, which callers that resume may delete (``<dir>.glob(".*.tmp-*")``).
 What is published gets the permissions the umask allows (:func:`share_permissions`), as a plain
 ``open()`` would give: some writers create private 0600 files (safetensors 0.8's ``save_file``),
 which teammates on a shared filesystem could not read.
+
+:func:`exclusive` is the lock for work two processes must not do at once (pretraining the cached
+digits base).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Iterator, Union
 
 PathLike = Union[str, os.PathLike]
 
@@ -125,3 +130,24 @@ def save_figure(fig, path: PathLike, dpi: int = 110) -> Path:
         return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
     finally:
         plt.close(fig)
+
+
+@contextlib.contextmanager
+def exclusive(path: PathLike, what: str) -> Iterator[None]:
+    """Hold the lock file ``path`` (created with its directory; ``filelock``) for the block, so two
+    processes never do ``what`` at once; one that has to wait says so on stderr, once, then waits.
+    Release is automatic, also when the holder dies (the OS drops its lock)."""
+    from filelock import FileLock, Timeout
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"[flowrl] another process is {what}: waiting for it to finish (lock {path})", file=sys.stderr,
+              flush=True)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
