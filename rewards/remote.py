@@ -142,9 +142,9 @@ class RemoteReward:
         check_inputs(images, prompts, self.name)
         prompts, out = list(prompts), []
         meta = {k: _as_image_batch(k, v) for k, v in meta.items()}
+        per_row = {k for k, v in meta.items()
+                   if isinstance(v, (torch.Tensor, ImageRows)) or (isinstance(v, list) and len(v) == len(prompts))}
         for s in chunks(images.shape[0], self.batch_size):
-            per_row = {k for k, v in meta.items()
-                       if isinstance(v, (torch.Tensor, ImageRows)) or (isinstance(v, list) and len(v) == len(prompts))}
             part = {k: (v[s] if k in per_row else v) for k, v in meta.items()}  # per-row values split with the images
             body = encode_request(images[s], prompts[s], part, self.encoding)
             raw = self._request("/score", body)
