@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import BenchError
+from ..errors import BenchError
 
 BACKENDS = ("rapidocr", "easyocr", "tesseract")
 

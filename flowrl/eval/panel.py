@@ -18,7 +18,7 @@ import torch
 
 from flowrl.diagnostics import high_frequency_energy, within_group_diversity
 from flowrl.errors import ConfigError
-from flowrl.rollout.base import score_images
+from flowrl.scoring import score_images
 from flowrl.rollout.ode import ode_sample
 from flowrl.utils.io import save_png, write_json
 from flowrl.utils.progress import progress
