@@ -159,7 +159,8 @@ class Flux2FamilyPolicy(DoubleSingleStreamFacts, PackedLatents, DiffusersPolicy)
         guidance = (torch.full((b,), guidance_scale, dtype=torch.float32, device=x.device)
                     if config.get("guidance_embeds") else None)  # [B]
         return dict(hidden_states=pack_latents(x).to(dtype), encoder_hidden_states=pe.to(x.device, dtype),
-                    timestep=sigma * 1000.0 / 1000.0, guidance=guidance, img_ids=img_ids, txt_ids=txt_ids,
+                    timestep=sigma * 1000.0 / 1000.0, guidance=guidance,
+                    img_ids=img_ids[None], txt_ids=txt_ids[None],  # [1, L, 4]: as the model's _cp_plan splits them
                     return_dict=False)  # hidden_states [B, (h/2)(w/2), 4C]
 
     @classmethod

@@ -125,9 +125,17 @@ def test_shipped_adapters_declare_their_facts(name):
     assert cls.block_counts(cls.with_block_counts(configs.transformer, counts)) == counts
     tr = build_component(cls.transformer_component(configs.transformer, {}), "meta", torch.bfloat16)
     x = torch.empty(2, *g.latent_shape, device="meta", dtype=torch.bfloat16)
+    kw = cls.transformer_inputs(configs.transformer, torch.bfloat16, x, torch.empty(2, device="meta"), cond)
     with torch.no_grad():
-        out = tr(**cls.transformer_inputs(configs.transformer, torch.bfloat16, x, torch.empty(2, device="meta"), cond))
+        out = tr(**kw)
     assert cls.transformer_output(out[0], x).shape == x.shape  # a velocity shaped like the latents
+    # context parallelism splits the inputs the model's _cp_plan names only in the form it expects (a tensor
+    # of another rank passes whole: FLUX.2's RoPE ids [L, 4] would then not follow their [B, L, 4] tokens);
+    # a per-sample timestep [B] under a plan for per-token [B, S] ones (Wan2.2 TI2V) passes whole on purpose
+    planned = (getattr(type(tr), "_cp_plan", None) or {}).get("", {})
+    for arg, spec in planned.items():
+        if arg != "timestep" and isinstance(kw.get(arg), torch.Tensor) and spec.expected_dims is not None:
+            assert kw[arg].dim() == spec.expected_dims, (name, arg, tuple(kw[arg].shape))
 
 
 @pytest.mark.parametrize("name,published", [("sd3", 2), ("flux", 1), ("sana", 1), ("qwen-image", 1),
