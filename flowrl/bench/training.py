@@ -78,7 +78,7 @@ def run_variant(recipe: str, variant: Variant, budget_seconds: float, eval_every
             curve.append(_point(spent, it, samples, ev))
             next_eval += eval_every_seconds
     tr.acc.end_training()
-    return {"recipe": variant.recipe or Path(recipe).name, "sampler": cfg.sampler.to_dict(), "loss": cfg.train.loss,
+    return {"recipe": Path(variant.recipe or recipe).name, "sampler": cfg.sampler.to_dict(), "loss": cfg.train.loss,
             "overrides": list(variant.overrides), "iterations": it, "train_seconds": spent,
             "seconds_per_iteration": float(np.mean(per_iter)) if per_iter else float("nan"),
             "rollout_seconds_per_iteration": float(np.mean(rollout_s)) if rollout_s else float("nan"),
