@@ -311,14 +311,15 @@ def _add_bench_parser(sub) -> None:
                        epilog=example("flowrl bench branch --pipeline digits --budget 120 --out bench"))
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
     from flowrl.bench.host import add_host_parser
+    from flowrl.bench.methods import add_methods_parser
     from flowrl.bench.ocr import add_ocr_parser
     from flowrl.bench.offline import add_offline_parser
     from flowrl.bench.precision_cli import add_precision_parser
     from flowrl.bench.reward import add_reward_parser
     from flowrl.bench.samplers import add_parsers as add_sampler_benches
 
-    for add in (add_sampler_benches, add_precision_parser, add_offline_parser, add_host_parser, add_reward_parser,
-                add_ocr_parser):
+    for add in (add_sampler_benches, add_methods_parser, add_precision_parser, add_offline_parser, add_host_parser,
+                add_reward_parser, add_ocr_parser):
         add(bsub)
 
 

@@ -7,6 +7,7 @@ run one after another in this process, on the same machine state, from the same 
 """
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -16,8 +17,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..trainers.config import Config
-from ..trainers.config_text import apply_overrides, read_recipe, resolve_recipe
+from ..trainers.config import Config, load_config
+from ..trainers.config_text import resolve_recipe
 from ..trainers.online import OnlineTrainer
 from ..utils.io import save_figure, write_json
 
@@ -25,7 +26,9 @@ from ..utils.io import save_figure, write_json
 @dataclass
 class Variant:
     """A recipe variant: an optional replacement ``sampler`` section plus dotted overrides; ``recipe``
-    (a file name in the benchmark's recipe directory) replaces the benchmark's recipe."""
+    (a file name in the benchmark's recipe directory, or a path) replaces the benchmark's recipe. The
+    config is built as ``flowrl train`` builds it (:func:`~flowrl.trainers.config.load_config`): a
+    ``train.loss=X`` override keeps the recipe's loss options that X takes and drops the others."""
 
     overrides: list = field(default_factory=list)
     sampler: Optional[dict] = None
@@ -35,26 +38,28 @@ class Variant:
         path = resolve_recipe(recipe)  # a file, or a shipped recipe by name (recipes/digits.yaml from anywhere)
         if self.recipe is not None:
             path = resolve_recipe(path.parent / self.recipe)
-        d = read_recipe(path)
-        if self.sampler is not None:
-            d["sampler"] = dict(self.sampler)
-        d = apply_overrides(d, list(self.overrides) + list(extra))
-        return Config.from_dict(d)
+        section = [f"sampler={json.dumps(self.sampler)}"] if self.sampler is not None else []  # a whole section
+        return load_config(path, section + list(self.overrides) + list(extra))
 
 
 def run_variant(recipe: str, variant: Variant, budget_seconds: float, eval_every_seconds: float,
                 max_iterations: int = 10_000, workdir: Optional[Path] = None, progress: bool = True,
                 extra: Optional[list[str]] = None) -> dict:
-    """Train one variant for ``budget_seconds`` of training time -> curve and timing summary."""
+    """Train one variant for ``budget_seconds`` of training time -> curve and timing summary.
+
+    Each curve point: ``train_seconds`` (rollout + reward + update so far, evaluation excluded),
+    ``iteration``, ``samples`` (finished samples the rollouts scored so far), the evaluation's
+    ``eval_reward``, ``diversity`` and ``hf_energy``; ``real`` holds the same measures of real data
+    (held-out digits for the evaluation prompts; empty when the model has none)."""
     cfg = variant.config(recipe, list(extra or []) + ["logging.trackers=[]", "logging.progress=false",
                                                       f"train.iterations={max_iterations}"])
     run_dir = Path(tempfile.mkdtemp(prefix="flowrl-bench-", dir=workdir))
     tr = OnlineTrainer(cfg, run_dir)
     tr.setup()
+    real = {k.removeprefix("real/"): v for k, v in tr.real_data_reference().items()}
     ev0, _ = tr.evaluate(0)
-    curve = [{"train_seconds": 0.0, "iteration": 0, "eval_reward": ev0["eval/reward"],
-              "diversity": ev0["eval/diversity"], "hf_energy": ev0["eval/hf_energy"]}]
-    spent, next_eval, it = 0.0, eval_every_seconds, 0
+    curve = [_point(0.0, 0, 0, ev0)]
+    spent, next_eval, it, samples = 0.0, eval_every_seconds, 0, 0
     per_iter, rollout_s, evals = [], [], []
     while spent < budget_seconds and it < max_iterations:
         t0 = time.perf_counter()
@@ -65,28 +70,34 @@ def run_variant(recipe: str, variant: Variant, budget_seconds: float, eval_every
         per_iter.append(dt)
         rollout_s.append(res.metrics["rollout_seconds"])
         evals.append(res.metrics["model_evals"])
+        samples += res.metrics["samples_gathered"]
         if progress:
             print(f"  it {it:4d}  {spent:7.1f}s  reward {res.metrics['reward_mean']:.3f}", flush=True)
         if spent >= next_eval or spent >= budget_seconds:
             ev, _ = tr.evaluate(it)
-            curve.append({"train_seconds": spent, "iteration": it, "eval_reward": ev["eval/reward"],
-                          "diversity": ev["eval/diversity"], "hf_energy": ev["eval/hf_energy"]})
+            curve.append(_point(spent, it, samples, ev))
             next_eval += eval_every_seconds
     tr.acc.end_training()
-    return {"recipe": variant.recipe or Path(recipe).name, "sampler": cfg.sampler.to_dict(), "loss": cfg.train.loss,
+    return {"recipe": Path(variant.recipe or recipe).name, "sampler": cfg.sampler.to_dict(), "loss": cfg.train.loss,
             "overrides": list(variant.overrides), "iterations": it, "train_seconds": spent,
             "seconds_per_iteration": float(np.mean(per_iter)) if per_iter else float("nan"),
             "rollout_seconds_per_iteration": float(np.mean(rollout_s)) if rollout_s else float("nan"),
             "model_evals_per_iteration": float(np.mean(evals)) if evals else float("nan"),
-            "samples_per_iteration": cfg.train.batch_size, "final_eval_reward": curve[-1]["eval_reward"],
-            "curve": curve}
+            "samples_per_iteration": cfg.train.batch_size, "samples_drawn": samples,
+            "final_eval_reward": curve[-1]["eval_reward"], "real": real, "curve": curve}
 
 
-def time_to_reach(curve: list[dict], target: float) -> Optional[float]:
-    """First training second at which the eval reward reaches ``target`` (None if never)."""
+def _point(seconds: float, it: int, samples: int, ev: dict) -> dict:
+    return {"train_seconds": seconds, "iteration": it, "samples": samples, "eval_reward": ev["eval/reward"],
+            "diversity": ev["eval/diversity"], "hf_energy": ev["eval/hf_energy"]}
+
+
+def time_to_reach(curve: list[dict], target: float, x: str = "train_seconds") -> Optional[float]:
+    """First training second (or ``x``: another key of the curve points, e.g. ``samples``) at which the
+    eval reward reaches ``target`` (None if never)."""
     for p in curve:
         if p["eval_reward"] >= target:
-            return p["train_seconds"]
+            return p[x]
     return None
 
 
@@ -109,28 +120,43 @@ def compare(variants: dict[str, Variant], recipe: str, budget_seconds: float, ev
     return out
 
 
+SECONDS = ("train_seconds", "training seconds (rollout + reward + update)")
+WATCH = (("diversity", "within-prompt diversity (hacking watch)"), ("hf_energy", "high-frequency energy (hacking watch)"))
+
+
 def plot_compare(out: dict, path: Path, title: str = "") -> None:
     """Eval reward, within-prompt diversity and high-frequency energy vs training seconds, one line
-    per variant; the reward panel marks flat GRPO's final reward (dashed) when it is a variant."""
+    per variant (:func:`plot_panels`)."""
+    plot_panels(out, path, [(SECONDS, ("eval_reward", "eval reward (fixed prompts and seeds)")),
+                            *((SECONDS, w) for w in WATCH)], title, baseline="flat_grpo", shape=(1, 3))
+
+
+def plot_panels(out: dict, path: Path, panels: list, title: str = "", baseline: str = "flat_grpo",
+                shape: tuple = (1, 3)) -> None:
+    """One subplot per ``((x_key, x_label), (y_key, y_label))`` of ``panels``, one line per variant of
+    ``out["variants"]`` through its curve points. Dashed lines: the real data's value of ``y_key`` (black,
+    from a variant's ``real``, when it has one) and, on eval-reward panels, the ``baseline`` variant's final
+    eval reward (grey)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    panels = (("eval_reward", "eval reward (fixed prompts and seeds)"),
-              ("diversity", "within-prompt diversity (hacking watch)"),
-              ("hf_energy", "high-frequency energy (hacking watch)"))
-    for ax, (key, label) in zip(axes, panels):
+    fig, axes = plt.subplots(*shape, figsize=(5 * shape[1], 4 * shape[0]), squeeze=False)
+    real = next((r["real"] for r in out["variants"].values() if r.get("real")), {})
+    base = out["variants"].get(baseline)
+    for ax, ((xk, xl), (yk, yl)) in zip(axes.flat, panels):
         for name, r in out["variants"].items():
             c = r["curve"]
-            ax.plot([p["train_seconds"] for p in c], [p[key] for p in c], "o-", ms=3, label=name)
-        ax.set_xlabel("training seconds (rollout + reward + update)")
-        ax.set_ylabel(label)
-    flat = out["variants"].get("flat_grpo")
-    if flat is not None:
-        axes[0].axhline(flat["final_eval_reward"], color="gray", ls="--", lw=1, label="flat GRPO final")
-    axes[0].legend(fontsize=8)
+            ax.plot([p[xk] for p in c], [p[yk] for p in c], "o-", ms=3, label=name)
+        ref = real.get("reward" if yk == "eval_reward" else yk)
+        if ref is not None:
+            ax.axhline(ref, color="k", ls="--", lw=1, label="real data")
+        if base is not None and yk == "eval_reward":
+            ax.axhline(base["final_eval_reward"], color="gray", ls="--", lw=1, label=f"{baseline} final")
+        ax.set_xlabel(xl)
+        ax.set_ylabel(yl)
+    axes.flat[0].legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     save_figure(fig, path)

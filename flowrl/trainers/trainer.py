@@ -317,13 +317,13 @@ class Trainer:
         first evaluation) and save the grid (main process)."""
         met, images = self.evaluate(i)
         if self.acc.is_main_process:
-            real = self._real_data_reference() if first else {}
+            real = self.real_data_reference() if first else {}
             self.run.log({**met, **real, "iteration": i})
             save_samples(images, self.run.samples / f"eval_{i:06d}.png", nrow=self.cfg.data.eval_seeds_per_prompt,
                          scale=max(1, 64 // images.shape[-1]), labels=item_texts(self.eval_prompts),
                          sources=item_sources(self.eval_prompts))  # a row per prompt: its text, an edit's inputs
 
-    def _real_data_reference(self) -> dict:
+    def real_data_reference(self) -> dict:
         """The evaluation metrics on real data (digits: held-out images), when the policy has them."""
         ref = getattr(self.policy, "reference_images", None)
         if ref is None:

@@ -1,0 +1,266 @@
+"""``flowrl bench methods``: every update on the same prompts, seeds and wall budget, in one run.
+
+Each method is a row of :data:`METHODS`, a declaration: its update (``train.loss``), its own digits recipe
+(``recipes/digits_<method>.yaml``, used as is when this build ships it) and, for a method that has none,
+the overrides that put its update on ``recipes/digits.yaml`` (10 prompts x 8 samples per iteration, the
+fixed evaluation set): the GRPO family keeps the recipe's group sampler with SDE steps (it trains on stored
+transitions); the updates on finished samples get 8 deterministic ODE samples per prompt, DiffusionNFT's
+digits minibatch and their own default options. Whatever the recipe, every method gets the bench's footing
+(:data:`FOOTING`: the base model, the training and evaluation prompts, the evaluation seeds, ``train.seed``)
+from ``digits.yaml`` and the shared overrides, and trains for the same budget of training seconds (rollout
++ reward + update, evaluation excluded; :func:`flowrl.bench.training.run_variant`), one after another in
+this process. A recipe that evaluates differently in another way (ODE steps, reward weights) is run and
+the difference is printed and kept in its row (``differs``).
+
+The result (:mod:`flowrl.bench.methods_report`): per method the evaluation reward against training seconds
+and against samples drawn, the watch's within-prompt diversity and high-frequency energy
+(:mod:`flowrl.diagnostics`) beside the real data's, and when GRPO ran, the seconds and samples each method
+took to reach GRPO's final evaluation reward. A method whose update is not registered in this build (or
+that needs its recipe and this build has none) is one line, "not available in this build"; a method that
+fails while training is reported as failed (its traceback on stderr) and the others still run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ..command_line import positive_float
+from ..errors import BenchError
+from ..trainers.config_text import read_recipe, recipes_dir, resolve_recipe
+from ..utils.io import write_json
+from .methods_report import add_times_to_baseline, plot, report
+from .training import Variant, run_variant
+
+RECIPE = "digits.yaml"
+BASELINE = "grpo"  # the method the "time to reach" columns measure against
+
+# the updates that train on finished samples: 8 ODE samples per prompt (the recipe's group size and
+# steps), the update's own default options, DiffusionNFT's digits minibatch (recipes/digits_sol_nft.yaml)
+ON_SAMPLES = ("sampler={name: ode, group_size: 8, num_steps: 10}", "train.loss_options={}",
+              "train.minibatch_size=40", "train.grad_accum=1")
+# what every method shares, taken from digits.yaml + the shared overrides: the same base model, prompts,
+# evaluation prompts and seeds, and seed of every random draw (a method's recipe cannot change them)
+FOOTING = ("model", "data.prompts", "data.eval_prompts", "data.eval_seeds_per_prompt", "train.seed")
+# what a method's recipe may change although it changes the evaluation too: reported, not forced
+# (the evaluation's ODE steps are the sampler's; the evaluation reward is the weighted sum of the rewards)
+EVALUATION = ("sampler.num_steps", "reward.weights")
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the bench: update ``loss`` (``train.loss``). ``recipe``: its own digits recipe (a file of
+    the shipped recipes), used as is when shipped (it must train ``loss``). Otherwise ``recipes/digits.yaml``
+    with ``train.loss=loss`` and ``overrides`` (empty: a GRPO-family update keeps the recipe's group sampler
+    and the GRPO loss options it takes); ``overrides=None``: the method runs only on its recipe."""
+
+    name: str
+    loss: str
+    overrides: Optional[tuple[str, ...]] = ()
+    recipe: Optional[str] = None
+    note: str = ""
+
+    def shipped_recipe(self) -> Optional[Path]:
+        """This method's digits recipe when this build ships it (None: it has none here)."""
+        path = recipes_dir() / self.recipe if self.recipe else None
+        return path if path is not None and path.is_file() else None
+
+    def variant(self, more: Sequence[str] = (), recipe: Optional[str] = None) -> Variant:
+        """The bench variant: ``recipe`` (a given one), else its shipped recipe, else digits.yaml with this row's
+        overrides; then ``more``. ``train.loss`` is this row's on every recipe."""
+        mine = self.shipped_recipe()
+        if recipe is None and mine is not None:
+            got = (read_recipe(mine).get("train") or {}).get("loss")
+            if got != self.loss:
+                raise BenchError(f"method {self.name}: recipes/{self.recipe} trains train.loss={got}, not {self.loss}; "
+                                 f"fix the METHODS row in flowrl/bench/methods.py")
+            recipe = str(mine)
+        fallback = () if recipe is not None else tuple(self.overrides or ())
+        return Variant(overrides=[f"train.loss={self.loss}", *fallback, *more], recipe=recipe)
+
+
+METHODS: tuple[Method, ...] = (
+    Method("grpo", "grpo", note="Flow-GRPO (arXiv 2505.05470)"),
+    Method("grpo_guard", "grpo_guard", note="GRPO-Guard (arXiv 2510.22319)"),
+    Method("dppo", "dppo", recipe="digits_dppo.yaml", note="Flow-DPPO: trust region by the exact transition KL"),
+    Method("nft", "nft", ON_SAMPLES, note="DiffusionNFT (arXiv 2509.16117)"),
+    Method("awm", "awm", ON_SAMPLES, recipe="digits_awm.yaml", note="AWM (arXiv 2509.25050)"),
+    Method("dgpo", "dgpo", ON_SAMPLES, recipe="digits_dgpo.yaml", note="DGPO: group preference on ODE samples"),
+    # GARDO's gate needs an auxiliary reward and its diversity shaping image features: its recipe says which
+    Method("gardo_grpo", "gardo_grpo", None, recipe="digits_gardo.yaml", note="GARDO on GRPO (arXiv 2512.24138)"),
+    Method("dpo", "dpo", ON_SAMPLES, note="online DPO (best vs worst of each group)"),
+    Method("gdro", "gdro", ON_SAMPLES, note="online GDRO (Plackett-Luce over each group's ranking)"),
+)
+BY_NAME = {m.name: m for m in METHODS}
+
+
+def _check_names(names, what: str) -> None:
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        raise BenchError(f"unknown method(s) {', '.join(map(repr, unknown))}{what}; choose from "
+                         f"{', '.join(BY_NAME)}")
+
+
+def skip_reason(m: Method, given_recipe: bool = False) -> Optional[str]:
+    """Why ``m`` cannot run in this build (None: it can); ``given_recipe``: the user gave it a recipe."""
+    from ..updates import UPDATES
+
+    if m.loss not in UPDATES:
+        return f"not available in this build (update {m.loss!r} is not registered)"
+    if m.overrides is None and not given_recipe and m.shipped_recipe() is None:
+        return f"not available in this build (it runs on recipes/{m.recipe}, which this build does not ship)"
+    return None
+
+
+def _get(d: dict, key: str):
+    for part in key.split("."):
+        d = d[part]
+    return d
+
+
+def _footing(base) -> list[str]:
+    """The :data:`FOOTING` of config ``base`` as overrides (whole values, JSON is YAML)."""
+    d = base.to_dict()
+    return [f"{k}={json.dumps(_get(d, k))}" for k in FOOTING]
+
+
+def _evaluation(cfg) -> dict:
+    d = cfg.to_dict()
+    out = {k: _get(d, k) for k in EVALUATION}
+    out["reward.weights"] = {k: w for k, w in out["reward.weights"].items() if w}  # weight 0: logged only
+    return out
+
+
+def chosen_runs(methods: Optional[Sequence[str]] = None, method_overrides: Optional[dict] = None,
+                method_recipes: Optional[dict] = None, extra: Sequence[str] = ()) -> tuple[dict, dict]:
+    """The chosen methods (all when ``methods`` is empty), in the table's order -> (``{name: Variant}`` of those
+    that run, every config validated, ``{name: reason}`` of those skipped). ``method_overrides`` /
+    ``method_recipes``: ``{name: [overrides]}`` / ``{name: recipe}`` for single methods; ``extra``: overrides
+    for every method (after a method's own declaration, before its ``method_overrides``); the footing last."""
+    method_overrides, method_recipes = dict(method_overrides or {}), dict(method_recipes or {})
+    _check_names(list(methods or ()), "")
+    _check_names([*method_overrides, *method_recipes], " in --method-override / --method-recipe")
+    try:
+        footing = _footing(Variant().config(RECIPE, list(extra)))
+    except ValueError as e:
+        raise BenchError(f"the shared overrides: {e}") from None
+    runs, skipped = {}, {}
+    for m in (m for m in METHODS if not methods or m.name in methods):
+        reason = skip_reason(m, m.name in method_recipes)
+        if reason is not None:
+            skipped[m.name] = reason
+            continue
+        try:
+            recipe = method_recipes.get(m.name)
+            var = m.variant([*extra, *method_overrides.get(m.name, ()), *footing],
+                            str(resolve_recipe(recipe).resolve()) if recipe else None)
+            var.config(RECIPE, [])  # validated before any model loads
+        except BenchError:
+            raise
+        except ValueError as e:
+            raise BenchError(f"method {m.name}: {e}") from None
+        runs[m.name] = var
+    return runs, skipped
+
+
+def _differences(runs: dict, extra: Sequence[str]) -> dict:
+    """``{name: {key: [method's, digits.yaml's]}}`` of the :data:`EVALUATION` keys a method's recipe changes."""
+    base = _evaluation(Variant().config(RECIPE, list(extra)))
+    out = {}
+    for name, var in runs.items():
+        mine = _evaluation(var.config(RECIPE, []))
+        diff = {k: [mine[k], base[k]] for k in EVALUATION if mine[k] != base[k]}
+        if diff:
+            out[name] = diff
+    return out
+
+
+def bench_methods(pipeline: str = "digits", budget_seconds: float = 120.0, eval_every_seconds: float = 20.0,
+                  out_dir: Optional[str] = None, methods: Optional[Sequence[str]] = None,
+                  method_overrides: Optional[dict] = None, method_recipes: Optional[dict] = None,
+                  extra: Sequence[str] = (), progress: bool = True) -> dict:
+    """Train every chosen method for ``budget_seconds`` of training time each -> the result dict
+    (:func:`~flowrl.bench.methods_report.report` formats it); written as ``out_dir/methods.json`` and
+    ``methods.png`` when ``out_dir`` is given, nothing written otherwise. Arguments as :func:`chosen_runs`."""
+    if pipeline != "digits":
+        raise BenchError(f"bench methods runs on the offline digits pipeline only (got {pipeline!r}); for SD3/FLUX "
+                         f"run each method's recipe with `flowrl train` on a GPU machine")
+    runs, skipped = chosen_runs(methods, method_overrides, method_recipes, extra)
+    differs = _differences(runs, extra)
+    for name, reason in skipped.items():
+        print(f"[bench methods] {name}: {reason}", flush=True)
+    for name, diff in differs.items():
+        print(f"[bench methods] {name}: its recipe evaluates differently: "
+              + "; ".join(f"{k} {a} (digits.yaml: {b})" for k, (a, b) in diff.items()), flush=True)
+    variants, failed = {}, {}
+    for i, (name, var) in enumerate(runs.items(), 1):
+        if progress:
+            print(f"[bench methods] {i}/{len(runs)} {name}: {Path(var.recipe or RECIPE).name} "
+                  f"train.loss={BY_NAME[name].loss} ({budget_seconds:g} training s)", flush=True)
+        try:
+            variants[name] = {"note": BY_NAME[name].note, "overrides": list(var.overrides),
+                              "differs": differs.get(name, {}),
+                              **run_variant(RECIPE, var, budget_seconds, eval_every_seconds, progress=progress)}
+        except Exception as e:  # noqa: BLE001 (one method's failure is its row; the others still run)
+            traceback.print_exc()
+            failed[name] = " ".join(f"{type(e).__name__}: {e}".split())
+            print(f"[bench methods] {name}: FAILED: {failed[name]}", flush=True)
+    res = {"pipeline": pipeline, "recipe": RECIPE, "budget_seconds": budget_seconds,
+           "eval_every_seconds": eval_every_seconds, "baseline": BASELINE, "variants": variants,
+           "skipped": skipped, "failed": failed,
+           "real": next((r["real"] for r in variants.values() if r.get("real")), {}),
+           "machine": {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
+           "note": "training seconds = rollout + reward + update, evaluation excluded; samples = finished samples "
+                   "the rollouts scored"}
+    add_times_to_baseline(res, BASELINE)
+    if out_dir:
+        out = Path(out_dir)
+        write_json(res, out / "methods.json")
+        plot(res, out / "methods.png", BASELINE)
+        print(f"[bench methods] wrote {out / 'methods.json'} and {out / 'methods.png'}", flush=True)
+    return res
+
+
+def _pairs(items: Sequence[str], flag: str) -> list[tuple[str, str]]:
+    out = []
+    for it in items or ():
+        name, sep, value = it.partition(":")
+        if not sep or not name or not value:
+            raise BenchError(f"{flag} {it!r}: expected METHOD:VALUE, e.g. {flag} nft:train.lr=3e-4")
+        out.append((name, value))
+    return out
+
+
+def _run(a) -> str:
+    overrides: dict[str, list[str]] = {}
+    for name, o in _pairs(a.method_override, "--method-override"):
+        overrides.setdefault(name, []).append(o)
+    recipes = dict(_pairs(a.method_recipe, "--method-recipe"))
+    methods = [m.strip() for m in (a.methods or "").split(",") if m.strip()]
+    return report(bench_methods(a.pipeline, a.budget, a.eval_every, a.out, methods, overrides, recipes,
+                                a.overrides or []))
+
+
+def add_methods_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``methods`` under the ``flowrl bench`` sub-commands."""
+    p = subparsers.add_parser("methods", help="every update on the same prompts, seeds and budget: reward vs "
+                                              "seconds and samples, the hacking watch (table; JSON + PNG with --out)",
+                              epilog="example:\n  flowrl bench methods --pipeline digits --budget 60 --out bench\n"
+                                     "  flowrl bench methods --methods grpo,nft,dpo --budget 60")
+    p.add_argument("--pipeline", choices=["digits"], default="digits", help="the model (digits only)")
+    p.add_argument("--budget", type=positive_float, default=120.0, help="training seconds per method")
+    p.add_argument("--eval-every", type=positive_float, default=20.0, help="evaluate every N training seconds")
+    p.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(BY_NAME)} (default: all)")
+    p.add_argument("--method-override", action="append", metavar="METHOD:KEY=VALUE",
+                   help="a dotted override for one method (repeatable), e.g. nft:train.loss_options.beta=0.5")
+    p.add_argument("--method-recipe", action="append", metavar="METHOD:RECIPE",
+                   help="run one method on this recipe (a shipped name or a path) instead of its own or digits.yaml")
+    p.add_argument("--out", default=None, help="write OUT/methods.json and OUT/methods.png here (default: nothing "
+                                               "written, the table only)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides applied to every method")
+    p.set_defaults(fn=_run)
+    return p

@@ -1,0 +1,81 @@
+"""The results of ``flowrl bench methods`` (:mod:`flowrl.bench.methods`): time to the baseline's final
+reward, the table and the picture."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .training import SECONDS, WATCH, plot_panels, time_to_reach
+
+
+def add_times_to_baseline(res: dict, baseline: str) -> None:
+    """When method ``baseline`` ran: ``baseline_final_above_base`` (its final evaluation reward is above the
+    base model's: else no method has a time to reach it) and per method ``seconds_to_baseline_final_reward`` /
+    ``samples_to_baseline_final_reward`` (the first evaluation at or above it; None: never within the budget,
+    or n/a) and ``speedup_seconds`` / ``speedup_samples`` (the baseline's time to its own final reward over the
+    method's)."""
+    base = res["variants"].get(baseline)
+    if base is None:
+        return
+    target = base["final_eval_reward"]
+    res["baseline_final_above_base"] = above = target > base["curve"][0]["eval_reward"]
+    for r in res["variants"].values():
+        for x, key in (("train_seconds", "seconds"), ("samples", "samples")):
+            r[f"{key}_to_baseline_final_reward"] = time_to_reach(r["curve"], target, x) if above else None
+    for r in res["variants"].values():
+        for key in ("seconds", "samples"):
+            mine, theirs = r[f"{key}_to_baseline_final_reward"], base[f"{key}_to_baseline_final_reward"]
+            r[f"speedup_{key}"] = theirs / mine if mine and theirs else None
+
+
+def plot(res: dict, path: Path, baseline: str) -> None:
+    """Reward vs training seconds, reward vs samples drawn, diversity and HF energy vs seconds (2 x 2)."""
+    reward = ("eval_reward", "eval reward (fixed prompts and seeds)")
+    samples = ("samples", "samples drawn (scored by the reward)")
+    plot_panels(res, path, [(SECONDS, reward), (samples, reward), *((SECONDS, w) for w in WATCH)],
+                f"every update on digits, {res['budget_seconds']:g} training s each", baseline=baseline, shape=(2, 2))
+
+
+def _num(v, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+HEAD = (f"{'method':<12}{'recipe':>20}{'sampler':>8}{'s/iter':>8}{'iters':>7}{'samples':>9}{'final reward':>14}"
+        f"{'diversity':>11}{'HF energy':>11}{'to GRPO s':>11}{'to GRPO samples':>17}{'x fewer samples':>17}")
+
+
+def _row(name: str, r: dict) -> str:
+    c = r["curve"][-1]
+    return (f"{name:<12}{Path(r['recipe']).name:>20}{r['sampler']['name']:>8}{r['seconds_per_iteration']:>8.2f}"
+            f"{r['iterations']:>7d}{r['samples_drawn']:>9d}{r['final_eval_reward']:>14.4f}{c['diversity']:>11.4f}"
+            f"{c['hf_energy']:>11.5f}{_num(r.get('seconds_to_baseline_final_reward'), '.1f'):>11}"
+            f"{_num(r.get('samples_to_baseline_final_reward'), 'd'):>17}{_num(r.get('speedup_samples'), '.2f'):>17}")
+
+
+def _baseline_line(res: dict) -> str:
+    name = res["baseline"]
+    base = res["variants"].get(name)
+    if base is None:
+        return f"time to GRPO's final eval reward: n/a ({name} was not among the methods run)"
+    if not res["baseline_final_above_base"]:
+        return (f"time to GRPO's final eval reward: n/a ({base['final_eval_reward']:.4f} is not above the base "
+                f"model's {base['curve'][0]['eval_reward']:.4f}: the base already reaches it; raise --budget)")
+    return (f"to GRPO s / samples: first evaluation at or above GRPO's final eval reward {base['final_eval_reward']:.4f}"
+            f" ('-': never within the budget); x fewer samples: GRPO's samples to it over the method's")
+
+
+def report(res: dict) -> str:
+    """The table of a bench-methods result: a row per method (unavailable and failed ones say why), the real
+    data's watch values, how a recipe's different evaluation reads, and the time to GRPO's final reward."""
+    rows = [HEAD, *(_row(name, r) for name, r in res["variants"].items())]
+    rows += [f"{name:<12}{why}" for name, why in res["skipped"].items()]
+    rows += [f"{name:<12}FAILED: {why}" for name, why in res["failed"].items()]
+    real = res.get("real") or {}
+    if real:
+        rows.append(f"{'real data':<12}{'':>20}{'':>8}{'':>8}{'':>7}{'':>9}{real.get('reward', float('nan')):>14.4f}"
+                    f"{real.get('diversity', float('nan')):>11.4f}{real.get('hf_energy', float('nan')):>11.5f}")
+    for name, r in res["variants"].items():
+        if r.get("differs"):
+            rows.append(f"{name}: its recipe evaluates differently: "
+                        + "; ".join(f"{k} {a} (digits.yaml: {b})" for k, (a, b) in r["differs"].items()))
+    rows.append(_baseline_line(res))
+    return "\n".join(rows)
