@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from conftest import tiny_train_overrides
 from flowrl.checkpoints.common import list_checkpoints
@@ -250,3 +251,22 @@ def test_digits_on_text_prompts_warns_about_nan_rewards(tiny_digits_dir, tmp_pat
         "train.iterations": 1, "data.prompts": "[a photo of a cat, a red apple on a table]"})), tmp_path / "run")
     warnings = [ln for ln in capsys.readouterr().err.splitlines() if "WARNING" in ln]
     assert any("16 of 16 rewards are NaN/inf" in ln for ln in warnings), warnings
+
+
+def test_training_grid_has_a_row_per_prompt_with_its_text_and_sources():
+    """The training sample grid (samples/train_*.png): a row per prompt, as long as the shortest, labelled
+    with its text and, for an edit, led by its source; at most 8 x 8."""
+    from flowrl.data.items import PromptItem
+    from flowrl.trainers.reporting import rollout_rows
+
+    src = torch.zeros(3, 4, 4)
+    prompts = ["a 1", PromptItem("turn it into a 2", source=src), "a 3"]
+    images = torch.arange(7.0).view(7, 1, 1, 1).expand(7, 3, 4, 4)  # sample n has value n
+    idx = torch.tensor([1, 0, 1, 0, 1, 2, 2])  # prompt 1 first in sampling order
+    grid, ncol, labels, sources = rollout_rows(images, idx, prompts)
+    assert ncol == 2 and labels == ["turn it into a 2", "a 1", "a 3"]
+    assert [v.item() for v in grid[:, 0, 0, 0]] == [0, 2, 1, 3, 5, 6]
+    assert sources[0] is not None and sources[0].shape == (3, 4, 4) and sources[1] is None and sources[2] is None
+    many = torch.arange(100).repeat_interleave(10)  # 100 prompts x 10 samples
+    grid, ncol, labels, _ = rollout_rows(torch.rand(1000, 3, 2, 2), many, [f"p{i}" for i in range(100)])
+    assert grid.shape[0] == 64 and ncol == 8 and labels == [f"p{i}" for i in range(8)]

@@ -250,7 +250,7 @@ class OfflineTrainer(Trainer):
         chunk = chunk.view(ga, self.strategy.layout.dp_size, bg)[:, self.strategy.layout.dp_rank]  # [ga, bg]
         return list(chunk)
 
-    def run_unit(self, i: int) -> tuple[dict, Optional[torch.Tensor]]:
+    def run_unit(self, i: int) -> tuple[dict, None]:
         return self.run_step(i), None
 
     def run_step(self, step: int) -> dict:

@@ -128,9 +128,9 @@ class OnlineTrainer(Trainer):
     def _rollout_seed(self, it: int) -> int:
         return stream_seed("rollout", self.cfg.train.seed, it, self.strategy.layout.dp_rank, self.strategy.layout.dp_size)
 
-    def run_unit(self, i: int) -> tuple[dict, Optional[torch.Tensor]]:
+    def run_unit(self, i: int) -> tuple[dict, Optional[Rollout]]:
         res = self.run_iteration(i)
-        return res.metrics, res.rollout.images
+        return res.metrics, res.rollout
 
     def run_iteration(self, it: int) -> IterationResult:
         """Rollout of this process's prompts, the update on it, the iteration's metrics (rewards gathered

@@ -6,9 +6,30 @@ import os
 from pathlib import Path
 from typing import Iterable, Optional
 
+import torch
+
+from ..data.items import item_sources, item_texts
 from ..utils.io import save_figure, write_text
 
-__all__ = ["MetricsLog", "is_evaluation", "read_metrics", "reward_name", "plot_curves", "side_by_side"]
+__all__ = ["MetricsLog", "is_evaluation", "read_metrics", "reward_name", "plot_curves", "rollout_rows", "side_by_side"]
+
+
+def rollout_rows(images: torch.Tensor, prompt_index: torch.Tensor, prompts: list, rows: int = 8,
+                 cols: int = 8) -> tuple[torch.Tensor, int, list[str], list]:
+    """A training grid of a rollout, a row per prompt: the first ``rows`` prompts that have samples (in
+    sampling order), each with its first ``cols`` samples (every row as long as the shortest), labelled
+    with the prompt's text and, for an edit, its source image(s) first.
+
+    ``images`` ``[N, 3, (F,) H, W]``, ``prompt_index`` ``[N]`` into ``prompts`` -> (``[R * C, 3, (F,) H, W]``,
+    ``C``, R labels, R sources (None or the item's sources))."""
+    by_prompt: dict[int, list[int]] = {}
+    for n, p in enumerate(prompt_index.tolist()):
+        by_prompt.setdefault(int(p), []).append(n)
+    chosen = list(by_prompt)[:rows]
+    c = min(cols, *(len(by_prompt[p]) for p in chosen))
+    take = torch.tensor([n for p in chosen for n in by_prompt[p][:c]], dtype=torch.long)
+    items = [prompts[p] for p in chosen]
+    return images[take], c, item_texts(items), item_sources(items)  # [R * C, 3, (F,) H, W]
 
 
 def is_evaluation(record: dict) -> bool:

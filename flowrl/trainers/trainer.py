@@ -38,11 +38,13 @@ from ..distributed.offload import Offload, offload_idle
 from ..distributed.strategy import evaluation_weights, strategy_for
 from ..media import save_samples
 from ..registry import Registry
+from ..rollout.base import Rollout
 from ..scoring import score_images
 from ..trainable import EMA, Reference, set_up_trainable
 from ..updates import UPDATES
 from ..updates.base import Update, UpdateContext
 from .config import Config
+from .reporting import rollout_rows
 from .run_dir import RunDirectory
 from .steps import OptimizerSteps, TrainingStopped
 
@@ -101,8 +103,8 @@ class Trainer:
         """Rows per evaluation chunk (each chunk scored while the next samples); None: all at once."""
         return None
 
-    def run_unit(self, i: int) -> tuple[dict, Optional[torch.Tensor]]:
-        """Train unit ``i`` -> (metrics with ``"iteration": i``, training images to show or None)."""
+    def run_unit(self, i: int) -> tuple[dict, Optional[Rollout]]:
+        """Train unit ``i`` -> (metrics with ``"iteration": i``, the rollout it trained on, to show, or None)."""
         raise NotImplementedError
 
     def progress_postfix(self, met: dict) -> dict:
@@ -362,13 +364,15 @@ class Trainer:
                        unit=self.unit, disable=not (lg.progress and self.acc.is_main_process), dynamic_ncols=True)
         last = self.start_iteration
         for i in bar:
-            met, images = self.run_unit(i)
+            met, shown = self.run_unit(i)
             done = last = i + 1
             if i % lg.log_every == 0 or done == n:
                 self.run.log(met)
             bar.set_postfix(**self.progress_postfix(met))
-            if images is not None and self.acc.is_main_process and (done % lg.image_every == 0 or done == n):
-                save_samples(images[: 8 * 8], self.run.samples / f"train_{done:06d}.png", nrow=8, scale=4)
+            if shown is not None and self.acc.is_main_process and (done % lg.image_every == 0 or done == n):
+                images, nrow, labels, sources = rollout_rows(shown.images, shown.prompt_index, shown.prompts)
+                save_samples(images, self.run.samples / f"train_{done:06d}.png", nrow=nrow,
+                             scale=max(1, 64 // images.shape[-1]), labels=labels, sources=sources)
             if self.strategy.evaluates_here and (done % self.eval_every == 0 or done == n):
                 self._evaluate_and_log(done)
             if done % cfg.train.checkpoint_every == 0 or done == n or self._stop_requested:
