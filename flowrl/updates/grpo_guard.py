@@ -73,7 +73,7 @@ class GRPOGuardUpdate(GRPOUpdate):
         """``old_mean`` [M, C, H, W]: step means under the weights before this update (no grad)."""
         ctx = self.ctx
         old = torch.zeros_like(trans.next_latents)  # [M, C, H, W]; rows without signal stay 0 (never read)
-        if not self.opts.ratio_norm:
+        if not self.opts.ratio_norm or not len(rows):  # no rows: every group without signal (split gives one empty)
             return {"old_mean": old}
         with torch.no_grad():
             for mb in rows.to(ctx.device).split(ctx.train.minibatch_size):
