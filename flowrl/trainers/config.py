@@ -327,7 +327,7 @@ class Config:
         reason = incompatibility(t.update_needs, t.loss, mode=t.mode, sampler=self.sampler.name,
                                  stores_transitions=self.sampler.stores_transitions,
                                  aggregate=self.reward.aggregate, inner_epochs=t.inner_epochs,
-                                 alternatives=updates_by_input(), samples_per_prompt=self.sampler.samples_per_prompt)
+                                 alternatives=updates_by_input())
         if reason:
             raise ConfigError(reason)
         spp = self.sampler.samples_per_prompt

@@ -80,8 +80,7 @@ class OnlineTrainer(Trainer):
             reason = incompatibility(t.update_needs, t.loss, mode=t.mode, sampler=type(self.sampler).__name__,
                                      stores_transitions=bool(self.sampler.stores_transitions),
                                      aggregate=cfg.reward.aggregate, inner_epochs=t.inner_epochs,
-                                     alternatives=updates_by_input(),
-                                     samples_per_prompt=int(self.sampler.samples_per_prompt))
+                                     alternatives=updates_by_input())
             if reason:
                 raise ConfigError(reason)
         per_prompt = int(self.sampler.samples_per_prompt)

@@ -208,10 +208,9 @@ def _either(names: list[str]) -> str:
 
 
 def incompatibility(needs: Needs, loss: str, *, mode: str, sampler: str, stores_transitions: bool, aggregate: str,
-                    inner_epochs: int, alternatives: dict[str, list[str]], samples_per_prompt: int = 2) -> Optional[str]:
+                    inner_epochs: int, alternatives: dict[str, list[str]]) -> Optional[str]:
     """Why an update with ``needs`` (``train.loss=loss``) cannot run with these settings, in one line with
-    the fix, or None. ``alternatives``: update names by need (:func:`flowrl.updates.updates_by_input`);
-    ``samples_per_prompt``: the sampler's (an update whose unit is a group or a pair needs 2 or more)."""
+    the fix, or None. ``alternatives``: update names by need (:func:`flowrl.updates.updates_by_input`)."""
     others = lambda kind: ", ".join(n for n in alternatives.get(kind, []) if n != loss)  # noqa: E731
     on_samples = [n for n in alternatives.get("samples", []) if n != loss]
     if needs.consumes == "dataset" and mode != "offline":
@@ -224,10 +223,6 @@ def incompatibility(needs: Needs, loss: str, *, mode: str, sampler: str, stores_
         return (f"the {sampler!r} sampler (as configured) stores no stochastic transitions, so train.loss={loss} would "
                 f"have nothing to train on; use train.loss={_either(on_samples)} (they train on finished samples), or a "
                 f"stochastic sampler (group, branch, tempflow, sol with regen: group)")
-    if mode == "online" and needs.unit in ("group", "pair") and samples_per_prompt < 2:
-        return (f"train.loss={loss} trains on whole groups of samples of one prompt, and the {sampler!r} sampler (as "
-                f"configured) gives {samples_per_prompt} per prompt; give it 2 or more (sampler.group_size, or "
-                f"sampler.keep for sol)")
     if aggregate == "per_reward" and not needs.per_reward:
         return (f"reward.aggregate=per_reward has no effect with train.loss={loss}, which trains on the weighted "
                 f"sum of the rewards; set reward.aggregate=sum")
