@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import torch
 
 from ..losses.awm import AWM_WEIGHTINGS, AWMOptions, awm_log_prob, awm_loss
 from ..types import index_cond
 from .base import Batch, Minibatch, Needs, Update, check_number
-from .flow_matching import MatchingOptions, RampedCopy, draw_generator, noised, sample_advantages, training_times
+from .flow_matching import KeepsRampedCopy, MatchingOptions, draw_generator, noised, sample_advantages, training_times
 
 
 @dataclass
@@ -70,10 +70,11 @@ class AWMUpdateOptions(MatchingOptions):
                           beta_ema_kl=self.beta_ema_kl)
 
 
-class AWMUpdate(Update):
+class AWMUpdate(KeepsRampedCopy, Update):
     """AWM on finished samples (module doc); keeps the EMA copy across iterations when its options use one."""
 
     Options = AWMUpdateOptions
+    COPY = "ema_policy"  # the EMA copy (self.ramped), kept with beta_ema_kl > 0 or off_policy
 
     @classmethod
     def needs(cls, options) -> Needs:
@@ -84,25 +85,11 @@ class AWMUpdate(Update):
     def __init__(self, ctx, options=None):
         super().__init__(ctx, options)
         self.loss_opts = self.opts.loss_options()
-        self.ema: Optional[RampedCopy] = None  # made on first use (or restored from a checkpoint)
         self.iteration = 0
-
-    # ------------------------------------------------------------ the EMA copy
-    def _ema(self) -> RampedCopy:
-        if self.ema is None:
-            self.ema = self.opts.ema_copy(self.ctx.unwrapped)
-        return self.ema
-
-    def state_dict(self) -> dict:
-        return {"ema_policy": self.ema.shadow} if self.ema is not None else {}
-
-    def load_state_dict(self, extra: dict) -> None:
-        if "ema_policy" in extra:
-            self._ema().shadow = extra["ema_policy"]
 
     def sampling_weights(self):
         """The EMA copy's weights with ``off_policy``, else the policy's own."""
-        return self._ema().applied(self.ctx.unwrapped) if self.opts.off_policy else contextlib.nullcontext()
+        return self.ramped_copy().applied(self.ctx.unwrapped) if self.opts.off_policy else contextlib.nullcontext()
 
     # ------------------------------------------------------------ one call
     def batch(self, rollout, it: int) -> Batch:
@@ -111,7 +98,7 @@ class AWMUpdate(Update):
         ctx, opts = self.ctx, self.opts
         self.iteration = it
         if opts.keeps_ema:
-            self._ema()
+            self.ramped_copy()
         adv, zero = sample_advantages(ctx, rollout, opts.global_std)  # [N]
         n, k, dev = rollout.num_samples, opts.num_times, ctx.device
         times, eps = [], []
@@ -158,7 +145,7 @@ class AWMUpdate(Update):
             with torch.no_grad(), ctx.reference(), ctx.autocast():
                 out["v_ref"] = ctx.policy.velocity(x_t, sigma, c)
         if o.beta_ema_kl > 0:
-            with torch.no_grad(), self.ema.applied(ctx.unwrapped), ctx.autocast():
+            with torch.no_grad(), self.ramped.applied(ctx.unwrapped), ctx.autocast():
                 out["v_ema"] = ctx.policy.velocity(x_t, sigma, c)
         with ctx.autocast():
             out["v_theta"] = ctx.policy.velocity(x_t, sigma, c)  # [m, C, (F,) H, W]
@@ -171,6 +158,6 @@ class AWMUpdate(Update):
 
     def after_update(self, batch: Batch, trained: int, optimizer_steps: int) -> dict:
         out = {"transitions_trained": trained}
-        if self.ema is not None:  # once per iteration, after its update
-            out["awm/ema_decay"] = self.ema.step(self.ctx.unwrapped, self.iteration)
+        if self.ramped is not None:  # once per iteration, after its update
+            out["awm/ema_decay"] = self.ramped.step(self.ctx.unwrapped, self.iteration)
         return out

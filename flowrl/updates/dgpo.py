@@ -32,7 +32,7 @@ import torch
 from ..losses.dgpo import DGPOOptions, dgpo_loss
 from ..types import index_cond
 from .base import Batch, Minibatch, Needs, Update, check_number
-from .flow_matching import MatchingOptions, RampedCopy, noised, sample_advantages, training_times
+from .flow_matching import KeepsRampedCopy, MatchingOptions, noised, sample_advantages, training_times
 from .preference import grouped
 
 
@@ -79,10 +79,11 @@ class DGPOUpdateOptions(MatchingOptions):
                            use_ema_ref=self.use_ema_ref, beta_kl=self.beta_kl)
 
 
-class DGPOUpdate(Update):
+class DGPOUpdate(KeepsRampedCopy, Update):
     """DGPO on a rollout's groups (module doc); keeps the EMA old policy across iterations."""
 
     Options = DGPOUpdateOptions
+    COPY = "old_policy"  # the EMA old policy (self.ramped), kept with clip_dsm, clip_kl or use_ema_ref
 
     @classmethod
     def needs(cls, options) -> Needs:
@@ -92,21 +93,8 @@ class DGPOUpdate(Update):
 
     def __init__(self, ctx, options=None):
         super().__init__(ctx, options)
-        self.old: Optional[RampedCopy] = None  # made on first use (or restored from a checkpoint)
         self.steps_seen = ctx.optimizer_steps()  # steps taken when last seen (a skipped step moves nothing)
         self.last_decay = float("nan")
-
-    def _old(self) -> RampedCopy:
-        if self.old is None:
-            self.old = self.opts.ema_copy(self.ctx.unwrapped)
-        return self.old
-
-    def state_dict(self) -> dict:
-        return {"old_policy": self.old.shadow} if self.old is not None else {}
-
-    def load_state_dict(self, extra: dict) -> None:
-        if "old_policy" in extra:
-            self._old().shadow = extra["old_policy"]
 
     def sampling_from_old(self) -> bool:
         """Whether rollouts sample with the EMA old policy now (``switch_ema_ref`` passed)."""
@@ -114,14 +102,14 @@ class DGPOUpdate(Update):
         return s is not None and self.ctx.optimizer_steps() > s
 
     def sampling_weights(self):
-        return self._old().applied(self.ctx.unwrapped) if self.sampling_from_old() else contextlib.nullcontext()
+        return self.ramped_copy().applied(self.ctx.unwrapped) if self.sampling_from_old() else contextlib.nullcontext()
 
     def batch(self, rollout, it: int) -> Batch:
         """Every (group, time) pair (row ``g * num_times + j``), the groups' sample rows, advantages and
         conditioning; each epoch draws the times and the (per-group) noise."""
         ctx, opts = self.ctx, self.opts
         if opts.keeps_old:
-            self._old()
+            self.ramped_copy()
         groups = grouped(rollout)  # [G, k]
         adv, zero = sample_advantages(ctx, rollout, opts.global_std)  # [N]
         n_groups, k = groups.shape
@@ -154,7 +142,7 @@ class DGPOUpdate(Update):
         out = {"v_target": target, "advantages": d["adv"][rows], "v_ref": None, "v_old": None,
                "group_index": torch.arange(len(g), device=rows.device).repeat_interleave(k)}  # [m k] dense ids
         if o.needs_old:
-            with torch.no_grad(), self.old.applied(ctx.unwrapped), ctx.autocast():
+            with torch.no_grad(), self.ramped.applied(ctx.unwrapped), ctx.autocast():
                 out["v_old"] = ctx.policy.velocity(x_t, sigma, c)
         if not o.use_ema_ref or o.beta_kl > 0:
             with torch.no_grad(), ctx.reference(), ctx.autocast():
@@ -169,13 +157,13 @@ class DGPOUpdate(Update):
                          v_ref=v["v_ref"], v_old=v["v_old"])
 
     def after_step(self, optimizer_steps: int) -> None:
-        if self.old is not None and optimizer_steps > self.steps_seen:  # a step was taken: s steps before it
-            self.last_decay = self.old.step(self.ctx.unwrapped, optimizer_steps - 1)
+        if self.ramped is not None and optimizer_steps > self.steps_seen:  # a step was taken: s steps before it
+            self.last_decay = self.ramped.step(self.ctx.unwrapped, optimizer_steps - 1)
         self.steps_seen = optimizer_steps
 
     def after_update(self, batch: Batch, trained: int, optimizer_steps: int) -> dict:
         out = {"transitions_trained": trained * batch.data["k"]}
-        if self.old is not None:
+        if self.ramped is not None:
             out["dgpo/old_decay"] = self.last_decay
         return out
 

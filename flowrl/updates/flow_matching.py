@@ -9,7 +9,7 @@ this module only turns options and rollouts into their arguments.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import ClassVar, Optional, Union
 
 import torch
 
@@ -109,6 +109,27 @@ class RampedCopy(EMA):
         d = self.decay_at(step)
         self.update(module, d)
         return d
+
+
+class KeepsRampedCopy:
+    """Mixin of an update keeping one :class:`RampedCopy` (``self.ramped``; AWM's EMA, DGPO's old policy):
+    made on first use by :meth:`ramped_copy` with the options' decay, checkpointed under ``COPY`` (its
+    name in ``Needs.copies``) and restored from a checkpoint's extra tensors. Listed before ``Update``."""
+
+    COPY: ClassVar[str] = ""
+    ramped: Optional[RampedCopy] = None
+
+    def ramped_copy(self) -> RampedCopy:
+        if self.ramped is None:
+            self.ramped = self.opts.ema_copy(self.ctx.unwrapped)
+        return self.ramped
+
+    def state_dict(self) -> dict:
+        return {self.COPY: self.ramped.shadow} if self.ramped is not None else {}
+
+    def load_state_dict(self, extra: dict) -> None:
+        if self.COPY in extra:
+            self.ramped_copy().shadow = extra[self.COPY]
 
 
 def sample_advantages(ctx, rollout, global_std: bool) -> tuple[torch.Tensor, torch.Tensor]:
