@@ -149,3 +149,15 @@ def test_the_digits_recipe_raises_the_evaluation_reward(pretrained_digits_base, 
     before, after = summary["eval_reward_before"], summary["eval_reward_after"]
     assert after > before + 0.03, (before, after)
     assert summary["skipped_steps"] == 0
+
+
+@pytest.mark.parametrize("recipe, copy", [("sd3_awm_pickscore", "ema policy of train.loss=awm"),
+                                          ("flux_awm_pickscore", "ema policy of train.loss=awm"),
+                                          ("sd3_dgpo_pickscore", "old policy of train.loss=dgpo"),
+                                          ("flux_dgpo_pickscore", "old policy of train.loss=dgpo")])
+def test_the_gpu_recipes_fit_8_x_80_gib_with_their_copy(recipe, copy):
+    from flowrl.plan.core import GiB, plan_memory
+
+    p = plan_memory(load_config(f"recipes/{recipe}.yaml"), 8, 80 * GiB, recipe)
+    assert p.fits, (recipe, p.peak_bytes / GiB)
+    assert any(i.name.startswith(copy) for i in p.items), [i.name for i in p.items]

@@ -80,7 +80,7 @@ class AWMUpdate(KeepsRampedCopy, Update):
     def needs(cls, options) -> Needs:
         # the reference and the EMA copy are evaluated before the trained forward (no graph held)
         return Needs(clean_samples=True, reference=options.beta_kl > 0,
-                     copies=("ema_policy",) if options.keeps_ema else (), unit="sample")
+                     copies=(cls.COPY,) if options.keeps_ema else (), unit="sample")
 
     def __init__(self, ctx, options=None):
         super().__init__(ctx, options)

@@ -89,7 +89,7 @@ class DGPOUpdate(KeepsRampedCopy, Update):
     def needs(cls, options) -> Needs:
         # the frozen model is the DGPO reference unless use_ema_ref, and the KL's; evaluated before the graph
         return Needs(clean_samples=True, reference=not options.use_ema_ref or options.beta_kl > 0,
-                     copies=("old_policy",) if options.keeps_old else (), unit="group")
+                     copies=(cls.COPY,) if options.keeps_old else (), unit="group")
 
     def __init__(self, ctx, options=None):
         super().__init__(ctx, options)
