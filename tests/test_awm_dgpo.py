@@ -73,6 +73,22 @@ def test_trains_on_the_finished_samples_of_a_stochastic_sampler_too(tiny_digits_
     assert rec["transitions_trained"] == 32 and rec["grad_norm"] > 0
 
 
+def test_dgpo_raises_the_preference_of_each_groups_better_half_on_a_fixed_rollout(tiny_digits_dir, tmp_path):
+    from flowrl.trainers.online import OnlineTrainer
+
+    cfg = _cfg(tiny_digits_dir, "dgpo", **{"train.loss_options": "{num_times: 2, time_range: 0.9, beta_dpo: 100.0, "
+                                                                 "clip_dsm: false}", "train.grad_accum": 1})
+    tr = OnlineTrainer(cfg, tmp_path / "run")
+    tr.setup()
+    rollout = tr.sampler(tr.policy, tr._iteration_prompts(0), tr.reward, seed=1)
+    first, _ = tr.train_on(rollout, 0)
+    for _ in range(5):
+        last, _ = tr.train_on(rollout, 0)  # the same times and noise: a fixed objective
+    assert first["zero_var_fraction"] < 1 and first["transitions_trained"] == 32
+    assert last["preference_loss"] < first["preference_loss"], (first["preference_loss"], last["preference_loss"])
+    tr.acc.end_training()
+
+
 SOL_KEEP_ONE = "sampler={name: sol, explore_backend: none, pool_size: 8, keep: 1, preview_steps: 2, regen: ode}"
 # (recipe, overrides, what the one-line error must say): refused when the recipe loads, before any model
 REFUSED = {
