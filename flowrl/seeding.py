@@ -99,6 +99,9 @@ PURPOSES: dict[str, Purpose] = {
     "shuffle.update": Purpose(("seed", "iteration", "epoch"), lambda s, it, e: ((s, it, e, 23), 1, 0, False),
                               "any other update (flowrl.updates.base.Batch's default): the epoch's shuffle and "
                               "draws"),
+    "update.draws": Purpose(("seed", "iteration", "epoch"), lambda s, it, e: ((s, it, e, 29), 1, 0, False),
+                            "an update's random tensors drawn in its batch(), before any optimizer step of the call "
+                            "(AWM: the times and noise whose old log-probs need the sampling weights)"),
     "sol.selection": Purpose(("rollout_seed",), lambda s: (s * _SHUFFLE_SALT + 17, 1, 0, True),
                              "Sol-RL: the random pick among the candidate pool"),
     "prompts": Purpose(("seed", "iteration", "rank"), lambda s, it, r: ((s, it, r, 1), 1, 0, False),

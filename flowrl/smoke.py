@@ -66,6 +66,10 @@ def _group(sampler: dict) -> dict:
     return {"group_size": 2, "num_steps": 2, "max_batch": "null"}
 
 
+def _ode(sampler: dict) -> dict:  # 3 steps: a training time after the first (AWM's discrete_wo_init)
+    return {**_group(sampler), "num_steps": 3}
+
+
 def _branch(sampler: dict) -> dict:
     return {"num_steps": 3, "split_steps": "[0, 1]", "window": 2, "window_start": 0, "max_batch": "null"}
 
@@ -80,7 +84,7 @@ def _sol(sampler: dict) -> dict:
 
 
 # sampler name -> its options shrunk (every row keeps train.batch_size = 4 a multiple of its samples per prompt)
-SAMPLERS: dict[str, Callable[[dict], dict]] = {"group": _group, "ode": _group, "branch": _branch,
+SAMPLERS: dict[str, Callable[[dict], dict]] = {"group": _group, "ode": _ode, "branch": _branch,
                                                "tempflow": _tempflow, "sol": _sol}
 
 

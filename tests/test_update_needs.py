@@ -120,21 +120,22 @@ def test_possible_combinations_load(recipe, overrides):
 
 def test_every_update_declares_what_it_needs():
     by_input = updates_by_input()
-    assert by_input == {"rollout": ["grpo", "nft", "dpo", "gdro", "grpo_guard"], "dataset": ["offline_gdro"],
-                        "samples": ["nft", "dpo", "gdro"]}
+    assert by_input == {"rollout": ["grpo", "nft", "dpo", "gdro", "grpo_guard", "awm", "dgpo"],
+                        "dataset": ["offline_gdro"], "samples": ["nft", "dpo", "gdro", "awm", "dgpo"]}
     needs = {n: default_needs(n) for n in UPDATES.entries}
     assert {n for n, d in needs.items() if d.transitions} == {"grpo", "grpo_guard"}
-    assert {n for n, d in needs.items() if d.clean_samples} == {"nft", "dpo", "gdro"}
-    assert {n: d.copies for n, d in needs.items() if d.copies} == {"nft": ("old_policy",)}
+    assert {n for n, d in needs.items() if d.clean_samples} == {"nft", "dpo", "gdro", "awm", "dgpo"}
+    assert {n: d.copies for n, d in needs.items() if d.copies} == {"nft": ("old_policy",), "dgpo": ("old_policy",)}
     assert {n: d.unit for n, d in needs.items()} == {"grpo": "transition", "grpo_guard": "transition", "nft": "sample",
-                                                     "dpo": "pair", "gdro": "group", "offline_gdro": "group"}
+                                                     "dpo": "pair", "gdro": "group", "offline_gdro": "group",
+                                                     "awm": "sample", "dgpo": "group"}
     refs = {}
     for n in UPDATES.entries:  # the reference follows the KL weight where the update has one
         cls = UPDATES.get(n)
         on = {"beta_kl": 0.04} if "beta_kl" in {f.name for f in dataclasses.fields(cls.Options)} else {}
         refs[n] = (cls.needs(cls.Options(**on)).reference, cls.needs(cls.Options()).reference)
     assert refs == {"grpo": (True, False), "grpo_guard": (True, False), "nft": (True, False), "dpo": (True, True),
-                    "gdro": (True, True), "offline_gdro": (True, True)}
+                    "gdro": (True, True), "offline_gdro": (True, True), "awm": (True, False), "dgpo": (True, True)}
     assert {n for n, d in needs.items() if d.reference_in_graph} == {"dpo", "gdro", "offline_gdro"}  # (KL off)
 
 

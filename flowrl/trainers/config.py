@@ -159,7 +159,9 @@ class TrainConfig:
                              "'grpo_guard' (GRPO-Guard's regulated clipping), 'nft' (DiffusionNFT on finished "
                              "samples; any sampler, ODE included), 'dpo' (online Diffusion-DPO: each group's best vs "
                              "worst sample), 'gdro' (online GDRO: Plackett-Luce over each group's ranking), "
-                             "'offline_gdro' (train.mode offline); empty = grpo online, offline_gdro offline", None)
+                             "'awm' (advantage-weighted flow matching on finished samples), 'dgpo' (group preference "
+                             "on finished samples), 'offline_gdro' (train.mode offline); empty = grpo online, "
+                             "offline_gdro offline", None)
     loss_options: dict = _h("the update's own options (its Options dataclass in flowrl/updates/): e.g. "
                             "{clip_range: 1.0e-3, beta_kl: 0.04, kl_form: exact} for grpo, {beta: 1.0} for nft, "
                             "{beta: 12.0, tau: 0.05} for gdro; every update takes cfg_uncond_grad. See "

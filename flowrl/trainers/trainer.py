@@ -219,7 +219,8 @@ class Trainer:
             policy=self.policy, unwrapped=self.unwrapped, device=self.acc.device, autocast=self.acc.autocast,
             reference=lambda: self.ref.active(self.policy), gather=self._gather, train=self.cfg.train,
             reward=self.cfg.reward, sampler_name=self.cfg.sampler.name, num_processes=self.strategy.layout.dp_size,
-            process_index=self.strategy.layout.dp_rank, dataset=getattr(self, "ds", None))
+            process_index=self.strategy.layout.dp_rank, dataset=getattr(self, "ds", None),
+            optimizer_steps=lambda: self.steps.opt_steps)
 
     def update_object(self) -> Update:
         """The update ``train.loss`` names, made on first use with its options (built when the config loaded)

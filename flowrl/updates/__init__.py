@@ -16,6 +16,8 @@ UPDATES = Registry("update", {
     "gdro": "flowrl.updates.preference:GDROUpdate",
     "grpo_guard": "flowrl.updates.grpo_guard:GRPOGuardUpdate",
     "offline_gdro": "flowrl.updates.offline_gdro:OfflineGDROUpdate",
+    "awm": "flowrl.updates.awm:AWMUpdate",
+    "dgpo": "flowrl.updates.dgpo:DGPOUpdate",
 })
 
 DEFAULT_LOSS = {"online": "grpo", "offline": "offline_gdro"}  # train.loss when a recipe names none, by train.mode

@@ -98,6 +98,8 @@ class UpdateContext:
     num_processes: int = 1
     process_index: int = 0
     dataset: Any = None                           # the OfflineDataset a dataset-consuming update reads
+    optimizer_steps: Callable[[], int] = lambda: 0  # optimizer steps taken so far (restored on --resume): for a
+    #                                               schedule read outside after_step (e.g. in sampling_weights)
 
 
 @dataclass
