@@ -10,7 +10,9 @@ targets, sharding) and :func:`smoke_overrides` shrinks everything else:
   Sol's exploration runs ``int8-dynamic`` (the recipes' NVFP4 needs CUDA);
 - training: 1 iteration of 4 samples, one pass, a checkpoint; evaluation on one prompt; one process, so
   ``train.context_parallel`` is 1 (a context-parallel group needs several);
-- reward: ``jpeg_compressibility`` (no download; the recipe's reward models need their weights);
+- reward: ``jpeg_compressibility`` (no download; the recipe's reward models need their weights); models an
+  update's own options name are replaced as its ``smoke_overrides`` says (GARDO: JPEG rewards for its
+  auxiliary ones, a tiny random DINOv2 for its features);
   an editing model (:data:`DATA`) edits the shipped ``digits-edit-sample`` set, rewarded by ``digits_edit``;
   a prompt set or reward given on the command line (``data.*``, ``reward.*``) is kept instead;
 - offline GDRO recipes (``train.mode: offline``): a dataset of 2 groups x 2 images is generated first.
@@ -112,6 +114,7 @@ def smoke_overrides(cfg, model_dir: Path, scratch: Path) -> list[str]:
         ov["model.text_embedding_cache"] = str(scratch / "text-embeddings")
     if cfg.train.mode == "offline":
         ov.update(OFFLINE)
+    ov.update(cfg.train.update_options.smoke_overrides(scratch))  # models the update's own options name
     return [f"{k}={v}" for k, v in ov.items()]
 
 

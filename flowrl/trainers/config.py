@@ -325,7 +325,7 @@ class Config:
         reason = incompatibility(t.update_needs, t.loss, mode=t.mode, sampler=self.sampler.name,
                                  stores_transitions=self.sampler.stores_transitions,
                                  aggregate=self.reward.aggregate, inner_epochs=t.inner_epochs,
-                                 alternatives=updates_by_input())
+                                 alternatives=updates_by_input(), rewards=tuple(self.reward.weights))
         if reason:
             raise ConfigError(reason)
         spp = self.sampler.samples_per_prompt

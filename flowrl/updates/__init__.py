@@ -16,6 +16,9 @@ UPDATES = Registry("update", {
     "gdro": "flowrl.updates.preference:GDROUpdate",
     "grpo_guard": "flowrl.updates.grpo_guard:GRPOGuardUpdate",
     "offline_gdro": "flowrl.updates.offline_gdro:OfflineGDROUpdate",
+    "dppo": "flowrl.updates.dppo:DPPOUpdate",
+    "gardo_grpo": "flowrl.updates.gardo:GARDOGRPOUpdate",
+    "gardo_nft": "flowrl.updates.gardo:GARDONFTUpdate",
 })
 
 DEFAULT_LOSS = {"online": "grpo", "offline": "offline_gdro"}  # train.loss when a recipe names none, by train.mode
