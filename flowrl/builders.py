@@ -10,8 +10,8 @@ from typing import Optional
 import torch
 
 from .diagnostics import watch
-from .rollout.base import score_images
 from .rollout.ode import ode_generate
+from .scoring import score_images
 from .seeding import derive_seeds
 
 EVAL_SEED = 20251121  # evaluation seeds are fixed, independent of the training seed
@@ -25,21 +25,13 @@ def build_reward(cfg):
                        overlap=cfg.reward.overlap, frame_stride=cfg.reward.frame_stride)
 
 
-def build_rewards(spec: dict, frame_stride: int = 1) -> dict:
+def build_rewards(spec: dict) -> dict:
     """``{name: {kwargs}}`` (``reward.heldout``, ``offline.judge``) -> ``{name: reward}``, built in order.
-    ``frame_stride`` (``reward.frame_stride``): a video is scored on every n-th frame by each of them,
-    as by the trained reward (a reward that sets its own ``frame_stride`` keeps it)."""
+    Their callers score videos with ``reward.frame_stride`` (``flowrl.scoring.score_images(...,
+    frame_stride=)``), as the trained reward."""
     from flowrl.rewards import build
 
-    return with_frame_stride({k: build(k, **(v or {})) for k, v in spec.items()}, frame_stride)
-
-
-def with_frame_stride(rewards: dict, frame_stride: int) -> dict:
-    """``rewards`` with ``frame_stride`` set on each that has none (read by ``score_images`` on videos)."""
-    for reward in rewards.values():
-        if not hasattr(reward, "frame_stride"):
-            reward.frame_stride = frame_stride
-    return rewards
+    return {k: build(k, **(v or {})) for k, v in spec.items()}
 
 
 def build_policy_from_config(cfg, device, without_text_encoders: bool = False):
@@ -60,29 +52,33 @@ def build_policy_from_config(cfg, device, without_text_encoders: bool = False):
     return policy
 
 
-def _with_heldout(reward, heldout: dict):
-    """Scoring of the trained reward plus the held-out ones (components ``heldout/NAME``), per chunk."""
+def _with_heldout(reward, heldout: dict, frame_stride: int):
+    """Scoring of the trained reward plus the held-out ones (components ``heldout/NAME``), per chunk;
+    videos every ``frame_stride``-th frame."""
     def score(images: torch.Tensor, prompts: list[str]) -> tuple[torch.Tensor, dict]:
-        r, comps = score_images(reward, images, prompts)
-        return r, {**comps, **{f"heldout/{k}": score_images(rew, images, prompts)[0] for k, rew in heldout.items()}}
+        r, comps = score_images(reward, images, prompts, frame_stride=frame_stride)
+        return r, {**comps, **{f"heldout/{k}": score_images(rew, images, prompts, frame_stride=frame_stride)[0]
+                               for k, rew in heldout.items()}}
     return score
 
 
 @torch.no_grad()
 def evaluate_policy(policy, reward, heldout: dict, eval_prompts: list[str], seeds_per_prompt: int, num_steps: int,
-                    it: int, max_batch: Optional[int] = None) -> tuple[dict, torch.Tensor]:
+                    it: int, max_batch: Optional[int] = None, frame_stride: Optional[int] = None
+                    ) -> tuple[dict, torch.Tensor]:
     """Fixed prompts x fixed seeds (``EVAL_SEED``), deterministic ODE: trained reward, held-out
     rewards, within-prompt diversity and high-frequency energy, for videos temporal consistency
     (reward-hacking watch, :func:`flowrl.diagnostics.watch`).
     Shared by the online and offline (GDRO) trainers, so their curves compare point for point.
-    ``max_batch`` samples at a time, each chunk scored while the next samples (``reward.overlap``).
+    ``max_batch`` samples at a time, each chunk scored while the next samples (``reward.overlap``);
+    videos are scored every ``frame_stride``-th frame (None: the trained reward's, else 1).
     Returns (metrics, images [len(eval_prompts) * seeds_per_prompt, 3, (F,) H, W])."""
     k = seeds_per_prompt
     prompts = [p for p in eval_prompts for _ in range(k)]
     seeds = derive_seeds(EVAL_SEED, len(prompts))
     groups = torch.arange(len(eval_prompts)).repeat_interleave(k)
     _, images, scores = ode_generate(policy, prompts, seeds, num_steps, reward, max_batch,
-                                     score=_with_heldout(reward, heldout))
+                                     score=_with_heldout(reward, heldout, frame_stride))
     r = scores.rewards
     comps = {n: v for n, v in scores.components.items() if not n.startswith("heldout/")}
     fin = r[torch.isfinite(r)]

@@ -1,16 +1,23 @@
-"""A prompt's condition on its way to the policy and the reward: text, or text plus a source image.
+"""A prompt's condition on its way to the policy and the reward: text, or text plus source images.
 
 Samplers, evaluation and the offline dataset hold prompts as plain strings or as
-:class:`flowrl.data.items.PromptItem` (an instruction with a source image to edit) and never look
-inside them; the two seams that do are here:
+:class:`flowrl.data.items.PromptItem` (an instruction with one to three source images to edit) and
+never look inside them. This module is the one place that splits them into texts and sources
+(:func:`prompt_parts`), for the two seams:
 
-* :func:`encode_conditions` (policy side): the text goes through ``policy.encode_prompts`` (so the
-  text-embedding cache serves it, keyed by the text alone), and a policy that is conditioned on
-  source images declares ``source_conditioning(images) -> {name: [B, ...]}`` (FLUX.1 Kontext: the
-  source latents), whose entries are added. A text-to-image policy has no such method: the sources
-  do not reach the model, only the rewards.
-* :func:`reward_inputs` (reward side): the texts the reward reads as ``prompts`` and, when any item
-  has a source, ``sources=[[3, H, W] or None per row]`` beside the caller's other metadata.
+* :func:`encode_conditions` (policy side): the texts go through ``policy.encode_prompts(texts)`` (so
+  the text-embedding cache serves them, keyed by the text alone). A policy conditioned on source
+  images declares ``max_sources`` (how many per prompt it takes) and
+  ``source_conditioning(texts, sources) -> {name: [B, ...]}`` (``sources``: one tuple of ``[3, H, W]``
+  per row, in order, ``()`` for a row without one); its entries are added to the text's. A policy
+  whose text encoder reads the source images (Qwen-Image-Edit: the instruction and the pictures go
+  through Qwen2.5-VL together) also declares ``text_reads_sources = True``: its
+  ``source_conditioning`` then makes the whole conditioning, text included, and ``encode_prompts``
+  is not called for that batch. A text-to-image policy declares neither: the sources do not reach
+  the model, only the rewards.
+* :func:`reward_inputs` (reward side): the texts the reward reads as ``prompts`` and, when any row
+  has a source, ``sources=[entry per row]`` beside the caller's other metadata, each entry None, the
+  source ``[3, H, W]`` (one) or a tuple of them (several, in order; ``flowrl.data.items.row_sources``).
 
 A batch of plain strings passes both unchanged, so text-only runs are what they were.
 """
@@ -25,7 +32,7 @@ from .data.items import PromptItem, as_items, item_sources, item_texts
 
 Prompt = Union[str, PromptItem]
 
-__all__ = ["Prompt", "encode_conditions", "reward_inputs", "has_items"]
+__all__ = ["Prompt", "encode_conditions", "reward_inputs", "has_items", "prompt_parts"]
 
 
 def has_items(prompts: Sequence[Prompt]) -> bool:
@@ -33,26 +40,34 @@ def has_items(prompts: Sequence[Prompt]) -> bool:
     return any(isinstance(p, PromptItem) for p in prompts)
 
 
+def prompt_parts(prompts: Sequence[Prompt]) -> tuple[list[str], list[tuple[torch.Tensor, ...]]]:
+    """``(texts, sources)`` of ``prompts``: each row's text, and each row's source images as a tuple of
+    float ``[3, H, W]`` in [0, 1], in order (``()`` for a plain string or a text-only item)."""
+    items = as_items(prompts)
+    return [it.prompt for it in items], [it.images for it in items]
+
+
 def encode_conditions(policy, prompts: Sequence[Prompt]) -> dict[str, torch.Tensor]:
     """The policy's conditioning of ``prompts`` (batch-first ``[B, ...]``): ``encode_prompts`` of the
-    texts, plus ``policy.source_conditioning(sources)`` when the items carry sources and the policy
-    takes them (module doc). A batch mixing items with and without a source is an error for such a
-    policy (one transformer call cannot condition some rows on a source and not others)."""
+    texts, plus (or, with ``text_reads_sources``, instead) ``policy.source_conditioning(texts,
+    sources)`` when rows carry sources and the policy takes them (module doc). A row with more
+    sources than the policy's ``max_sources`` is an error naming both."""
     if not has_items(prompts):
         return policy.encode_prompts(list(prompts))
-    items = as_items(prompts)
-    cond = dict(policy.encode_prompts([it.prompt for it in items]))
-    take = getattr(policy, "source_conditioning", None)
-    with_source = [it.has_source for it in items]
-    if not any(with_source):
-        return cond
-    if take is None:
+    texts, sources = prompt_parts(prompts)
+    if not any(sources):
+        return policy.encode_prompts(texts)
+    limit = int(getattr(policy, "max_sources", 0) or 0)
+    if limit == 0 or not hasattr(policy, "source_conditioning"):
         _notice_sources_unused(policy)
-        return cond
-    if not all(with_source):
-        raise ValueError(f"{sum(with_source)} of {len(items)} prompts carry a source image; a policy conditioned on "
-                         f"sources needs all or none of a batch's prompts with one (split the prompt set)")
-    cond.update(take([it.image for it in items]))
+        return policy.encode_prompts(texts)
+    most = max(len(s) for s in sources)
+    if most > limit:
+        raise ValueError(f"a prompt carries {most} source images but {type(policy).__name__} takes at most {limit} "
+                         f"per prompt (use a model that takes several, such as model.pipeline=qwen-image-edit, or "
+                         f"split the prompt set)")
+    cond = {} if getattr(policy, "text_reads_sources", False) else dict(policy.encode_prompts(texts))
+    cond.update(policy.source_conditioning(texts, sources))
     return cond
 
 
@@ -67,13 +82,13 @@ def _notice_sources_unused(policy) -> None:
         _NOTICED.add(name)
         print(f"[flowrl] the prompts carry source images but {name} is a text-to-image model: it sees only "
               f"the instructions, the rewards see the sources (use an editing model such as "
-              f"model.pipeline=flux-kontext to edit them)", file=sys.stderr, flush=True)
+              f"model.pipeline=flux-kontext or qwen-image-edit to edit them)", file=sys.stderr, flush=True)
 
 
 def reward_inputs(prompts: Sequence[Prompt], meta: dict) -> tuple[list[str], dict]:
     """``(texts, meta)`` for a reward call on rows with ``prompts``: the texts, and ``meta`` with
-    ``sources`` (each row's source ``[3, H, W]`` in [0, 1], or None) added when any row has a source
-    and the caller gave none."""
+    ``sources`` (each row's :attr:`PromptItem.image`: None, ``[3, H, W]`` in [0, 1], or a tuple of
+    them for several sources, in order) added when any row has a source and the caller gave none."""
     if not has_items(prompts):
         return list(prompts), meta
     if "sources" not in meta and any(isinstance(p, PromptItem) and p.has_source for p in prompts):

@@ -11,8 +11,10 @@ LoRA runs (``train.lora_rank > 0``) become a diffusers LoRA file,
 
 Which classes write and load the file is declared by the model's adapter (``pipelines/base.py``:
 ``transformer_class``, ``lora_writer()``, ``lora_load_hint()``), found through
-``flowrl.pipelines.policy_class``. The ``digits`` model has no diffusers pipeline; its adapter is
-written in the same format (keys
+``flowrl.pipelines.policy_class``. A model with several trained transformers declares ``lora_parts``:
+Wan2.2 T2V-A14B's two experts give ``pytorch_lora_weights.safetensors`` (``transformer``) and
+``pytorch_lora_weights_transformer_2.safetensors`` (loaded with ``load_into_transformer_2=True``).
+The ``digits`` model has no diffusers pipeline; its adapter is written in the same format (keys
 ``transformer.*``) and loads into the bare transformer::
 
     tr = SD3Transformer2DModel.from_pretrained(base, subfolder="transformer")
@@ -21,7 +23,8 @@ written in the same format (keys
 (``load_lora_adapter`` looks for a pickled ``.bin`` unless told the safetensors name.)
 
 Full fine-tunes (``train.lora_rank == 0``) have no adapter: the whole trained transformer is
-written with ``save_pretrained`` to ``OUT_DIR/transformer`` (load it with
+written with ``save_pretrained`` to ``OUT_DIR/transformer`` (Wan2.2's second expert to
+``OUT_DIR/transformer_2``; load it with
 ``<Transformer>.from_pretrained(OUT_DIR, subfolder="transformer")`` and pass it to the pipeline as
 ``transformer=``).
 
@@ -155,7 +158,7 @@ def _hub_kwargs(cfg: Config) -> dict:
     return {k: v for k, v in cfg.model.options.items() if k in _HUB_KWARGS}
 
 
-def _empty_transformer(pipeline: str, base: str, hub_kwargs: dict) -> torch.nn.Module:
+def _empty_transformer(pipeline: str, base: str, hub_kwargs: dict, subfolder: str = "transformer") -> torch.nn.Module:
     from accelerate import init_empty_weights
 
     from .utils.hub import require_hub_model
@@ -164,11 +167,11 @@ def _empty_transformer(pipeline: str, base: str, hub_kwargs: dict) -> torch.nn.M
     require_hub_model(base, f"the {pipeline} base model", "the run's model.path, or --model-path",
                       hub_kwargs.get("cache_dir"))
     try:
-        config = cls.load_config(base, subfolder="transformer", **hub_kwargs)
+        config = cls.load_config(base, subfolder=subfolder, **hub_kwargs)
     except (OSError, ValueError) as e:
-        raise ExportError(f"cannot read the transformer config of the base model {base!r} ({type(e).__name__}: "
+        raise ExportError(f"cannot read the {subfolder} config of the base model {base!r} ({type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}). Export needs only "
-                          f"transformer/config.json: pass --model-path with a local copy of the base model, "
+                          f"{subfolder}/config.json: pass --model-path with a local copy of the base model, "
                           f"or set HF_HOME to the cache the run trained with") from None
     with init_empty_weights():
         return cls.from_config(config)
@@ -189,24 +192,49 @@ def export_lora(cfg: Config, tensors: dict[str, torch.Tensor], out_dir: Path, ba
                       _hub_kwargs(cfg))
 
 
+def lora_parts(pipeline: str, tensors: dict[str, torch.Tensor]) -> list[tuple[str, str, dict[str, torch.Tensor]]]:
+    """``[(pipeline component, file name, tensors)]``: the adapter's ``lora_parts`` (Wan2.2: one per trained
+    expert, ``transformer`` and ``transformer_2``), else the one transformer's."""
+    adapter = adapter_class(pipeline)
+    if hasattr(adapter, "lora_parts"):
+        try:
+            return adapter.lora_parts(tensors)
+        except ValueError as e:
+            raise ExportError(f"the checkpoint's tensors do not fit pipeline {pipeline!r}: {e}") from None
+    return [("transformer", LORA_WEIGHT_NAME, tensors)]
+
+
 def write_lora(pipeline: str, tensors: dict[str, torch.Tensor], out_dir: Path, base: str, r: int, alpha: float,
                hub_kwargs: Optional[dict] = None) -> dict:
     """``tensors`` (LoRA weights in peft names, rank ``r``, scaling ``alpha / r``) of a ``pipeline``
     transformer as ``out_dir/pytorch_lora_weights.safetensors``, written by the adapter's declared
-    ``lora_writer().save_lora_weights`` with the ``LoraConfig`` as metadata; returns a summary."""
-    from peft.utils import get_peft_model_state_dict
-
-    from .trainable import add_lora
-
+    ``lora_writer().save_lora_weights`` with the ``LoraConfig`` as metadata; a pipeline with several
+    trained transformers (Wan2.2's experts) gets one file per component (:func:`lora_parts`). Returns a summary."""
     adapter = adapter_class(pipeline)
     modules = _lora_modules(tensors)
     ranks = {int(v.shape[0]) for k, v in tensors.items() if ".lora_A." in k}
     if ranks != {r}:
         raise ExportError(f"the checkpoint's LoRA ranks {sorted(ranks)} differ from the run's train.lora_rank={r}")
-    skeleton = _empty_transformer(pipeline, base, hub_kwargs or {})
+    files = {}
+    for component, weight_name, part in lora_parts(pipeline, tensors):
+        _write_lora_part(adapter, pipeline, component, part, out_dir / weight_name, base, r, alpha, hub_kwargs or {})
+        files[component] = weight_name
+    hint = adapter.lora_load_hint() if list(files) == ["transformer"] else adapter.lora_load_hint(list(files))
+    return {"kind": "lora", "file": next(iter(files.values())), "files": files, "rank": r, "alpha": alpha,
+            "scaling": alpha / r, "modules": len(modules), "load": hint}
+
+
+def _write_lora_part(adapter, pipeline: str, component: str, tensors: dict[str, torch.Tensor], out: Path, base: str,
+                     r: int, alpha: float, hub_kwargs: dict) -> None:
+    """One component's LoRA file ``out``, checked against that component's architecture in ``base``."""
+    from peft.utils import get_peft_model_state_dict
+
+    from .trainable import add_lora
+
+    skeleton = _empty_transformer(pipeline, base, hub_kwargs, component)
     try:
         # the training code path, with the exact module names the checkpoint adapted
-        add_lora(skeleton, r, alpha, modules)
+        add_lora(skeleton, r, alpha, _lora_modules(tensors))
     except ValueError as e:
         raise ExportError(f"the checkpoint does not fit the base model {base!r}: {e}") from None
     expected = {n: tuple(p.shape) for n, p in skeleton.named_parameters() if p.requires_grad}
@@ -219,32 +247,35 @@ def write_lora(pipeline: str, tensors: dict[str, torch.Tensor], out_dir: Path, b
     metadata = skeleton.peft_config["default"].to_dict()  # r, lora_alpha, target_modules, ...
     metadata = json.loads(json.dumps(metadata, default=lambda o: sorted(o) if isinstance(o, set) else str(o)))
     adapter.lora_writer().save_lora_weights(
-        str(out_dir), transformer_lora_layers={k: v.contiguous() for k, v in layers.items()},
-        transformer_lora_adapter_metadata=metadata, weight_name=LORA_WEIGHT_NAME)
-    return {"kind": "lora", "file": LORA_WEIGHT_NAME, "rank": r, "alpha": alpha, "scaling": alpha / r,
-            "modules": len(modules), "load": adapter.lora_load_hint()}
+        str(out.parent), transformer_lora_layers={k: v.contiguous() for k, v in layers.items()},
+        transformer_lora_adapter_metadata=metadata, weight_name=out.name)
 
 
 def export_full(cfg: Config, tensors: dict[str, torch.Tensor], out_dir: Path, base: str) -> dict:
-    """Full fine-tune: the base transformer with every trained tensor replaced, ``save_pretrained``."""
+    """Full fine-tune: the base transformer (each trained one: Wan2.2's experts) with every trained tensor
+    replaced, ``save_pretrained`` to ``OUT/<component>``."""
     from .trainable import load_trainable_state
 
     cls = _transformer_class(cfg.model.pipeline)
     dtype = next(iter(tensors.values())).dtype
-    try:
-        tr = cls.from_pretrained(base, subfolder="transformer", dtype=dtype, **_hub_kwargs(cfg))
-    except (OSError, ValueError) as e:
-        raise ExportError(f"cannot load the base transformer from {base!r} ({type(e).__name__}); a full "
-                          f"fine-tune export needs the base weights: pass --model-path") from None
-    tr.requires_grad_(True)  # every parameter was trained: load_trainable_state checks them all
-    try:
-        load_trainable_state(tr, tensors)
-    except ValueError as e:
-        raise ExportError(f"the checkpoint does not fit the base model {base!r}: {e}") from None
-    tr.requires_grad_(False).save_pretrained(str(out_dir / "transformer"))
+    dirs = []
+    for component, _, part in lora_parts(cfg.model.pipeline, tensors):
+        try:
+            tr = cls.from_pretrained(base, subfolder=component, dtype=dtype, **_hub_kwargs(cfg))
+        except (OSError, ValueError) as e:
+            raise ExportError(f"cannot load the base {component} from {base!r} ({type(e).__name__}); a full "
+                              f"fine-tune export needs the base weights: pass --model-path") from None
+        tr.requires_grad_(True)  # every parameter was trained: load_trainable_state checks them all
+        try:
+            load_trainable_state(tr, part)
+        except ValueError as e:
+            raise ExportError(f"the checkpoint does not fit the base model {base!r}: {e}") from None
+        tr.requires_grad_(False).save_pretrained(str(out_dir / component))
+        dirs.append(component)
     name = adapter_class(cfg.model.pipeline).transformer_class
-    return {"kind": "full", "dir": "transformer",
-            "load": f"{name}.from_pretrained(OUT, subfolder='transformer'), passed to the pipeline as transformer="}
+    load = " and ".join(f"{name}.from_pretrained(OUT, subfolder={c!r})" for c in dirs)
+    return {"kind": "full", "dir": dirs[0], "dirs": dirs,
+            "load": f"{load}, passed to the pipeline as {' / '.join(c + '=' for c in dirs)}"}
 
 
 # ---------------------------------------------------------------- entry point

@@ -1,17 +1,18 @@
 """The layer order of flowrl: a module may import only from its own layer or a layer below.
 
 ``LAYERS`` lists the layers bottom to top; each is a name and the module-name prefixes it owns.
-A module belongs to the layer of its most specific (longest) matching prefix, so
-``flowrl.data.offline`` sits above ``flowrl.data``. ``tests/test_layers.py`` walks every module's
-imports (module level and inside functions) and fails on any import from a higher layer.
+A module belongs to the layer of its most specific (longest) matching prefix (a prefix such as
+``flowrl.data.x`` would file that module apart from the rest of ``flowrl.data``).
+``tests/test_layers.py`` walks every module's imports (module level and inside functions) and
+fails on any import from a higher layer.
 Registry targets (``"module:attr"`` strings) are data, not imports, and are not checked.
 
 Why this order: the bottom layers are pure helpers and math that any part may use; components
-(models, rewards, data) implement the seams; the training infrastructure (trained parameters, EMA
-and reference, checkpoint formats, the distribution strategy) works on any model; samplers drive
-components; builders and updates assemble them from a config; the offline dataset generator
-samples with the rollout code; the trainers run everything; the application layer is the command
-line and the benchmarks. Every package sits whole in one layer.
+(models, rewards, data, the reward call ``flowrl.scoring``) implement the seams; the training
+infrastructure (trained parameters, EMA and reference, checkpoint formats, the distribution
+strategy) works on any model; samplers drive components; builders and updates assemble them from a
+config; the trainers run everything; the application layer is the command line and the
+benchmarks. Every package sits whole in one layer.
 
 Besides the order, the module graph has no cycles (:func:`import_cycles`), counting imports inside
 functions too: a lazy import is still a dependency.
@@ -29,11 +30,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("math", ("flowrl.schedules", "flowrl.sde", "flowrl.noise", "flowrl.ode_solvers", "flowrl.types",
               "flowrl.diagnostics", "flowrl.losses", "flowrl.advantages", "flowrl.structures", "flowrl.media")),
     ("components", ("flowrl.pipelines", "flowrl.rewards", "flowrl.data", "flowrl.quant", "flowrl.recipes",
-                    "flowrl.conditions")),
+                    "flowrl.conditions", "flowrl.scoring")),
     ("training", ("flowrl.trainable", "flowrl.checkpoints", "flowrl.distributed")),
     ("rollout", ("flowrl.rollout",)),
     ("builders", ("flowrl.builders", "flowrl.updates")),
-    ("data.offline", ("flowrl.data.offline",)),
     ("trainers", ("flowrl.trainers",)),
     ("application", ("flowrl.cli", "flowrl.sampling_cli", "flowrl.export", "flowrl.bench", "flowrl.digits_report",
                      "flowrl.__main__", "flowrl.plan", "flowrl.smoke", "flowrl.command_line")),
@@ -146,6 +146,15 @@ def module_graph(repo_root: Path) -> dict[str, set[str]]:
             if target and target != name:
                 graph[name].add(target)
     return graph
+
+
+def adapter_imports(graph: dict[str, set[str]], adapters: set[str], package: str = "flowrl.pipelines") -> list[str]:
+    """One message per module of ``package`` that imports one of the ``adapters`` (the modules the
+    pipelines registry points at) other than itself: adapters share code only through modules of the
+    package that no adapter owns (packing, published components, family bases), so neither an adapter
+    nor such a shared module depends on an adapter."""
+    return [f"{m} imports the adapter {t}" for m in sorted(graph) if m == package or m.startswith(package + ".")
+            for t in sorted(graph[m] & adapters) if t != m]
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -17,6 +17,7 @@ import torch
 from .utils.io import atomic_write
 
 ANIMATION_FORMATS = ("gif", "webp")
+ScoreOut = Union[torch.Tensor, Mapping[str, torch.Tensor]]  # a reward's [n], or MultiReward.components' name -> [n]
 
 __all__ = ["is_video", "video_frames", "score_per_frame", "frame_strip", "save_animation",
            "animation_formats", "ANIMATION_FORMATS", "save_samples"]
@@ -56,21 +57,25 @@ def _repeat_rows(value, n: int, k: int):
     return value
 
 
-def score_per_frame(reward_fn: Callable[..., torch.Tensor], videos: torch.Tensor, prompts: Sequence[str],
-                    frame_stride: int = 1, **meta) -> torch.Tensor:
+def score_per_frame(reward_fn: Callable[..., ScoreOut], videos: torch.Tensor, prompts: Sequence[str],
+                    frame_stride: int = 1, **meta) -> ScoreOut:
     """Score videos with an image reward: every ``frame_stride``-th frame of every video in one image
-    batch, then the mean over each video's kept frames -> float32 ``[B]``.
+    batch, then the mean over each video's kept frames -> float32 ``[B]``. flowrl reduces frames here
+    and nowhere else (``flowrl.scoring.score_images`` calls it for every reward).
 
-    Images ``[B, 3, H, W]`` are scored as they are (``reward_fn(images, prompts, **meta)``), so callers
-    need not branch. ``prompts`` and every per-row ``meta`` value (a list, tuple or tensor of length
-    B, e.g. ``sources=``) are repeated once per kept frame; other ``meta`` values pass unchanged.
+    ``reward_fn`` returns scores ``[n]`` or a mapping ``name -> [n]`` (``MultiReward.components``);
+    a mapping is reduced per entry (-> ``name -> [B]``). Images ``[B, 3, H, W]`` are scored as they
+    are (``reward_fn(images, prompts, **meta)``), so callers need not branch. ``prompts`` and every
+    per-row ``meta`` value (a list, tuple or tensor of length B, e.g. ``sources=``) are repeated once
+    per kept frame; other ``meta`` values pass unchanged.
 
     NaN: a frame scored NaN (not applicable, or the reward could not judge it) is left out of its
     video's mean; a video is NaN only when all its kept frames are. For a reward whose NaN depends
     on the prompt alone (every frame of the video NaN) this is the reward's own NaN.
     """
     if not is_video(videos):
-        return torch.as_tensor(reward_fn(videos, list(prompts), **meta)).float().cpu()
+        out = reward_fn(videos, list(prompts), **meta)
+        return out if isinstance(out, Mapping) else torch.as_tensor(out).float().cpu()
     b = videos.shape[0]
     if len(prompts) != b:
         raise ValueError(f"score_per_frame got {b} videos but {len(prompts)} prompts")
@@ -78,7 +83,15 @@ def score_per_frame(reward_fn: Callable[..., torch.Tensor], videos: torch.Tensor
     k = frames.shape[0] // b
     frame_prompts = [p for p in prompts for _ in range(k)]
     frame_meta = {name: _repeat_rows(v, b, k) for name, v in meta.items()}
-    scores = torch.as_tensor(reward_fn(frames, frame_prompts, **frame_meta)).float().cpu()  # [B * F']
+    out = reward_fn(frames, frame_prompts, **frame_meta)  # [B * F'] (or name -> [B * F'])
+    if isinstance(out, Mapping):
+        return {name: _video_means(v, b, k) for name, v in out.items()}  # name -> [B]
+    return _video_means(out, b, k)  # [B]
+
+
+def _video_means(scores, b: int, k: int) -> torch.Tensor:
+    """Per-frame scores ``[B * F']`` (video-major) -> the NaN-aware mean per video, float32 ``[B]``."""
+    scores = torch.as_tensor(scores).float().cpu()  # [B * F']
     if scores.shape != (b * k,):
         raise ValueError(f"the reward returned shape {tuple(scores.shape)} for {b * k} frames; a reward returns "
                          f"one float per image, shape [{b * k}]")

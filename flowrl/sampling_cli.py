@@ -17,7 +17,7 @@ from .errors import ConfigError
 from .export import read_run_weights, resolve_checkpoint
 from .data.items import item_sources, item_texts
 from .media import save_samples
-from .rollout.base import score_images
+from .scoring import score_images
 from .rollout.ode import ode_sample
 from .seeding import derive_seeds
 from .trainers.config import load_config, load_run_config

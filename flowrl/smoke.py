@@ -5,7 +5,8 @@ targets, sharding) and :func:`smoke_overrides` shrinks everything else:
 
 - the model: the pipeline's tiny random model (``flowrl make-tiny``, cached in
   ``$FLOWRL_HOME/smoke/``), on the CPU in float32, the recipe's model options shrunk
-  (:data:`MODEL_OPTIONS`: 32 px, 8 text tokens, 5 video frames, no gradient checkpointing);
+  (:data:`MODEL_OPTIONS`: 32 px, 8 text tokens, 5 video frames, no gradient checkpointing; a pipeline's own
+  values in :data:`PIPELINE_OPTIONS`);
 - the sampler: the few steps and samples of its row in :data:`SAMPLERS` (a new sampler adds a row);
   Sol's exploration runs ``int8-dynamic`` (the recipes' NVFP4 needs CUDA);
 - training: 1 iteration of 4 samples, one pass, a checkpoint; evaluation on one prompt; one process, so
@@ -13,7 +14,9 @@ targets, sharding) and :func:`smoke_overrides` shrinks everything else:
 - reward: ``jpeg_compressibility`` (no download; the recipe's reward models need their weights); models an
   update's own options name are replaced as its ``smoke_overrides`` says (GARDO: JPEG rewards for its
   auxiliary ones, a tiny random DINOv2 for its features);
-  an editing model (:data:`DATA`) edits the shipped ``digits-edit-sample`` set, rewarded by ``digits_edit``;
+  an editing model (its adapter's ``max_sources``: :func:`editing_data`) edits the shipped
+  ``digits-edit-sample`` set (one source per prompt) or ``digits-edit-multi-sample`` (one to three),
+  rewarded by ``digits_edit``;
   a prompt set or reward given on the command line (``data.*``, ``reward.*``) is kept instead;
 - offline GDRO recipes (``train.mode: offline``): a dataset of 2 groups x 2 images is generated first.
 
@@ -36,17 +39,23 @@ PROMPTS = {"digits": ["a handwritten digit 3", "a handwritten digit 7"]}
 DEFAULT_PROMPTS = ["a photo of a cat", "a red apple on a table"]
 # recipe model.options -> its smoke value (only keys the recipe sets are changed)
 MODEL_OPTIONS = {"resolution": SMOKE_PIXELS, "max_sequence_length": 8, "dtype": "float32",
-                 "gradient_checkpointing": "false", "decode_batch": "null", "num_frames": 5}
+                 "gradient_checkpointing": "false", "decode_batch": "null", "num_frames": 5,
+                 "condition_area": SMOKE_PIXELS ** 2, "source_area": SMOKE_PIXELS ** 2}
+# pipeline -> its own smoke values of MODEL_OPTIONS keys: FLUX.2 [dev]'s Mistral template opens with a system
+# message of 32 tokens (tiny tokenizer), so 48 text tokens keep the prompt in the conditioning. (FLUX.2
+# [klein] and Z-Image: Qwen3's template puts 3 tokens before the prompt; 8 keep it.)
+PIPELINE_OPTIONS = {"flux2": {"max_sequence_length": 48}}
 TRAIN = {"train.iterations": 1, "train.batch_size": 4, "train.minibatch_size": 64, "train.grad_accum": 1,
          "train.mixed_precision": "'no'", "train.checkpoint_every": 1, "train.ema_every": 1,
          "train.context_parallel": 1,
          "data.eval_seeds_per_prompt": 2, "reward.weights": "{jpeg_compressibility: 1.0}", "reward.options": "{}",
          "reward.heldout": "{}", "logging.trackers": "[]", "logging.eval_every": 100, "logging.image_every": 100}
-# pipelines whose smoke run trains on other data: FLUX.1 Kontext edits the shipped digits editing set
-# (instruction + source image rows), scored offline by digits_edit, which needs each row's source
+# an editing model's smoke run trains on the shipped digits editing sets (instruction + source image rows),
+# scored offline by digits_edit, which needs each row's sources: one per prompt, or one to three
 EDITING = {"data.prompts": "digits-edit-sample", "data.eval_prompts": "digits-edit-sample",
            "reward.weights": "{digits_edit: 1.0}"}
-DATA = {"flux-kontext": EDITING}
+MULTI_EDITING = {"data.prompts": "digits-edit-multi-sample", "data.eval_prompts": "digits-edit-multi-sample",
+                 "reward.weights": "{digits_edit: 1.0}"}
 # sections whose command-line overrides win over the smoke values: the user's own prompt set and reward
 # (a reward that needs downloaded weights then fails as it would in the real run, with its message)
 USER_SECTIONS = ("data", "reward")
@@ -95,6 +104,16 @@ def tiny_model(pipeline: str) -> Path:
     return out
 
 
+def editing_data(pipeline: str) -> dict:
+    """The smoke data of an editing model, from its adapter's ``max_sources`` (source images per prompt):
+    the multi-source sample for a model that takes several, the one-source sample for one, none for a
+    text-to-image model."""
+    from .pipelines import policy_class
+
+    most = int(getattr(policy_class(pipeline), "max_sources", 0) or 0)
+    return MULTI_EDITING if most > 1 else EDITING if most == 1 else {}
+
+
 def smoke_overrides(cfg, model_dir: Path, scratch: Path) -> list[str]:
     """Overrides (applied after the user's) that shrink the recipe ``cfg`` as the module doc says;
     ``scratch`` is a temporary directory for a text-embedding cache."""
@@ -105,11 +124,12 @@ def smoke_overrides(cfg, model_dir: Path, scratch: Path) -> list[str]:
         raise ConfigError(f"--smoke knows the samplers {', '.join(sorted(SAMPLERS))}, not {cfg.sampler.name!r}: "
                           f"add its row to flowrl/smoke.py (SAMPLERS)")
     prompts = PROMPTS.get(cfg.model.pipeline, DEFAULT_PROMPTS)
+    options = {**MODEL_OPTIONS, **PIPELINE_OPTIONS.get(cfg.model.pipeline, {})}
     ov = {"model.path": str(model_dir), "model.device": "cpu",
-          **{f"model.options.{k}": v for k, v in MODEL_OPTIONS.items() if k in cfg.model.options},
+          **{f"model.options.{k}": v for k, v in options.items() if k in cfg.model.options},
           **{f"sampler.{k}": v for k, v in shrink(cfg.sampler.to_dict()).items()},
           **TRAIN, "data.prompts": f"[{', '.join(prompts)}]", "data.eval_prompts": f"[{prompts[0]}]",
-          **DATA.get(cfg.model.pipeline, {})}
+          **editing_data(cfg.model.pipeline)}
     if cfg.model.text_embedding_cache:  # never the recipe's own (relative, shared) cache directory
         ov["model.text_embedding_cache"] = str(scratch / "text-embeddings")
     if cfg.train.mode == "offline":

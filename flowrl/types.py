@@ -19,16 +19,18 @@ Conditioning = Mapping[str, torch.Tensor]
 class FlowPolicy(Protocol):
     """A rectified-flow image model: ``x_t = (1 - sigma) x0 + sigma eps``, velocity ``eps - x0``.
 
-    A model conditioned on source images (editing) also has ``source_conditioning(images) -> {name:
-    [B, ...]}``, added to ``encode_prompts``' text conditioning by :func:`flowrl.conditions.encode_conditions`;
-    video models decode ``[B, 3, F, H, W]``."""
+    A model conditioned on source images (editing) also declares ``max_sources`` (source images per
+    prompt) and has ``source_conditioning(texts, sources) -> {name: [B, ...]}`` (``sources``: one tuple of
+    ``[3, H, W]`` per row, in order), added to ``encode_prompts(texts)``' conditioning by
+    :func:`flowrl.conditions.encode_conditions`, or replacing it when the model declares
+    ``text_reads_sources`` (its text encoder sees the sources); video models decode ``[B, 3, F, H, W]``."""
 
     transformer: nn.Module  # the trainable denoiser (LoRA goes here)
 
     def encode_prompts(self, prompts: list[str]) -> Conditioning: ...
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor: ...
-    def decode(self, latents: torch.Tensor) -> torch.Tensor: ...          # [B, 3, H, W] in [0, 1]
-    def initial_noise(self, seeds: list[int]) -> torch.Tensor: ...       # [B, C, h, w], one generator per seed
+    def decode(self, latents: torch.Tensor) -> torch.Tensor: ...          # [B, 3, H, W]; video [B, 3, F, H, W]
+    def initial_noise(self, seeds: list[int]) -> torch.Tensor: ...       # [B, *latent_shape], one generator per seed
     def sigmas(self, num_steps: int) -> torch.Tensor: ...                # [num_steps + 1], ends in 0
 
 

@@ -20,7 +20,12 @@ REGISTRY = Registry("pipeline", {
     "sana": "flowrl.pipelines.sana:SanaPolicy.from_pretrained",
     "qwen-image": "flowrl.pipelines.qwen_image:QwenImagePolicy.from_pretrained",
     "flux-kontext": "flowrl.pipelines.flux_kontext:FluxKontextPolicy.from_pretrained",
+    "qwen-image-edit": "flowrl.pipelines.qwen_image_edit:QwenImageEditPolicy.from_pretrained",
     "wan": "flowrl.pipelines.wan:WanPolicy.from_pretrained",
+    "flux2": "flowrl.pipelines.flux2:Flux2Policy.from_pretrained",
+    "flux2-klein": "flowrl.pipelines.flux2_klein:Flux2KleinPolicy.from_pretrained",
+    "z-image": "flowrl.pipelines.z_image:ZImagePolicy.from_pretrained",
+    "wan2.2": "flowrl.pipelines.wan:Wan22Policy.from_pretrained",
 })
 
 

@@ -23,6 +23,9 @@ Loading, export and tiny models:
 ``_encode(prompts, negative)``  named batch-first text conditioning from the pipeline's encoder
 ``cond_keys``               the conditioning entries the transformer call takes, in order
 ``velocity`` / ``sigmas``   the model-specific math (``FlowPolicy``)
+``cfg_scale_for(sigma, n)`` the CFG scale per row (default ``cfg_scale``; Wan2.2: per expert)
+``lora_parts(tensors)``     optional: ``[(component, file, tensors)]``, one exported LoRA file per
+                            trained pipeline component (Wan2.2's two experts); default one file
 ==========================  =====================================================================
 
 Model facts (``pipelines/facts.py``, class ``ModelFacts``: the defaults fit an MMDiT with an
@@ -49,6 +52,8 @@ Model facts (``pipelines/facts.py``, class ``ModelFacts``: the defaults fit an M
 ``example_conditioning(configs, geometry, rows,    empty tensors shaped as ``encode_prompts``' output
 device, dtype)``                                   (the ``cond_keys``)
 ``cfg_rows(guidance_scale, options)``              rows per sample of a guided sampling forward (1/2)
+``transformer_component(config, options)``        the trained transformer as a ``Component`` to build
+                                                   (default the ``transformer_class``; Wan2.2: two experts)
 ``transformer_inputs(config, dtype, x, sigma,      the transformer's forward kwargs; the adapter's own
 cond, **settings)``                                velocity calls it, so plan and bench run the same
 ``transformer_output(out, x)``                     the forward's output as a velocity shaped like ``x``
@@ -77,10 +82,10 @@ from typing import ClassVar, Optional, Sequence, Union
 import torch
 
 from flowrl.seeding import seeded_randn
-from flowrl.utils.io import atomic_dir
+from flowrl.utils.io import atomic_dir, write_json
 
 from .common import (DECODE_BATCH, DTypeArg, Resolution, cfg_combine, cfg_halves, check_model_path, resolve_dtype,
-                     transformer_dtype, vae_decode)
+                     resolve_resolution, transformer_dtype, vae_decode)
 from .facts import ModelFacts
 
 FLOWRL_JSON = "flowrl.json"
@@ -189,6 +194,24 @@ class DiffusersPolicy(ModelFacts):
         self._negative: Optional[dict[str, torch.Tensor]] = None  # cached [1, ...] negative conditioning
         self.decode_batch: Optional[int] = DECODE_BATCH  # images per VAE call (from_pretrained's decode_batch)
 
+    def _keep_options(self, guidance_scale: float, negative_prompt: str, max_sequence_length: int,
+                      shift: Optional[float], schedule: str) -> None:
+        """Record the options most adapters take (validated by the caller)."""
+        self.guidance_scale = float(guidance_scale)
+        self.negative_prompt = str(negative_prompt)
+        self.max_sequence_length = int(max_sequence_length)
+        self.shift = None if shift is None else float(shift)
+        self.schedule = schedule
+
+    def _image_geometry(self, resolution: Resolution, default: int, channels: int) -> None:
+        """``height`` / ``width`` (multiples of 2 x the VAE factor: a patch of 2), ``latent_shape`` ``(channels,
+        H / f, W / f)`` and ``image_seq_len``, the patch-2 tokens per image."""
+        f = self.vae_scale_factor
+        self.height, self.width = resolve_resolution(resolution, default, 2 * f)
+        h, w = self.height // f, self.width // f
+        self.latent_shape = (int(channels), h, w)  # (C, h, w)
+        self.image_seq_len = (h // 2) * (w // 2)
+
     @classmethod
     def from_pretrained(cls, path_or_id: Union[str, os.PathLike], *, dtype: DTypeArg = torch.float32,
                         resolution: Resolution = None, gradient_checkpointing: bool = False,
@@ -201,15 +224,20 @@ class DiffusersPolicy(ModelFacts):
         recomputes the transformer's block activations in the backward pass (less memory, ~30%
         slower updates). A local directory may hold a ``flowrl.json`` (written by ``flowrl
         make-tiny``) whose ``resolution`` is the default when ``resolution`` is None. ``decode_batch``:
-        images per VAE call in :meth:`decode` (None: the whole batch at once).
+        images per VAE call in :meth:`decode` (None: the whole batch at once). Other options
+        ``flowrl.json`` records (:meth:`saved_options`, e.g. Wan's ``num_frames``) are the defaults of
+        the adapter arguments left None.
         """
         if path_or_id is None or str(path_or_id) == "":
             raise ValueError(f"pass a model directory or hub id (`flowrl make-tiny {cls.kind} DIR` writes a "
                              f"tiny offline one)")
         check_model_path(str(path_or_id), cls.kind, cls.example_hub_id or None, kwargs.get("cache_dir"))
+        saved = read_flowrl_json(path_or_id)
         if resolution is None:
-            resolution = read_flowrl_json(path_or_id).get("resolution")
+            resolution = saved.get("resolution")
         own = set(inspect.signature(cls.__init__).parameters) - {"self", "pipe"}
+        kwargs.update({k: v for k, v in saved.items()
+                       if k in own and k != "resolution" and kwargs.get(k) is None})  # saved_options
         policy_kw = {k: v for k, v in kwargs.items() if k in own}
         pipeline_kw = {k: v for k, v in kwargs.items() if k not in own}
         pipe = diffusers_attr(cls.pipeline_class).from_pretrained(str(path_or_id), dtype=resolve_dtype(dtype),
@@ -222,11 +250,23 @@ class DiffusersPolicy(ModelFacts):
         policy.decode_batch = decode_batch
         return policy
 
+    def saved_options(self) -> dict:
+        """Adapter arguments ``save_pretrained`` records in ``flowrl.json`` besides the resolution: the
+        defaults when the model is loaded back (none by default; Wan: ``num_frames``)."""
+        return {}
+
+    @classmethod
+    def tiny_options(cls, kind: str) -> dict:
+        """Adapter arguments ``make_tiny`` records in ``flowrl.json`` besides the resolution (none by default)."""
+        return {}
+
     def save_pretrained(self, path: Union[str, os.PathLike]) -> None:
-        """Save the whole pipeline (with the current ``self.transformer``) as a diffusers directory."""
+        """Save the whole pipeline (with the current ``self.transformer``) as a diffusers directory, and
+        ``flowrl.json`` (kind, resolution, :meth:`saved_options`) written once, atomically."""
         self.pipe.transformer = self.transformer
         self.pipe.save_pretrained(str(path))
-        (Path(path) / FLOWRL_JSON).write_text(json.dumps({"kind": self.kind, "resolution": [self.height, self.width]}))
+        write_json({"kind": self.kind, "resolution": [self.height, self.width], **self.saved_options()},
+                   Path(path) / FLOWRL_JSON)
 
     @classmethod
     def make_tiny(cls, kind: str, out_dir: Union[str, os.PathLike], *, image_size: int = IMAGE_SIZE, seed: int = 0,
@@ -243,8 +283,8 @@ class DiffusersPolicy(ModelFacts):
 
         def write(tmp: Path) -> None:
             pipe.save_pretrained(tmp)
-            (tmp / FLOWRL_JSON).write_text(json.dumps({"kind": kind, "resolution": image_size, "tiny": True},
-                                                      indent=2))
+            (tmp / FLOWRL_JSON).write_text(json.dumps({"kind": kind, "resolution": image_size, "tiny": True,
+                                                       **cls.tiny_options(kind)}, indent=2))
 
         return write_atomically(out_dir, write, overwrite=overwrite)
 
@@ -268,7 +308,8 @@ class DiffusersPolicy(ModelFacts):
         return {}
 
     def _forward(self, x: torch.Tensor, sigma: torch.Tensor, *entries: torch.Tensor) -> torch.Tensor:
-        """The transformer's velocity (its dtype) for latents ``x`` ``[B, C, h, w]``, ``sigma`` [B] and the
+        """The transformer's velocity (its dtype) for latents ``x`` ``[B, *latent_shape]`` (images ``[B, C, h,
+        w]``, videos ``[B, C, F', h, w]``), ``sigma`` [B] and the
         ``cond_keys`` entries, through ``transformer_inputs`` / ``transformer_output``."""
         config = getattr(self.transformer, "module", self.transformer).config  # also under a DDP wrapper
         kw = self.transformer_inputs(config, transformer_dtype(self.transformer), x, sigma,
@@ -276,25 +317,33 @@ class DiffusersPolicy(ModelFacts):
         return self.transformer_output(self.transformer(**kw)[0], x)
 
     def velocity(self, latents: torch.Tensor, sigma, cond) -> torch.Tensor:
-        """``v_theta(x_t, sigma)`` float32 ``[B, C, h, w]`` through ``self._forward`` with the entries
+        """``v_theta(x_t, sigma)`` float32 shaped like the latents (``[B, C, h, w]``, or ``[B, C, F', h, w]``
+        for a video model) through ``self._forward`` with the entries
         ``cond_keys``; with guidance (``cfg_scale > 1``), ``u + s (c - u)`` (``pipelines.common.cfg_halves``:
         one doubled batch, or in a differentiable forward with ``cfg_uncond_grad`` off the unconditional half alone
         under ``no_grad``). Differentiable in the transformer's parameters."""
-        x = latents.to(self.device)  # [B, C, h, w]
+        x = latents.to(self.device)  # [B, C, (F',) h, w]
         b = x.shape[0]
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(b)  # [B]
         text = (x, sigma, *(cond[k] for k in self.cond_keys))
         if self.cfg_scale == 1.0:
             return self._forward(*text).float()
         uncond = (x, sigma, *(cond["negative_" + k] for k in self.cond_keys))
-        u, c = cfg_halves(self._forward, uncond, text, uncond_grad=self.cfg_uncond_grad)  # [B, C, h, w] each
-        return cfg_combine(u, c, self.cfg_scale, uncond_grad=self.cfg_uncond_grad)
+        u, c = cfg_halves(self._forward, uncond, text, uncond_grad=self.cfg_uncond_grad)  # [B, C, (F',) h, w] each
+        return cfg_combine(u, c, self.cfg_scale_for(sigma, x.ndim), uncond_grad=self.cfg_uncond_grad)
+
+    def cfg_scale_for(self, sigma: torch.Tensor, ndim: int):
+        """The guidance scale of rows at ``sigma`` [B]: ``cfg_scale`` (a float); an adapter whose scale changes
+        along the schedule (Wan2.2's ``guidance_scale_2``) returns a float32 tensor ``[B, 1, ...]`` of ``ndim`` dims."""
+        return self.cfg_scale
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents ``[B, C, h, w]`` -> float32 images ``[B, 3, f h, f w]`` in [0, 1] (f = VAE factor):
-        ``latents / scaling_factor + shift_factor``, VAE decode, ``x / 2 + 0.5`` clamped."""
+        ``latents / scaling_factor + shift_factor``, VAE decode, ``x / 2 + 0.5`` clamped. A video model
+        overrides it: latents ``[B, C, F', h, w]`` -> videos ``[B, 3, F, H, W]`` (Wan)."""
         return vae_decode(self.vae, latents, self.device, self.decode_batch)  # [B, 3, H, W]
 
     def initial_noise(self, seeds: list[int]) -> torch.Tensor:
-        """Standard-normal float32 ``[B, C, h, w]``, row i depending only on ``seeds[i]``."""
-        return seeded_randn(list(seeds), self.latent_shape, stream=0, device=self.device)  # [B, C, h, w]
+        """Standard-normal float32 ``[B, *latent_shape]`` (``[B, C, h, w]``, video ``[B, C, F', h, w]``), row
+        i depending only on ``seeds[i]``."""
+        return seeded_randn(list(seeds), self.latent_shape, stream=0, device=self.device)  # [B, C, (F',) h, w]

@@ -12,6 +12,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from flowrl.schedules import flow_sigmas
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 DTypeArg = Union[torch.dtype, str, dict]
@@ -31,6 +33,28 @@ def resolve_resolution(resolution: Resolution, default: int, multiple: int) -> t
         raise ValueError(f"resolution must be positive multiples of {multiple} pixels (VAE factor x patch size), "
                          f"got {(h, w)}")
     return h, w
+
+
+# FlowMatchEulerDiscreteScheduler options the adapters' reproductions of their pipelines' schedules do not cover
+SCHEDULER_OPTIONS_NOT_REPRODUCED = ("shift_terminal", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
+                                    "invert_sigmas", "use_flow_sigmas")
+
+
+def check_scheduler(owner: str, config, shift: Optional[float], schedule: str, *, dynamic: bool = False) -> None:
+    """Refuse a scheduler ``config`` whose options (:data:`SCHEDULER_OPTIONS_NOT_REPRODUCED`, a time shift
+    other than the exponential one; with ``dynamic``, a static scheduler) ``owner``'s reproduction of the
+    pipeline's schedule does not cover, unless ``shift`` replaces that schedule by flowrl's static-shift one
+    (``flow_sigmas(T, shift, schedule)``, whose arguments are validated here)."""
+    unsupported = [k for k in SCHEDULER_OPTIONS_NOT_REPRODUCED if config.get(k)]
+    if config.get("use_dynamic_shifting") and config.get("time_shift_type", "exponential") != "exponential":
+        unsupported.append("time_shift_type=" + str(config.get("time_shift_type")))
+    if dynamic and not config.get("use_dynamic_shifting"):
+        unsupported.append("use_dynamic_shifting=False")
+    if unsupported and shift is None:
+        raise ValueError(f"{owner} cannot reproduce a scheduler with {unsupported}; pass shift= to use flowrl's "
+                         f"static-shift schedule instead")
+    if shift is not None:
+        flow_sigmas(1, float(shift), schedule)  # validate early
 
 
 def cfg_combine(uncond: torch.Tensor, cond: torch.Tensor, scale: float, *, uncond_grad: bool) -> torch.Tensor:

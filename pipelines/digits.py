@@ -35,7 +35,7 @@ from flowrl.utils.threads import use_cpu_threads
 
 from .common import cfg_combine, cfg_halves, transformer_dtype
 from .facts import Component, Geometry, ModelConfigs, ModelFacts
-from .sd3 import SD3Policy
+from .mmdit import SD3TransformerFacts
 
 PAD, OTHER = 0, 11  # token ids; digits are 1..10
 
@@ -102,7 +102,7 @@ def tiny_transformer_config() -> dict:
                 caption_projection_dim=64, pooled_projection_dim=32, pos_embed_max_size=IMAGE_SIZE // 2)
 
 
-class DigitsPolicy(ModelFacts):
+class DigitsPolicy(SD3TransformerFacts, ModelFacts):
     """``FlowPolicy`` over the digits model. ``guidance_scale`` 1.0 = no CFG (one pass)."""
 
     # the adapter declarations of pipelines/base.py (no diffusers pipeline: the LoRA loads into the transformer)
@@ -149,9 +149,6 @@ class DigitsPolicy(ModelFacts):
         """Pixels ``[B, 1, 16, 16]`` (already in the transformer's dtype), ``timestep = sigma * 1000``."""
         return dict(hidden_states=x, encoder_hidden_states=cond["encoder_hidden_states"],
                     pooled_projections=cond["pooled_projections"], timestep=sigma * 1000.0, return_dict=False)
-
-    block_counts = SD3Policy.block_counts  # an SD3 transformer (no dual-attention blocks)
-    with_block_counts = SD3Policy.with_block_counts
 
     @classmethod
     def lora_writer(cls):

@@ -233,6 +233,12 @@ class ModelFacts:
 
     # --- the transformer call ---------------------------------------------------------------
     @classmethod
+    def transformer_component(cls, transformer: dict, options: dict) -> Component:
+        """The trained transformer of config ``transformer`` under ``model.options`` as a :class:`Component`
+        (plan and bench build it with :func:`build_component`): the ``transformer_class`` by default."""
+        return Component("diffusers:" + cls.transformer_class, transformer)
+
+    @classmethod
     def transformer_inputs(cls, config, dtype: torch.dtype, x: torch.Tensor, sigma: torch.Tensor, cond: dict,
                            **settings) -> dict:
         """Keyword arguments of the transformer's forward for latents ``x`` (the policy's layout),

@@ -8,76 +8,57 @@ The transformer runs on ``[generated tokens, source tokens]`` and the velocity i
 the generated tokens only. Everything else (unpacked ``[B, 16, h, w]`` latents, the text
 encoders, embedded guidance, optional true CFG whose two halves share the source tokens, the
 dynamic-shift schedule over the *generated* token count, decoding) is FLUX.1's
-(``pipelines/flux.py``).
+(``pipelines/flux_family.py``).
 
-How a prompt carries its source image (the conditioning contract): ``encode_prompts(items)`` takes
-items that are either
-
-* a ``str``: text only; the whole batch is then plain text-to-image, as the pipeline with
-  ``image=None`` (so every text-only sampler and recipe runs on Kontext unchanged), or
-* an edit item: a mapping ``{"prompt": str, "image": Tensor[3, H, W]}`` or any object with
-  ``.prompt`` and ``.image`` attributes; ``image`` is float RGB in [0, 1] of any size.
-
-A batch is all text or all edit items. A source is resized to the policy's resolution (``height``
-x ``width``) and normalised by the pipeline's own ``image_processor.preprocess`` (what the pipeline
-does with ``_auto_resize=False`` at that size; Flow-GRPO resizes sources to the training resolution
-too), then encoded by :meth:`encode_sources`. The conditioning then holds ``image_latents`` ``[B,
-16, h, w]`` (unpacked, like the latents) beside the text entries: batch-first like every entry, so
+How a prompt carries its source image (the conditioning seam, :mod:`flowrl.conditions`): the
+adapter receives texts and sources separately. ``encode_prompts(texts)`` is FLUX's text conditioning
+(so every text-only sampler and recipe runs on Kontext unchanged, as the pipeline with
+``image=None``); for a batch whose rows carry source images, ``flowrl.conditions.encode_conditions``
+adds :meth:`FluxKontextPolicy.source_conditioning` ``(texts, sources)``, one source per row
+(``max_sources = 1``: the pipeline takes one image), every row or none. A source is float RGB in
+[0, 1] of any size, resized to the policy's resolution (``height`` x ``width``) and normalised by
+the pipeline's own ``image_processor.preprocess`` (what the pipeline does with ``_auto_resize=False``
+at that size; Flow-GRPO resizes sources to the training resolution too), then encoded by
+:meth:`encode_sources`. The conditioning then holds ``image_latents`` ``[B, 16, h, w]`` (unpacked,
+like the latents) beside the text entries: batch-first like every entry, so
 ``flowrl.types.index_cond`` gives each transition its source. Without a source it holds no
 ``image_latents`` and ``velocity`` is FLUX's.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
-from .base import IMAGE_SIZE, encode_with_negative
+from .base import IMAGE_SIZE
 from .common import cfg_combine, cfg_halves, module_dtype, transformer_dtype
 from .facts import ModelConfigs
-from .flux import FLUX_DEV, FLUX_LORA_TARGET_MODULES, FluxPolicy, latent_image_ids, pack_latents
+from .flux_family import FLUX1_DEV, FLUX_DEV, FLUX_LORA_TARGET_MODULES, FluxFamilyPolicy
+from .packing import latent_image_ids, pack_latents
 
 # Flow-GRPO's LoRA targets for FLUX.1 Kontext (scripts/train_flux_kontext.py): FLUX's (both streams'
 # attention projections and feed-forwards) plus the single-stream blocks' MLP input ``proj_mlp``.
 FLUX_KONTEXT_LORA_TARGET_MODULES = FLUX_LORA_TARGET_MODULES + ("proj_mlp",)
 
 
-def edit_item_parts(item) -> tuple[str, Optional[torch.Tensor]]:
-    """``(text, source image or None)`` of one prompt item (see the module doc for the item types)."""
-    if isinstance(item, str):
-        return item, None
-    if isinstance(item, Mapping):
-        text, image = item.get("prompt"), item.get("image")
-    else:
-        text, image = getattr(item, "prompt", None), getattr(item, "image", None)
-    if not isinstance(text, str):
-        raise TypeError(f"a prompt item is a str or an edit item {{'prompt': str, 'image': Tensor[3, H, W]}} "
-                        f"(or an object with .prompt / .image); got {type(item).__name__}")
-    if image is not None and not (isinstance(image, torch.Tensor) and image.ndim == 3 and image.shape[0] == 3):
-        raise TypeError(f"an edit item's image must be a float tensor [3, H, W] in [0, 1]; got "
-                        f"{type(image).__name__}{tuple(image.shape) if isinstance(image, torch.Tensor) else ''}")
-    return text, image
-
-
-class FluxKontextPolicy(FluxPolicy):
-    """``FlowPolicy`` for FLUX.1 Kontext (see module doc; the arguments are ``FluxPolicy``'s: the
+class FluxKontextPolicy(FluxFamilyPolicy):
+    """``FlowPolicy`` for FLUX.1 Kontext (see module doc; the arguments are ``FluxFamilyPolicy``'s: the
     pipeline's ``guidance_scale`` default is 3.5, Kontext-dev is guidance-distilled)."""
 
     kind = "flux-kontext"
     pipeline_class = "FluxKontextPipeline"
     lora_target_modules = FLUX_KONTEXT_LORA_TARGET_MODULES
     tiny_kinds = ("flux-kontext",)
+    max_sources = 1  # source images per prompt (FluxKontextPipeline takes one image)
     example_hub_id = "black-forest-labs/FLUX.1-Kontext-dev"
-    # Published configs of black-forest-labs/FLUX.1-Kontext-dev: FLUX.1-dev's (pipelines/flux.py). Black Forest
+    # Published configs of black-forest-labs/FLUX.1-Kontext-dev: FLUX.1-dev's (pipelines/flux_family.py). Black Forest
     # Labs' reference code (black-forest-labs/flux, src/flux/util.py, configs["flux-dev-kontext"]) gives the
     # Kontext transformer FLUX.1-dev's parameters exactly (64 packed channels, 19 double + 38 single blocks, 24
     # heads of 128, guidance embedding) and the same autoencoder; the repository's diffusers text_encoder /
     # text_encoder_2 are FLUX.1-dev's CLIP-L and T5-XXL (DiffSynth-Studio loads Kontext's DiT with FLUX.1-dev's
     # encoders and VAE)
     published = {example_hub_id: ModelConfigs(
-        FLUX_DEV, FluxPolicy.published["black-forest-labs/FLUX.1-dev"].text_encoders,
-        FluxPolicy.published["black-forest-labs/FLUX.1-dev"].vae, example_hub_id, "FLUX.1 Kontext [dev]",
+        FLUX_DEV, FLUX1_DEV.text_encoders, FLUX1_DEV.vae, example_hub_id, "FLUX.1 Kontext [dev]",
         "flux-kontext-arch")}
 
     @classmethod
@@ -90,9 +71,9 @@ class FluxKontextPolicy(FluxPolicy):
 
     @classmethod
     def tiny_components(cls, kind: str = "flux-kontext", image_size: int = IMAGE_SIZE, seed: int = 0) -> dict:
-        """The tiny FLUX.1-dev-like components (``FluxPolicy.tiny_components("flux")``: guidance
+        """The tiny FLUX.1-dev-like components (``FluxFamilyPolicy.tiny_components("flux")``: guidance
         embedding, dynamic shift); ``FluxKontextPipeline`` takes the same components."""
-        return FluxPolicy.tiny_components("flux", image_size, seed)
+        return FluxFamilyPolicy.tiny_components("flux", image_size, seed)
 
     # --- conditioning ----------------------------------------------------------------------
     def encode_sources(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -105,24 +86,15 @@ class FluxKontextPolicy(FluxPolicy):
             z = self.vae.encode(pixels.to(self.device, module_dtype(self.vae))).latent_dist.mode()  # [B, 16, h, w]
         return ((z - (cfg.shift_factor or 0.0)) * cfg.scaling_factor).float()  # [B, 16, h, w]
 
-    def encode_prompts(self, prompts: list) -> dict[str, torch.Tensor]:
-        """Batch-first conditioning from prompt items (module doc): FLUX's text entries
-        (``prompt_embeds``, ``pooled_prompt_embeds``; with true CFG the ``negative_*`` ones) and,
-        for edit items, ``image_latents`` [B, 16, h, w]."""
-        parts = [edit_item_parts(p) for p in prompts]
-        with_source = [img is not None for _, img in parts]
-        if any(with_source) and not all(with_source):
-            raise ValueError("a FLUX Kontext batch is all edit items (with a source image) or all text prompts; "
-                             f"got {sum(with_source)} of {len(parts)} with a source image")
-        cond = encode_with_negative(self, [t for t, _ in parts], use_negative=self.uses_negative)
-        if parts and all(with_source):
-            cond.update(self.source_conditioning([img for _, img in parts]))
-        return cond
-
-    def source_conditioning(self, images: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The conditioning entries of source images alone (``flowrl.conditions.encode_conditions``
-        adds them to the text's, which the text-embedding cache may serve): ``image_latents``."""
-        return {"image_latents": self.encode_sources(images)}
+    def source_conditioning(self, texts: list[str], sources: Sequence[tuple]) -> dict[str, torch.Tensor]:
+        """The conditioning entries of the rows' source images (``flowrl.conditions.encode_conditions`` adds
+        them to the text's, which the text-embedding cache may serve): ``image_latents`` [B, 16, h, w].
+        Every row carries exactly one source (``max_sources = 1``; a batch is all edits or all text)."""
+        counts = [len(s) for s in sources]
+        if any(c != 1 for c in counts):
+            raise ValueError(f"{sum(c > 0 for c in counts)} of {len(counts)} prompts carry a source image; FLUX.1 "
+                             f"Kontext conditions a batch on one source per prompt, all or none (split the prompt set)")
+        return {"image_latents": self.encode_sources([s[0] for s in sources])}
 
     # --- FlowPolicy ----------------------------------------------------------------------
     @classmethod
@@ -167,4 +139,4 @@ class FluxKontextPolicy(FluxPolicy):
         return cfg_combine(u, c, self.true_cfg_scale, uncond_grad=self.cfg_uncond_grad)
 
 
-__all__ = ["FLUX_KONTEXT_LORA_TARGET_MODULES", "FluxKontextPolicy", "edit_item_parts"]
+__all__ = ["FLUX_KONTEXT_LORA_TARGET_MODULES", "FluxKontextPolicy"]

@@ -1,11 +1,10 @@
 """Qwen-Image (Wu et al. 2025) as a ``FlowPolicy``, over diffusers ``QwenImagePipeline`` components.
 
-The policy exposes **unpacked latents** ``[B, 16, h, w]`` (``h = H/8``), as FLUX does; ``velocity``
-packs them into the MMDiT's 2x2-patch token sequence ``[B, (h/2)(w/2), 64]`` and unpacks the
-prediction (``QwenImagePipeline._pack_latents`` / ``_unpack_latents``; the pipeline's frame axis of
-length 1 sits between batch and channels and does not change the packed layout). The
+The math (unpacked ``[B, 16, h, w]`` latents packed into 2x2-patch tokens, sigma as the time input,
+true CFG with the norm rescale, the pipeline's own schedule, the video VAE's frame axis) is
+:class:`flowrl.pipelines.qwen_family.QwenFamilyPolicy`'s, which Qwen-Image-Edit shares. The
 ``QwenImageTransformer2DModel`` is the trainable part; the Qwen2.5-VL text encoder and the VAE are
-frozen. The time input is sigma itself (the pipeline passes ``timestep / 1000``).
+frozen.
 
 Prompts are encoded by the pipeline's own ``encode_prompt``: the system template, the last hidden
 state of Qwen2.5-VL, the template's first 34 tokens dropped, at most ``max_sequence_length`` kept.
@@ -13,136 +12,21 @@ flowrl pads every prompt to ``max_sequence_length`` with its attention mask (bat
 conditioning of one width); ``velocity`` trims the padding shared by the whole batch before the
 transformer, whose joint attention masks the rest, so the image tokens see exactly the pipeline's
 text tokens.
-
-Guidance is real classifier-free guidance against ``negative_prompt`` (the pipeline's
-``true_cfg_scale``; flowrl's ``guidance_scale``), followed by Qwen-Image's norm rescale: per image
-token, the combined prediction is scaled to the norm of the conditional one (``comb * |c| /
-|comb|`` over the packed channel axis), as ``QwenImagePipeline.__call__`` and Flow-GRPO's training
-forward do. flowrl runs both halves in one doubled batch (``pipelines.common.cfg_halves``).
-
-The schedule is the pipeline's: its scheduler (a fresh copy from the model's config) given
-``linspace(1, 1/T, T)`` and ``mu`` from the packed token count; for Qwen-Image that is the
-resolution-dependent exponential shift, stretched so the last sigma equals ``shift_terminal``
-(0.02), then 0. Decoding adds the VAE's frame axis:
-``z * latents_std + latents_mean`` per channel, ``AutoencoderKLQwenImage.decode`` on ``[B, 16, 1, h, w]``,
-frame 0, ``x / 2 + 0.5``.
 """
 from __future__ import annotations
 
 from typing import Optional, Union
 
-import numpy as np
 import torch
 
-from flowrl.schedules import flow_sigmas, flux_mu
-
-from .base import IMAGE_SIZE, DiffusersPolicy
-from .common import Resolution, cfg_combine, cfg_halves, context_parallel_degree, resolve_resolution
-from .facts import Component, ModelConfigs
-from .flux import PackedLatents, pack_latents, unpack_latents
-from .wan import WAN21_VAE, video_vae_decode
-
-# Published configs of Qwen/Qwen-Image (its */config.json; flowrl plan and bench precision build the models from them
-# on the meta device or with random weights, no download). transformer/config.json (QwenImageTransformer2DModel:
-# 60 double-stream blocks, 24 heads of 128 = 3072 wide, Qwen2.5-VL captions of 3584; as quoted by diffusers' own
-# __init__ defaults and third-party readers of the repository, e.g. musubi-tuner's qwen_image_model.py)
-QWEN_IMAGE_20B = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
-                      num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
-                      axes_dims_rope=(16, 56, 56))
-# text_encoder/config.json: Qwen/Qwen2.5-VL-7B-Instruct as Qwen2_5_VLForConditionalGeneration (the language model,
-# its lm_head and the 32-block vision tower; as copied in modelscope/DiffSynth-Studio's qwen_image_text_encoder.py
-# and VideoX-Fun's Qwen-Image loader)
-QWEN25_VL_7B = dict(
-    text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                     num_attention_heads=28, num_key_value_heads=4, hidden_act="silu", max_position_embeddings=128000,
-                     max_window_layers=28, rms_norm_eps=1e-6, rope_theta=1000000.0, use_sliding_window=False,
-                     sliding_window=32768, attention_dropout=0.0, bos_token_id=151643, eos_token_id=151645,
-                     rope_scaling={"type": "default", "rope_type": "default", "mrope_section": [16, 24, 24]}),
-    vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, in_channels=3,
-                       out_hidden_size=3584, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
-                       window_size=112, fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu", tokens_per_second=2),
-    image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
-    tie_word_embeddings=False)
-# vae/config.json (AutoencoderKLQwenImage) holds Wan2.1's VAE values (pipelines/wan.py WAN21_VAE): base_dim 96,
-# dim_mult [1, 2, 4, 4], temporal downsampling [False, True, True], 16 channels and the same latent mean / std
-
-# Flow-GRPO's LoRA targets for Qwen-Image (scripts/train_qwenimage_edit_plus.py: r=64, alpha=128, gaussian
-# init): the joint attention's projections of both streams and both streams' feed-forwards.
-QWEN_IMAGE_LORA_TARGET_MODULES = (
-    "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
-    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
-    "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
-)  # a loaded policy's own list leaves out the last block's unused text-stream outputs (live_lora_targets)
-
-# the last block's text stream feeds nothing (the model returns the image stream): LoRA there gets no gradient
-LAST_BLOCK_UNUSED = ("attn.add_q_proj", "attn.to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2")
-
-# Qwen2.5-VL's special tokens (the chat markers the pipeline's prompt template uses, and the vision ones)
-QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                       "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
-# the words of the pipeline's system prompt (whole tokens, so the template's prefix is 34 tokens as with Qwen's)
-_TEMPLATE_WORDS = ("the", "image", "by", "detailing", "color", "shape", "size", "texture", "quantity", "text",
-                   "spatial", "relationships", "of", "objects", "and", "background")
-_LINE_START_WORDS = ("system", "user", "assistant", "Describe")  # words that follow a newline in the template
+from .base import IMAGE_SIZE
+from .common import Resolution
+from .facts import ModelConfigs
+from .qwen_family import QWEN_IMAGE_20B, QWEN_IMAGE_VAE, QWEN_TEXT_ENCODERS, QwenFamilyPolicy, tiny_qwen_components
+from .tiny import build_qwen_tokenizer
 
 
-def build_qwen_tokenizer(num_words: int = 2000, model_max_length: int = 32768):
-    """An offline byte-level BPE ``Qwen2Tokenizer`` for tiny models (Qwen2's pre-tokenizer, byte
-    alphabet and special tokens, a small vocabulary).
-
-    Every word is one token, built by a left-to-right merge chain over its byte-level spelling
-    (``"Ġcat"``: ``Ġ c -> Ġc``, ``Ġc a -> Ġca``, ``Ġca t -> Ġcat``): the words of
-    ``QwenImagePipeline``'s system prompt, the English words among the first ``num_words`` CLIP
-    merges (``pipelines/tiny.py``), each after a space, and the template's line-start words
-    without one (their chains last, so they never split a space-prefixed word). So the template's
-    prefix is 34 tokens, as ``prompt_template_encode_start_idx`` assumes; other text falls back to
-    bytes. Saved and loaded with ``save_pretrained`` / ``Qwen2Tokenizer.from_pretrained``.
-    """
-    from tokenizers import AddedToken
-    from transformers import Qwen2Tokenizer
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    from .tiny import clip_merges
-
-    byte_char = bytes_to_unicode()
-
-    def spell(text: str) -> str:
-        return "".join(byte_char[b] for b in text.encode("utf-8"))
-
-    vocab = {c: i for i, c in enumerate(byte_char.values())}
-    merges: list[tuple[str, str]] = []
-
-    def chain(word: str) -> None:
-        for k in range(2, len(word) + 1):
-            if word[:k] not in vocab:
-                vocab[word[:k]] = len(vocab)
-                merges.append((word[:k - 1], word[k - 1]))
-
-    clip_words = ["".join(m)[:-4] for m in clip_merges(num_words) if "".join(m).endswith("</w>")]
-    for w in dict.fromkeys(_TEMPLATE_WORDS + tuple(w for w in clip_words if w.isascii() and w.isalpha())):
-        chain(spell(" " + w))
-    for w in _LINE_START_WORDS:
-        chain(spell(w))
-    for s in QWEN_SPECIAL_TOKENS:
-        vocab[s] = len(vocab)
-    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length, eos_token="<|im_end|>")
-    tok.add_tokens([AddedToken(s, special=True, normalized=False) for s in QWEN_SPECIAL_TOKENS])
-    return tok
-
-
-def live_lora_targets(num_blocks: int, targets) -> list[str]:
-    """``targets`` (peft suffix patterns) without the modules of the last of ``num_blocks`` blocks
-    in ``LAST_BLOCK_UNUSED``: each such suffix becomes the explicit names of the other blocks'
-    modules (``transformer_blocks.{i}.<suffix>``). The last block's text stream produces nothing
-    the model returns, so a LoRA there would never get a gradient (and DDP refuses parameters
-    without one)."""
-    out: list[str] = []
-    for t in targets:
-        out += [f"transformer_blocks.{i}.{t}" for i in range(num_blocks - 1)] if t in LAST_BLOCK_UNUSED else [t]
-    return out
-
-
-class QwenImagePolicy(PackedLatents, DiffusersPolicy):
+class QwenImagePolicy(QwenFamilyPolicy):
     """``FlowPolicy`` for Qwen-Image (see module doc).
 
     Args:
@@ -162,150 +46,23 @@ class QwenImagePolicy(PackedLatents, DiffusersPolicy):
 
     kind = "qwen-image"
     pipeline_class = "QwenImagePipeline"
-    transformer_class = "QwenImageTransformer2DModel"
-    lora_target_modules = QWEN_IMAGE_LORA_TARGET_MODULES
-    text_encoder_names = ("text_encoder",)
     tiny_kinds = ("qwen-image",)
     example_hub_id = "Qwen/Qwen-Image"
-    cond_keys = ("prompt_embeds", "prompt_embeds_mask")  # _forward(x, sigma, *these) (base)
-    published = {example_hub_id: ModelConfigs(
-        QWEN_IMAGE_20B, {"text_encoder": Component("transformers:Qwen2_5_VLForConditionalGeneration", QWEN25_VL_7B)},
-        Component("diffusers:AutoencoderKLQwenImage", WAN21_VAE), example_hub_id, "Qwen-Image", "qwen-image-arch")}
+    published = {example_hub_id: ModelConfigs(QWEN_IMAGE_20B, QWEN_TEXT_ENCODERS, QWEN_IMAGE_VAE, example_hub_id,
+                                              "Qwen-Image", "qwen-image-arch")}
 
     def __init__(self, pipe, *, guidance_scale: float = 4.0, negative_prompt: str = " ",
                  max_sequence_length: int = 512, shift: Optional[float] = None, schedule: str = "diffusers",
                  resolution: Resolution = None, device: Union[str, torch.device] = "cpu"):
-        if guidance_scale < 1.0:
-            raise ValueError(f"guidance_scale (Qwen-Image's true_cfg_scale) must be >= 1.0 (1.0 = no guidance), "
-                             f"got {guidance_scale}")
-        if not 1 <= max_sequence_length <= 1024:
-            raise ValueError(f"max_sequence_length must be in [1, 1024] (QwenImagePipeline's limit), "
-                             f"got {max_sequence_length}")
-        if pipe.transformer.config.guidance_embeds:
-            raise ValueError("this Qwen-Image transformer is guidance-distilled (guidance_embeds=True), which "
-                             "QwenImagePolicy does not support; use a model with guidance_embeds=False")
-        if pipe.scheduler.config.get("invert_sigmas") and shift is None:
-            raise ValueError("QwenImagePolicy's schedule runs from 1 to 0; this scheduler inverts its sigmas "
-                             "(invert_sigmas=True): pass shift= to use flowrl's static-shift schedule instead")
-        if shift is not None:
-            flow_sigmas(1, float(shift), schedule)  # validate early
-        self._setup(pipe, device)  # frozen VAE / text encoder, vae_scale_factor, LoRA targets, negative cache
-        self.guidance_scale = float(guidance_scale)
-        self.negative_prompt = str(negative_prompt)
-        self.max_sequence_length = int(max_sequence_length)
-        self.shift = None if shift is None else float(shift)
-        self.schedule = schedule
-        f = self.vae_scale_factor
-        self.height, self.width = resolve_resolution(resolution, int(pipe.default_sample_size) * f, 2 * f)
-        h, w = self.height // f, self.width // f
-        self.latent_shape = (int(self.transformer.config.in_channels) // 4, h, w)  # (C, h, w), unpacked
-        self.image_seq_len = (h // 2) * (w // 2)  # packed tokens per image
-        self.lora_target_modules = live_lora_targets(len(self.transformer.transformer_blocks),
-                                                     self.lora_target_modules)
-
-    # --- declarations ----------------------------------------------------------------------
-    @classmethod
-    def vae_factor(cls, configs: ModelConfigs) -> int:
-        """The causal video VAE: 2 per downsampling stage (one ``temperal_downsample`` entry each: 8)."""
-        return 2 ** len(configs.vae.config["temperal_downsample"])
-
-    @classmethod
-    def vae_latents(cls, latents: torch.Tensor) -> torch.Tensor:
-        """``[B, C, h, w]`` -> ``[B, C, 1, h, w]``: the video VAE decodes a one-frame video."""
-        return latents[:, :, None]
-
-    @classmethod
-    def example_conditioning(cls, configs, geometry, rows, device, dtype) -> dict[str, torch.Tensor]:
-        """Qwen2.5-VL embeddings ``[rows, L, joint_attention_dim]`` and their int64 mask ``[rows, L]``."""
-        return {"prompt_embeds": torch.empty(rows, geometry.text_tokens, configs.transformer["joint_attention_dim"],
-                                             device=device, dtype=dtype),  # [B, L, D]
-                "prompt_embeds_mask": torch.empty(rows, geometry.text_tokens, device=device,
-                                                  dtype=torch.int64)}  # [B, L]
-
-    @classmethod
-    def transformer_inputs(cls, config, dtype, x, sigma, cond, token_multiple: int = 1, **settings) -> dict:
-        """Unpacked latents ``[B, C, h, w]`` packed to ``[B, (h/2)(w/2), 4C]`` with their grid
-        (``img_shapes``, one frame), ``timestep = sigma``; the text trimmed to the batch's longest
-        prompt (rounded up to a multiple of ``token_multiple``, the context-parallel degree, with the
-        extra tokens masked), its mask dropped when nothing is padded (module doc). Meta tensors (the
-        planner's shapes) keep every token, unmasked."""
-        b, _, h, w = x.shape
-        if h % 2 or w % 2:
-            raise ValueError(f"Qwen-Image latents need even height and width (2x2 packing), got {tuple(x.shape)}")
-        pe, mask = cond["prompt_embeds"], cond["prompt_embeds_mask"]  # [B, L, D], [B, L]
-        if mask.device.type == "meta":
-            mask = None
-        else:
-            keep = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1  # the batch's longest prompt
-            keep = min(-(-keep // token_multiple) * token_multiple, mask.shape[1])
-            pe, mask = pe[:, :keep], mask[:, :keep]  # [B, keep, D], [B, keep]
-            mask = None if bool(mask.all()) else mask.to(x.device)
-        return dict(hidden_states=pack_latents(x).to(dtype), timestep=sigma,  # [B, (h/2)(w/2), 4C]
-                    encoder_hidden_states=pe.to(x.device, dtype), encoder_hidden_states_mask=mask,
-                    img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False)
-
-    @classmethod
-    def transformer_output(cls, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return unpack_latents(out, *x.shape[-2:])  # [B, C, h, w]
-
-    @classmethod
-    def shrink_config(cls, transformer: dict) -> dict:
-        return dict(patch_size=transformer["patch_size"], in_channels=transformer["in_channels"],
-                    out_channels=transformer["out_channels"], num_layers=2, attention_head_dim=16,
-                    num_attention_heads=2, joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4))
+        self._setup_qwen(pipe, guidance_scale=guidance_scale, negative_prompt=negative_prompt,
+                         max_sequence_length=max_sequence_length, shift=shift, schedule=schedule,
+                         resolution=resolution, device=device)
 
     @classmethod
     def tiny_components(cls, kind: str = "qwen-image", image_size: int = IMAGE_SIZE, seed: int = 0) -> dict:
-        """A tiny ``QwenImagePipeline``: a 2-layer ``QwenImageTransformer2DModel`` (patch 2, 64 packed
-        channels, as the real model), an ``AutoencoderKLQwenImage`` with Qwen-Image's layout (16
-        latent channels, spatial factor 8, causal 3D convolutions, its latent mean / std) at width 8,
-        a 2-layer ``Qwen2_5_VLForConditionalGeneration`` (hidden 16, a 1-block vision tower) over
-        ``build_qwen_tokenizer``, and Qwen-Image's scheduler config (dynamic exponential shift
-        0.5 -> 0.9 over 256 -> 8192 tokens, shift_terminal 0.02). Transformer and text encoder sizes
-        as diffusers' Qwen-Image fast tests."""
-        from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-        tok = build_qwen_tokenizer()
-        ids = {name: tok.convert_tokens_to_ids(f"<|{name}|>") for name in
-               ("image_pad", "video_pad", "vision_start", "vision_end", "endoftext", "im_end")}
-        torch.manual_seed(seed)
-        text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-            text_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
-                         "num_key_value_heads": 2, "vocab_size": len(tok), "rope_theta": 1e6,
-                         "bos_token_id": ids["endoftext"], "eos_token_id": ids["im_end"],
-                         "pad_token_id": ids["endoftext"],
-                         "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"}},
-            vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
-                           "out_hidden_size": 16},
-            vocab_size=len(tok), image_token_id=ids["image_pad"], video_token_id=ids["video_pad"],
-            vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"])).eval()
-        torch.manual_seed(seed + 1)
-        vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                                     temperal_downsample=[False, True, True])  # default latents_mean / std
-        torch.manual_seed(seed + 2)
-        transformer = QwenImageTransformer2DModel(
-            patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=2,
-            joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4))
-        scheduler = FlowMatchEulerDiscreteScheduler(
-            num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
-            base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential")
-        return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer)
-
-    # --- FlowPolicy ----------------------------------------------------------------------
-    def forward_settings(self) -> dict:
-        """The context-parallel degree the text is trimmed to a multiple of (``transformer_inputs``)."""
-        return {"token_multiple": context_parallel_degree(self.transformer)}
-
-    def _encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        pe, mask = self.pipe.encode_prompt(prompts, device=self.device, max_sequence_length=self.max_sequence_length)
-        b, n, d = pe.shape  # n = the batch's longest prompt (<= max_sequence_length)
-        if mask is None:  # the pipeline drops an all-ones mask
-            mask = torch.ones(b, n, dtype=torch.long, device=pe.device)
-        pad = self.max_sequence_length - n
-        pe = torch.cat([pe, pe.new_zeros(b, pad, d)], 1)  # [B, L, D]
-        mask = torch.cat([mask, mask.new_zeros(b, pad)], 1)  # [B, L]
-        return {"prompt_embeds": pe, "prompt_embeds_mask": mask}
+        """A tiny ``QwenImagePipeline`` (``qwen_family.tiny_qwen_components`` over ``build_qwen_tokenizer``:
+        2-layer transformer, width-8 video VAE, 2-layer Qwen2.5-VL, Qwen-Image's scheduler config)."""
+        return tiny_qwen_components(build_qwen_tokenizer(), seed)
 
     def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         """Batch-first conditioning: Qwen2.5-VL ``prompt_embeds`` [B, max_sequence_length, D] (zero
@@ -313,45 +70,5 @@ class QwenImagePolicy(PackedLatents, DiffusersPolicy):
         the cached ``negative_prompt_embeds`` / ``negative_prompt_embeds_mask``."""
         return super().encode_prompts(prompts)
 
-    def velocity(self, latents: torch.Tensor, sigma, cond) -> torch.Tensor:
-        """``v_theta(x_t, sigma)`` float32 ``[B, C, h, w]`` for unpacked latents; ``sigma`` in [0, 1].
 
-        Differentiable in the transformer's parameters; with guidance, ``u + s (c - u)`` rescaled
-        per packed token to ``|c|`` (module doc; ``cfg_halves`` / ``cfg_combine`` for training).
-        """
-        if self.guidance_scale == 1.0:
-            return super().velocity(latents, sigma, cond)  # [B, C, h, w]
-        x = latents.to(self.device)  # [B, C, h, w]
-        b, _, h, w = x.shape
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(b)  # [B]
-        uncond = (x, sigma, *(cond["negative_" + k] for k in self.cond_keys))
-        u, c = cfg_halves(self._forward, uncond, (x, sigma, *(cond[k] for k in self.cond_keys)),
-                          uncond_grad=self.cfg_uncond_grad)  # [B, C, h, w] each
-        comb = pack_latents(cfg_combine(u, c, self.guidance_scale, uncond_grad=self.cfg_uncond_grad))  # [B, (h/2)(w/2), 4C]
-        c = pack_latents(c)  # [B, (h/2)(w/2), 4C]
-        comb = comb * (c.float().norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))  # the norm rescale
-        return unpack_latents(comb, h, w)  # [B, C, h, w]
-
-    def sigmas(self, num_steps: int) -> torch.Tensor:
-        """``[num_steps + 1]`` float32 ending in 0; by default exactly the sigmas ``QwenImagePipeline``
-        gives its scheduler at this resolution (module doc)."""
-        if self.shift is not None:
-            return flow_sigmas(num_steps, self.shift, self.schedule)
-        if not isinstance(num_steps, int) or num_steps < 1:
-            raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
-        cfg = self.pipe.scheduler.config
-        mu = flux_mu(self.image_seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
-                     cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))  # the pipeline's calculate_shift
-        scheduler = type(self.pipe.scheduler).from_config(cfg)  # a fresh copy: the pipeline's stays untouched
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
-        return scheduler.sigmas.to("cpu", torch.float32)  # [num_steps + 1], the last 0
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents ``[B, C, h, w]`` -> float32 images ``[B, 3, 8h, 8w]`` in [0, 1] through the video
-        VAE with one frame (module doc); ``decode_batch`` images per VAE call."""
-        video = video_vae_decode(self.vae, self.vae_latents(latents), self.device, self.decode_batch)  # [B, 3, 1, H, W]
-        return video[:, :, 0]  # [B, 3, H, W]
-
-
-__all__ = ["LAST_BLOCK_UNUSED", "QWEN_IMAGE_LORA_TARGET_MODULES", "QwenImagePolicy", "build_qwen_tokenizer",
-           "live_lora_targets"]
+__all__ = ["QwenImagePolicy"]

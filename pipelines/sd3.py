@@ -16,7 +16,9 @@ from flowrl.schedules import flow_sigmas
 
 from .base import IMAGE_SIZE, DiffusersPolicy
 from .common import Resolution, resolve_resolution
+from .components import CLIP_L, SD3_VAE, T5_XXL
 from .facts import Component, ModelConfigs
+from .mmdit import SD3TransformerFacts
 
 # Flow-GRPO's LoRA targets for SD3.5 (scripts/train_sd3.py: r=32, alpha=64, gaussian init): every
 # projection of the joint attention, image stream (to_*) and text stream (add_*_proj, to_add_out).
@@ -31,23 +33,9 @@ CLIP_TOKENS = 77  # SD3's prompt embeddings: 77 CLIP tokens, then the T5 tokens
 
 # Published configs (each repository's */config.json; flowrl plan and bench precision build the models from
 # them on the meta device or with random weights, no download).
-# stabilityai/stable-diffusion-3.5-medium text_encoder/config.json (CLIPTextModelWithProjection, OpenAI CLIP ViT-L/14
-# text tower); FLUX.1-dev's text_encoder/config.json is the same tower as a CLIPTextModel (no projection)
-CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-              max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu")
 # stabilityai/stable-diffusion-3.5-medium text_encoder_2/config.json (CLIPTextModelWithProjection, OpenCLIP bigG text)
 CLIP_G = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
               max_position_embeddings=77, projection_dim=1280, hidden_act="gelu")
-# stabilityai/stable-diffusion-3.5-medium text_encoder_3/config.json and black-forest-labs/FLUX.1-dev
-# text_encoder_2/config.json (T5EncoderModel, google/t5-v1_1-xxl encoder)
-T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-              relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
-              is_encoder_decoder=False, use_cache=False)
-# stabilityai/stable-diffusion-3.5-medium vae/config.json (AutoencoderKL, 16 latent channels)
-SD3_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=[128, 256, 512, 512],
-               layers_per_block=2, norm_num_groups=32, act_fn="silu", down_block_types=["DownEncoderBlock2D"] * 4,
-               up_block_types=["UpDecoderBlock2D"] * 4, use_quant_conv=False, use_post_quant_conv=False,
-               sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609)
 # stabilityai/stable-diffusion-3.5-medium, transformer/config.json: 24 MMDiT-X blocks, the first 13 with a
 # second (image-only) attention
 SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
@@ -69,7 +57,7 @@ def _published(hub_id: str, transformer: dict, title: str, arch: str) -> ModelCo
                         title, arch)
 
 
-class SD3Policy(DiffusersPolicy):
+class SD3Policy(SD3TransformerFacts, DiffusersPolicy):
     """``FlowPolicy`` for SD3 / SD3.5 (see module doc).
 
     Args:
@@ -134,18 +122,6 @@ class SD3Policy(DiffusersPolicy):
                     encoder_hidden_states=cond["prompt_embeds"].to(x.device, dtype),  # [B, 77 + L, D]
                     pooled_projections=cond["pooled_prompt_embeds"].to(x.device, dtype),  # [B, P]
                     return_dict=False)
-
-    @classmethod
-    def block_counts(cls, transformer: dict) -> dict[str, int]:
-        """``dual`` (a second, image-only attention) and ``plain`` MMDiT blocks, plus the last,
-        context-pre-only block (always one, counted with neither)."""
-        dual = len(transformer.get("dual_attention_layers") or ())
-        return {"dual": dual, "plain": int(transformer["num_layers"]) - 1 - dual}
-
-    @classmethod
-    def with_block_counts(cls, transformer: dict, counts: dict[str, int]) -> dict:
-        return {**transformer, "num_layers": counts["dual"] + counts["plain"] + 1,
-                "dual_attention_layers": tuple(range(counts["dual"]))}
 
     @classmethod
     def shrink_config(cls, transformer: dict) -> dict:

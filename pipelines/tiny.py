@@ -22,6 +22,10 @@ Tokenizers are real, built from files already installed:
   CLIP merges re-spelled SentencePiece-style (``"cat</w>"`` -> ``"▁cat"``), wrapped in
   ``T5TokenizerFast`` (``<pad>`` = 0, ``</s>`` = 1, ``<unk>`` = 2 as in T5).
 
+* Qwen: a byte-level BPE ``Qwen2Tokenizer`` (``build_qwen_tokenizer``) with Qwen2's pre-tokenizer,
+  byte alphabet and special tokens over a small vocabulary of whole words (the CLIP merges' English
+  words); Qwen-Image's template arithmetic holds on it.
+
 * a KL VAE (``kl_vae``) with downsampling 8 and 16 latent channels, as SD3 / FLUX.
 
 A ``flowrl.json`` beside ``model_index.json`` records the tiny image resolution, which the
@@ -115,6 +119,78 @@ def build_t5_tokenizer(num_merges: int = CLIP_MERGES, model_max_length: int = 51
     return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
 
 
+# Qwen2.5-VL's special tokens (the chat markers the pipeline's prompt template uses, and the vision ones)
+QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                       "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+# the words of the pipeline's system prompt (whole tokens, so the template's prefix is 34 tokens as with Qwen's)
+_TEMPLATE_WORDS = ("the", "image", "by", "detailing", "color", "shape", "size", "texture", "quantity", "text",
+                   "spatial", "relationships", "of", "objects", "and", "background")
+_LINE_START_WORDS = ("system", "user", "assistant", "Describe")  # words that follow a newline in the template
+
+
+def byte_level_vocab(words, line_start_words=(), num_words: int = 2000) -> tuple[dict, list]:
+    """``(vocab, merges)`` of an offline byte-level BPE in which every word is one token, built by a
+    left-to-right merge chain over its byte-level spelling (``"Ġcat"``: ``Ġ c -> Ġc``, ``Ġc a -> Ġca``,
+    ``Ġca t -> Ġcat``): ``words`` and the English words among the first ``num_words`` CLIP merges, each
+    after a space, then ``line_start_words`` without one (their chains last, so they never split a
+    space-prefixed word); other text falls back to bytes. Token ids start with the 256 byte characters."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_char = bytes_to_unicode()
+
+    def spell(text: str) -> str:
+        return "".join(byte_char[b] for b in text.encode("utf-8"))
+
+    vocab = {c: i for i, c in enumerate(byte_char.values())}
+    merges: list[tuple[str, str]] = []
+
+    def chain(word: str) -> None:
+        for k in range(2, len(word) + 1):
+            if word[:k] not in vocab:
+                vocab[word[:k]] = len(vocab)
+                merges.append((word[:k - 1], word[k - 1]))
+
+    clip_words = ["".join(m)[:-4] for m in clip_merges(num_words) if "".join(m).endswith("</w>")]
+    for w in dict.fromkeys(tuple(words) + tuple(w for w in clip_words if w.isascii() and w.isalpha())):
+        chain(spell(" " + w))
+    for w in line_start_words:
+        chain(spell(w))
+    return vocab, merges
+
+
+# Qwen3's chat template for the messages the FLUX.2 [klein] and Z-Image pipelines build (one user turn, a
+# generation prompt; ``enable_thinking=False`` adds the empty thinking block), as Qwen/Qwen3-*'s template renders them
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+
+
+def build_qwen_tokenizer(num_words: int = 2000, model_max_length: int = 32768, *, qwen3: bool = False):
+    """An offline byte-level BPE ``Qwen2Tokenizer`` for tiny models (Qwen2's pre-tokenizer, byte
+    alphabet and special tokens, a small vocabulary: :func:`byte_level_vocab` over the words of
+    ``QwenImagePipeline``'s system prompt and the template's line-start words). So the Qwen-Image
+    template's prefix is 34 tokens, as ``prompt_template_encode_start_idx`` assumes. ``qwen3``: also
+    Qwen3's ``<think>`` / ``</think>`` tokens and its chat template (:data:`QWEN3_CHAT_TEMPLATE`), for
+    the Qwen3 text encoders of FLUX.2 [klein] and Z-Image. Saved and loaded with ``save_pretrained`` /
+    ``from_pretrained``.
+    """
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+
+    vocab, merges = byte_level_vocab(_TEMPLATE_WORDS, _LINE_START_WORDS, num_words)
+    special = QWEN_SPECIAL_TOKENS + (("<think>", "</think>") if qwen3 else ())
+    for s in special:
+        vocab[s] = len(vocab)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length, eos_token="<|im_end|>")
+    tok.add_tokens([AddedToken(s, special=True, normalized=False) for s in QWEN_SPECIAL_TOKENS])
+    if qwen3:
+        tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in ("<think>", "</think>")])
+        tok.chat_template = QWEN3_CHAT_TEMPLATE
+    return tok
+
+
 # --- components ----------------------------------------------------------------------------
 def clip_config(vocab_size: int, eos_id: int, bos_id: int, hidden: int = 32, projection: int = 32):
     from transformers import CLIPTextConfig
@@ -134,6 +210,21 @@ def t5_encoder(vocab_size: int, d_model: int):
                    relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", pad_token_id=0,
                    eos_token_id=1, decoder_start_token_id=0, is_encoder_decoder=False)
     return T5EncoderModel(cfg)
+
+
+def qwen3_encoder(model_class: str, tokenizer, num_layers: int, hidden: int = 16):
+    """A tiny Qwen3 text encoder (``"Qwen3ForCausalLM"`` for FLUX.2 [klein], ``"Qwen3Model"`` for Z-Image):
+    ``num_layers`` layers ``hidden`` wide, 2 query / 1 KV heads of 8, tied embeddings as Qwen3-4B, over
+    ``tokenizer`` (``build_qwen_tokenizer(qwen3=True)``); random weights in eval mode."""
+    import transformers
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")}
+    cfg = transformers.Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=2048, rope_theta=1e6,
+        tie_word_embeddings=True, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"])
+    return getattr(transformers, model_class)(cfg).eval()
 
 
 def kl_vae(scaling_factor: float, shift_factor: float, image_size: int):

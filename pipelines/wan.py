@@ -16,23 +16,32 @@ first; the pipeline runs two passes). ``decode`` returns float32 **videos** ``[B
 Sampling: flowrl's step functions on ``flow_sigmas(T, shift)`` with the scheduler's shift
 (``shift`` of a flow-matching Euler scheduler, which makes the schedule exactly the pipeline's;
 ``flow_shift`` of Wan2.1's shipped UniPC multistep scheduler, whose own solver steps a similarly
-shifted schedule). Wan2.2's two-expert pipelines (``transformer_2``, ``boundary_ratio``) and its
-per-token timesteps (``expand_timesteps``) are refused.
+shifted schedule).
+
+Wan2.2 is :class:`Wan22Policy` (``model.pipeline: wan2.2``): T2V-A14B's two experts switched at ``boundary_ratio``
+(one module, ``flowrl.pipelines.experts.TwoExperts``) with ``guidance_scale_2``; TI2V-5B's one expert with its
+own VAE (48 channels, 16x spatial) and per-token timesteps (``expand_timesteps``).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional, Union
 
 import torch
 
 from flowrl.schedules import flow_sigmas
 
-from .base import FLOWRL_JSON, IMAGE_SIZE, DiffusersPolicy, read_flowrl_json
-from .common import DECODE_BATCH, DTypeArg, Resolution, module_dtype, resolve_resolution
+from .base import IMAGE_SIZE, DiffusersPolicy
+from .common import Resolution, resolve_resolution
+from .components import WAN21_VAE
+from .experts import (EXPERTS, TwoExperts, check_second_expert, expert_lora_load_hint, expert_lora_parts,
+                      experts_component, high_noise_rows)
 from .facts import Component, Geometry, ModelConfigs
+from .video import video_vae_decode
 
 # Flow-GRPO's LoRA targets for Wan2.1 (scripts/train_wan2_1.py: r=32, alpha=64, gaussian init) are
 # to_q / to_k / to_v / to_out.0 plus add_k_proj / add_q_proj / add_v_proj / to_add_out; as peft suffix
@@ -54,52 +63,25 @@ _WAN_T2V = dict(patch_size=(1, 2, 2), attention_head_dim=128, in_channels=16, ou
                 added_kv_proj_dim=None, rope_max_seq_len=1024)
 WAN21_T2V_1_3B = dict(_WAN_T2V, num_attention_heads=12, num_layers=30, ffn_dim=8960)
 WAN21_T2V_14B = dict(_WAN_T2V, num_attention_heads=40, num_layers=40, ffn_dim=13824)
+PIPELINE_KEYS = ("boundary_ratio", "expand_timesteps")  # Wan2.2's WanPipeline entries kept beside the transformer's
 # text_encoder/config.json: google/umt5-xxl's encoder (UMT5EncoderModel; the conversion script loads that repository)
 UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
                 relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
                 dropout_rate=0.1, layer_norm_epsilon=1e-6, is_encoder_decoder=False, use_cache=False,
                 tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
-# vae/config.json: AutoencoderKLWan with its defaults (the conversion script builds AutoencoderKLWan() for
-# Wan2.1_VAE.pth): causal 3D convolutions, 8x spatial and 4x temporal downsampling, 16 latent channels, its
-# latent mean / std
-WAN21_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
-                 temperal_downsample=[False, True, True], dropout=0.0,
-                 latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134, -0.0715,
-                               0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921],
-                 latents_std=[2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743, 3.2687, 2.1526, 2.8652,
-                              1.5579, 1.6382, 1.1253, 2.8251, 1.916])
+# vae/config.json: pipelines/components.py WAN21_VAE
 
 
-def _published(hub_id: str, transformer: dict, title: str, arch: str) -> ModelConfigs:
+def _published(hub_id: str, transformer: dict, title: str, arch: str, vae: dict = WAN21_VAE) -> ModelConfigs:
     return ModelConfigs(transformer, {"text_encoder": Component("transformers:UMT5EncoderModel", UMT5_XXL)},
-                        Component("diffusers:AutoencoderKLWan", WAN21_VAE), hub_id, title, arch)
+                        Component("diffusers:AutoencoderKLWan", vae), hub_id, title, arch)
 
 
-def video_vae_decode(vae, latents: torch.Tensor, device, batch: Optional[int] = DECODE_BATCH) -> torch.Tensor:
-    """Latents ``[B, C, F', h, w]`` -> float32 videos ``[B, 3, F, f h, f w]`` in [0, 1] through a
-    Wan-style causal video VAE (``AutoencoderKLWan``, ``AutoencoderKLQwenImage``), as the Wan and
-    Qwen-Image pipelines decode: ``latents / (1 / latents_std) + latents_mean`` per channel, VAE
-    decode (``[-1, 1]``), ``x / 2 + 0.5`` clamped. ``batch`` videos per VAE call (None: all)."""
-    cfg = vae.config
-    dtype = module_dtype(vae)
-    inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(device, dtype)  # [1, C, 1, 1, 1]
-    mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(device, dtype)  # [1, C, 1, 1, 1]
-    step = batch or max(1, len(latents))
-    out = []
-    for i in range(0, len(latents), step):
-        z = latents[i:i + step].to(device, dtype) / inv_std + mean  # [b, C, F', h, w]
-        with torch.no_grad():
-            video = vae.decode(z, return_dict=False)[0]  # [b, 3, F, H, W] in [-1, 1]
-        out.append((video.float() / 2 + 0.5).clamp(0, 1))
-    return torch.cat(out)  # [B, 3, F, H, W]
-
-
-def _add_to_flowrl_json(path: Union[str, os.PathLike], **entries) -> None:
-    """Merge ``entries`` into ``path/flowrl.json`` (written whole to a sibling, then renamed)."""
-    p = Path(path) / FLOWRL_JSON
-    tmp = p.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({**read_flowrl_json(path), **entries}, indent=2))
-    os.replace(tmp, p)
+def is_wan22(pipeline_config, has_transformer_2: bool) -> bool:
+    """Whether a WanPipeline config (``model_index.json``) is Wan2.2's: a second expert, a boundary or
+    per-token timesteps."""
+    return has_transformer_2 or pipeline_config.get("boundary_ratio") is not None or \
+        bool(pipeline_config.get("expand_timesteps"))
 
 
 class WanPolicy(DiffusersPolicy):
@@ -137,9 +119,7 @@ class WanPolicy(DiffusersPolicy):
             raise ValueError(f"guidance_scale must be >= 1.0 (1.0 = no guidance), got {guidance_scale}")
         if max_sequence_length < 1:
             raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
-        if getattr(pipe, "transformer_2", None) is not None or pipe.config.get("expand_timesteps"):
-            raise ValueError("this is a Wan2.2 pipeline (two experts or per-token timesteps); WanPolicy covers "
-                             "Wan2.1 text-to-video (one transformer)")
+        self._check_variant(pipe)
         num_frames = DEFAULT_NUM_FRAMES if num_frames is None else num_frames
         ft = int(pipe.vae_scale_factor_temporal)
         if not isinstance(num_frames, int) or num_frames < 1 or (num_frames - 1) % ft:
@@ -163,12 +143,41 @@ class WanPolicy(DiffusersPolicy):
         self.latent_shape = (int(cfg.in_channels), (num_frames - 1) // ft + 1, self.height // f,
                              self.width // f)  # (C, F', h, w)
 
+    @classmethod
+    def _check_variant(cls, pipe) -> None:
+        """``wan`` takes Wan2.1 pipelines, ``wan2.2`` Wan2.2's (two experts, or TI2V-5B's per-token timesteps)."""
+        two = getattr(pipe, "transformer_2", None) is not None
+        wan22 = is_wan22(pipe.config, two)
+        if wan22 != (cls.kind == "wan2.2"):
+            raise ValueError(f"this is a Wan{'2.2' if wan22 else '2.1'} pipeline: load it with model.pipeline: "
+                             f"{'wan2.2' if wan22 else 'wan'}")
+        if wan22 and (getattr(pipe, "transformer", 1) is None or two != (pipe.config.get("boundary_ratio") is not None)):
+            raise ValueError("a Wan2.2 pipeline needs transformer, and transformer_2 with boundary_ratio (T2V-A14B) or "
+                             "neither (TI2V-5B)")
+
     # --- declarations ----------------------------------------------------------------------
     @classmethod
+    def model_configs(cls, path):
+        """The base's, refusing a local directory of the other Wan generation (``_check_variant``); a Wan2.2
+        one's transformer config gains its pipeline's ``PIPELINE_KEYS``, as the published ones have them."""
+        root = Path(os.path.expanduser(str(path or "")))
+        if not (path and (root / "model_index.json").is_file()):
+            return super().model_configs(path)
+        index = json.loads((root / "model_index.json").read_text())
+        two = bool((index.get("transformer_2") or [None])[0])
+        cls._check_variant(SimpleNamespace(config=index, transformer_2=two or None))
+        configs = super().model_configs(path)
+        if two:
+            check_second_expert(root, configs.transformer)
+        extra = {k: index[k] for k in PIPELINE_KEYS if index.get(k) is not None}
+        return dataclasses.replace(configs, transformer={**configs.transformer, **extra})
+
+    @classmethod
     def vae_factor(cls, configs: ModelConfigs) -> int:
-        """Spatial pixels per latent pixel: 2 per downsampling stage (``temperal_downsample`` has one entry
-        per stage; 8 for Wan2.1's three)."""
-        return 2 ** len(configs.vae.config["temperal_downsample"])
+        """Spatial pixels per latent pixel: the VAE's ``scale_factor_spatial``, else 2 per downsampling stage
+        (``temperal_downsample`` has one entry per stage; 8 for Wan2.1's three)."""
+        vae = configs.vae.config
+        return int(vae.get("scale_factor_spatial") or 2 ** len(vae["temperal_downsample"]))
 
     @classmethod
     def patch_size(cls, transformer: dict) -> int:
@@ -178,9 +187,10 @@ class WanPolicy(DiffusersPolicy):
     @classmethod
     def geometry(cls, configs: ModelConfigs, options: dict) -> Geometry:
         """``options['num_frames']`` video frames (default 81, ``4 k + 1``) of ``options['resolution']``
-        (default 480 x 832): latents ``(C, (F - 1) / 4 + 1, H / 8, W / 8)``."""
+        (default 480 x 832): latents ``(C, (F - 1) / 4 + 1, H / f, W / f)`` (f = 8; TI2V-5B 16)."""
         f = cls.vae_factor(configs)
-        ft = 2 ** sum(bool(d) for d in configs.vae.config["temperal_downsample"])  # 4: temporal factor
+        vae = configs.vae.config
+        ft = int(vae.get("scale_factor_temporal") or 2 ** sum(map(bool, vae["temperal_downsample"])))  # 4
         frames = options.get("num_frames") or DEFAULT_NUM_FRAMES
         if not isinstance(frames, int) or (frames - 1) % ft:
             raise ValueError(f"num_frames must be {ft} k + 1 frames (k >= 0) for Wan's video VAE, got {frames!r}")
@@ -196,17 +206,32 @@ class WanPolicy(DiffusersPolicy):
                                              device=device, dtype=dtype)}  # [B, L, D]
 
     @classmethod
-    def transformer_inputs(cls, config, dtype, x, sigma, cond, **settings) -> dict:
-        """Latents ``[B, C, F', h, w]``, ``timestep = sigma * 1000`` (the pipeline's ``scheduler.timesteps``)."""
-        return dict(hidden_states=x.to(dtype), timestep=sigma * 1000.0,
+    def transformer_inputs(cls, config, dtype, x, sigma, cond, expand_timesteps: Optional[bool] = None,
+                           **settings) -> dict:
+        """Latents ``[B, C, F', h, w]``, ``timestep = sigma * 1000`` (the pipeline's ``scheduler.timesteps``); with
+        ``expand_timesteps`` (Wan2.2 TI2V-5B: the policy's setting, else the config's entry) one per token ``[B,
+        F' (h / ph) (w / pw)]``, each at its row's ``t``, as WanPipeline's text-to-video loop (mask all ones)."""
+        t = sigma * 1000.0  # [B]
+        if config.get("expand_timesteps") if expand_timesteps is None else expand_timesteps:
+            _, ph, pw = config["patch_size"]
+            t = t[:, None].expand(-1, x.shape[2] * (x.shape[3] // ph) * (x.shape[4] // pw))  # [B, L]
+        return dict(hidden_states=x.to(dtype), timestep=t,
                     encoder_hidden_states=cond["prompt_embeds"].to(x.device, dtype), return_dict=False)  # [B, L, D]
+
+    @classmethod
+    def transformer_component(cls, transformer: dict, options: dict) -> Component:
+        """One ``WanTransformer3DModel``; with Wan2.2's ``boundary_ratio`` the two experts (``TwoExperts``)."""
+        plain = {k: v for k, v in transformer.items() if k not in PIPELINE_KEYS}
+        if transformer.get("boundary_ratio") is None:
+            return super().transformer_component(plain, options)
+        return experts_component(plain, transformer["boundary_ratio"], cls.transformer_class, options)
 
     @classmethod
     def shrink_config(cls, transformer: dict) -> dict:
         return dict(patch_size=transformer["patch_size"], num_attention_heads=2, attention_head_dim=12,
                     in_channels=transformer["in_channels"], out_channels=transformer["out_channels"], text_dim=32,
                     freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-                    rope_max_seq_len=32)
+                    rope_max_seq_len=32, **{k: transformer[k] for k in PIPELINE_KEYS if k in transformer})
 
     @classmethod
     def tiny_components(cls, kind: str = "wan", image_size: int = IMAGE_SIZE, seed: int = 0) -> dict:
@@ -240,24 +265,11 @@ class WanPolicy(DiffusersPolicy):
                     transformer_2=None)
 
     @classmethod
-    def make_tiny(cls, kind: str, out_dir: Union[str, os.PathLike], *, image_size: int = IMAGE_SIZE, seed: int = 0,
-                  overwrite: bool = False) -> Path:
-        """The base's tiny model, with ``num_frames`` = ``TINY_NUM_FRAMES`` recorded in ``flowrl.json``."""
-        out = super().make_tiny(kind, out_dir, image_size=image_size, seed=seed, overwrite=overwrite)
-        _add_to_flowrl_json(out, num_frames=TINY_NUM_FRAMES)
-        return out
+    def tiny_options(cls, kind: str) -> dict:
+        return {"num_frames": TINY_NUM_FRAMES}  # the tiny model's default video length (flowrl.json)
 
-    @classmethod
-    def from_pretrained(cls, path_or_id: Union[str, os.PathLike], *, dtype: DTypeArg = torch.float32, **kwargs):
-        """``DiffusersPolicy.from_pretrained``; ``num_frames`` None takes ``flowrl.json``'s (then 81)."""
-        if kwargs.get("num_frames") is None and path_or_id:
-            kwargs["num_frames"] = read_flowrl_json(path_or_id).get("num_frames")
-        return super().from_pretrained(path_or_id, dtype=dtype, **kwargs)
-
-    def save_pretrained(self, path: Union[str, os.PathLike]) -> None:
-        """The base's save, with ``num_frames`` in ``flowrl.json`` (the default when loaded back)."""
-        super().save_pretrained(path)
-        _add_to_flowrl_json(path, num_frames=self.num_frames)
+    def saved_options(self) -> dict:
+        return {"num_frames": self.num_frames}  # the default when loaded back
 
     # --- FlowPolicy ----------------------------------------------------------------------
     def _encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -275,9 +287,118 @@ class WanPolicy(DiffusersPolicy):
         return flow_sigmas(num_steps, self.shift, self.schedule)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents ``[B, C, F', h, w]`` -> float32 videos ``[B, 3, F, 8h, 8w]`` in [0, 1] (module doc)."""
+        """Latents ``[B, C, F', h, w]`` -> float32 videos ``[B, 3, F, f h, f w]`` in [0, 1] (module doc)."""
         return video_vae_decode(self.vae, latents, self.device, self.decode_batch)  # [B, 3, F, H, W]
 
 
-__all__ = ["DEFAULT_NUM_FRAMES", "DEFAULT_RESOLUTION", "TINY_NUM_FRAMES", "WAN_LORA_TARGET_MODULES", "WanPolicy",
-           "video_vae_decode"]
+# Wan-AI/Wan2.2-T2V-A14B-Diffusers: model_index.json boundary_ratio 0.875; transformer/ and transformer_2/config.json
+# both Wan2.1-T2V-14B's architecture (diffusers' convert_wan_to_diffusers.py "Wan2.2-T2V-A14B"); Wan2.1's VAE, UMT5
+WAN22_T2V_A14B = dict(WAN21_T2V_14B, boundary_ratio=0.875)
+# Wan-AI/Wan2.2-TI2V-5B-Diffusers: model_index.json expand_timesteps true, no transformer_2; transformer 30 blocks of
+# 24 heads of 128 = 3072 wide, FFN 14336, 48 latent channels; vae/config.json the Wan2.2 VAE: residual blocks, patch 2
+# (16x spatial, 4x temporal), 48 channels and their mean / std (its `clip_output` key, unknown to diffusers 0.42, left out)
+WAN22_TI2V_5B = dict(_WAN_T2V, num_attention_heads=24, num_layers=30, ffn_dim=14336, in_channels=48, out_channels=48,
+                     expand_timesteps=True)
+WAN22_VAE = dict(
+    base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+    temperal_downsample=[False, True, True], dropout=0.0, is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+    scale_factor_spatial=16, scale_factor_temporal=4,
+    latents_mean=[-0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813, 0.0891,
+                  0.157, -0.0098, 0.0375, -0.1825, -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502,
+                  -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.123, -0.0313, -0.1649, 0.0117, 0.0723,
+                  -0.2839, -0.2083, -0.052, 0.3748, 0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667],
+    latents_std=[0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.499, 0.4818, 0.5013, 0.8158, 1.0344, 0.5894, 1.0901, 0.6885,
+                 0.6165, 0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659, 0.7069, 0.5338,
+                 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458,
+                 1.6887, 0.3971, 1.06, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744])
+
+
+class Wan22Policy(WanPolicy):
+    """``FlowPolicy`` for Wan2.2 text-to-video (module doc). Besides :class:`WanPolicy`'s arguments, for two experts:
+    ``guidance_scale_2`` the low-noise expert's CFG scale (the pipeline's; None: ``guidance_scale``; needs
+    ``guidance_scale > 1``, as the pipeline runs no CFG at 1.0); ``train_experts`` the experts a LoRA / full
+    fine-tune trains, ``[high, low]`` (None: both), ``[high]`` or ``[low]``."""
+
+    kind = "wan2.2"
+    tiny_kinds = ("wan2.2", "wan2.2-ti2v")
+    example_hub_id = "Wan-AI/Wan2.2-T2V-A14B-Diffusers"
+    published = {m.source: m for m in (
+        _published(example_hub_id, WAN22_T2V_A14B, "Wan2.2-T2V-A14B", "wan2.2-a14b-arch"),
+        _published("Wan-AI/Wan2.2-TI2V-5B-Diffusers", WAN22_TI2V_5B, "Wan2.2-TI2V-5B", "wan2.2-5b-arch", WAN22_VAE))}
+
+    def __init__(self, pipe, *, guidance_scale: float = 5.0, negative_prompt: str = "", max_sequence_length: int = 512,
+                 num_frames: Optional[int] = None, shift: Optional[float] = None, schedule: str = "diffusers",
+                 resolution: Resolution = None, device: Union[str, torch.device] = "cpu",
+                 guidance_scale_2: Optional[float] = None, train_experts: Optional[list[str]] = None):
+        super().__init__(pipe, guidance_scale=guidance_scale, negative_prompt=negative_prompt, num_frames=num_frames,
+                         max_sequence_length=max_sequence_length, shift=shift, schedule=schedule,
+                         resolution=resolution, device=device)  # (listed: from_pretrained routes options by name)
+        self.expand_timesteps = bool(pipe.config.get("expand_timesteps"))
+        self.boundary_timestep: Optional[float] = None  # rows at timestep >= this use transformer
+        if pipe.transformer_2 is None:
+            if guidance_scale_2 is not None or train_experts is not None:
+                raise ValueError("guidance_scale_2 and train_experts need Wan2.2's two experts (T2V-A14B: transformer_2 "
+                                 "and boundary_ratio); this model has one transformer")
+        else:
+            self.transformer = TwoExperts(pipe.transformer, pipe.transformer_2, pipe.config.boundary_ratio,
+                                          pipe.scheduler.config.num_train_timesteps, train_experts or tuple(EXPERTS))
+            self.boundary_timestep = self.transformer.boundary
+        g2 = self.guidance_scale if guidance_scale_2 is None else float(guidance_scale_2)
+        if g2 < 1.0 or (g2 != self.guidance_scale and self.guidance_scale == 1.0):
+            raise ValueError(f"guidance_scale_2 must be >= 1.0 and needs guidance_scale > 1 (WanPipeline runs no CFG at "
+                             f"1.0), got {guidance_scale_2} with guidance_scale {self.guidance_scale}")
+        self.guidance_scale_2 = g2
+
+    tiny_multiple = classmethod(lambda cls: 32)  # TI2V-5B: VAE factor 16 x patch 2
+
+    @classmethod
+    def tiny_components(cls, kind: str = "wan2.2", image_size: int = IMAGE_SIZE, seed: int = 0) -> dict:
+        """The tiny ``wan``'s UMT5, tokenizer and scheduler with 1-layer experts: ``wan2.2`` two on its VAE, split
+        at boundary_ratio 0.5 (A14B's 0.875 would leave the high-noise expert one uniform training time in 8: the
+        tiny runs' few samples must reach both); ``wan2.2-ti2v`` one of 48 channels on a tiny Wan2.2 VAE."""
+        from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+        parts = super().tiny_components("wan", image_size, seed)
+
+        def expert(channels: int, offset: int) -> WanTransformer3DModel:
+            torch.manual_seed(seed + offset)
+            config = cls.shrink_config(dict(_WAN_T2V, in_channels=channels, out_channels=channels))
+            return WanTransformer3DModel(**{**config, "num_layers": 1})
+
+        if kind == "wan2.2":
+            return {**parts, "transformer": expert(16, 2), "transformer_2": expert(16, 3), "boundary_ratio": 0.5}
+        torch.manual_seed(seed + 1)
+        vae = AutoencoderKLWan(**{**WAN22_VAE, "base_dim": 8, "decoder_base_dim": 8, "dim_mult": [1, 1, 1, 1],
+                                  "num_res_blocks": 1})
+        return {**parts, "vae": vae, "transformer": expert(48, 2), "expand_timesteps": True}
+
+    def save_pretrained(self, path: Union[str, os.PathLike]) -> None:
+        """WanPolicy's; the pipeline gets both experts back as its ``transformer`` and ``transformer_2``."""
+        experts = self.transformer
+        if isinstance(experts, TwoExperts):  # the base saves self.transformer as the pipeline's transformer
+            self.transformer, self.pipe.transformer_2 = experts.transformer, experts.transformer_2
+        try:
+            super().save_pretrained(path)
+        finally:
+            self.transformer = experts
+
+    lora_parts = staticmethod(expert_lora_parts)  # flowrl export: one LoRA file per trained expert
+
+    @classmethod
+    def lora_load_hint(cls, components=("transformer",)) -> str:
+        return expert_lora_load_hint(cls.pipeline_class, components)
+
+    def forward_settings(self) -> dict:
+        return {"expand_timesteps": self.expand_timesteps}
+
+    def cfg_scale_for(self, sigma: torch.Tensor, ndim: int):
+        """``guidance_scale`` on the high-noise expert's rows, ``guidance_scale_2`` on the low-noise one's."""
+        if self.boundary_timestep is None or self.guidance_scale_2 == self.guidance_scale:
+            return self.cfg_scale
+        high = high_noise_rows(sigma * 1000.0, self.boundary_timestep)  # [B]: the timestep transformer_inputs passes
+        scale = torch.where(high, self.guidance_scale, self.guidance_scale_2)  # [B]
+        return scale.float().view(-1, *[1] * (ndim - 1))
+
+
+__all__ = ["DEFAULT_NUM_FRAMES", "DEFAULT_RESOLUTION", "TINY_NUM_FRAMES", "WAN_LORA_TARGET_MODULES", "Wan22Policy",
+           "WanPolicy"]

@@ -58,8 +58,10 @@ class MultiReward:
 
     NaN in a component with non-zero weight makes the total NaN for that image (not applicable).
     ``overlap``: samplers score each finished chunk while the next one samples (False: the serial
-    path; ``flowrl.rollout.scoring``). Videos ``[B, 3, F, H, W]`` are scored by every image reward per
-    frame, every ``frame_stride``-th frame, and averaged per video (:func:`flowrl.media.score_per_frame`).
+    path; ``flowrl.scoring``). ``frame_stride``: the stride ``flowrl.scoring.score_images`` scores
+    videos ``[B, 3, F, H, W]`` with when its caller gives none (``reward.frame_stride``): every image
+    reward on every n-th frame, averaged per video per component (:func:`flowrl.media.score_per_frame`,
+    the one place frames are reduced), then combined.
     """
 
     def __init__(self, rewards: Mapping[str, Callable], weights: Mapping[str, float], overlap: bool = True,
@@ -77,17 +79,19 @@ class MultiReward:
         self.name = "+".join(f"{w:g}*{k}" for k, w in self.weights.items())
 
     def components(self, images: torch.Tensor, prompts: list[str], **meta) -> dict[str, torch.Tensor]:
-        """Each reward's scores float32 ``[B]`` of images ``[B, 3, H, W]`` or videos ``[B, 3, F, H, W]``."""
-        from flowrl.media import score_per_frame
-
-        return {k: score_per_frame(r, images, prompts, self.frame_stride, **meta) for k, r in self.rewards.items()}
+        """Each reward's scores float32 ``[B]`` of images ``[B, 3, H, W]`` (videos go through
+        ``flowrl.scoring.score_images``, which scores their frames with this)."""
+        return {k: torch.as_tensor(r(images, prompts, **meta)).float().cpu() for k, r in self.rewards.items()}
 
     def combine(self, comps: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return sum(self.weights[k] * comps[k] for k in self.weights if self.weights[k] != 0) \
             if any(self.weights.values()) else torch.zeros_like(next(iter(comps.values())))
 
     def __call__(self, images: torch.Tensor, prompts: list[str], **meta) -> torch.Tensor:
-        return self.combine(self.components(images, prompts, **meta))
+        """The weighted total ``[B]`` of images, or of videos scored every ``frame_stride``-th frame."""
+        from flowrl.media import score_per_frame
+
+        return self.combine(score_per_frame(self.components, images, prompts, self.frame_stride, **meta))
 
 
 def build_multi(weights: Mapping[str, float], kwargs: Optional[Mapping[str, dict]] = None,

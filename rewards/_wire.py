@@ -14,7 +14,12 @@ and its tensors are the images in that encoding:
 - ``float32``: ``images`` float32 ``[B, 3, H, W]`` in [0, 1] (lossless: the local reward's input).
 
 An image-valued reward argument (the source image of an edit, ``[B, 3, H, W]``) travels the same way
-under ``meta.NAME`` instead of ``images`` (``meta.NAME`` or ``meta.NAME.png.i``). Response: JSON
+under ``meta.NAME`` instead of ``images`` (``meta.NAME`` or ``meta.NAME.png.i``). An argument with
+several images per row (the sources of a multi-source edit, :class:`ImageRows`) sends all of them,
+row after row and each row's in order, as one image batch ``[S, 3, H, W]`` under ``meta.NAME``, and
+the header adds ``"image_counts": {NAME: [images of each row]}``; the server hands the reward one
+entry per row: the ``[3, H, W]`` image of a row with one, a tuple of them for a row with several. A
+request whose every row has one image carries no ``image_counts`` (the one-source payload). Response: JSON
 ``{"rewards": [B numbers or null], "components": {name: [B numbers or null]}}``; ``null`` is NaN
 (not applicable); a bare ``NaN`` / ``Infinity`` is not JSON and is refused. Errors: HTTP 4xx/5xx with
 ``{"error": message, "field": the offending field}``.
@@ -25,6 +30,7 @@ import io
 import json
 import math
 import struct
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -34,6 +40,32 @@ PROTOCOL = 1
 ENCODINGS = ("uint8", "png", "float32")
 CONTENT_TYPE = "application/octet-stream"
 MAX_HEADER_BYTES = 16 << 20  # JSON header of a request (prompts, metadata)
+
+
+@dataclass(frozen=True)
+class ImageRows:
+    """An image argument with one or more images per row: ``images`` float ``[S, 3, H, W]`` in [0, 1], row
+    after row (each row's in order), and ``counts`` the images of each row (each >= 1, summing to S)."""
+
+    images: torch.Tensor
+    counts: tuple[int, ...]
+
+    def __getitem__(self, rows: slice) -> "ImageRows":
+        """The rows ``rows`` (a slice with step 1) with their images."""
+        starts = [0]
+        for c in self.counts:
+            starts.append(starts[-1] + c)
+        a, b, _ = rows.indices(len(self.counts))
+        return ImageRows(self.images[starts[a]:starts[b]], tuple(self.counts[a:b]))
+
+    def rows(self) -> list:
+        """One entry per row: the image ``[3, H, W]`` of a row with one, a tuple of them for several."""
+        out, k = [], 0
+        for c in self.counts:
+            part = tuple(self.images[k:k + c])
+            out.append(part[0] if c == 1 else part)
+            k += c
+        return out
 
 
 class WireError(ValueError):
@@ -78,7 +110,7 @@ def _check_images(field: str, images: Any) -> torch.Tensor:
 def encode_request(images: torch.Tensor, prompts: Sequence[str], meta: Optional[Mapping[str, Any]] = None,
                    encoding: str = "uint8") -> bytes:
     """The request body for ``images`` [B, 3, H, W] in [0, 1], their ``prompts`` and the reward's
-    keyword arguments ``meta`` (JSON values, or image tensors [B, 3, H, W])."""
+    keyword arguments ``meta`` (JSON values, image tensors [B, 3, H, W], or :class:`ImageRows`)."""
     from safetensors.torch import save
 
     if encoding not in ENCODINGS:
@@ -87,9 +119,17 @@ def encode_request(images: torch.Tensor, prompts: Sequence[str], meta: Optional[
     if len(prompts) != images.shape[0]:
         raise WireError("prompts", f"{len(prompts)} prompts for {images.shape[0]} images")
     tensors = _encode_images("images", images, encoding)
-    json_meta, image_meta = {}, []
+    json_meta, image_meta, counts = {}, [], {}
     for k, v in (meta or {}).items():
-        if isinstance(v, torch.Tensor):
+        if isinstance(v, ImageRows):
+            _check_images(f"meta.{k}", v.images)
+            if len(v.counts) != images.shape[0] or sum(v.counts) != v.images.shape[0] or min(v.counts) < 1:
+                raise WireError(f"meta.{k}", f"image counts {list(v.counts)} for {images.shape[0]} samples and "
+                                             f"{v.images.shape[0]} images")
+            tensors.update(_encode_images(f"meta.{k}", v.images, encoding))
+            image_meta.append(k)
+            counts[k] = list(v.counts)
+        elif isinstance(v, torch.Tensor):
             _check_images(f"meta.{k}", v)
             if v.shape[0] != images.shape[0]:
                 raise WireError(f"meta.{k}", f"{v.shape[0]} images for {images.shape[0]} samples")
@@ -98,7 +138,7 @@ def encode_request(images: torch.Tensor, prompts: Sequence[str], meta: Optional[
         else:
             json_meta[k] = v
     header = {"version": PROTOCOL, "encoding": encoding, "prompts": list(prompts), "meta": json_meta,
-              "image_meta": image_meta}
+              "image_meta": image_meta, **({"image_counts": counts} if counts else {})}
     try:
         text = json.dumps(header, allow_nan=False)
     except (TypeError, ValueError) as e:
@@ -214,15 +254,33 @@ def decode_request(body: bytes, max_images: int = 4096, max_pixels: int = 4096 *
     except Exception as e:  # noqa: BLE001 (the library's own parse errors: SafetensorError and friends)
         raise WireError("body", f"not a safetensors payload ({e})") from None
     n = len(prompts)
+    counts = _image_counts(head, image_meta, n)
     images = _decode_images(tensors, "images", encoding, n, max_pixels)
+    sizes = {"images": n}
     for k in image_meta:
-        meta[k] = _decode_images(tensors, f"meta.{k}", encoding, n, max_pixels)
-    names = ["images"] + [f"meta.{k}" for k in image_meta]
-    expected = {f"{p}.png.{i}" for p in names for i in range(n)} if encoding == "png" else set(names)
+        sizes[f"meta.{k}"] = sum(counts[k]) if k in counts else n
+        meta[k] = _decode_images(tensors, f"meta.{k}", encoding, sizes[f"meta.{k}"], max_pixels)
+        if k in counts:
+            meta[k] = ImageRows(meta[k], tuple(counts[k])).rows()  # one entry per row
+    expected = {f"{p}.png.{i}" for p, m in sizes.items() for i in range(m)} if encoding == "png" else set(sizes)
     extra = sorted(set(tensors) - expected)
     if extra:
         raise WireError(extra[0], f"unexpected tensor (encoding {encoding!r}, {n} prompts)")
     return images, prompts, meta
+
+
+def _image_counts(head: dict, image_meta: list, n: int) -> dict[str, list[int]]:
+    """The header's ``image_counts`` (several images per row), checked against the ``n`` prompts."""
+    counts = head.get("image_counts", {})
+    if not isinstance(counts, dict):
+        raise WireError("image_counts", "expected an object: argument name -> images per row")
+    for k, c in counts.items():
+        if k not in image_meta:
+            raise WireError(f"image_counts.{k}", "names no image argument (image_meta)")
+        if not (isinstance(c, list) and len(c) == n and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1
+                                                             for x in c)):
+            raise WireError(f"image_counts.{k}", f"expected {n} positive integers, one per prompt")
+    return counts
 
 
 def _refuse_constant(name: str):

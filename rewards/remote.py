@@ -6,7 +6,8 @@
         remote: {url: "http://127.0.0.1:8700", timeout: 60, retries: 3}
 
 Each call sends the images and prompts (and the reward's keyword arguments: JSON values, or image
-tensors such as an edit's source image) in requests of at most ``batch_size`` images, in the wire
+tensors such as an edit's source images, every source of every row in order) in requests of at most
+``batch_size`` images, in the wire
 format of :mod:`flowrl.rewards._wire` (no pickle): ``encoding="uint8"`` (default: 8-bit, what the
 PIL-based references see, 4x smaller than float), ``"png"`` (smaller still, same values) or
 ``"float32"`` (lossless: the served reward then scores exactly what a local one would).
@@ -34,28 +35,40 @@ from typing import Optional
 
 import torch
 
+from flowrl.data.items import row_sources
+
 from . import RewardUnavailable
 from ._clip_common import check_inputs, chunks
 from ._http import fetch
-from ._wire import CONTENT_TYPE, ENCODINGS, PROTOCOL, WireError, decode_response, encode_request
+from ._wire import CONTENT_TYPE, ENCODINGS, PROTOCOL, ImageRows, WireError, decode_response, encode_request
 
 RETRY_STATUS = {408, 429, 502, 503, 504}  # not 500: there the served reward itself failed, and would again
 
 
+def _is_images(v) -> bool:
+    """A row's image entry: a tensor, or a non-empty sequence of tensors (several sources)."""
+    return isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and bool(v)
+                                           and all(isinstance(t, torch.Tensor) for t in v))
+
+
 def _as_image_batch(name: str, value):
-    """A per-row list of images ``[3, H, W]`` (an editing set's ``sources``) as one ``[B, 3, H, W]``
-    tensor, the wire's image argument; other values unchanged. The images must share one size and
-    no row may be None (the wire has no missing image)."""
-    if not (isinstance(value, (list, tuple)) and value and any(isinstance(v, torch.Tensor) for v in value)):
+    """A per-row list of images (an editing set's ``sources``: ``[3, H, W]`` per row, or a tuple of them
+    for a row with several) as the wire's image argument: one ``[B, 3, H, W]`` tensor when every row
+    has one image, else :class:`flowrl.rewards._wire.ImageRows` (all images in order, and the count
+    per row); other values unchanged. The images must share one size and no row may be None (the
+    wire has no missing image)."""
+    if not (isinstance(value, (list, tuple)) and value and any(_is_images(v) for v in value)):
         return value
     if any(v is None for v in value):
         raise ValueError(f"{name}: {sum(v is None for v in value)} of {len(value)} rows have no image; a remote reward "
                          f"needs an image for every row (split text-only and editing prompts into separate sets)")
-    shapes = {tuple(v.shape) for v in value}
+    rows = [row_sources(v) for v in value]
+    shapes = {tuple(t.shape) for row in rows for t in row}
     if len(shapes) != 1:
         raise ValueError(f"{name}: images of different sizes {sorted(shapes)}; a remote reward needs one size per "
                          f"batch (resize the editing set's source images to one size)")
-    return torch.stack([v.detach().float().cpu() for v in value])  # [B, 3, H, W]
+    flat = torch.stack([t.detach().float().cpu() for row in rows for t in row])  # [S, 3, H, W], row-major
+    return flat if all(len(row) == 1 for row in rows) else ImageRows(flat, tuple(len(row) for row in rows))
 
 
 class RemoteRewardError(RewardUnavailable):
@@ -128,7 +141,7 @@ class RemoteReward:
         prompts, out = list(prompts), []
         meta = {k: _as_image_batch(k, v) for k, v in meta.items()}
         for s in chunks(images.shape[0], self.batch_size):
-            part = {k: (v[s] if isinstance(v, torch.Tensor) else v) for k, v in meta.items()}
+            part = {k: (v[s] if isinstance(v, (torch.Tensor, ImageRows)) else v) for k, v in meta.items()}
             body = encode_request(images[s], prompts[s], part, self.encoding)
             raw = self._request("/score", body)
             try:

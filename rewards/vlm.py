@@ -9,10 +9,12 @@ reward = ``(s - lo) / (hi - lo)`` in [0, 1] for the score ``s`` parsed from the 
 ``score_pattern`` (its last match), ``(lo, hi) = score_range``. With ``score_range=(0, 5)``
 and a 1-5 rubric this is Flow-GRPO's UnifiedReward ``score / 5``.
 
-Editing: called with ``sources=`` (each row's source image ``[3, H, W]`` or None, as the trainer
-passes an editing set's sources), a row with a source is judged as an edit: the request carries the
-source image, then the result, then ``edit_template`` with the instruction in ``{prompt}``; rows
-without a source are judged with ``template`` as above.
+Editing: called with ``sources=`` (each row's source image ``[3, H, W]``, a tuple of them for a
+row with several sources, or None, as the trainer passes an editing set's sources), a row with a
+source is judged as an edit: the request carries the source image, then the result, then
+``edit_template`` with the instruction in ``{prompt}``; a row with several sources carries every
+source in order, then the result, then ``multi_edit_template`` (``{prompt}``, and ``{sources}``: how
+many sources); rows without a source are judged with ``template`` as above.
 
 Failure handling: each request has a ``timeout`` (seconds); timeouts, connection errors, HTTP
 429 and 5xx are retried ``retries`` times with exponential backoff, then raise
@@ -38,6 +40,8 @@ from typing import Any, Mapping, Optional
 import torch
 from PIL import Image
 
+from flowrl.data.items import row_sources
+
 from . import RewardUnavailable
 from ._clip_common import check_inputs
 from ._http import fetch
@@ -54,6 +58,14 @@ DEFAULT_EDIT_TEMPLATE = (
     "You are given two images: the first is the source image, the second is the result of editing it with "
     "the instruction below. Judge how well the result follows the instruction, keeps everything the "
     "instruction does not ask to change, and its visual quality.\n"
+    "Instruction: {prompt}\n"
+    "Answer with a short justification, then a last line 'Score: N' with N from 0 (worst) to 10 (best)."
+)
+DEFAULT_MULTI_EDIT_TEMPLATE = (
+    "You are given {sources} source images, in order (picture 1, picture 2, ...), then a last image: the result "
+    "of editing them with the instruction below. Judge how well the result follows the instruction, using "
+    "every source image as it asks, keeps everything the instruction does not ask to change, and its visual "
+    "quality.\n"
     "Instruction: {prompt}\n"
     "Answer with a short justification, then a last line 'Score: N' with N from 0 (worst) to 10 (best)."
 )
@@ -116,14 +128,15 @@ class VLMJudge:
                  timeout: float = 60.0, retries: int = 2, backoff: float = 1.0, concurrency: int = 4,
                  max_side: Optional[int] = None, temperature: float = 0.0, max_tokens: int = 256,
                  extra_body: Optional[Mapping[str, Any]] = None, on_invalid: str = "raise",
-                 edit_template: str = DEFAULT_EDIT_TEMPLATE):
+                 edit_template: str = DEFAULT_EDIT_TEMPLATE, multi_edit_template: str = DEFAULT_MULTI_EDIT_TEMPLATE):
         if not re.match(r"^https?://", url or ""):
             raise ValueError(f"url must be an http(s) URL of an OpenAI-compatible API (e.g. http://127.0.0.1:8000/v1), "
                              f"got {url!r}")
         if "{prompt}" not in template:
             raise ValueError("template must contain '{prompt}', where the image's prompt is inserted")
-        if "{prompt}" not in edit_template:
-            raise ValueError("edit_template must contain '{prompt}', where the edit's instruction is inserted")
+        for name, text in (("edit_template", edit_template), ("multi_edit_template", multi_edit_template)):
+            if "{prompt}" not in text:
+                raise ValueError(f"{name} must contain '{{prompt}}', where the edit's instruction is inserted")
         lo, hi = map(float, score_range)
         if not hi > lo:
             raise ValueError(f"score_range must be (low, high) with high > low, got {score_range!r}")
@@ -140,6 +153,7 @@ class VLMJudge:
         url = url.rstrip("/")
         self.endpoint = url if url.endswith("/chat/completions") else url + "/chat/completions"
         self.model, self.template, self.system, self.edit_template = model, template, system, edit_template
+        self.multi_edit_template = multi_edit_template
         self.pattern = re.compile(score_pattern, re.IGNORECASE)
         if self.pattern.groups < 1:
             raise ValueError("score_pattern needs a capture group around the number")
@@ -153,12 +167,17 @@ class VLMJudge:
         return f"VLMJudge(endpoint={self.endpoint!r}, model={self.model!r}, key={'set' if self._api_key else 'none'})"
 
     # ------------------------------------------------------------ one request
-    def request_body(self, image: torch.Tensor, prompt: str, source: Optional[torch.Tensor] = None) -> dict:
+    def request_body(self, image: torch.Tensor, prompt: str, source=None) -> dict:
         """One chat-completions request: the image and ``template``; with a ``source`` (an edit) the
-        source image, the result ``image`` and ``edit_template``, in that order."""
+        source image, the result ``image`` and ``edit_template``, in that order; with several sources (a
+        tuple) every source in order, the result and ``multi_edit_template``."""
         messages = [{"role": "system", "content": self.system}] if self.system else []
-        shown = [image] if source is None else [source, image]
-        text = (self.template if source is None else self.edit_template).replace("{prompt}", prompt)
+        sources = row_sources(source)
+        shown = [*sources, image]
+        if len(sources) < 2:
+            text = (self.edit_template if sources else self.template).replace("{prompt}", prompt)
+        else:
+            text = self.multi_edit_template.replace("{sources}", str(len(sources))).replace("{prompt}", prompt)
         messages.append({"role": "user", "content": [
             *({"type": "image_url", "image_url": {"url": png_data_url(im, self.max_side)}} for im in shown),
             {"type": "text", "text": text},
@@ -193,7 +212,7 @@ class VLMJudge:
             raise VLMReplyError(f"judge score {value:g} is outside score_range {self.score_range}: {_snippet(text)!r}")
         return (value - lo) / (hi - lo)
 
-    def score_one(self, image: torch.Tensor, prompt: str, source: Optional[torch.Tensor] = None) -> float:
+    def score_one(self, image: torch.Tensor, prompt: str, source=None) -> float:
         body = json.dumps(self.request_body(image, prompt, source)).encode("utf-8")
         try:
             return self.parse_score(reply_text(self._post_with_retries(body)))
@@ -205,15 +224,16 @@ class VLMJudge:
 
     # ------------------------------------------------------------ the reward
     def __call__(self, images: torch.Tensor, prompts: list[str], sources=None, **meta) -> torch.Tensor:
-        """Scores ``images`` [B, 3, H, W] with their ``prompts``; ``sources`` (a list of ``[3, H, W]`` or
-        None per row, or a ``[B, 3, H, W]`` tensor) judges those rows as edits (module doc)."""
+        """Scores ``images`` [B, 3, H, W] with their ``prompts``; ``sources`` (per row a ``[3, H, W]``, a
+        tuple of them, or None; or a ``[B, 3, H, W]`` tensor) judges those rows as edits (module doc)."""
         check_inputs(images, prompts, self.name)
         images = images.detach().cpu()
         n = images.shape[0]
         rows = [None] * n if sources is None else list(sources)
         if len(rows) != n:
             raise ValueError(f"{self.name} got {n} images but {len(rows)} sources; pass one source (or None) per image")
-        rows = [None if s is None else s.detach().cpu() for s in rows]
+        rows = [tuple(s.detach().cpu() for s in row_sources(r)) or None for r in rows]
+        rows = [r[0] if r is not None and len(r) == 1 else r for r in rows]  # one source: as the tensor
         log.debug("judging %d images at %s", n, self.endpoint)
         if self.concurrency == 1 or n == 1:
             scores = [self.score_one(images[i], prompts[i], rows[i]) for i in range(n)]

@@ -77,9 +77,12 @@ def fixed_velocity(policy, transformer) -> torch.Tensor:
 
 
 def ode_loop(policy, prompts, seeds, num_steps) -> torch.Tensor:
-    """Plain Euler over ``policy.sigmas(num_steps)``, written out (no sampler) -> x0 [B, C, h, w]."""
+    """Plain Euler over ``policy.sigmas(num_steps)``, written out (no sampler) -> x0 [B, C, h, w]; ``prompts``
+    are strings or prompt items (conditioned through ``flowrl.conditions.encode_conditions``)."""
+    from flowrl.conditions import encode_conditions
+
     x = policy.initial_noise(seeds)  # [B, C, h, w]
-    cond = policy.encode_prompts(prompts)
+    cond = encode_conditions(policy, prompts)
     sig = policy.sigmas(num_steps)
     with torch.no_grad():
         for i in range(num_steps):

@@ -64,7 +64,7 @@ def disk_full_checkpoint(tmp):
 
 
 def wrong_shape_reward(tmp):
-    from flowrl.rollout.base import score_images
+    from flowrl.scoring import score_images
 
     return score_images(lambda im, p: torch.zeros(3, 2), torch.rand(3, 3, 4, 4), ["a"] * 3)
 

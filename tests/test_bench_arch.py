@@ -26,21 +26,30 @@ def test_the_architecture_names_are_the_adapters_published_models():
 
     models = arch_models()
     assert {"sd35m-arch", "sd35l-arch", "flux-arch", "sana-arch", "qwen-image-arch", "flux-kontext-arch",
-            "wan-1.3b-arch", "wan-14b-arch"} <= set(models)  # public names
+            "wan-1.3b-arch", "wan-14b-arch", "qwen-image-edit-arch", "qwen-image-edit-2511-arch"} <= set(models)
     assert models["sd35m-arch"] == (SD3Policy, SD3Policy.published["stabilityai/stable-diffusion-3.5-medium"])
     assert models["flux-arch"][0] is FluxPolicy and models["sana-arch"][0] is SanaPolicy
     assert models["qwen-image-arch"][0] is QwenImagePolicy and models["flux-kontext-arch"][0] is FluxKontextPolicy
     assert models["wan-14b-arch"] == (WanPolicy, WanPolicy.published["Wan-AI/Wan2.1-T2V-14B-Diffusers"])
+    assert {"flux2-arch", "flux2-klein-arch", "flux2-klein-9b-arch", "z-image-arch"} <= set(models)
+    assert [models[n][0].kind for n in ("flux2-arch", "flux2-klein-arch", "z-image-arch")] == [
+        "flux2", "flux2-klein", "z-image"]
+    assert models["flux2-klein-arch"][1].title == "FLUX.2-klein-4B"  # base and distilled share it
+    assert {"wan2.2-a14b-arch", "wan2.2-5b-arch"} <= set(models)  # Wan2.2 (tests/test_wan22.py: two experts)
 
 
 @pytest.mark.parametrize("pipeline,low,high", [("sd35m-arch", 2.2e9, 2.3e9), ("sd35l-arch", 8.0e9, 8.1e9),
                                                 ("flux-arch", 11.8e9, 12.0e9), ("sana-arch", 1.59e9, 1.61e9),
                                                 ("qwen-image-arch", 20.42e9, 20.44e9),
                                                 ("flux-kontext-arch", 11.8e9, 12.0e9),
-                                                ("wan-1.3b-arch", 1.41e9, 1.43e9), ("wan-14b-arch", 14.2e9, 14.3e9)])
+                                                ("qwen-image-edit-arch", 20.42e9, 20.44e9),
+                                                ("wan-1.3b-arch", 1.41e9, 1.43e9), ("wan-14b-arch", 14.2e9, 14.3e9),
+                                                ("flux2-arch", 32.2e9, 32.3e9), ("flux2-klein-arch", 3.8e9, 4.0e9),
+                                                ("flux2-klein-9b-arch", 9.0e9, 9.2e9), ("z-image-arch", 6.1e9, 6.2e9)])
 def test_published_configs_have_the_published_sizes(pipeline, low, high):
     """Built on the meta device (no memory): 2.24B (+0.23B position table) / 8.06B / 11.9B / 1.6B parameters;
-    Qwen-Image 20.43B ("20B"), FLUX.1 Kontext [dev] 11.9B ("12B"), Wan2.1 1.42B ("1.3B") and 14.29B ("14B")."""
+    Qwen-Image 20.43B ("20B"), FLUX.1 Kontext [dev] 11.9B ("12B"), Wan2.1 1.42B ("1.3B") and 14.29B ("14B"),
+    FLUX.2 [dev] 32.22B ("32B"), FLUX.2 [klein] 3.88B ("4B") and 9.08B ("9B"), Z-Image 6.15B ("6B")."""
     adapter, model = arch_model(pipeline)
     m = build_transformer(adapter, model.transformer, torch.device("meta"), torch.bfloat16)
     n = sum(p.numel() for p in m.parameters())
@@ -60,7 +69,10 @@ def test_full_size_architectures_need_cuda():
 
 @pytest.mark.parametrize("pipeline,resolutions", [("sd35m-arch", (32, 48)), ("flux-arch", (32, 48)),
                                                   ("sana-arch", (32, 64)), ("qwen-image-arch", (32, 48)),
-                                                  ("flux-kontext-arch", (32, 48)), ("wan-1.3b-arch", (32, 48))])
+                                                  ("flux-kontext-arch", (32, 48)), ("wan-1.3b-arch", (32, 48)),
+                                                  ("qwen-image-edit-2511-arch", (32,)),
+                                                  ("flux2-arch", (32, 48)), ("flux2-klein-arch", (32, 48)),
+                                                  ("z-image-arch", (32, 48))])
 def test_arch_bench_end_to_end_tiny(tmp_path, pipeline, resolutions):
     out = bench_arch(pipeline, ["full", "fp8:simulate_on_cpu=true", "nvfp4-emulated:engine=torch"],
                      tmp_path / "a.json", resolutions=resolutions, batch=2, steps=2, repeats=1, device="cpu",

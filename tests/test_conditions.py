@@ -81,16 +81,21 @@ def test_text_prompts_pass_unchanged_and_mixed_rows(tiny_digits_policy, items):
     cond = encode_conditions(tiny_digits_policy, mixed)  # a text-only model: no source conditioning
     torch.testing.assert_close(cond, tiny_digits_policy.encode_prompts(texts))
 
-    class Sourced:  # a policy that takes sources refuses a batch mixing rows with and without one
+    class Sourced:  # a policy that takes one source per prompt: texts and sources arrive separately
+        max_sources = 1
         encode_prompts = staticmethod(tiny_digits_policy.encode_prompts)
 
         @staticmethod
-        def source_conditioning(images):
-            return {"source": torch.stack(images)}
+        def source_conditioning(texts, sources):
+            assert all(isinstance(t, str) for t in texts) and all(isinstance(s, tuple) for s in sources)
+            return {"source": torch.stack([s[0] if s else torch.zeros(3, 16, 16) for s in sources])}
 
-    assert encode_conditions(Sourced, items[:2])["source"].shape == (2, 3, 16, 16)
-    with pytest.raises(ValueError, match="1 of 2 prompts carry a source image"):
-        encode_conditions(Sourced, mixed)
+    got = encode_conditions(Sourced(), mixed)
+    assert got["source"].shape == (2, 3, 16, 16) and torch.equal(got["source"][0], items[0].image)
+    assert not got["source"][1].any()  # the text-only row: no source
+    two = PromptItem("write the sum of the two digits", [items[0].image, items[1].image])
+    with pytest.raises(ValueError, match="carries 2 source images but Sourced takes at most 1"):
+        encode_conditions(Sourced(), [two])
 
 
 def test_an_editing_run_rewards_see_the_sources(tiny_digits_dir, items, tmp_path):
@@ -138,10 +143,12 @@ def test_an_editing_run_rewards_see_the_sources(tiny_digits_dir, items, tmp_path
 def test_offline_dataset_keeps_the_sources(tiny_digits_policy, items, tmp_path):
     from flowrl.data.offline import GenerationSettings, add_reward_column, generate_dataset
     from flowrl.data.offline_store import OfflineDataset
+    from flowrl.rollout.ode import ode_sample
 
     reward = Recording()
     settings = GenerationSettings(k=2, groups_per_prompt=1, num_steps=2, groups_per_shard=2, save_png=False)
-    generate_dataset(tmp_path / "ds", tiny_digits_policy, items, {"rec": reward}, settings, progress=False)
+    generate_dataset(tmp_path / "ds", tiny_digits_policy, items, {"rec": reward}, settings, sample=ode_sample,
+                     progress=False)
     reward.check(items)
     ds = OfflineDataset(tmp_path / "ds")
     assert ds.prompts == items and all(torch.equal(a.image, b.image) for a, b in zip(ds.prompts, items))
@@ -151,10 +158,11 @@ def test_offline_dataset_keeps_the_sources(tiny_digits_policy, items, tmp_path):
     add_reward_column(tmp_path / "ds", "again", again, tiny_digits_policy.decode, progress=False)
     again.check(items)  # a rescored column sees the stored groups' sources
     # generating again with the same items resumes (the stored records compare equal)
-    generate_dataset(tmp_path / "ds", tiny_digits_policy, items, {"rec": Recording()}, settings, progress=False)
+    generate_dataset(tmp_path / "ds", tiny_digits_policy, items, {"rec": Recording()}, settings, sample=ode_sample,
+                     progress=False)
     with pytest.raises(ValueError, match="cannot be stored"):
         generate_dataset(tmp_path / "other", tiny_digits_policy, [PromptItem("x", items[0].image)], {}, settings,
-                         progress=False)
+                         sample=ode_sample, progress=False)
 
 
 def test_vlm_judge_sends_source_result_and_instruction(stub, monkeypatch):
@@ -189,21 +197,25 @@ def test_vlm_judge_sends_source_result_and_instruction(stub, monkeypatch):
         judge(results, ["a", "b", "c"], sources=sources[:2])
 
 
-def test_remote_reward_carries_the_sources(tiny_digits_dir, items):
+@pytest.mark.parametrize("edit_set", ["digits-edit-sample", "digits-edit-multi-sample"])
+def test_remote_reward_carries_the_sources(edit_set):
+    """One source per row, or one to three (every source of every row, in order): the served reward scores
+    exactly what the local one does."""
     from helpers_reward_server import remote_kwargs, served
 
     from flowrl import rewards
     from flowrl.conditions import reward_inputs
 
+    items = load_prompts(edit_set)[:3] if edit_set == "digits-edit-sample" else load_prompts(edit_set)
     local = rewards.build("digits_edit")
-    results = torch.rand(3, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    results = torch.rand(len(items), 3, 16, 16, generator=torch.Generator().manual_seed(0))
     texts, meta = reward_inputs(items, {})
     want = local(results, texts, **meta)
     assert torch.isfinite(want).all()
     with served("digits_edit") as url:
         remote = rewards.build("remote", **remote_kwargs(url, encoding="float32"))
         assert torch.equal(remote(results, texts, **meta), want)
-        with pytest.raises(ValueError, match="1 of 3 rows have no image"):
+        with pytest.raises(ValueError, match=f"1 of {len(items)} rows have no image"):
             remote(results, texts, sources=[None, *meta["sources"][1:]])
 
 
@@ -219,21 +231,35 @@ def test_text_to_image_model_with_sources_says_so_once(tiny_digits_policy, items
     assert capsys.readouterr().err == ""
 
 
-def test_heldout_and_judge_rewards_take_the_frame_stride(monkeypatch):
+def test_frames_are_reduced_in_one_place_with_the_stride_as_an_argument(monkeypatch):
+    """Held-out and judge rewards (plain rewards from build_rewards) and the trained MultiReward reduce
+    video frames through the one function (flowrl.media.score_per_frame, called by score_images), with
+    the stride the caller passes; nothing is set on the reward objects."""
+    import flowrl.media
     import flowrl.rewards
     from flowrl.builders import build_rewards
-    from flowrl.rollout.base import score_images
+    from flowrl.rewards import MultiReward
+    from flowrl.scoring import score_images
 
-    seen = []
+    seen, reductions = [], []
 
     def frame_mean(images, prompts, **meta):  # [B, 3, H, W] per call
         seen.append(images.shape[0])
         return images.flatten(1).mean(1)
 
+    real = flowrl.media.score_per_frame
+    monkeypatch.setattr("flowrl.scoring.score_per_frame", lambda *a, **k: reductions.append(a[3]) or real(*a, **k))
     monkeypatch.setattr(flowrl.rewards, "build", lambda name, **kw: frame_mean)
-    got = build_rewards({"frame_mean_test": {}}, frame_stride=3)["frame_mean_test"]
-    assert got.frame_stride == 3
+    got = build_rewards({"frame_mean_test": {}})["frame_mean_test"]
+    assert got is frame_mean and not hasattr(got, "frame_stride")
     video = torch.rand(2, 3, 7, 4, 4)  # [B, C, F, H, W]: frames 0, 3, 6 scored
-    total, _ = score_images(got, video, ["a", "b"])
-    assert seen == [6]  # 2 videos x frames 0, 3, 6 in one call
-    torch.testing.assert_close(total, video[:, :, ::3].mean(dim=(1, 3, 4)).mean(1))
+    total, _ = score_images(got, video, ["a", "b"], frame_stride=3)
+    assert seen == [6] and reductions == [3]  # 2 videos x frames 0, 3, 6 in one call
+    want = video[:, :, ::3].mean(dim=(1, 3, 4)).mean(1)
+    torch.testing.assert_close(total, want)
+    multi = MultiReward({"m": frame_mean}, {"m": 1.0}, frame_stride=3)  # the trained reward: its own stride
+    total, comps = score_images(multi, video, ["a", "b"])
+    assert reductions == [3, 3] and seen == [6, 6]
+    torch.testing.assert_close(total, want) and torch.testing.assert_close(comps["m"], want)
+    total, _ = score_images(multi, video, ["a", "b"], frame_stride=7)  # the argument wins: frame 0 only
+    torch.testing.assert_close(total, video[:, :, 0].mean(dim=(1, 2, 3)))

@@ -1,5 +1,5 @@
 """The FLUX.1 Kontext adapter against diffusers' own ``FluxKontextPipeline`` on the tiny offline model
-(``flowrl make-tiny flux-kontext``): with edit items (prompt + source image) flowrl's deterministic
+(``flowrl make-tiny flux-kontext``): with prompt items (instruction + source image) flowrl's deterministic
 ODE loop equals the pipeline's loop given the same sources (source latents appended to the packed
 sequence with offset ids, velocity over the generated tokens only, the schedule over the generated
 token count); with plain text prompts it equals the pipeline without an image; a LoRA written by
@@ -8,7 +8,9 @@ loop. Shapes, save / load and LoRA targets are in the contract battery (tests/te
 import pytest
 import torch
 
-from flowrl.pipelines.flux import pack_latents, unpack_latents
+from flowrl.conditions import encode_conditions
+from flowrl.data.items import PromptItem
+from flowrl.pipelines.packing import pack_latents, unpack_latents
 from flowrl.pipelines.flux_kontext import FluxKontextPolicy
 from helpers import ode_loop
 from model_parity import exported_lora
@@ -46,8 +48,8 @@ def _pipeline(pipe, policy, image) -> torch.Tensor:
 def test_edit_and_text_loops_match_the_kontext_pipeline(tiny, tmp_path):
     policy = FluxKontextPolicy.from_pretrained(tiny, max_sequence_length=SEQ)
     sources = _sources()
-    items = [{"prompt": p, "image": im} for p, im in zip(PROMPTS, sources)]
-    cond = policy.encode_prompts(items)
+    items = [PromptItem(p, im) for p, im in zip(PROMPTS, sources)]
+    cond = encode_conditions(policy, items)
     assert cond["image_latents"].shape == (2, 16, 4, 4) and cond["image_latents"].dtype == torch.float32
     ours = _ours(policy, items)
     ref = _pipeline(policy.pipe, policy, torch.stack(sources))
@@ -65,14 +67,10 @@ def test_edit_and_text_loops_match_the_kontext_pipeline(tiny, tmp_path):
     assert (ref_lora - ref).abs().max() > 1e-2
 
 
-def test_edit_items_true_cfg_and_errors(tiny):
-    class Item:  # any object with .prompt / .image is an edit item
-        def __init__(self, prompt, image):
-            self.prompt, self.image = prompt, image
-
+def test_source_rows_true_cfg_and_errors(tiny):
     policy = FluxKontextPolicy.from_pretrained(tiny, max_sequence_length=SEQ, true_cfg_scale=2.0)
     big = _sources((48, 40))  # resized to the policy's resolution
-    cond = policy.encode_prompts([Item(p, im) for p, im in zip(PROMPTS, big)])
+    cond = encode_conditions(policy, [PromptItem(p, im) for p, im in zip(PROMPTS, big)])
     assert cond["image_latents"].shape == (2, 16, 4, 4) and "negative_prompt_embeds" in cond
     x = policy.initial_noise(SEEDS)
     with torch.no_grad():
@@ -82,12 +80,10 @@ def test_edit_items_true_cfg_and_errors(tiny):
     assert v.shape == x.shape and torch.isfinite(v).all()
     torch.testing.assert_close(v[1:], v_one, atol=1e-5, rtol=1e-5)  # a row does not depend on its batch-mate
     assert (v - v_text).abs().max() > 1e-3
-    with pytest.raises(ValueError, match="all edit items"):
-        policy.encode_prompts([{"prompt": "a", "image": big[0]}, "b"])
-    with pytest.raises(TypeError, match=r"\[3, H, W\]"):
-        policy.encode_prompts([{"prompt": "a", "image": big[0][0]}])
-    with pytest.raises(TypeError, match="a prompt item is a str"):
-        policy.encode_prompts([{"image": big[0]}])
+    with pytest.raises(ValueError, match="1 of 2 prompts carry a source image"):  # all edits or all text
+        encode_conditions(policy, [PromptItem("a", big[0]), "b"])
+    with pytest.raises(ValueError, match="takes at most 1 per prompt"):  # the pipeline takes one image
+        encode_conditions(policy, [PromptItem("a", [big[0], big[1]])])
 
 
 def test_editing_recipe_trains_on_the_tiny_model(tiny, tmp_path):
@@ -114,16 +110,14 @@ def test_editing_recipe_trains_on_the_tiny_model(tiny, tmp_path):
 
 
 def test_prompt_items_condition_through_the_text_cache(tiny):
-    """``flowrl.conditions.encode_conditions`` on :class:`PromptItem` s equals the adapter's own
-    encoding of the same edit items, also with the text served by the cache and the encoders dropped
-    (the cache holds the text part only)."""
-    from flowrl.conditions import encode_conditions
+    """``flowrl.conditions.encode_conditions`` on :class:`PromptItem` s hands the adapter texts and sources
+    separately: the text's conditioning plus the sources', also with the text served by the cache and
+    the encoders dropped (the cache holds the text part only)."""
     from flowrl.data.embeddings import TextEmbeddingCache
-    from flowrl.data.items import PromptItem
 
     policy = FluxKontextPolicy.from_pretrained(tiny, max_sequence_length=SEQ)
     items = [PromptItem(p, im) for p, im in zip(PROMPTS, _sources())]
-    want = policy.encode_prompts([{"prompt": it.prompt, "image": it.image} for it in items])
+    want = {**policy.encode_prompts(PROMPTS), **policy.source_conditioning(PROMPTS, [(it.image,) for it in items])}
     got = encode_conditions(policy, items)
     assert set(got) == set(want) and "image_latents" in got
     for k in want:

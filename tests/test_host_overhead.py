@@ -161,7 +161,7 @@ def test_sd3_and_flux_training_cfg_split(tiny_pipelines, kind):
 
 
 def test_flux_image_ids_are_built_on_the_device():
-    from flowrl.pipelines.flux import latent_image_ids
+    from flowrl.pipelines.packing import latent_image_ids
 
     ids = torch.zeros(4, 3, 3)
     ids[..., 1], ids[..., 2] = torch.arange(4)[:, None], torch.arange(3)[None, :]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.layers import (LAYERS, check_tree, discover, import_cycles, imports_of, layer_name, layer_of, module_graph,
-                           upward_imports)
+from flowrl.layers import (LAYERS, adapter_imports, check_tree, discover, import_cycles, imports_of, layer_name,
+                           layer_of, module_graph, upward_imports)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,6 +38,23 @@ def test_no_trainer_module_sits_below_the_trainers():
     assert [e for m in below for e in _edges_of(m) if e.target.startswith("flowrl.trainers")] == []
 
 
+def test_no_adapter_imports_another_adapter():
+    """Adapters (the modules flowrl.pipelines.REGISTRY points at) share code only through pipelines modules
+    no adapter owns (lazy imports count), so a model is one adapter file that depends on no other."""
+    from flowrl.pipelines import REGISTRY
+
+    adapters = {target.partition(":")[0] for target in REGISTRY.values()}
+    assert {"flowrl.pipelines.flux", "flowrl.pipelines.flux_kontext", "flowrl.pipelines.wan"} <= adapters
+    bad = adapter_imports(module_graph(ROOT), adapters)
+    assert bad == [], "adapters importing adapters (move the shared code to a pipelines module no adapter owns):\n" + \
+        "\n".join(bad)
+    fake = {"flowrl.pipelines.a": {"flowrl.pipelines.packing"}, "flowrl.pipelines.b": {"flowrl.pipelines.a"},
+            "flowrl.pipelines.packing": {"flowrl.pipelines.b"}, "flowrl.export": {"flowrl.pipelines.a"}}
+    assert adapter_imports(fake, {"flowrl.pipelines.a", "flowrl.pipelines.b"}) == [
+        "flowrl.pipelines.b imports the adapter flowrl.pipelines.a",
+        "flowrl.pipelines.packing imports the adapter flowrl.pipelines.b"]  # flowrl.export may load adapters
+
+
 def test_every_module_has_a_layer():
     mods = discover(ROOT)
     assert len(mods) > 50 and "flowrl.pipelines.digits" in mods and "flowrl.rewards.digits" in mods
@@ -47,7 +64,7 @@ def test_every_module_has_a_layer():
 @pytest.mark.parametrize("module, layer", [
     ("flowrl.utils.io", "utils"), ("flowrl.sde", "math"), ("flowrl.advantages.tempflow", "math"),
     ("flowrl.data.digits", "components"), ("flowrl.data.offline_store", "components"),
-    ("flowrl.data.offline", "data.offline"), ("flowrl.rollout.ode", "rollout"), ("flowrl.updates.grpo", "builders"),
+    ("flowrl.data.offline", "components"), ("flowrl.scoring", "components"), ("flowrl.rollout.ode", "rollout"), ("flowrl.updates.grpo", "builders"),
     ("flowrl.errors", "utils"), ("flowrl.trainable", "training"), ("flowrl.checkpoints.sharded", "training"),
     ("flowrl.trainers.online", "trainers"), ("flowrl.cli", "application"), ("flowrl", "utils")])
 def test_most_specific_prefix_wins(module, layer):

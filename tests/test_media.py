@@ -136,7 +136,7 @@ def test_trained_reward_path_scores_videos_per_frame_with_sources():
     editing items equals scoring each kept frame alone with its video's source, then averaging."""
     from flowrl.data import load_prompts
     from flowrl.rewards import build_multi
-    from flowrl.rollout.base import score_images
+    from flowrl.scoring import score_images
 
     items = load_prompts("digits-edit-sample")[:3]
     videos = _videos(3, 5)  # [3, 3, 5, H, W]

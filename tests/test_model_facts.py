@@ -76,7 +76,7 @@ def test_a_new_adapter_alone_is_planned(toy_registered, tmp_path, one_thread):
 model: {pipeline: toy, path: someone/toy-model, guidance_scale: 4.5, options: {resolution: 64}}
 sampler: {name: group, group_size: 4, num_steps: 4}
 reward: {weights: {jpeg_compressibility: 1.0}}
-train: {batch_size: 8, minibatch_size: 4, lora_rank: 4, lora_alpha: 4, beta_kl: 0.01}
+train: {batch_size: 8, minibatch_size: 4, lora_rank: 4, lora_alpha: 4, loss_options: {beta_kl: 0.01}}
 """)
     assert policy_class("toy") is ToyPolicy
     plan = plan_memory(load_config(str(recipe)), 1, 80 * GiB, str(recipe))
@@ -104,7 +104,8 @@ def test_a_new_adapter_alone_is_arch_benchmarked(toy_registered, tmp_path, one_t
     assert out["backends"]["full"]["resolutions"]["32"]["images_per_second"] > 0
 
 
-@pytest.mark.parametrize("name", ["sd3", "flux", "sana", "digits", "qwen-image", "flux-kontext", "wan"])
+@pytest.mark.parametrize("name", ["sd3", "flux", "sana", "digits", "qwen-image", "flux-kontext", "wan",
+                                  "qwen-image-edit", "flux2", "flux2-klein", "z-image", "wan2.2"])
 def test_shipped_adapters_declare_their_facts(name):
     """Each shipped adapter answers every fact the planner and the benchmark read, consistently with the
     conditioning and geometry it declares (the published models at their default sizes, on the meta device)."""
@@ -114,11 +115,15 @@ def test_shipped_adapters_declare_their_facts(name):
     g = cls.geometry(configs, {})
     assert isinstance(g, Geometry) and g.latent_bytes > 0 and g.text_tokens > 0
     cond = cls.example_conditioning(configs, g, 2, "meta", torch.bfloat16)
-    extra = ("image_latents",) if name == "flux-kontext" else ()  # an editing batch's source latents
+    # an editing batch's source latents (Qwen-Image-Edit: their tokens and each source's grid)
+    extra = {"flux-kontext": ("image_latents",), "qwen-image-edit": ("source_latents", "source_shapes")}.get(name, ())
     assert tuple(cond) == cls.cond_keys + extra and all(t.shape[0] == 2 for t in cond.values())
+    if name == "qwen-image-edit":  # the 2511 transformer (zero_cond_t) runs the same conditioning
+        configs = cls.model_configs("Qwen/Qwen-Image-Edit-2511")
+        assert configs.transformer["zero_cond_t"] and configs.arch == "qwen-image-edit-2511-arch"
     counts = cls.block_counts(configs.transformer)
     assert cls.block_counts(cls.with_block_counts(configs.transformer, counts)) == counts
-    tr = build_component(Component("diffusers:" + cls.transformer_class, configs.transformer), "meta", torch.bfloat16)
+    tr = build_component(cls.transformer_component(configs.transformer, {}), "meta", torch.bfloat16)
     x = torch.empty(2, *g.latent_shape, device="meta", dtype=torch.bfloat16)
     with torch.no_grad():
         out = tr(**cls.transformer_inputs(configs.transformer, torch.bfloat16, x, torch.empty(2, device="meta"), cond))
@@ -126,7 +131,8 @@ def test_shipped_adapters_declare_their_facts(name):
 
 
 @pytest.mark.parametrize("name,published", [("sd3", 2), ("flux", 1), ("sana", 1), ("qwen-image", 1),
-                                            ("flux-kontext", 1), ("wan", 2)])
+                                            ("flux-kontext", 1), ("wan", 2), ("qwen-image-edit", 2), ("flux2", 1),
+                                            ("flux2-klein", 4), ("z-image", 2), ("wan2.2", 2)])
 def test_published_models_name_their_sources(name, published):
     cls = policy_class(name)
     assert len(cls.published) == published
@@ -178,4 +184,11 @@ def test_video_and_editing_geometry():
     assert kontext.transformer_output(out, x).shape == x.shape
     qwen = policy_class("qwen-image")
     assert qwen.vae_latents(torch.empty(2, 16, 8, 8)).shape == (2, 16, 1, 8, 8)
+    edit = policy_class("qwen-image-edit")  # one source at the result's size appended, then dropped from the output
+    configs = edit.model_configs("Qwen/Qwen-Image-Edit-2509")
+    g = edit.geometry(configs, {"resolution": 512})
+    cond = edit.example_conditioning(configs, g, 2, "meta", torch.bfloat16)
+    kw = edit.transformer_inputs(configs.transformer, torch.bfloat16, x, torch.empty(2, device="meta"), cond)
+    assert kw["hidden_states"].shape == (2, 2 * 32 * 32, 64) and kw["img_shapes"] == [[(1, 32, 32), (1, 32, 32)]] * 2
+    assert edit.transformer_output(out, x).shape == x.shape
     assert policy_class("sd3").vae_latents(x) is x

@@ -7,6 +7,7 @@ from safetensors.torch import load_file
 
 from flowrl.data.offline import GenerationSettings, add_reward_column, generate_dataset, group_seeds
 from flowrl.data.offline_store import DatasetError, OfflineDataset, read_index
+from flowrl.rollout.ode import ode_sample
 
 PROMPTS = [f"a handwritten digit {d}" for d in range(3)]
 
@@ -38,8 +39,8 @@ def _settings(**kw):
 def _gen(out, policy, **kw):
     s = _settings(**{k: v for k, v in kw.items() if k in GenerationSettings.__dataclass_fields__})
     rest = {k: v for k, v in kw.items() if k not in GenerationSettings.__dataclass_fields__}
-    return generate_dataset(out, policy, PROMPTS, {"mean": MeanReward()}, s, model={"pipeline": "digits"},
-                            progress=False, **rest)
+    return generate_dataset(out, policy, PROMPTS, {"mean": MeanReward()}, s, sample=ode_sample,
+                            model={"pipeline": "digits"}, progress=False, **rest)
 
 
 def _content(path):
@@ -77,8 +78,6 @@ def full_dataset(tmp_path_factory):
 
 
 def test_layout_and_group_identity(full_dataset):
-    from flowrl.rollout.ode import ode_sample
-
     path, policy = full_dataset
     ds = OfflineDataset(path)
     assert len(ds) == 9 and ds.k == 3 and ds.latent_shape == (1, 16, 16) and ds.reward_names == ["mean"]
@@ -132,8 +131,8 @@ def test_resume_with_other_settings_is_refused(full_dataset, tmp_path):
     with pytest.raises(DatasetError, match="num_steps"):
         _gen(part, policy, num_steps=3)
     with pytest.raises(DatasetError, match="prompts"):
-        generate_dataset(part, policy, PROMPTS[:2], {"mean": MeanReward()}, _settings(), model={"pipeline": "digits"},
-                         progress=False)
+        generate_dataset(part, policy, PROMPTS[:2], {"mean": MeanReward()}, _settings(), sample=ode_sample,
+                         model={"pipeline": "digits"}, progress=False)
     with pytest.raises(DatasetError, match="not an offline dataset"):
         other = tmp_path / "other"
         other.mkdir()

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from flowrl.pipelines import build_policy
-from flowrl.pipelines.flux import FluxPolicy, latent_image_ids, pack_latents, unpack_latents
+from flowrl.pipelines.flux import FluxPolicy
+from flowrl.pipelines.packing import latent_image_ids, pack_latents, unpack_latents
 from flowrl.pipelines.sd3 import SD3Policy
 from flowrl.pipelines.tiny import build_clip_tokenizer, build_t5_tokenizer, make_tiny
 from flowrl.rollout.group import GroupSampler

@@ -1,5 +1,5 @@
 """Prompt items that carry a source image (flowrl.data.items), the shipped digits editing set
-(flowrl.data.digits_edit), and FLUX.1 Kontext encoding PromptItems exactly as its own edit items."""
+(flowrl.data.digits_edit), and FLUX.1 Kontext taking their texts and sources separately (flowrl.conditions)."""
 import json
 import pickle
 
@@ -130,16 +130,26 @@ def test_shipped_digits_edit_set_is_what_the_writer_makes(tmp_path):
     assert items[10].image is not items[0].image and torch.equal(items[10].image, items[0].image)  # same source file
 
 
-def test_kontext_encodes_prompt_items_as_its_edit_items():
+def test_kontext_takes_texts_and_sources_separately():
+    """The conditions seam is the one parser of prompt items: Kontext gets the texts in ``encode_prompts``
+    and the sources in ``source_conditioning``, never an item."""
+    from flowrl.conditions import encode_conditions
     from flowrl.pipelines.flux_kontext import FluxKontextPolicy
     from flowrl.pipelines.tiny import tiny_pipeline
 
     policy = FluxKontextPolicy(tiny_pipeline("flux-kontext", image_size=32), max_sequence_length=8, resolution=32)
     items = load_edit_set(SETS_DIR / SAMPLE_FILE)[:2]
-    cond = policy.encode_prompts(items)
-    ref = policy.encode_prompts([{"prompt": i.prompt, "image": i.image} for i in items])
+    seen = []
+    encode, source = policy.encode_prompts, policy.source_conditioning
+    policy.encode_prompts = lambda texts: seen.append(("text", texts)) or encode(texts)
+    policy.source_conditioning = lambda texts, sources: seen.append(("sources", texts, sources)) or source(texts, sources)
+    cond = encode_conditions(policy, items)
+    texts = [i.prompt for i in items]
+    assert seen[0] == ("text", texts) and seen[1][:2] == ("sources", texts)
+    assert all(len(s) == 1 and torch.equal(s[0], i.image) for s, i in zip(seen[1][2], items))
+    ref = {**encode(texts), "image_latents": policy.encode_sources([i.image for i in items])}
     assert cond["image_latents"].shape == (2, 16, 4, 4)
     assert cond.keys() == ref.keys() and all(torch.equal(cond[k], ref[k]) for k in cond)
-    text = policy.encode_prompts(as_items(["a cat", "a dog"]))  # text-only items: text-to-image
+    text = encode_conditions(policy, as_items(["a cat", "a dog"]))  # text-only items: text-to-image
     assert "image_latents" not in text
-    assert torch.equal(text["prompt_embeds"], policy.encode_prompts(["a cat", "a dog"])["prompt_embeds"])
+    assert torch.equal(text["prompt_embeds"], encode(["a cat", "a dog"])["prompt_embeds"])

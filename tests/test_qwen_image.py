@@ -8,8 +8,9 @@ battery (tests/test_policy_contract.py)."""
 import pytest
 import torch
 
-from flowrl.pipelines.flux import pack_latents, unpack_latents
-from flowrl.pipelines.qwen_image import QwenImagePolicy, build_qwen_tokenizer
+from flowrl.pipelines.packing import pack_latents, unpack_latents
+from flowrl.pipelines.qwen_image import QwenImagePolicy
+from flowrl.pipelines.tiny import build_qwen_tokenizer
 from flowrl.rollout.ode import ode_sample
 from model_parity import exported_lora
 

@@ -1,4 +1,4 @@
-"""Rewards scored while the next chunk samples (flowrl.rollout.scoring): the same values in the
+"""Rewards scored while the next chunk samples (flowrl.scoring): the same values in the
 same order as the serial path, for every sampler; the overlap is real (a causal check, no timing);
 a reward that raises stops the rollout with its own error; metrics and the config key."""
 import threading

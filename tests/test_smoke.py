@@ -62,10 +62,11 @@ def test_recipe_smoke_run(recipe, tmp_path, monkeypatch):
     for kept in (f"pipeline: {full.model.pipeline}", f"name: {full.sampler.name}", f"loss: {full.train.loss}",
                  f"mode: {full.train.mode}"):
         assert kept in saved, kept  # the recipe's structure survives the shrinking
-    if full.model.pipeline == "flux-kontext":  # an editing run: digits_edit is NaN for a row without its source
+    editing = {"flux-kontext": "digits-edit-sample", "qwen-image-edit": "digits-edit-multi-sample"}
+    if full.model.pipeline in editing:  # an editing run: digits_edit is NaN for a row without its sources
         from helpers import train_records
 
-        assert "digits-edit-sample" in saved and all(0 <= r["reward_mean"] <= 1 for r in train_records(run))
+        assert editing[full.model.pipeline] in saved and all(0 <= r["reward_mean"] <= 1 for r in train_records(run))
 
 
 def test_smoke_checks_what_the_real_run_reads(tmp_path, monkeypatch, capsys):
@@ -83,6 +84,7 @@ def test_smoke_checks_what_the_real_run_reads(tmp_path, monkeypatch, capsys):
         smoke_config("recipes/sd3_branch_hps.yaml", SAMPLE, tmp_path)
     cfg, _ = smoke_config("recipes/sd3_group_pickscore.yaml", SAMPLE, tmp_path)
     assert cfg.data.prompts == "flowgrpo-pickscore-sample"
+    capsys.readouterr()  # what building the tiny model printed
     assert main(["train", "--smoke", "--config", "recipes/sd3_group_pickscore.yaml", "--output-dir",
                  str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err

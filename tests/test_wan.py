@@ -61,6 +61,9 @@ def test_num_frames_option_and_errors(tiny, tmp_path):
     policy.save_pretrained(tmp_path / "saved")  # the frame count travels with the model, like the resolution
     back = WanPolicy.from_pretrained(tmp_path / "saved", max_sequence_length=SEQ)
     assert back.num_frames == 9 and (back.height, back.width) == (32, 48)
+    saved = json.loads((tmp_path / "saved" / "flowrl.json").read_text())  # written once, with every entry
+    assert saved == {"kind": "wan", "resolution": [32, 48], "num_frames": 9}
+    assert json.loads((tiny / "flowrl.json").read_text())["num_frames"] == TINY_NUM_FRAMES
     with pytest.raises(ValueError, match="4 k \\+ 1"):
         WanPolicy.from_pretrained(tiny, num_frames=8)
     with pytest.raises(ValueError, match="guidance_scale"):

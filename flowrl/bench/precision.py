@@ -37,7 +37,7 @@ from ..quant.common import module_bytes
 from ..quant.fidelity import kendall_tau, ranking_fidelity
 from ..quant.kernels import display_label, kernel_info
 from ..types import swapped_transformer
-from ..rollout.base import score_images
+from ..scoring import score_images
 from ..rollout.ode import ode_sample
 from ..seeding import derive_seeds
 from ..utils.paths import resolve_device

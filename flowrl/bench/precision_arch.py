@@ -1,5 +1,6 @@
 """``flowrl bench precision --pipeline NAME-arch`` (``sd35m-arch``, ``sd35l-arch``, ``flux-arch``, ``sana-arch``,
-``qwen-image-arch``, ``flux-kontext-arch``, ``wan-1.3b-arch``, ``wan-14b-arch``: every published model an adapter
+``qwen-image-arch``, ``flux-kontext-arch``, ``wan-1.3b-arch``, ``wan-14b-arch``, ``qwen-image-edit-arch``,
+``qwen-image-edit-2511-arch``: every published model an adapter
 declares with an ``arch`` name): exploration backends on full-size architectures with random weights (no
 download), on a CUDA GPU. A video architecture samples ``model_options['num_frames']`` frames per video at
 each square resolution (``--num-frames``; default the pipeline's 81): "images" below are then videos.

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ..pipelines.facts import Component, ModelConfigs, build_component
+from ..pipelines.facts import ModelConfigs, build_component
 from ..schedules import flow_sigmas
 from ..seeding import seeded_randn
 from .precision_policy import prompt_ids
@@ -49,9 +49,10 @@ def arch_model(pipeline: str) -> tuple[type, ModelConfigs]:
     return models[pipeline]
 
 
-def build_transformer(adapter: type, config: dict, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """A random-init transformer of ``adapter`` (its ``transformer_class``) built on ``device`` in ``dtype``."""
-    return build_component(Component("diffusers:" + adapter.transformer_class, config), device, dtype, seed)
+def build_transformer(adapter: type, config: dict, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                      options: Optional[dict] = None):
+    """A random-init transformer of ``adapter`` (its ``transformer_component``) built on ``device`` in ``dtype``."""
+    return build_component(adapter.transformer_component(config, options or {}), device, dtype, seed)
 
 
 class ArchPolicy:
@@ -72,7 +73,7 @@ class ArchPolicy:
         self.config = self.adapter.shrink_config(self.model.transformer) if tiny else dict(self.model.transformer)
         self.options = {**(options or {}), **({"max_sequence_length": TINY_TEXT_TOKENS} if tiny else {})}
         self.device, self.dtype = torch.device(device), dtype
-        self.transformer = build_transformer(self.adapter, self.config, self.device, dtype)
+        self.transformer = build_transformer(self.adapter, self.config, self.device, dtype, options=self.options)
         self.shift, self.guidance_scale = shift, guidance_scale
         self.set_resolution(resolution)
 

@@ -18,6 +18,10 @@ batch-mates. A shard file is written under a temporary name, fsynced and renamed
 it added to ``index.json`` (itself replaced atomically). The index is the truth: files it does
 not list are leftovers of an interrupted run and are overwritten, so a resumed run writes the
 same groups, in the same shard layout, as an uninterrupted one, with none missing or duplicated.
+
+The samples come from the deterministic sampler the caller hands over (``sample=``, the trainers
+give ``flowrl.rollout.ode.ode_sample``), and every reward call is :func:`flowrl.scoring.score_images`,
+so this module sits beside the rest of ``flowrl.data`` and imports no sampler.
 """
 from __future__ import annotations
 
@@ -32,13 +36,18 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from ..scoring import score_images
 from ..utils.io import atomic_write, save_png, write_text
 from .items import item_record
 from .offline_store import DTYPES, EXTENSIBLE, FORMAT, INDEX, VERSION, DatasetError, OfflineDataset, read_index
 
 # the format, the index and the reader are offline_store's; this module writes datasets
-__all__ = ["group_seeds", "group_prompt_index", "GenerationSettings", "iter_samples",
+__all__ = ["group_seeds", "group_prompt_index", "GenerationSettings", "SampleFn", "iter_samples",
            "generate_dataset", "add_reward_column"]
+
+# (policy, prompts, seeds, num_steps, solver=) -> (x0 [n, C, H, W], images [n, 3, H', W']): prompt i with seed
+# i, deterministically (flowrl.rollout.ode.ode_sample)
+SampleFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 # ---------------------------------------------------------------- atomic shard files
@@ -93,23 +102,21 @@ class GenerationSettings:
 
 
 # ---------------------------------------------------------------- deterministic generation
-def iter_samples(policy, prompts: list[str], seeds: list[int], settings: GenerationSettings
+def iter_samples(policy, prompts: list, seeds: list[int], settings: GenerationSettings, sample: SampleFn
                  ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """Deterministic samples for rows ``(prompts[i], seeds[i])`` in chunks of
-    ``settings.generation_batch`` rows: yields (first row, x0 [n, C, H, W] float32 on CPU,
-    images [n, 3, H', W'] in [0, 1] on CPU). Only one chunk's images are alive at a time."""
-    from ..rollout.ode import ode_sample
-
+    """Deterministic samples of ``sample`` for rows ``(prompts[i], seeds[i])`` in chunks of
+    ``settings.generation_batch`` rows (solver ``settings.sampler``): yields (first row, x0 [n, C, H, W]
+    float32 on CPU, images [n, 3, H', W'] in [0, 1] on CPU). Only one chunk's images are alive at a time."""
     b = settings.generation_batch
     for a in range(0, len(prompts), b):
-        x, im = ode_sample(policy, prompts[a:a + b], seeds[a:a + b], settings.num_steps, solver=settings.sampler)
+        x, im = sample(policy, prompts[a:a + b], seeds[a:a + b], settings.num_steps, solver=settings.sampler)
         yield a, x.float().cpu(), im.float().cpu()
 
 
-def _score(rewards: Mapping[str, Callable], images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
-    from ..rollout.base import score_images
-
-    return {name: score_images(fn, images, prompts)[0] for name, fn in rewards.items()}  # name -> [N]
+def _score(rewards: Mapping[str, Callable], images: torch.Tensor, prompts: list, frame_stride: int
+           ) -> dict[str, torch.Tensor]:
+    return {name: score_images(fn, images, prompts, frame_stride=frame_stride)[0]
+            for name, fn in rewards.items()}  # name -> [N]
 
 
 # ---------------------------------------------------------------- the index
@@ -181,8 +188,8 @@ def _open_index(root: Path, prompts: list[str], reward_names: list[str], spec: d
             "model_evals": 0}
 
 
-def _generate_shard(root: Path, policy, prompts: list[str], rewards: Mapping[str, Callable],
-                    settings: GenerationSettings, start: int, count: int
+def _generate_shard(root: Path, policy, prompts: list, rewards: Mapping[str, Callable],
+                    settings: GenerationSettings, start: int, count: int, sample: SampleFn, frame_stride: int
                     ) -> tuple[dict[str, torch.Tensor], float, float]:
     """Sample and score groups ``[start, start + count)``; returns (shard tensors, generation
     seconds, reward seconds). Writes the groups' PNGs when ``settings.save_png``."""
@@ -194,10 +201,10 @@ def _generate_shard(root: Path, policy, prompts: list[str], rewards: Mapping[str
     rows_s = [s for ss in seeds for s in ss]
     xs, parts, gen_s, rew_s = [], [], 0.0, 0.0
     t_gen = time.perf_counter()
-    for first, x, images in iter_samples(policy, rows_p, rows_s, settings):
+    for first, x, images in iter_samples(policy, rows_p, rows_s, settings, sample):
         t_score = time.perf_counter()
         gen_s += t_score - t_gen
-        parts.append(_score(rewards, images, rows_p[first:first + len(x)]))  # name -> [n]
+        parts.append(_score(rewards, images, rows_p[first:first + len(x)], frame_stride))  # name -> [n]
         if settings.save_png:
             _save_pngs(root, [(groups[(first + i) // k], (first + i) % k) for i in range(len(x))], images)
         xs.append(x.to(DTYPES[settings.latent_dtype]))
@@ -211,14 +218,15 @@ def _generate_shard(root: Path, policy, prompts: list[str], rewards: Mapping[str
     return tensors, gen_s, rew_s
 
 
-def generate_dataset(out: str | os.PathLike, policy, prompts: Sequence[str], rewards: Mapping[str, Callable],
-                     settings: GenerationSettings, model: Optional[dict] = None,
+def generate_dataset(out: str | os.PathLike, policy, prompts: Sequence, rewards: Mapping[str, Callable],
+                     settings: GenerationSettings, *, sample: SampleFn, model: Optional[dict] = None,
                      max_new_shards: Optional[int] = None, progress: bool = True,
-                     on_shard: Optional[Callable[[int], None]] = None) -> dict:
+                     on_shard: Optional[Callable[[int], None]] = None, frame_stride: int = 1) -> dict:
     """Generate (or resume, or extend) the dataset in ``out``; returns its index.
 
-    ``policy``: the reference model (``FlowPolicy``). ``rewards``: name -> reward callable, each
-    stored as column ``reward/<name>``. ``model``: a description stored in the spec (pipeline,
+    ``policy``: the reference model (``FlowPolicy``), sampled by ``sample`` (:data:`SampleFn`:
+    ``flowrl.rollout.ode.ode_sample``). ``rewards``: name -> reward callable, each
+    stored as column ``reward/<name>`` (videos scored every ``frame_stride``-th frame). ``model``: a description stored in the spec (pipeline,
     path, guidance) so a resume with another model is refused. A resume must use the same spec
     (except ``groups_per_prompt``, which may grow: new groups are appended). ``max_new_shards``
     stops after writing that many shards (a budget; rerun to continue).
@@ -242,7 +250,8 @@ def generate_dataset(out: str | os.PathLike, policy, prompts: Sequence[str], rew
         if max_new_shards is not None and written >= max_new_shards:
             break
         number, start, count = nxt
-        tensors, gen_s, rew_s = _generate_shard(root, policy, prompts, rewards, settings, start, count)
+        tensors, gen_s, rew_s = _generate_shard(root, policy, prompts, rewards, settings, start, count, sample,
+                                                frame_stride)
         name = _shard_name(number) + ".safetensors"
         _atomic_save_tensors(tensors, root / name)
         if on_shard is not None:
@@ -268,11 +277,12 @@ def _save_pngs(root: Path, names: list[tuple[int, int]], images: torch.Tensor) -
 
 
 def add_reward_column(path: str | os.PathLike, name: str, reward: Callable, decode: Callable[[torch.Tensor], torch.Tensor],
-                      batch_images: int = 256, overwrite: bool = False, progress: bool = True) -> dict:
+                      batch_images: int = 256, overwrite: bool = False, progress: bool = True,
+                      frame_stride: int = 1) -> dict:
     """Score every stored image with ``reward`` and add column ``reward/<name>`` (no regeneration).
 
     ``decode``: latents ``[B, C, H, W]`` -> images ``[B, 3, H', W']`` in [0, 1] (the policy's
-    ``decode``). Each shard's column goes to its own file ``shard-NNNNNN.reward-<name>.safetensors``,
+    ``decode``; videos scored every ``frame_stride``-th frame). Each shard's column goes to its own file ``shard-NNNNNN.reward-<name>.safetensors``,
     written atomically, then the index is updated: an interrupted rescore resumes at the first
     shard without the column. ``overwrite`` rescores shards that already have it.
     """
@@ -297,7 +307,7 @@ def add_reward_column(path: str | os.PathLike, name: str, reward: Callable, deco
         for a in range(0, flat.shape[0], batch_images):
             with torch.no_grad():
                 images = decode(flat[a:a + batch_images]).float().cpu()
-            vals.append(_score({name: reward}, images, prompts[a:a + batch_images])[name])
+            vals.append(_score({name: reward}, images, prompts[a:a + batch_images], frame_stride)[name])
         fname = f"{s['name']}.reward-{_safe(name)}.safetensors"
         _atomic_save_tensors({col: torch.cat(vals).view(n, k)}, root / fname)
         s["columns"][col] = fname

@@ -24,6 +24,7 @@ NAMED = {
     "flowgrpo-pickscore-sample": "flowgrpo_pickscore_sample.txt",
     "geneval-sample": "geneval_sample.jsonl",
     "digits-edit-sample": "digits_edit_sample.jsonl",
+    "digits-edit-multi-sample": "digits_edit_multi_sample.jsonl",  # two or three source images per row
 }
 # columns tried, in order, when a dataset's prompt column is not named
 PROMPT_COLUMNS = ("prompt", "caption", "text")

@@ -56,14 +56,20 @@ def recipe_geometry(cfg, adapter: type, configs) -> Geometry:
         raise ConfigError(f"model.options: {e}") from None
 
 
-def transformer_inputs(comp: MetaComponents, geometry: Geometry, rows: int, device="meta") -> dict:
-    """Keyword arguments of the transformer's forward for ``rows`` rows of empty tensors, built by the
-    adapter's own ``transformer_inputs`` (what its velocity passes)."""
+def transformer_inputs(comp: MetaComponents, geometry: Geometry, rows: int, device="meta") -> tuple:
+    """``(x, kwargs)``: empty latents ``x`` of ``rows`` rows and the keyword arguments of the transformer's
+    forward for them, built by the adapter's own ``transformer_inputs`` (what its velocity passes)."""
     dt = comp.dtypes["transformer"]
     x = torch.empty(rows, *geometry.latent_shape, device=device, dtype=dt)  # [B, C, (F,) h, w]
     sigma = torch.empty(rows, device=device, dtype=torch.float32)  # [B]
     cond = comp.adapter.example_conditioning(comp.configs, geometry, rows, device, dt)
-    return comp.adapter.transformer_inputs(comp.config, dt, x, sigma, cond)
+    return x, comp.adapter.transformer_inputs(comp.config, dt, x, sigma, cond)
+
+
+def velocity_of(comp: MetaComponents, transformer, x: torch.Tensor, kw: dict) -> torch.Tensor:
+    """The forward's output as the adapter's velocity shaped like ``x`` (its ``transformer_output``: a
+    list of per-sample outputs for Z-Image), as its velocity computes it."""
+    return comp.adapter.transformer_output(transformer(**kw)[0], x)
 
 
 def probe_depths(real: dict[str, int]) -> list[dict[str, int]]:
@@ -121,9 +127,9 @@ def _train_pass(comp: MetaComponents, shapes: Geometry, rows: int, checkpointing
     for p in tr.parameters():
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)  # steady state: gradients accumulate in place
-    kw = transformer_inputs(comp, shapes, rows)
+    x, kw = transformer_inputs(comp, shapes, rows)
     with flash_attention(), LiveBytes().tracking() as live:
-        out = tr(**kw)[0]
+        out = velocity_of(comp, tr, x, kw)
         out.float().square().mean().backward()
         del out
     tr.disable_gradient_checkpointing()
@@ -132,9 +138,9 @@ def _train_pass(comp: MetaComponents, shapes: Geometry, rows: int, checkpointing
 
 def _infer_pass(comp: MetaComponents, shapes: Geometry, rows: int) -> tuple[int, int]:
     comp.transformer.eval()
-    kw = transformer_inputs(comp, shapes, rows)
+    x, kw = transformer_inputs(comp, shapes, rows)
     with torch.no_grad(), flash_attention(), LiveBytes().tracking() as live:
-        out = comp.transformer(**kw)[0]
+        out = velocity_of(comp, comp.transformer, x, kw)
         del out
     return live.peak, 0
 

@@ -122,8 +122,9 @@ def model_items(cfg, comp: MetaComponents, gpus: int) -> list[Item]:
     trained, trained_n = module_bytes(tr, trainable=True), num_params(tr, trainable=True)
     tdt = _dtype_name(next((p.dtype for p in tr.parameters() if p.requires_grad), torch.float32))
     shard_note = f" / {n} (FSDP)" if n > 1 else ""
+    note = f"; {tr.plan_note}" if hasattr(tr, "plan_note") else ""  # e.g. Wan2.2's two experts
     rows = [(f"transformer weights ({_dtype_name(comp.dtypes['transformer'])})",
-             module_bytes(tr, trainable=False) if lora else module_bytes(tr), f"{num_params(tr) - (trained_n if lora else 0):,} params")]
+             module_bytes(tr, trainable=False) if lora else module_bytes(tr), f"{num_params(tr) - (trained_n if lora else 0):,} params{note}")]
     if lora:
         rows.append((f"LoRA adapter (rank {t.lora_rank}, {tdt})", trained, f"{trained_n:,} params"))
     rows += [(f"gradients ({tdt})", trained, "one per trained element"),

@@ -21,9 +21,11 @@ _CACHE: dict = {}
 def measured_setup(cfg):
     """``(MetaComponents, Activations)`` of ``cfg``'s model set-up (cached)."""
     m, t = cfg.model, cfg.train
-    geometry = recipe_geometry(cfg, *model_configs(cfg))
+    adapter, configs = model_configs(cfg)
+    geometry = recipe_geometry(cfg, adapter, configs)
+    built = adapter.transformer_component(configs.transformer, m.options)  # e.g. which of Wan2.2's experts train
     key = json.dumps([m.path, m.pipeline, t.lora_rank, t.lora_alpha, t.lora_targets, m.options.get("dtype"),
-                      asdict(geometry)], sort_keys=True, default=str)
+                      asdict(geometry), built.cls, built.config], sort_keys=True, default=str)
     if key not in _CACHE:
         comp = meta_components(cfg)
         _CACHE[key] = (comp, Activations(comp, geometry))

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from ..errors import ConfigError
-from .activations import max_rows
+from .activations import max_rows, velocity_of
 from .budget import cfg_rows, train_rows
 from .core import measured_setup
 from .models import module_bytes, set_up_trained
@@ -74,20 +74,21 @@ def cuda_peak(fn: Callable[[], None]) -> int:
 
 def _real_transformer(cfg, comp, device: torch.device):
     """The recipe's transformer on ``device``: from_pretrained on CUDA, from the config on CPU (see module doc)."""
-    from ..pipelines.facts import Component, build_component, component_class
+    from ..pipelines.facts import build_component, component_class
 
-    name = "diffusers:" + comp.adapter.transformer_class
-    if device.type == "cuda" and cfg.model.path:
+    spec = comp.adapter.transformer_component(comp.config, cfg.model.options)
+    if device.type == "cuda" and cfg.model.path and spec.cls.startswith("diffusers:"):
         from ..utils.hub import require_hub_model
 
         require_hub_model(cfg.model.path, f"the {cfg.model.pipeline} base model", "model.path")
-        return component_class(name).from_pretrained(cfg.model.path, subfolder="transformer",
-                                                     torch_dtype=comp.dtypes["transformer"]).to(device)
-    return build_component(Component(name, comp.config), device, comp.dtypes["transformer"])
+        return component_class(spec.cls).from_pretrained(cfg.model.path, subfolder="transformer",
+                                                         torch_dtype=comp.dtypes["transformer"]).to(device)
+    return build_component(spec, device, comp.dtypes["transformer"])
 
 
-def _inputs(comp, shapes, rows: int, device: torch.device) -> dict:
-    """The transformer's forward kwargs for ``rows`` rows of random inputs (masks and ids: ones)."""
+def _inputs(comp, shapes, rows: int, device: torch.device) -> tuple:
+    """``(x, kwargs)``: ``rows`` rows of random latents and the transformer's forward kwargs for them
+    (random conditioning; masks and ids: ones)."""
     def real(t: torch.Tensor) -> torch.Tensor:
         return torch.rand(t.shape, dtype=t.dtype, device=device) if t.is_floating_point() else \
             torch.ones(t.shape, dtype=t.dtype, device=device)
@@ -96,7 +97,7 @@ def _inputs(comp, shapes, rows: int, device: torch.device) -> dict:
     x = torch.randn(rows, *shapes.latent_shape, device=device, dtype=dt)  # [B, C, (F,) h, w]
     sigma = torch.rand(rows, device=device)  # [B]
     cond = {k: real(v) for k, v in comp.adapter.example_conditioning(comp.configs, shapes, rows, "meta", dt).items()}
-    return comp.adapter.transformer_inputs(comp.config, dt, x, sigma, cond)
+    return x, comp.adapter.transformer_inputs(comp.config, dt, x, sigma, cond)
 
 
 def _set_up(cfg, comp, device: torch.device):
@@ -140,24 +141,25 @@ def measure_split_recipe(cfg) -> dict:
     return out
 
 
-def _train(cfg, comp, inputs: dict, device: torch.device) -> None:
+def _train(cfg, comp, inputs: tuple, device: torch.device) -> None:
     tr = _set_up(cfg, comp, device)
     if cfg.model.options.get("gradient_checkpointing"):
         tr.enable_gradient_checkpointing()
     tr.train()
     opt = torch.optim.AdamW([p for p in tr.parameters() if p.requires_grad], lr=1e-6)
+    x, kw = inputs
     for _ in range(2):
-        out = tr(**inputs)[0]
+        out = velocity_of(comp, tr, x, kw)
         out.float().square().mean().backward()
         del out
         opt.step()
         opt.zero_grad(set_to_none=False)
 
 
-def _infer(cfg, comp, inputs: dict, device: torch.device) -> None:
+def _infer(cfg, comp, inputs: tuple, device: torch.device) -> None:
     tr = _set_up(cfg, comp, device).eval()
     with torch.no_grad():
-        tr(**inputs)
+        velocity_of(comp, tr, *inputs)
 
 
 def measure_recipe(cfg, device=None) -> dict:

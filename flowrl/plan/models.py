@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..pipelines.facts import Component, ModelConfigs, build_component
+from ..pipelines.facts import ModelConfigs, build_component
 from ..errors import ConfigError
 
 
@@ -98,7 +98,7 @@ def meta_components(cfg, with_text_encoders: bool = True) -> MetaComponents:
     dtypes = {k: component_dtype(opt, k) for k in ("transformer", "text_encoder", "vae")}
 
     def build(config: dict) -> nn.Module:
-        comp = Component("diffusers:" + adapter.transformer_class, config)
+        comp = adapter.transformer_component(config, cfg.model.options)
         return set_up_trained(build_component(comp, "meta", dtypes["transformer"]), cfg)
 
     tes = {}

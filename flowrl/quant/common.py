@@ -17,11 +17,16 @@ from torch import nn
 # output layers, as modelopt's diffusers example skips them for FLUX / SD3
 # (``filter_func_default``), plus the top-level ``proj_out`` that maps back to latents, and Wan's
 # ``condition_embedder`` (time, time projection and text embedders; modelopt's
-# ``filter_func_wan_video``), whose forward reads the dtype of the time embedder's first parameter.
+# ``filter_func_wan_video``), whose forward reads the dtype of the time embedder's first parameter;
+# FLUX.2's ``time_guidance_embed``; Z-Image's time and caption embedders (``t_embedder``, whose forward
+# reads its first layer's weight dtype, and ``cap_embedder``: the patterns diffusers' own
+# ``_skip_layerwise_casting_patterns`` keeps precise) and its per-patch input / output layers.
+# Wan2.2's two experts (``flowrl.pipelines.experts.TwoExperts``) hold that top level one level down.
 DEFAULT_SKIP: tuple[str, ...] = (
     "*time_emb_proj*", "*time_embedding*", "*conv_in*", "*conv_out*", "*conv_shortcut*", "*add_embedding*",
     "*pos_embed*", "*time_text_embed*", "*context_embedder*", "*norm_out*", "*x_embedder*", "proj_out",
-    "*condition_embedder*",
+    "*condition_embedder*", "*time_guidance_embed*", "*t_embedder*", "*cap_embedder*", "*all_final_layer*",
+    "transformer.proj_out", "transformer_2.proj_out",
 )
 
 

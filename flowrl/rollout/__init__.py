@@ -1,9 +1,9 @@
 """Samplers: each returns a :class:`Rollout` of finished samples and trained transitions."""
 from ..structures import GroupStructure, SolStructure, Structure, TempFlowStructure, TreeStructure
-from .base import Rollout, Transitions, score_images
+from ..scoring import ChunkScorer, Scores, score_images
+from .base import Rollout, Transitions
 from .branch import BranchSampler
 from .group import GroupSampler
-from .scoring import ChunkScorer, Scores
 from .sol import SolSampler
 from .tempflow import TempFlowSampler
 

@@ -11,10 +11,8 @@ from typing import Optional
 
 import torch
 
-from ..conditions import encode_conditions, reward_inputs
-from ..media import score_per_frame
+from ..conditions import encode_conditions
 from ..structures import GroupStructure, Structure
-from ..types import RewardFn
 
 
 @dataclass
@@ -112,42 +110,3 @@ class Rollout:
             return dict(self.cond)
         with torch.no_grad():
             return dict(encode_conditions(policy, self.prompts))
-
-
-def score_images(reward: Optional[RewardFn], images: torch.Tensor, prompts: list[str],
-                 **meta) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Run a reward on decoded images -> (total [N] float32, components name -> [N]).
-
-    ``prompts`` may be :class:`flowrl.data.items.PromptItem` s: the reward gets their texts and,
-    when any has a source image, ``sources=`` (:func:`flowrl.conditions.reward_inputs`).
-
-    A reward with a ``components`` method (``flowrl.rewards.MultiReward``) reports its parts;
-    a wrong shape is an error that names the reward, never a silent broadcast.
-
-    Videos ``[N, 3, F, H, W]``: a ``MultiReward`` scores them per frame with its ``frame_stride``; any
-    other reward (held-out rewards, the offline dataset's and judge's) is scored per frame too,
-    every ``reward.frame_stride``-th frame when it has the attribute (else every frame), and
-    averaged (:func:`flowrl.media.score_per_frame`), unless it declares ``takes_videos = True``.
-    """
-    n = images.shape[0]
-    if reward is None:
-        return torch.full((n,), float("nan")), {}
-    prompts, meta = reward_inputs(prompts, meta)  # prompt items: their texts, sources= when they have one
-    comps: dict[str, torch.Tensor] = {}
-    if hasattr(reward, "components"):
-        comps = {k: _check_reward(v, n, k) for k, v in reward.components(images, prompts, **meta).items()}
-        total = reward.combine(comps)
-    elif images.ndim == 5 and not getattr(reward, "takes_videos", False):
-        total = score_per_frame(reward, images, prompts, getattr(reward, "frame_stride", 1), **meta)  # [N]
-    else:
-        total = reward(images, prompts, **meta)
-    name = getattr(reward, "name", type(reward).__name__)
-    return _check_reward(total, n, name), comps
-
-
-def _check_reward(r, n: int, name: str) -> torch.Tensor:
-    r = torch.as_tensor(r).detach().to("cpu", torch.float32)
-    if r.shape != (n,):
-        raise ValueError(f"reward {name!r} returned shape {tuple(r.shape)} for {n} images; "
-                         f"a reward must return one float per image, shape [{n}]")
-    return r

@@ -26,7 +26,7 @@ from ..structures import TreeStructure
 from ..types import FlowPolicy, RewardFn, index_cond
 from .base import Rollout, Transitions
 from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
-from .scoring import ChunkScorer, unit_chunks
+from ..scoring import ChunkScorer, unit_chunks
 
 MODES = ("sde", "mix")
 _MAX_PATHS = 1 << 20  # active latents per tree and step, bounds the noise-stream encoding

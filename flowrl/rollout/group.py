@@ -15,7 +15,7 @@ from ..structures import GroupStructure
 from ..types import FlowPolicy, RewardFn, index_cond
 from .base import Rollout, Transitions
 from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
-from .scoring import ChunkScorer, row_chunks
+from ..scoring import ChunkScorer, row_chunks
 
 
 @dataclass

@@ -17,7 +17,7 @@ from ..structures import GroupStructure
 from ..types import FlowPolicy, RewardFn, index_cond
 from .base import Rollout, Transitions
 from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
-from .scoring import ChunkScorer, Scores, ScoreFn, row_chunks
+from ..scoring import ChunkScorer, Scores, ScoreFn, row_chunks
 
 
 def _unique_cond(policy: FlowPolicy, prompts: list[str]) -> tuple[list[str], torch.Tensor, dict]:
@@ -59,7 +59,7 @@ def ode_generate(policy: FlowPolicy, prompts: list[str], seeds: list[int], num_s
                  counter: Optional[EvalCounter] = None, score: Optional[ScoreFn] = None, solver: str = "euler"
                  ) -> tuple[torch.Tensor, torch.Tensor, Scores]:
     """``len(prompts)`` ODE samples (prompt i with seed i), ``max_batch`` at a time, each chunk scored
-    while the next one samples (:class:`flowrl.rollout.scoring.ChunkScorer`; ``score`` replaces the
+    while the next one samples (:class:`flowrl.scoring.ChunkScorer`; ``score`` replaces the
     reward's scoring, e.g. to add held-out rewards).
 
     Returns ``(x0 [N, C, H, W] on the policy's device, images [N, 3, H, W] on the CPU, scores)``."""

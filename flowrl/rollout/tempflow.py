@@ -41,7 +41,7 @@ from ..structures import TempFlowStructure
 from ..types import FlowPolicy, RewardFn, index_cond
 from .base import Rollout, Transitions
 from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
-from .scoring import ChunkScorer, unit_chunks
+from ..scoring import ChunkScorer, unit_chunks
 
 MAX_BRANCHES = 1000  # noise streams are 1 + 1000 k + b (unique per (k, b), see branch_noise_stream)
 

@@ -23,12 +23,13 @@ from typing import Optional
 
 import torch
 
-from ..builders import build_policy_from_config, build_reward, build_rewards, with_frame_stride
+from ..builders import build_policy_from_config, build_reward, build_rewards
 from ..data.embeddings import attach_text_cache
 from ..data.offline import GenerationSettings, add_reward_column, generate_dataset
 from ..data.offline_store import DatasetError, OfflineDataset
 from ..errors import ConfigError
-from ..rollout.base import score_images
+from ..rollout.ode import ode_sample
+from ..scoring import score_images
 from ..utils.paths import resolve_device
 from .config import Config
 from .trainer import Trainer
@@ -54,10 +55,9 @@ def generation_settings(cfg: Config) -> GenerationSettings:
 def dataset_rewards(cfg: Config) -> dict:
     """name -> reward callable for every reward stored at generation: ``reward.weights`` (with
     ``reward.options``) and, with ``offline.score_heldout``, ``reward.heldout``."""
-    out = with_frame_stride(dict(build_reward(cfg).rewards), cfg.reward.frame_stride)
+    out = dict(build_reward(cfg).rewards)
     if cfg.offline.score_heldout:
-        out.update(build_rewards({k: v for k, v in cfg.reward.heldout.items() if k not in out},
-                                 cfg.reward.frame_stride))
+        out.update(build_rewards({k: v for k, v in cfg.reward.heldout.items() if k not in out}))
     return out
 
 
@@ -84,8 +84,8 @@ def generate_offline(cfg: Config, out: Optional[str] = None, max_new_shards: Opt
         policy = build_policy_from_config(cfg, _device(cfg))
         policy = attach_text_cache(policy, cfg.model, prompts, progress=progress)  # model.text_embedding_cache, if set
     policy.transformer.requires_grad_(False)
-    idx = generate_dataset(out, policy, prompts, rewards, settings, model=model_description(cfg),
-                           max_new_shards=max_new_shards, progress=progress)
+    idx = generate_dataset(out, policy, prompts, rewards, settings, sample=ode_sample, model=model_description(cfg),
+                           max_new_shards=max_new_shards, progress=progress, frame_stride=cfg.reward.frame_stride)
     ds = OfflineDataset(out)
     summary = {"dataset": str(out), "groups": len(ds), "groups_planned": len(prompts) * settings.groups_per_prompt,
                "k": ds.k, "shards": len(idx["shards"]), "rewards": ds.reward_names,
@@ -122,7 +122,7 @@ def rescore_offline(dataset: str, reward_name: str, options: Optional[dict] = No
     dev = getattr(policy, "device", torch.device("cpu"))
     t0 = time.perf_counter()
     add_reward_column(dataset, reward_name, reward, lambda x: policy.decode(x.to(dev)), overwrite=overwrite,
-                      progress=progress)
+                      progress=progress, frame_stride=cfg.reward.frame_stride if cfg is not None else 1)
     ds = OfflineDataset(dataset)
     col = ds.column(reward_name)
     fin = col[torch.isfinite(col)]
@@ -195,7 +195,7 @@ class OfflineTrainer(Trainer):
         self.total_steps = cfg.offline.epochs * self.steps_per_epoch
         if cfg.offline.max_steps:
             self.total_steps = min(self.total_steps, cfg.offline.max_steps)
-        self.judge = build_rewards(cfg.offline.judge, cfg.reward.frame_stride)
+        self.judge = build_rewards(cfg.offline.judge)
         self.train_seconds = 0.0
         return list(self.ds.prompts)
 
@@ -274,8 +274,8 @@ class OfflineTrainer(Trainer):
         for name, judge in self.judge.items():
             k = self.cfg.data.eval_seeds_per_prompt
             prompts = [p for p in self.eval_prompts for _ in range(k)]
-            r, _ = score_images(self.reward, images, prompts)
-            q, _ = score_images(judge, images, prompts)
+            r, _ = score_images(self.reward, images, prompts, frame_stride=self.cfg.reward.frame_stride)
+            q, _ = score_images(judge, images, prompts, frame_stride=self.cfg.reward.frame_stride)
             corr = corrected_score(r, q, o.judge_range)
             ok = torch.isfinite(corr)
             met[f"eval/judge/{name}"] = float(q[torch.isfinite(q)].mean()) if torch.isfinite(q).any() else float("nan")

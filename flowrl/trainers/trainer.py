@@ -38,7 +38,7 @@ from ..distributed.offload import Offload, offload_idle
 from ..distributed.strategy import evaluation_weights, strategy_for
 from ..media import save_samples
 from ..registry import Registry
-from ..rollout.base import score_images
+from ..scoring import score_images
 from ..trainable import EMA, Reference, set_up_trainable
 from ..updates import UPDATES
 from ..updates.base import Update, UpdateContext
@@ -139,7 +139,7 @@ class Trainer:
         self.eval_prompts = cfg.data.eval_prompt_set()
         # the rewards before the model: a reward server that does not answer fails before minutes of loading
         self.reward = self._given_reward if self._given_reward is not None else build_reward(cfg)
-        self.heldout = build_rewards(cfg.reward.heldout, cfg.reward.frame_stride)
+        self.heldout = build_rewards(cfg.reward.heldout)
         policy = self._given_policy if self._given_policy is not None else build_policy_from_config(
             cfg, device, without_text_encoders=text_cache_covers(cfg.model, prompts + self.eval_prompts))
         offload_idle(policy, Offload(**cfg.train.offload), device)  # train.offload: text encoders, VAE
@@ -299,7 +299,7 @@ class Trainer:
         with evaluation_weights(self.strategy, self.policy, self.unwrapped, self.ema), self.reward_available(i):
             met, images = evaluate_policy(self.policy, self.reward, self.heldout, self.eval_prompts,
                                           self.cfg.data.eval_seeds_per_prompt, self.eval_steps, i,
-                                          max_batch=self.eval_max_batch)
+                                          max_batch=self.eval_max_batch, frame_stride=self.cfg.reward.frame_stride)
         self.extend_evaluation(met, images)
         return met, images
 
@@ -338,7 +338,7 @@ class Trainer:
             return {}
         groups = torch.arange(len(self.eval_prompts)).repeat_interleave(k)
         prompts = [p for p in self.eval_prompts for _ in range(k)]
-        r, _ = score_images(self.reward, images, prompts)
+        r, _ = score_images(self.reward, images, prompts, frame_stride=self.cfg.reward.frame_stride)
         return {"real/reward": float(r[torch.isfinite(r)].mean()), **{f"real/{k}": v for k, v in watch(images, groups).items()}}
 
     # ---------------------------------------------------------------- the loop

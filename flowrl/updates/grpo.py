@@ -136,6 +136,8 @@ class GRPOUpdate(Update):
         from :meth:`prepare`, before any optimizer step: the sampling-time means of GRPO-Guard and Flow-DPPO."""
         ctx = self.ctx
         out = torch.zeros_like(trans.next_latents)  # [M, C, H, W]
+        if not len(rows):  # every group without signal (split would give one empty minibatch)
+            return out
         with torch.no_grad(), (weights() if weights is not None else contextlib.nullcontext()):
             for mb in rows.to(ctx.device).split(ctx.train.minibatch_size):
                 tr = trans.select(mb)

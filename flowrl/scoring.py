@@ -1,4 +1,10 @@
-"""Rewards off the critical path: each finished chunk is scored while the next one samples.
+"""The reward call: scoring finished samples, one chunk at a time, off the sampler's critical path.
+
+:func:`score_images` is the one call every reward goes through (samplers, evaluation, held-out
+rewards, the offline dataset's generation and rescoring, the judge): prompt items become texts plus
+``sources=`` (:func:`flowrl.conditions.reward_inputs`), videos are reduced to one score per video by
+:func:`flowrl.media.score_per_frame` with the stride given as an argument, and a wrong shape is an
+error naming the reward.
 
 Flow-GRPO and DDPO hand every sampling batch's images to a thread pool (``executor.submit(reward_fn,
 ...)``) and keep sampling; every flowrl sampler does the same through one object, :class:`ChunkScorer`:
@@ -7,7 +13,7 @@ reads all scores with ``result()`` once the last chunk is out::
 
     with ChunkScorer(reward) as scorer:
         for rows in row_chunks(n, max_batch):
-            images = policy.decode(sample(rows)).float().cpu()   # [n_c, 3, H, W]
+            images = policy.decode(sample(rows)).float().cpu()   # [n_c, 3, H, W] (videos [n_c, 3, F, H, W])
             scorer.submit(images, prompts[rows])
         scores = scorer.result()                                  # rewards [N], in submission order
 
@@ -34,12 +40,57 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from .base import score_images
+from .conditions import reward_inputs
+from .media import score_per_frame
+from .types import RewardFn
 
 _POOL: Optional[ThreadPoolExecutor] = None
 _POOL_LOCK = threading.Lock()
 
 ScoreFn = Callable[..., tuple[torch.Tensor, dict]]  # (images, prompts, **meta) -> (total [n], components)
+
+
+def score_images(reward: Optional[RewardFn], images: torch.Tensor, prompts: list, *, frame_stride: Optional[int] = None,
+                 **meta) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Run a reward on decoded samples -> (total [N] float32, components name -> [N]).
+
+    ``prompts`` may be :class:`flowrl.data.items.PromptItem` s: the reward gets their texts and,
+    when any has a source image, ``sources=`` (:func:`flowrl.conditions.reward_inputs`).
+
+    A reward with a ``components`` method (``flowrl.rewards.MultiReward``) reports its parts and
+    ``combine`` makes the total; a wrong shape is an error that names the reward, never a silent
+    broadcast.
+
+    Videos ``[N, 3, F, H, W]`` are scored by :func:`flowrl.media.score_per_frame`, the one place frames
+    are reduced: every ``frame_stride``-th frame of every video in one image batch, NaN-aware mean
+    per video (per component for a ``MultiReward``, before ``combine``). ``frame_stride`` None: the
+    stride the reward declares (``MultiReward`` is built with ``reward.frame_stride``), else 1. A
+    reward that declares ``takes_videos = True`` gets the videos whole.
+    """
+    n = images.shape[0]
+    if reward is None:
+        return torch.full((n,), float("nan")), {}
+    prompts, meta = reward_inputs(prompts, meta)  # prompt items: their texts, sources= when they have one
+    stride = getattr(reward, "frame_stride", 1) if frame_stride is None else frame_stride
+    whole = getattr(reward, "takes_videos", False)
+    comps: dict[str, torch.Tensor] = {}
+    if hasattr(reward, "components"):
+        parts = reward.components(images, prompts, **meta) if whole else \
+            score_per_frame(reward.components, images, prompts, stride, **meta)
+        comps = {k: _check_reward(v, n, k) for k, v in parts.items()}
+        total = reward.combine(comps)
+    else:
+        total = reward(images, prompts, **meta) if whole else score_per_frame(reward, images, prompts, stride, **meta)
+    name = getattr(reward, "name", type(reward).__name__)
+    return _check_reward(total, n, name), comps
+
+
+def _check_reward(r, n: int, name: str) -> torch.Tensor:
+    r = torch.as_tensor(r).detach().to("cpu", torch.float32)
+    if r.shape != (n,):
+        raise ValueError(f"reward {name!r} returned shape {tuple(r.shape)} for {n} images; "
+                         f"a reward must return one float per image, shape [{n}]")
+    return r
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -101,7 +152,7 @@ class ChunkScorer:
     Args:
         reward: the reward (``None``: every sample scores NaN); its ``overlap`` attribute picks the path.
         score: ``(images, prompts, **meta) -> (total [n], components)``; default
-            :func:`flowrl.rollout.base.score_images` of ``reward``.
+            :func:`score_images` of ``reward``.
         overlap: overrides ``reward.overlap``.
     """
 
