@@ -36,7 +36,10 @@ FEATURES = Registry("feature model", {
 def check_feature_options(name: str, options: dict, where: str = "train.loss_options.features_options") -> None:
     """A ``ValueError`` (one line) unless ``name`` is a feature model and ``options`` are keyword arguments of
     its constructor that it requires (no model is loaded)."""
-    FEATURES.check(name)
+    try:
+        FEATURES.check(name)
+    except ValueError as e:
+        raise ValueError(f"{where.rsplit('_options', 1)[0]}: {e}") from None
     params = inspect.signature(FEATURES.get(name).__init__).parameters
     valid = [p for p in params if p != "self"]
     for k in options:
