@@ -65,7 +65,8 @@ OFFLINE = {"offline.groups_per_prompt": 1, "offline.k": 2, "offline.num_steps": 
 
 
 def _group(sampler: dict) -> dict:
-    return {"group_size": 2, "num_steps": 2, "max_batch": "null"}
+    window = {"sde_window": 1, "window_start": 0} if sampler.get("sde_window") else {}  # an SDE window in 2 steps
+    return {"group_size": 2, "num_steps": 2, "max_batch": "null", **window}
 
 
 def _branch(sampler: dict) -> dict:

@@ -52,12 +52,15 @@ def test_dppo_trains_with_its_trust_region(tiny_digits_dir, tmp_path):
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in w.items())
 
 
-def test_dppo_on_a_branch_sampler(tiny_digits_dir, tmp_path):
-    """Any sampler that stores transitions feeds DPPO (BranchGRPO's tree: depth-wise advantages)."""
-    run = tmp_path / "branch"
-    train(_cfg("recipes/digits_dppo.yaml", tiny_digits_dir,
-               "sampler={name: branch, num_steps: 3, split_steps: [0, 1], window: 2}",
-               **{"train.iterations": 1, "train.batch_size": 8}), run)
+@pytest.mark.parametrize("sampler", [
+    "sampler={name: branch, num_steps: 3, split_steps: [0, 1], window: 2}",  # depth-wise advantages of a tree
+    "sampler={name: tempflow, num_steps: 3, branch_steps: [0, 1], branches: 2, seeds_per_prompt: 2}",  # weighted
+])
+def test_dppo_on_the_tree_samplers(sampler, tiny_digits_dir, tmp_path):
+    """Any sampler that stores transitions feeds DPPO."""
+    run = tmp_path / "run"
+    train(_cfg("recipes/digits_dppo.yaml", tiny_digits_dir, sampler, **{"train.iterations": 1,
+                                                                         "train.batch_size": 8}), run)
     assert _records(run)[0]["transitions_trained"] > 0 and "masked_fraction" in _records(run)[0]
 
 
