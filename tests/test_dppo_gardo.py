@@ -141,3 +141,14 @@ def test_gpu_recipes_fit_eight_80_gib_gpus(recipe):
     if "gardo" in recipe:  # the feature model and the adaptive reference are counted
         assert "update's model: dino" in names and any(n.startswith("gardo reference") for n in names), names
         assert set(cfg.train.update_options.aux_rewards) <= set(cfg.reward.weights)
+
+
+def test_dinov3_the_papers_family_loads_the_same_way(tmp_path):
+    """GARDO's own feature model is a DINOv3 ViT: a tiny random one saved offline loads through AutoModel."""
+    from transformers import DINOv3ViTConfig, DINOv3ViTModel
+
+    torch.manual_seed(0)
+    DINOv3ViTModel(DINOv3ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                   image_size=32, patch_size=8)).save_pretrained(tmp_path / "v3")
+    f = DinoFeatures(str(tmp_path / "v3"), size=32)(torch.rand(3, 3, 40, 40))  # [3, 32]
+    assert f.shape == (3, 32) and torch.isfinite(f).all()
