@@ -14,7 +14,7 @@ from flowrl.errors import ConfigError
 from flowrl.plan.core import GiB, plan_memory
 from flowrl.rewards.features import DinoFeatures, tiny_dino
 from flowrl.trainers.config import load_config
-from flowrl.trainers.online import train
+from flowrl.trainers.online import OnlineTrainer, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ODE = "sampler={name: ode, group_size: 4, num_steps: 4}"
@@ -113,11 +113,18 @@ def test_gardo_grpo_on_sol_regenerating_flat_groups(tiny_digits_dir, tmp_path):
     assert rec["transitions_trained"] > 0 and 0 < rec["gardo/gated_share"] < 1 and "kl" in rec
 
 
-def test_gardo_grpo_refuses_a_tree_with_diversity(tiny_digits_dir, tmp_path):
+def test_gardo_grpo_refuses_an_undeclared_tree_sampler(tiny_digits_dir, tmp_path):
+    """A sampler object whose transitions branch but that does not declare ``flat_groups``: the update refuses
+    its first rollout (the shipped tree samplers are refused when the config loads: test_update_needs)."""
+    from flowrl.rollout.branch import BranchSampler
+
+    class Undeclared(BranchSampler):
+        flat_groups = True
+
+    cfg = _cfg("recipes/digits_gardo.yaml", tiny_digits_dir, **{"train.iterations": 1, "train.batch_size": 8})
+    sampler = Undeclared(num_steps=3, split_steps=[0, 1], window=2)
     with pytest.raises(ConfigError, match="train.loss=gardo_grpo trains on flat groups"):
-        train(_cfg("recipes/digits_gardo.yaml", tiny_digits_dir,
-                   "sampler={name: branch, num_steps: 3, split_steps: [0, 1], window: 2}",
-                   **{"train.iterations": 1, "train.batch_size": 8}), tmp_path / "r")
+        OnlineTrainer(cfg, tmp_path / "r", sampler=sampler).train()
 
 
 def test_dino_features_load_offline(tmp_path):

@@ -80,6 +80,13 @@ IMPOSSIBLE = {
     "GARDO's auxiliary reward not scored": (
         "digits_gardo", ["reward.weights={digits: 1.0}"], "train.loss=gardo_grpo reads reward 'jpeg_compressibility' of "
         "every rollout, which reward.weights does not score; add it there with weight 0"),
+    "GARDO on GRPO over a tree": (
+        "digits_gardo", ["sampler={name: branch, num_steps: 3, split_steps: [0, 1], window: 2}"],
+        "train.loss=gardo_grpo trains on flat groups (each stored transition leads to one finished sample), and the "
+        "'branch' sampler branches into trees"),
+    "GARDO on GRPO over TempFlow's branches": (
+        "digits_gardo", ["sampler={name: tempflow, num_steps: 3, branch_steps: [0, 1]}"],
+        "'tempflow' sampler branches into trees; use sampler.name=group (or sol with regen: group), or train.loss="),
     "GARDO with an unknown feature model": ("digits_gardo", ["train.loss_options.features=clip"],
                                             "train.loss_options.features: unknown feature model 'clip'"),
     "GARDO's DINO features without a model": ("digits_gardo", ["train.loss_options.features=dino"],

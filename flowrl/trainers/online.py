@@ -81,7 +81,8 @@ class OnlineTrainer(Trainer):
                                      stores_transitions=bool(self.sampler.stores_transitions),
                                      aggregate=cfg.reward.aggregate, inner_epochs=t.inner_epochs,
                                      alternatives=updates_by_input(),
-                                     rewards=tuple(cfg.reward.weights) if self._given_reward is None else None)
+                                     rewards=tuple(cfg.reward.weights) if self._given_reward is None else None,
+                                     flat_groups=bool(getattr(self.sampler, "flat_groups", True)))
             if reason:
                 raise ConfigError(reason)
         per_prompt = int(self.sampler.samples_per_prompt)

@@ -46,6 +46,7 @@ class Needs:
     #                                          reward.weights (weight 0: scored and logged, not trained on)
     models: tuple[str, ...] = ()      # other models it builds and keeps ("module:attr" of classes declaring
     #                                   resident_params, e.g. an image-feature model; plan counts them)
+    flat_groups: bool = False         # each stored transition must lead to one finished sample (no tree sampler)
 
     def __post_init__(self):
         if self.consumes not in ("rollout", "dataset"):
@@ -225,10 +226,11 @@ def _either(names: list[str]) -> str:
 
 def incompatibility(needs: Needs, loss: str, *, mode: str, sampler: str, stores_transitions: bool, aggregate: str,
                     inner_epochs: int, alternatives: dict[str, list[str]],
-                    rewards: Optional[tuple[str, ...]] = None) -> Optional[str]:
+                    rewards: Optional[tuple[str, ...]] = None, flat_groups: bool = True) -> Optional[str]:
     """Why an update with ``needs`` (``train.loss=loss``) cannot run with these settings, in one line with
     the fix, or None. ``alternatives``: update names by need (:func:`flowrl.updates.updates_by_input`);
-    ``rewards``: the names of ``reward.weights`` (None: a reward object, not checked)."""
+    ``rewards``: the names of ``reward.weights`` (None: a reward object, not checked); ``flat_groups``: False for
+    a sampler whose transitions branch into trees (its class's ``flat_groups``)."""
     others = lambda kind: ", ".join(n for n in alternatives.get(kind, []) if n != loss)  # noqa: E731
     on_samples = [n for n in alternatives.get("samples", []) if n != loss]
     if needs.consumes == "dataset" and mode != "offline":
@@ -241,6 +243,10 @@ def incompatibility(needs: Needs, loss: str, *, mode: str, sampler: str, stores_
         return (f"the {sampler!r} sampler (as configured) stores no stochastic transitions, so train.loss={loss} would "
                 f"have nothing to train on; use train.loss={_either(on_samples)} (they train on finished samples), or a "
                 f"stochastic sampler (group, branch, tempflow, sol with regen: group)")
+    if needs.flat_groups and not flat_groups:
+        return (f"train.loss={loss} trains on flat groups (each stored transition leads to one finished sample), and "
+                f"the {sampler!r} sampler branches into trees; use sampler.name=group (or sol with regen: group), or "
+                f"train.loss={_either(on_samples)} (they train on finished samples)")
     missing = [n for n in needs.reward_components if rewards is not None and n not in rewards]
     if missing:
         return (f"train.loss={loss} reads reward {missing[0]!r} of every rollout, which reward.weights does not score; "

@@ -114,6 +114,7 @@ def gardo_needs(base: Needs, options) -> Needs:
     kl = options.beta_kl > 0
     return dataclasses.replace(
         base, reference=False, reference_in_graph=False, per_reward=base.per_reward and not options.diversity,
+        flat_groups=base.transitions,  # GRPO's: the gate and the diversity are per finished sample
         copies=base.copies + (("gardo_reference",) if kl else ()), reward_components=tuple(options.aux_rewards),
         models=(FEATURES.entries[options.features],) if options.diversity else ())
 
@@ -275,6 +276,7 @@ class GARDOGRPOUpdate(GARDO, GRPOUpdate):
         return gardo_needs(GRPOUpdate.needs(options), options)
 
     def advantages(self, rollout, it: int) -> tuple[torch.Tensor, dict]:
+        # config validation refuses the shipped tree samplers (Needs.flat_groups); this catches one that does not declare it
         if rollout.structure != "group" or bool((rollout.transitions.sample_index < 0).any()):
             raise ConfigError(f"train.loss=gardo_grpo trains on flat groups (each transition leads to one sample), and "
                               f"the {self.ctx.sampler_name!r} sampler's rollouts are {rollout.structure!r}; use "
