@@ -11,7 +11,9 @@ targets, sharding) and :func:`smoke_overrides` shrinks everything else:
   Sol's exploration runs ``int8-dynamic`` (the recipes' NVFP4 needs CUDA);
 - training: 1 iteration of 4 samples, one pass, a checkpoint; evaluation on one prompt; one process, so
   ``train.context_parallel`` is 1 (a context-parallel group needs several);
-- reward: ``jpeg_compressibility`` (no download; the recipe's reward models need their weights);
+- reward: ``jpeg_compressibility`` (no download; the recipe's reward models need their weights); models an
+  update's own options name are replaced as its ``smoke_overrides`` says (GARDO: JPEG rewards for its
+  auxiliary ones, a tiny random DINOv2 for its features);
   an editing model (its adapter's ``max_sources``: :func:`editing_data`) edits the shipped
   ``digits-edit-sample`` set (one source per prompt) or ``digits-edit-multi-sample`` (one to three),
   rewarded by ``digits_edit``;
@@ -63,7 +65,8 @@ OFFLINE = {"offline.groups_per_prompt": 1, "offline.k": 2, "offline.num_steps": 
 
 
 def _group(sampler: dict) -> dict:
-    return {"group_size": 2, "num_steps": 2, "max_batch": "null"}
+    window = {"sde_window": 1, "window_start": 0} if sampler.get("sde_window") else {}  # an SDE window in 2 steps
+    return {"group_size": 2, "num_steps": 2, "max_batch": "null", **window}
 
 
 def _ode(sampler: dict) -> dict:  # 3 steps: a training time after the first (AWM's discrete_wo_init)
@@ -136,6 +139,7 @@ def smoke_overrides(cfg, model_dir: Path, scratch: Path) -> list[str]:
         ov["model.text_embedding_cache"] = str(scratch / "text-embeddings")
     if cfg.train.mode == "offline":
         ov.update(OFFLINE)
+    ov.update(cfg.train.update_options.smoke_overrides(scratch))  # models the update's own options name
     return [f"{k}={v}" for k, v in ov.items()]
 
 

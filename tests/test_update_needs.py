@@ -74,20 +74,44 @@ IMPOSSIBLE = {
                                               "model.drop_text_encoders=true needs model.text_embedding_cache"),
     "a batch that does not split into groups": ("digits", ["train.batch_size=81"],
                                                 "not a multiple of the sampler's 8 samples per prompt"),
+    "dppo on an ODE sampler": ("digits_dppo", [ODE], "stores no stochastic transitions, so train.loss=dppo would have"),
+    "a zero trust region": ("digits_dppo", ["train.loss_options.kl_threshold=0"],
+                            "train.loss_options.kl_threshold must be a number > 0, got 0"),
+    "GARDO's auxiliary reward not scored": (
+        "digits_gardo", ["reward.weights={digits: 1.0}"], "train.loss=gardo_grpo reads reward 'jpeg_compressibility' of "
+        "every rollout, which reward.weights does not score; add it there with weight 0"),
+    "GARDO on GRPO over a tree": (
+        "digits_gardo", ["sampler={name: branch, num_steps: 3, split_steps: [0, 1], window: 2}"],
+        "train.loss=gardo_grpo trains on flat groups (each stored transition leads to one finished sample), and the "
+        "'branch' sampler branches into trees"),
+    "GARDO on GRPO over TempFlow's branches": (
+        "digits_gardo", ["sampler={name: tempflow, num_steps: 3, branch_steps: [0, 1]}"],
+        "'tempflow' sampler branches into trees; use sampler.name=group (or sol with regen: group), or train.loss="),
+    "GARDO with an unknown feature model": ("digits_gardo", ["train.loss_options.features=clip"],
+                                            "train.loss_options.features: unknown feature model 'clip'"),
+    "GARDO's DINO features without a model": ("digits_gardo", ["train.loss_options.features=dino"],
+                                              "the 'dino' feature model needs train.loss_options.features_options.path"),
+    "GARDO's DINO features from a missing directory": (
+        "digits_gardo", ["train.loss_options.features=dino", "train.loss_options.features_options={path: /no/dino}"],
+        "train.loss_options.features_options.path=/no/dino: no such directory"),
+    "GARDO's gate bounds reversed": ("digits_gardo", ["train.loss_options.gate_bounds=[0.2, 0.1]"],
+                                     "train.loss_options.gate_bounds must be [low, high]"),
     "a moved key: DiffusionNFT's beta": ("digits_sol_nft", ["train.nft_beta=2.0"],
                                          "unknown key train.nft_beta. It is an option of the update now: "
-                                         "train.loss_options.beta (train.loss: nft)"),
+                                         "train.loss_options.beta (train.loss: nft / gardo_nft)"),
     "a moved key: GDRO's beta": ("digits_gdro", ["offline.beta=3.0"],
                                  "unknown key offline.beta. It is an option of the update now: train.loss_options.beta "
                                  "(train.loss: offline_gdro)"),
     "a moved key: the clip range": ("digits", ["train.clip_range=0.2"],
-                                    "train.loss_options.clip_range (train.loss: grpo / grpo_guard)"),
+                                    "train.loss_options.clip_range (train.loss: grpo / grpo_guard / gardo_grpo)"),
     "a moved key: the KL weight": ("digits", ["train.beta_kl=0.1"], "unknown key train.beta_kl. It is an option of "
-                                   "the update now: train.loss_options.beta_kl (train.loss: grpo / nft / grpo_guard)"),
+                                   "the update now: train.loss_options.beta_kl (train.loss: grpo / nft / grpo_guard / dppo / "
+                                   "gardo_grpo / gardo_nft)"),
     "a moved key: the KL form": ("digits", ["train.kl_form=exact"],
-                                 "train.loss_options.kl_form (train.loss: grpo / grpo_guard)"),
+                                 "train.loss_options.kl_form (train.loss: grpo / grpo_guard / dppo / gardo_grpo)"),
     "a moved key: the advantage clip": ("digits", ["train.adv_clip_max=3"],
-                                        "train.loss_options.adv_clip_max (train.loss: grpo / nft / grpo_guard)"),
+                                        "train.loss_options.adv_clip_max (train.loss: grpo / nft / grpo_guard / dppo / "
+                                        "gardo_grpo / gardo_nft)"),
     "a moved key: the CFG gradient": ("digits_gdro", ["train.cfg_uncond_grad=true"],
                                       "train.loss_options.cfg_uncond_grad (every train.loss)"),
 }
@@ -112,6 +136,9 @@ def test_impossible_combinations_fail_at_config_time(case):
     ("digits", ["reward.aggregate=per_reward"]),  # GRPO normalises each reward apart
     ("digits_gdro", ["reward.aggregate=per_reward"]),  # so does offline GDRO's ranking
     ("digits_gdro", ["train.loss=null"]),  # no loss named: the mode's (offline_gdro)
+    ("digits_gardo", ["train.loss=gardo_nft", ODE]),  # GARDO on NFT: GRPO's clip_range dropped with a notice
+    ("digits_gardo", ["train.loss=gardo_nft", SOL_ODE]),  # ... on Sol regenerating by ODE
+    ("digits_dppo", ["sampler={name: branch, num_steps: 4, split_steps: [0, 1], window: 2}", "train.batch_size=40"]),
 ])
 def test_possible_combinations_load(recipe, overrides):
     cfg = load_config(recipe, overrides)
@@ -120,22 +147,28 @@ def test_possible_combinations_load(recipe, overrides):
 
 def test_every_update_declares_what_it_needs():
     by_input = updates_by_input()
-    assert by_input == {"rollout": ["grpo", "nft", "dpo", "gdro", "grpo_guard", "awm", "dgpo"],
-                        "dataset": ["offline_gdro"], "samples": ["nft", "dpo", "gdro", "awm", "dgpo"]}
+    assert by_input == {"rollout": ["grpo", "nft", "dpo", "gdro", "grpo_guard", "awm", "dgpo", "dppo", "gardo_grpo",
+                                    "gardo_nft"],
+                        "dataset": ["offline_gdro"], "samples": ["nft", "dpo", "gdro", "awm", "dgpo", "gardo_nft"]}
     needs = {n: default_needs(n) for n in UPDATES.entries}
-    assert {n for n, d in needs.items() if d.transitions} == {"grpo", "grpo_guard"}
-    assert {n for n, d in needs.items() if d.clean_samples} == {"nft", "dpo", "gdro", "awm", "dgpo"}
-    assert {n: d.copies for n, d in needs.items() if d.copies} == {"nft": ("old_policy",), "dgpo": ("old_policy",)}
+    assert {n for n, d in needs.items() if d.transitions} == {"grpo", "grpo_guard", "dppo", "gardo_grpo"}
+    assert {n for n, d in needs.items() if d.clean_samples} == {"nft", "dpo", "gdro", "awm", "dgpo", "gardo_nft"}
+    assert {n: d.copies for n, d in needs.items() if d.copies} == {  # GARDO's adaptive reference (KL on by default)
+        "nft": ("old_policy",), "dgpo": ("old_policy",), "gardo_grpo": ("gardo_reference",),
+        "gardo_nft": ("old_policy", "gardo_reference")}
     assert {n: d.unit for n, d in needs.items()} == {"grpo": "transition", "grpo_guard": "transition", "nft": "sample",
                                                      "dpo": "pair", "gdro": "group", "offline_gdro": "group",
-                                                     "awm": "sample", "dgpo": "group"}
+                                                     "awm": "sample", "dgpo": "group", "dppo": "transition",
+                                                     "gardo_grpo": "transition", "gardo_nft": "sample"}
     refs = {}
     for n in UPDATES.entries:  # the reference follows the KL weight where the update has one
         cls = UPDATES.get(n)
         on = {"beta_kl": 0.04} if "beta_kl" in {f.name for f in dataclasses.fields(cls.Options)} else {}
         refs[n] = (cls.needs(cls.Options(**on)).reference, cls.needs(cls.Options()).reference)
     assert refs == {"grpo": (True, False), "grpo_guard": (True, False), "nft": (True, False), "dpo": (True, True),
-                    "gdro": (True, True), "offline_gdro": (True, True), "awm": (True, False), "dgpo": (True, True)}
+                    "gdro": (True, True), "offline_gdro": (True, True), "awm": (True, False), "dgpo": (True, True),
+                    "dppo": (True, False),
+                    "gardo_grpo": (False, False), "gardo_nft": (False, False)}  # GARDO: its own copy, not the frozen one
     assert {n for n, d in needs.items() if d.reference_in_graph} == {"dpo", "gdro", "offline_gdro"}  # (KL off)
 
 

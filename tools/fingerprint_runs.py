@@ -65,8 +65,7 @@ def cases() -> list[tuple[str, str, dict, dict]]:
         if recipe == "digits_gdro":
             out.append(("recipe/digits_gdro", recipe, dict(OFFLINE), {}))
             continue
-        sampler = {"digits": "group", "digits_branch": "branch", "digits_tempflow": "tempflow",
-                   "digits_sol": "sol", "digits_sol_nft": "sol"}[recipe]
+        sampler = yaml.safe_load((ROOT / "recipes" / f"{recipe}.yaml").read_text())["sampler"]["name"]
         out.append((f"recipe/{recipe}", recipe, {**SIZES[sampler], **TRAIN}, {}))
     for sampler, recipe in SAMPLER_RECIPES.items():
         for loss in ONLINE_LOSSES:

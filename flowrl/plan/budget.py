@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from ..quant import DEFAULT_SKIP, parse_backend_spec
+from ..registry import resolve_target
 from ..quant.common import is_skipped
 from .activations import Activations, max_rows
 from .models import MetaComponents, block_bytes, module_bytes, num_params
@@ -101,6 +102,12 @@ def reward_items(cfg) -> list[Item]:
         where = "host" if str(opts.get("device", "cpu")).startswith("cpu") else "gpu"
         tag = "reward" if n in cfg.reward.weights else "held-out" if n in cfg.reward.heldout else "update's reward"
         out.append(Item(f"{tag} model: {n}", (params or 0) * size, "resident", where, source, known=params is not None))
+    for target in cfg.train.update_needs.models:  # e.g. GARDO's image-feature model (fp32 on the training GPU)
+        cls = resolve_target(target)
+        params = getattr(cls, "resident_params", None)
+        out.append(Item(f"update's model: {getattr(cls, 'name', target)}", (params or 0) * 4, "resident", "gpu",
+                        f"{getattr(cls, 'resident_note', 'resident size unknown: not counted')}, counted in fp32",
+                        known=params is not None))
     return out
 
 

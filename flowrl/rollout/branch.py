@@ -190,6 +190,7 @@ class BranchSampler:
     window_shift_every: Optional[int] = None
     max_batch: Optional[int] = None
     stores_transitions: ClassVar[bool] = True  # every tree edge of a stochastic step
+    flat_groups: ClassVar[bool] = False  # an edge leads to several finished samples (Needs.flat_groups)
 
     def __post_init__(self) -> None:
         get_step(self.step)

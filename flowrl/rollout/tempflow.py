@@ -92,6 +92,7 @@ class TempFlowSampler:
     finish_main: bool = False
     max_batch: Optional[int] = None
     stores_transitions: ClassVar[bool] = True  # one branching SDE step per completion
+    flat_groups: ClassVar[bool] = False  # completions share their trajectory's steps (Needs.flat_groups)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_steps, int) or self.num_steps < 1:

@@ -75,6 +75,7 @@ class SamplerConfig:
         # what validation and batch accounting read, kept from this one build (not a config field)
         self.samples_per_prompt = int(sampler.samples_per_prompt)
         self.stores_transitions = bool(sampler.stores_transitions)
+        self.flat_groups = bool(getattr(sampler, "flat_groups", True))  # False: a tree (branch, tempflow)
 
     def build(self):
         cls = SAMPLERS.get(self.name)
@@ -327,7 +328,8 @@ class Config:
         reason = incompatibility(t.update_needs, t.loss, mode=t.mode, sampler=self.sampler.name,
                                  stores_transitions=self.sampler.stores_transitions,
                                  aggregate=self.reward.aggregate, inner_epochs=t.inner_epochs,
-                                 alternatives=updates_by_input())
+                                 alternatives=updates_by_input(), rewards=tuple(self.reward.weights),
+                                 flat_groups=self.sampler.flat_groups)
         if reason:
             raise ConfigError(reason)
         spp = self.sampler.samples_per_prompt

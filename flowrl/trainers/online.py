@@ -80,7 +80,9 @@ class OnlineTrainer(Trainer):
             reason = incompatibility(t.update_needs, t.loss, mode=t.mode, sampler=type(self.sampler).__name__,
                                      stores_transitions=bool(self.sampler.stores_transitions),
                                      aggregate=cfg.reward.aggregate, inner_epochs=t.inner_epochs,
-                                     alternatives=updates_by_input())
+                                     alternatives=updates_by_input(),
+                                     rewards=tuple(cfg.reward.weights) if self._given_reward is None else None,
+                                     flat_groups=bool(getattr(self.sampler, "flat_groups", True)))
             if reason:
                 raise ConfigError(reason)
         per_prompt = int(self.sampler.samples_per_prompt)

@@ -76,6 +76,7 @@ class Trainer:
         self._old_handlers: dict = {}
         self._update: Optional[Update] = None  # the update object (made on first use)
         self._update_state: dict = {}  # a resumed checkpoint's extra tensors, for the update
+        self._update_scalars: dict = {}  # ... and its JSON values (Update.scalar_state)
 
     # ---------------------------------------------------------------- hooks
     def _open_data(self) -> None:
@@ -155,6 +156,7 @@ class Trainer:
             if ck is not None:
                 self.start_iteration = int(ck["state"]["iteration"])
                 self._update_state = self._update_copies(dict(ck["extra"]))  # e.g. DiffusionNFT's old policy
+                self._update_scalars = dict(ck["state"].get("update", {}))  # e.g. GARDO's gate
                 self.restore_state(ck)
                 self._note_world_size(ck["state"].get("data_parallel", ck["state"].get("num_processes")))
         self.finished = (self.resume and self.start_iteration >= self.total_units()
@@ -228,6 +230,7 @@ class Trainer:
         if self._update is None:
             self._update = self.updates.get(self.cfg.train.loss)(self.update_context(), self.cfg.train.update_options)
             self._update.load_state_dict(self._update_state)
+            self._update.load_scalar_state(self._update_scalars)
         return self._update
 
     def train_on(self, data, it: int) -> tuple[dict, dict]:
@@ -258,11 +261,12 @@ class Trainer:
     def _save(self, done: int) -> None:
         """Checkpoint after ``done`` units (the strategy writes it; every process returns once it is complete)."""
         upd = self._update
+        scalars = {"update": upd.scalar_state()} if upd is not None and upd.scalar_state() else {}
         self.strategy.save(self.run.checkpoints, done, model=self.model, unwrapped=self.unwrapped, optimizer=self.opt,
                            scheduler=self.sched, ema=self.ema.shadow if self.ema else None,
                            state={**self.steps.state_dict(), **self.checkpoint_state(),
                                   "num_processes": self.acc.num_processes,
-                                  "data_parallel": self.strategy.layout.dp_size},
+                                  "data_parallel": self.strategy.layout.dp_size, **scalars},
                            extra=(upd.state_dict() if upd is not None else None) or None,
                            keep=self.cfg.train.keep_checkpoints)
 

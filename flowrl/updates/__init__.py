@@ -18,6 +18,9 @@ UPDATES = Registry("update", {
     "offline_gdro": "flowrl.updates.offline_gdro:OfflineGDROUpdate",
     "awm": "flowrl.updates.awm:AWMUpdate",
     "dgpo": "flowrl.updates.dgpo:DGPOUpdate",
+    "dppo": "flowrl.updates.dppo:DPPOUpdate",
+    "gardo_grpo": "flowrl.updates.gardo:GARDOGRPOUpdate",
+    "gardo_nft": "flowrl.updates.gardo:GARDONFTUpdate",
 })
 
 DEFAULT_LOSS = {"online": "grpo", "offline": "offline_gdro"}  # train.loss when a recipe names none, by train.mode

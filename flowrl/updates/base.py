@@ -42,6 +42,11 @@ class Needs:
     unit: str = "transition"          # what train.minibatch_size counts: transition | sample | group | pair
     #                                   (a group: the sampler's samples per prompt; a pair: 2 images)
     rewards: tuple[str, ...] = ()     # reward models it builds and keeps itself (flowrl.rewards names; plan counts them)
+    reward_components: tuple[str, ...] = ()  # rewards it reads from each rollout's components: each must be in
+    #                                          reward.weights (weight 0: scored and logged, not trained on)
+    models: tuple[str, ...] = ()      # other models it builds and keeps ("module:attr" of classes declaring
+    #                                   resident_params, e.g. an image-feature model; plan counts them)
+    flat_groups: bool = False         # each stored transition must lead to one finished sample (no tree sampler)
 
     def __post_init__(self):
         if self.consumes not in ("rollout", "dataset"):
@@ -64,6 +69,12 @@ class UpdateOptions:
     def __post_init__(self):
         if not isinstance(self.cfg_uncond_grad, bool):
             raise ValueError(f"train.loss_options.cfg_uncond_grad must be true or false, got {self.cfg_uncond_grad!r}")
+
+    def smoke_overrides(self, scratch) -> dict[str, str]:
+        """Dotted config overrides (``key -> YAML value``) a ``flowrl train --smoke`` run adds for this update: models
+        its options name that need downloaded weights, replaced by offline ones (``scratch``: a temporary
+        directory for files it makes). Default: none."""
+        return {}
 
 
 def moved_keys(options_cls: type) -> dict[str, str]:
@@ -186,6 +197,14 @@ class Update:
     def load_state_dict(self, extra: dict) -> None:
         """Restore what :meth:`state_dict` saved (``extra``: the checkpoint's extra tensors)."""
 
+    def scalar_state(self) -> dict:
+        """JSON values to checkpoint beside the trainer's counters (an adaptive gate's state, the iteration of
+        the last reference refresh); floats survive exactly. Default: none."""
+        return {}
+
+    def load_scalar_state(self, state: dict) -> None:
+        """Restore what :meth:`scalar_state` saved (empty for a checkpoint without any)."""
+
 
 def build_options(cls: type, loss: str, given: Optional[dict], where: str = "train.loss_options") -> Any:
     """The ``Options`` of update class ``cls`` (``train.loss=loss``) from ``given`` (``train.loss_options``).
@@ -208,9 +227,12 @@ def _either(names: list[str]) -> str:
 
 
 def incompatibility(needs: Needs, loss: str, *, mode: str, sampler: str, stores_transitions: bool, aggregate: str,
-                    inner_epochs: int, alternatives: dict[str, list[str]]) -> Optional[str]:
+                    inner_epochs: int, alternatives: dict[str, list[str]],
+                    rewards: Optional[tuple[str, ...]] = None, flat_groups: bool = True) -> Optional[str]:
     """Why an update with ``needs`` (``train.loss=loss``) cannot run with these settings, in one line with
-    the fix, or None. ``alternatives``: update names by need (:func:`flowrl.updates.updates_by_input`)."""
+    the fix, or None. ``alternatives``: update names by need (:func:`flowrl.updates.updates_by_input`);
+    ``rewards``: the names of ``reward.weights`` (None: a reward object, not checked); ``flat_groups``: False for
+    a sampler whose transitions branch into trees (its class's ``flat_groups``)."""
     others = lambda kind: ", ".join(n for n in alternatives.get(kind, []) if n != loss)  # noqa: E731
     on_samples = [n for n in alternatives.get("samples", []) if n != loss]
     if needs.consumes == "dataset" and mode != "offline":
@@ -223,6 +245,15 @@ def incompatibility(needs: Needs, loss: str, *, mode: str, sampler: str, stores_
         return (f"the {sampler!r} sampler (as configured) stores no stochastic transitions, so train.loss={loss} would "
                 f"have nothing to train on; use train.loss={_either(on_samples)} (they train on finished samples), or a "
                 f"stochastic sampler (group, branch, tempflow, sol with regen: group)")
+    if needs.flat_groups and not flat_groups:
+        return (f"train.loss={loss} trains on flat groups (each stored transition leads to one finished sample), and "
+                f"the {sampler!r} sampler branches into trees; use sampler.name=group (or sol with regen: group), or "
+                f"train.loss={_either(on_samples)} (they train on finished samples)")
+    missing = [n for n in needs.reward_components if rewards is not None and n not in rewards]
+    if missing:
+        return (f"train.loss={loss} reads reward {missing[0]!r} of every rollout, which reward.weights does not score; "
+                f"add it there with weight 0 (scored and logged, not trained on), e.g. "
+                f"reward.weights.{missing[0]}=0.0, or change train.loss_options")
     if aggregate == "per_reward" and not needs.per_reward:
         return (f"reward.aggregate=per_reward has no effect with train.loss={loss}, which trains on the weighted "
                 f"sum of the rewards; set reward.aggregate=sum")

@@ -8,6 +8,7 @@ runs the epochs and steps. A minibatch's loss is the mean over its transitions.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import ClassVar, Optional
@@ -29,22 +30,20 @@ SET_BY_THE_UPDATE = {"adv_clip": "train.loss_options.adv_clip_max", "global_std"
 
 
 @dataclass
-class GRPOOptions(UpdateOptions):
-    """``train.loss_options`` of the GRPO family (``grpo``, ``grpo_guard``)."""
+class TransitionOptions(UpdateOptions):
+    """``train.loss_options`` every update on stored transitions takes (advantages, the KL to the reference)."""
 
-    clip_range: float = 1e-3  # PPO clip epsilon on the per-step ratio (Flow-GRPO train.clip_range)
     global_std: bool = False  # normalise advantages by the whole batch's std instead of the group's
     advantage_options: dict = field(default_factory=dict)  # options of the rollout structure's advantage function
     adv_clip_max: float = 5.0  # advantages are clipped to +-this (Flow-GRPO train.adv_clip_max)
     beta_kl: float = 0.0  # weight of the KL to the reference (adapter-disabled) policy; 0: no reference kept
     kl_form: str = "flow_grpo"  # 'flow_grpo' (Flow-GRPO's code: squared mean gap over 2 std_t^2, published betas
     #                             carry over) or 'exact' (the KL of the two transition Gaussians); docs/algorithms.md
-    moved: ClassVar[dict[str, str]] = {f"train.{k}": k for k in ("clip_range", "global_std", "advantage_options",
+    moved: ClassVar[dict[str, str]] = {f"train.{k}": k for k in ("global_std", "advantage_options",
                                                                   "adv_clip_max", "beta_kl", "kl_form")}
 
     def __post_init__(self):
         super().__post_init__()
-        check_number(self, "clip_range", strict=True)
         check_number(self, "adv_clip_max", strict=True)
         check_number(self, "beta_kl")
         if self.kl_form not in KL_FORMS:
@@ -55,6 +54,18 @@ class GRPOOptions(UpdateOptions):
             if k in SET_BY_THE_UPDATE:
                 raise ValueError(f"train.loss_options.advantage_options.{k}: the update sets it; use "
                                  f"{SET_BY_THE_UPDATE[k]}")
+
+
+@dataclass
+class GRPOOptions(TransitionOptions):
+    """``train.loss_options`` of the clipped-ratio family (``grpo``, ``grpo_guard``)."""
+
+    clip_range: float = 1e-3  # PPO clip epsilon on the per-step ratio (Flow-GRPO train.clip_range)
+    moved: ClassVar[dict[str, str]] = {"train.clip_range": "clip_range"}
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_number(self, "clip_range", strict=True)
 
 
 class GRPOUpdate(Update):
@@ -119,6 +130,23 @@ class GRPOUpdate(Update):
         """Per-call tensors the surrogate needs, computed before any step (none here)."""
         return None
 
+    def step_means(self, rollout, cond, trans, rows: torch.Tensor, weights=None) -> torch.Tensor:
+        """Step means ``[M, C, H, W]`` of transitions ``rows`` under the current weights (or inside the context
+        ``weights()``, e.g. a copy's), no grad, in minibatches; rows without signal stay 0 (never read). Called
+        from :meth:`prepare`, before any optimizer step: the sampling-time means of GRPO-Guard and Flow-DPPO."""
+        ctx = self.ctx
+        out = torch.zeros_like(trans.next_latents)  # [M, C, H, W]
+        if not len(rows):  # every group without signal (split would give one empty minibatch)
+            return out
+        with torch.no_grad(), (weights() if weights is not None else contextlib.nullcontext()):
+            for mb in rows.to(ctx.device).split(ctx.train.minibatch_size):
+                tr = trans.select(mb)
+                with ctx.autocast():
+                    v = ctx.policy.velocity(tr.latents, tr.sigma, index_cond(cond, tr.prompt_index))
+                out[mb] = self.step_fn(v, tr.latents, tr.sigma, tr.sigma_next, noise_level=rollout.noise_level,
+                                       prev_sample=tr.next_latents).mean
+        return out
+
     def minibatch_loss(self, rollout, cond, rows: torch.Tensor, adv: torch.Tensor, transitions=None,
                        extra: Optional[dict] = None) -> tuple[torch.Tensor, dict]:
         """Clipped-ratio loss of transitions ``rows`` [m] (of ``transitions``, default the rollout's)
@@ -136,14 +164,25 @@ class GRPOUpdate(Update):
         loss, stats = self.surrogate(out, tr, adv[rows.to(adv.device)].to(dev), rows, extra)
         stats["policy_loss"] = loss.detach()
         if opts.beta_kl > 0:
-            with torch.no_grad(), ctx.reference(), ctx.autocast():
-                v_ref = ctx.policy.velocity(lat, sig, c)
-            ref = step_fn(v_ref, lat, sig, sig_n, noise_level=rollout.noise_level, prev_sample=nxt)
-            kl = kl_to_reference(out.mean, ref.mean, out.std, dt=sig_n - sig,
-                                 form=kl_form_for_step(opts.kl_form, rollout.step_type)).mean()
+            ref_mean = self.reference_mean(rollout, step_fn, tr, c, rows, extra)
+            kl = self.kl_penalty(kl_to_reference(out.mean, ref_mean, out.std, dt=sig_n - sig,
+                                                 form=kl_form_for_step(opts.kl_form, rollout.step_type)), rows)
             loss = loss + opts.beta_kl * kl
             stats["kl"] = kl.detach()
         return loss, stats
+
+    def reference_mean(self, rollout, step_fn, tr, c, rows: torch.Tensor, extra) -> torch.Tensor:
+        """The reference's step means ``[m, C, H, W]`` of minibatch transitions ``tr`` (no grad): here the frozen
+        reference evaluated now; an update with its own reference may read them from :meth:`prepare`'s tensors."""
+        dev = self.ctx.device
+        lat, sig, sig_n = tr.latents.to(dev), tr.sigma.to(dev), tr.sigma_next.to(dev)
+        with torch.no_grad(), self.ctx.reference(), self.ctx.autocast():
+            v_ref = self.ctx.policy.velocity(lat, sig, c)
+        return step_fn(v_ref, lat, sig, sig_n, noise_level=rollout.noise_level, prev_sample=tr.next_latents.to(dev)).mean
+
+    def kl_penalty(self, kl: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The KL term of the minibatch from its per-transition KL ``[m]`` (of transitions ``rows``): the mean."""
+        return kl.mean()
 
     def surrogate(self, out, tr, adv: torch.Tensor, rows: torch.Tensor, extra) -> tuple[torch.Tensor, dict]:
         """The policy term of minibatch transitions ``tr`` given their step ``out`` and advantages [m]."""

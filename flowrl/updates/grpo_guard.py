@@ -24,7 +24,6 @@ from typing import Optional
 
 import torch
 
-from ..types import index_cond
 from .grpo import GRPOOptions, GRPOUpdate
 
 
@@ -71,18 +70,9 @@ class GRPOGuardUpdate(GRPOUpdate):
 
     def prepare(self, rollout, cond, trans, rows: torch.Tensor) -> dict:
         """``old_mean`` [M, C, H, W]: step means under the weights before this update (no grad)."""
-        ctx = self.ctx
-        old = torch.zeros_like(trans.next_latents)  # [M, C, H, W]; rows without signal stay 0 (never read)
-        if not self.opts.ratio_norm or not len(rows):  # no rows: every group without signal (split gives one empty)
-            return {"old_mean": old}
-        with torch.no_grad():
-            for mb in rows.to(ctx.device).split(ctx.train.minibatch_size):
-                tr = trans.select(mb)
-                with ctx.autocast():
-                    v = ctx.policy.velocity(tr.latents, tr.sigma, index_cond(cond, tr.prompt_index))
-                old[mb] = self.step_fn(v, tr.latents, tr.sigma, tr.sigma_next, noise_level=rollout.noise_level,
-                                       prev_sample=tr.next_latents).mean
-        return {"old_mean": old}
+        if not self.opts.ratio_norm:
+            return {"old_mean": torch.zeros_like(trans.next_latents)}  # never read
+        return {"old_mean": self.step_means(rollout, cond, trans, rows)}
 
     def surrogate(self, out, tr, adv: torch.Tensor, rows: torch.Tensor, extra) -> tuple[torch.Tensor, dict]:
         dev = self.ctx.device

@@ -86,8 +86,7 @@ class NFTUpdate(Update):
         ctx = self.ctx
         if self.old_policy is None:
             self.old_policy = OldPolicy(ctx.unwrapped)
-        adv, zero = group_advantages(rollout.rewards, rollout.group_index, global_std=self.opts.global_std,
-                                     clip=None)  # nft_loss clips to +-adv_clip_max (and scales by it)
+        adv, zero = self.sample_advantages(rollout)
         dev = ctx.device
 
         def draws(g: torch.Generator) -> dict:
@@ -98,6 +97,11 @@ class NFTUpdate(Update):
                 "x0": rollout.x0.to(dev), "adv": adv.to(dev), "prompt": rollout.prompt_index.to(dev)}  # once per call
         return Batch(torch.nonzero(~zero).flatten(), ctx.train.minibatch_size, shuffle="shuffle.nft", draws=draws,
                      data=data, stats={"zero_var_fraction": zero.float().mean().item()})
+
+    def sample_advantages(self, rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A [N], zero_var [N] bool)``: group-normalised rewards, unclipped (``nft_loss`` clips to
+        ``+-adv_clip_max`` and scales by it); zero-variance groups train nothing."""
+        return group_advantages(rollout.rewards, rollout.group_index, global_std=self.opts.global_std, clip=None)
 
     def loss(self, batch: Batch, mb: Minibatch) -> tuple[torch.Tensor, dict]:
         ctx, opts, d = self.ctx, self.opts, batch.data
@@ -112,8 +116,13 @@ class NFTUpdate(Update):
                 v_ref = ctx.policy.velocity(x_t, t, c)
         with ctx.autocast():
             v = ctx.policy.velocity(x_t, t, c)
-        return nft_loss(v, v_old, x_t, x0, t, d["adv"][mb.rows], beta=opts.beta, adv_clip_max=opts.adv_clip_max,
-                        v_ref=v_ref, beta_kl=opts.beta_kl)
+        return self.objective(v, v_old, x_t, x0, t, d["adv"][mb.rows], v_ref, mb.rows)
+
+    def objective(self, v, v_old, x_t, x0, t, adv, v_ref, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The minibatch's loss from its velocities (``nft_loss``; ``v_ref`` None without a KL) -> (loss, stats)."""
+        opts = self.opts
+        return nft_loss(v, v_old, x_t, x0, t, adv, beta=opts.beta, adv_clip_max=opts.adv_clip_max, v_ref=v_ref,
+                        beta_kl=opts.beta_kl)
 
     def after_step(self, optimizer_steps: int) -> None:
         self.old_policy.step(self.ctx.unwrapped, optimizer_steps)
