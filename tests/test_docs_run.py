@@ -282,5 +282,6 @@ def test_readme_writes_only_what_it_says(workdirs):
                                                                           "three.png"]
     assert sorted(p.name for p in (wd / "runs").iterdir()) == ["a", "demo", "gdro", "smoke"]
     assert sorted(p.name for p in (wd / "bench").iterdir()) == sorted(
-        [f"{k}.{ext}" for k in ("branch", "tempflow", "sol", "preference", "offline") for ext in ("json", "png")]
+        [f"{k}.{ext}" for k in ("branch", "tempflow", "sol", "preference", "offline", "methods")
+         for ext in ("json", "png")]
         + ["reward.json"])
