@@ -19,6 +19,7 @@ weight values do not change memory). The planned figure is the sum of the same p
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import tempfile
@@ -43,7 +44,7 @@ def cpu_peak(fn: Callable[[], None]) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read by the profiler library when it starts: above USDT
-
+    gc.collect()  # the previous pass's model and optimizer (reference cycles) freed now, not at a gc inside fn
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     fd, path = tempfile.mkstemp(suffix=".json")
@@ -64,6 +65,7 @@ def cpu_peak(fn: Callable[[], None]) -> int:
 
 def cuda_peak(fn: Callable[[], None]) -> int:
     """Peak bytes of ``torch.cuda.max_memory_allocated`` while ``fn`` ran (from an emptied cache)."""
+    gc.collect()  # as cpu_peak
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
