@@ -60,7 +60,7 @@ def test_unequal_groups_are_refused():
 
 
 def test_bad_preference_settings(tiny_digits_dir):
-    with pytest.raises(ConfigError, match="train.loss: unknown update 'ppo'.*dpo, gdro, grpo"):
+    with pytest.raises(ConfigError, match="train.loss: unknown update 'ppo'.*Valid updates: .*dpo, .*gdro, grpo"):
         _cfg(tiny_digits_dir, "ppo")
     with pytest.raises(ConfigError, match="beta must be > 0"):
         _cfg(tiny_digits_dir, "dpo", **{"train.loss_options.beta": 0})
