@@ -261,7 +261,8 @@ class Trainer:
     def _save(self, done: int) -> None:
         """Checkpoint after ``done`` units (the strategy writes it; every process returns once it is complete)."""
         upd = self._update
-        scalars = {"update": upd.scalar_state()} if upd is not None and upd.scalar_state() else {}
+        own = upd.scalar_state() if upd is not None else {}
+        scalars = {"update": own} if own else {}
         self.strategy.save(self.run.checkpoints, done, model=self.model, unwrapped=self.unwrapped, optimizer=self.opt,
                            scheduler=self.sched, ema=self.ema.shadow if self.ema else None,
                            state={**self.steps.state_dict(), **self.checkpoint_state(),
