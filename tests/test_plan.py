@@ -153,6 +153,20 @@ def test_measure_refuses_a_full_size_model_on_the_cpu():
         measure_recipe(load_config("recipes/sd3_group_pickscore.yaml"), "cpu")
 
 
+def test_measure_on_a_gpu_without_the_download_uses_random_weights(tmp_path):
+    """On CUDA --measure loads the recipe's weights where they are on the machine, else builds the same
+    config with random weights (a GPU machine without the download): the result says which."""
+    import torch
+
+    from flowrl.plan.measure import weights_source
+
+    cfg = load_config("recipes/sd3_group_pickscore.yaml")  # a hub id: not in this test's empty cache
+    assert weights_source(cfg, torch.device("cuda")) == "random"
+    assert weights_source(cfg, torch.device("cpu")) == "random"
+    local = load_config("recipes/sd3_group_pickscore.yaml", [f"model.path={tmp_path}"])
+    assert weights_source(local, torch.device("cuda")) == "from_pretrained"
+
+
 def test_unknown_hub_id_is_a_clear_error():
     with pytest.raises(ConfigError, match="published configs"):
         _plan("recipes/sd3_group_pickscore.yaml", ["model.path=someone/some-model"])

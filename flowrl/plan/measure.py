@@ -12,7 +12,8 @@ The inputs (latents, conditioning) are made before the measurement starts: the p
 their own rows (the rollout's conditioning and latents), not in these two.
 
 Peak bytes: on CUDA ``torch.cuda.max_memory_allocated`` (the weights loaded with
-``from_pretrained`` onto the GPU); on CPU the torch profiler's allocator record (``profile_memory``:
+``from_pretrained`` onto the GPU where they are on the machine, else random weights of the same
+config built on the GPU); on CPU the torch profiler's allocator record (``profile_memory``:
 the maximum ``Total Allocated`` of its ``[memory]`` events, counted from the start of the
 profile), with the transformer built inside the profile from the model directory's config (its
 weight values do not change memory). The planned figure is the sum of the same plan rows.
@@ -74,15 +75,28 @@ def cuda_peak(fn: Callable[[], None]) -> int:
     return torch.cuda.max_memory_allocated() - before
 
 
+def weights_source(cfg, device: torch.device) -> str:
+    """Where :func:`_real_transformer` takes the transformer from: ``"from_pretrained"`` (CUDA, the recipe's
+    weights on this machine) or ``"random"`` (the config alone: on a CPU, and on a GPU without the
+    download; a weight's value does not change memory)."""
+    from ..utils.hub import require_hub_model
+
+    if device.type != "cuda" or not cfg.model.path:
+        return "random"
+    try:
+        require_hub_model(cfg.model.path, f"the {cfg.model.pipeline} base model", "model.path")
+    except FileNotFoundError:
+        return "random"
+    return "from_pretrained"
+
+
 def _real_transformer(cfg, comp, device: torch.device):
-    """The recipe's transformer on ``device``: from_pretrained on CUDA, from the config on CPU (see module doc)."""
+    """The recipe's transformer on ``device``: from_pretrained on CUDA where the weights are here, else
+    built from the config (see :func:`weights_source` and the module doc)."""
     from ..pipelines.facts import build_component, component_class
 
     spec = comp.adapter.transformer_component(comp.config, cfg.model.options)
-    if device.type == "cuda" and cfg.model.path and spec.cls.startswith("diffusers:"):
-        from ..utils.hub import require_hub_model
-
-        require_hub_model(cfg.model.path, f"the {cfg.model.pipeline} base model", "model.path")
+    if spec.cls.startswith("diffusers:") and weights_source(cfg, device) == "from_pretrained":
         return component_class(spec.cls).from_pretrained(cfg.model.path, subfolder="transformer",
                                                          torch_dtype=comp.dtypes["transformer"]).to(device)
     return build_component(spec, device, comp.dtypes["transformer"])
@@ -192,7 +206,8 @@ def measure_recipe(cfg, device=None) -> dict:
     inputs = {"train": _inputs(comp, shapes, rows_t, device), "infer": _inputs(comp, shapes, rows_i, device)}
     measured = {"train": peak(lambda: _train(cfg, comp, inputs["train"], device)),
                 "infer": peak(lambda: _infer(cfg, comp, inputs["infer"], device))}
-    out = {"device": str(device), "rows": {"train": rows_t, "infer": rows_i}}
+    out = {"device": str(device), "rows": {"train": rows_t, "infer": rows_i},
+           "weights": weights_source(cfg, device)}
     for k in ("train", "infer"):
         out[k] = {"measured_bytes": int(measured[k]), "planned_bytes": int(planned[k]),
                   "relative_error": (planned[k] - measured[k]) / max(measured[k], 1)}

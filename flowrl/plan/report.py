@@ -90,7 +90,8 @@ def format_measure(m: dict) -> str:
     """``flowrl plan --measure``'s result (:func:`flowrl.plan.measure.measure_recipe`) as a table (MiB)."""
     how = "torch.cuda.max_memory_allocated" if m["device"].startswith("cuda") else "torch profiler, allocator peak"
     width = max(map(len, MEASURED_PASSES.values())) + 2
-    lines = ["", f"measured peak vs plan on {m['device']} ({how}; error = (planned - measured) / measured):",
+    weights = {"random": "; random weights of the recipe's config"}.get(m.get("weights", ""), "")
+    lines = ["", f"measured peak vs plan on {m['device']} ({how}{weights}; error = (planned - measured) / measured):",
              f"  {'pass':<{width}}{'rows':>6}{'measured MiB':>15}{'planned MiB':>14}{'error':>9}"]
     for k, title in MEASURED_PASSES.items():
         r = m[k]
