@@ -303,6 +303,20 @@ def test_bench_host_command(tmp_path):
     assert rep["rollout"]["transformer_walks_per_forward"] == 0 and rep["rollout"]["bare_forward_seconds"] > 0
 
 
+def test_a_later_run_in_the_same_process_may_change_mixed_precision(tmp_path):
+    """accelerate keeps one process-wide state and refuses another mixed precision: a notebook's second run
+    (or the GPU tests' fp32 trainer after a bf16 one) must still set up."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from flowrl.bench.host import build_host_policy
+
+    Accelerator(cpu=True, mixed_precision="bf16")  # the earlier run
+    o = HostOptions(pipeline="digits", device="cpu", minibatch=4, grad_accum=2)
+    tr = bench_trainer(build_host_policy(o, tmp_path), o, tmp_path)
+    assert AcceleratorState().mixed_precision == "no" and tr.acc.mixed_precision == "no"
+
+
 # ---------------------------------------------------------------- on a GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

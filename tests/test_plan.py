@@ -167,6 +167,29 @@ def test_measure_on_a_gpu_without_the_download_uses_random_weights(tmp_path):
     assert weights_source(local, torch.device("cuda")) == "from_pretrained"
 
 
+def test_measured_peak_counts_the_built_model_not_its_building():
+    """The pass's peak counts what was built before it as held, not the transient of building it (a float32
+    table cast to bf16 while the model is made is a load-time peak)."""
+    import torch
+
+    from flowrl.plan.measure import cpu_peak
+
+    MB = 2 ** 20
+
+    def fn(mark):
+        tmp = torch.ones(64 * MB // 4)  # building's transient: 64 MB
+        held = torch.ones(16 * MB // 4)  # the model: 16 MB
+        del tmp
+        with mark():
+            work = torch.ones(8 * MB // 4)  # the pass: 8 MB
+            del work
+        del held
+
+    peak = cpu_peak(fn)
+    assert 24 * MB <= peak < 30 * MB, peak / MB
+    assert cpu_peak(lambda mark: fn(lambda: __import__("contextlib").nullcontext())) >= 64 * MB  # unmarked: all
+
+
 def test_unknown_hub_id_is_a_clear_error():
     with pytest.raises(ConfigError, match="published configs"):
         _plan("recipes/sd3_group_pickscore.yaml", ["model.path=someone/some-model"])

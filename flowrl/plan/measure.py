@@ -16,7 +16,10 @@ Peak bytes: on CUDA ``torch.cuda.max_memory_allocated`` (the weights loaded with
 config built on the GPU); on CPU the torch profiler's allocator record (``profile_memory``:
 the maximum ``Total Allocated`` of its ``[memory]`` events, counted from the start of the
 profile), with the transformer built inside the profile from the model directory's config (its
-weight values do not change memory). The planned figure is the sum of the same plan rows.
+weight values do not change memory). Both count the built model as held and take the peak from
+the start of the pass: building's own transient (SD3's float32 position table, 864 MiB at
+SD3.5-Medium size, cast to bf16) is a load-time peak, not the pass's. The planned figure is the
+sum of the same plan rows.
 """
 from __future__ import annotations
 
@@ -38,16 +41,21 @@ from .models import module_bytes, set_up_trained
 CPU_LIMIT_BYTES = 2 * 2 ** 30  # the largest transformer --measure builds on a CPU
 
 
-def cpu_peak(fn: Callable[[], None]) -> int:
-    """Peak bytes the CPU allocator held above its level at the start, while ``fn`` ran (torch profiler;
-    its own log lines, e.g. ``gpuGetDeviceCount failed`` on a machine without a GPU, are silenced unless
-    ``KINETO_LOG_LEVEL`` is set)."""
-    from torch.profiler import ProfilerActivity, profile
+PASS_MARK = "flowrl.measure.pass"
+
+
+def cpu_peak(fn: Callable[[Callable], None]) -> int:
+    """Peak bytes the CPU allocator held above its level at the start of ``fn(mark)``, from the moment ``fn``
+    enters ``with mark():`` (what ``fn`` built before, the model, is counted as held then; a transient of
+    building it is not: a float32 position table cast to bf16 is a load-time peak, not the pass's). Torch
+    profiler; its own log lines, e.g. ``gpuGetDeviceCount failed`` on a machine without a GPU, are silenced
+    unless ``KINETO_LOG_LEVEL`` is set."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read by the profiler library when it starts: above USDT
     gc.collect()  # the previous pass's model and optimizer (reference cycles) freed now, not at a gc inside fn
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
+        fn(lambda: record_function(PASS_MARK))
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -55,22 +63,34 @@ def cpu_peak(fn: Callable[[], None]) -> int:
         events = json.loads(open(path).read())["traceEvents"]
     finally:
         os.unlink(path)
-    mem = [e["args"] for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])]
+    mem = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
     if not mem:
         return 0
     # "Total Allocated" is the allocator's whole level, also what was held before fn (earlier objects of
     # this process): the level at the start is the first event's total before its own allocation
-    start = mem[0]["Total Allocated"] - mem[0]["Bytes"]
-    return max(0, max(m["Total Allocated"] for m in mem) - start)
+    start = mem[0]["args"]["Total Allocated"] - mem[0]["args"]["Bytes"]
+    t0 = min((e["ts"] for e in events if e.get("name") == PASS_MARK), default=mem[0]["ts"])
+    before = [e for e in mem if e["ts"] < t0]
+    held = before[-1]["args"]["Total Allocated"] if before else start  # the level as the pass starts
+    return max(0, max([held] + [e["args"]["Total Allocated"] for e in mem if e["ts"] >= t0]) - start)
 
 
-def cuda_peak(fn: Callable[[], None]) -> int:
-    """Peak bytes of ``torch.cuda.max_memory_allocated`` while ``fn`` ran (from an emptied cache)."""
+def cuda_peak(fn: Callable[[Callable], None]) -> int:
+    """Peak bytes of ``torch.cuda.max_memory_allocated`` above the level at the start of ``fn(mark)``, from the
+    moment ``fn`` enters ``with mark():`` (as :func:`cpu_peak`; from an emptied cache)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def mark():
+        gc.collect()
+        torch.cuda.reset_peak_memory_stats()  # the peak restarts at the level held now (the model)
+        yield
+
     gc.collect()  # as cpu_peak
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    fn()
+    fn(mark)
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - before
 
@@ -157,24 +177,25 @@ def measure_split_recipe(cfg) -> dict:
     return out
 
 
-def _train(cfg, comp, inputs: tuple, device: torch.device) -> None:
+def _train(cfg, comp, inputs: tuple, device: torch.device, mark: Callable) -> None:
     tr = _set_up(cfg, comp, device)
     if cfg.model.options.get("gradient_checkpointing"):
         tr.enable_gradient_checkpointing()
     tr.train()
     opt = torch.optim.AdamW([p for p in tr.parameters() if p.requires_grad], lr=1e-6)
     x, kw = inputs
-    for _ in range(2):
-        out = velocity_of(comp, tr, x, kw)
-        out.float().square().mean().backward()
-        del out
-        opt.step()
-        opt.zero_grad(set_to_none=False)
+    with mark():
+        for _ in range(2):
+            out = velocity_of(comp, tr, x, kw)
+            out.float().square().mean().backward()
+            del out
+            opt.step()
+            opt.zero_grad(set_to_none=False)
 
 
-def _infer(cfg, comp, inputs: tuple, device: torch.device) -> None:
+def _infer(cfg, comp, inputs: tuple, device: torch.device, mark: Callable) -> None:
     tr = _set_up(cfg, comp, device).eval()
-    with torch.no_grad():
+    with mark(), torch.no_grad():
         velocity_of(comp, tr, *inputs)
 
 
@@ -204,8 +225,8 @@ def measure_recipe(cfg, device=None) -> dict:
     planned = {"train": module_bytes(tr) + 3 * trained + acts.bytes("train", rows_t, ckpt),
                "infer": module_bytes(tr) + acts.bytes("infer", rows_i)}
     inputs = {"train": _inputs(comp, shapes, rows_t, device), "infer": _inputs(comp, shapes, rows_i, device)}
-    measured = {"train": peak(lambda: _train(cfg, comp, inputs["train"], device)),
-                "infer": peak(lambda: _infer(cfg, comp, inputs["infer"], device))}
+    measured = {"train": peak(lambda mark: _train(cfg, comp, inputs["train"], device, mark)),
+                "infer": peak(lambda mark: _infer(cfg, comp, inputs["infer"], device, mark))}
     out = {"device": str(device), "rows": {"train": rows_t, "infer": rows_i},
            "weights": weights_source(cfg, device)}
     for k in ("train", "infer"):
@@ -234,7 +255,7 @@ def measure_trainer(cfg, run_dir) -> dict:
         tr.model.eval()
         out["r"] = tr.sampler(tr.policy, tr._iteration_prompts(0), tr.reward, seed=1, iteration=0)
 
-    measured = {"rollout": peak(rollout), "train": peak(lambda: tr.train_on(out["r"], 0))}
+    measured = {"rollout": peak(lambda mark: rollout()), "train": peak(lambda mark: tr.train_on(out["r"], 0))}
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
     holder = getattr(tr.policy, "pipe", tr.policy)
     mods = [tr.policy.transformer, getattr(tr.policy, "vae", None)] + [

@@ -179,9 +179,13 @@ class Trainer:
     def _make_accelerator(self) -> torch.device:
         """``self.acc`` and ``self.strategy``; returns the device the model goes to."""
         from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
         from accelerate.utils import ProjectConfiguration
 
         cfg = self.cfg
+        # an earlier run in this process (a notebook cell, a test session) left accelerate's settings behind,
+        # and accelerate refuses another mixed precision: forget them (the process group, if any, stays)
+        AcceleratorState._reset_state(reset_partial_state=False)
         trackers = list(cfg.logging.trackers)
         # cpu=True lets accelerate form a gloo (MULTI_CPU) world under torchrun when there is no GPU
         on_cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
