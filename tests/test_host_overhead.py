@@ -311,7 +311,11 @@ def test_a_later_run_in_the_same_process_may_change_mixed_precision(tmp_path):
 
     from flowrl.bench.host import build_host_policy
 
+    from flowrl.trainers.trainer import accelerate_settings_differ
+
     Accelerator(cpu=True, mixed_precision="bf16")  # the earlier run
+    assert accelerate_settings_differ(AcceleratorState._shared_state, "no", True)
+    assert not accelerate_settings_differ(AcceleratorState._shared_state, "bf16", True)  # same: kept
     o = HostOptions(pipeline="digits", device="cpu", minibatch=4, grad_accum=2)
     tr = bench_trainer(build_host_policy(o, tmp_path), o, tmp_path)
     assert AcceleratorState().mixed_precision == "no" and tr.acc.mixed_precision == "no"

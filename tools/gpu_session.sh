@@ -47,8 +47,9 @@ arch() {  # arch PIPELINE BACKENDS RESOLUTIONS NAME [more flags]
   $FLOWRL bench precision --pipeline "$pipe" --backends "$backends" --resolutions "$res" \
     --batch 4 --steps 6 --repeats 3 --json "$OUT/json/$name.json" "$@"
 }
-step_sd35m() { arch sd35m-arch full,fp8 512,1024 gpu_sd35m_arch; }
-step_flux() { arch flux-arch full,fp8 512,1024 gpu_flux_arch; }
+FP8=full,fp8,fp8:fuse_input=false  # fused vs eager input quantization side by side
+step_sd35m() { arch sd35m-arch "$FP8" "${SD35M_RES:-512,1024}" gpu_sd35m_arch; }
+step_flux() { arch flux-arch "$FP8" "${FLUX_RES:-512,1024}" gpu_flux_arch; }
 step_nvfp4() { arch sd35m-arch full,nvfp4 1024 gpu_sd35m_nvfp4; }
 step_variants() {
   arch sd35m-arch full,fp8,fp8:weight=per_tensor,fp8:fast_accum=false 1024 gpu_sd35m_fp8_variants
@@ -82,8 +83,12 @@ step_plan() {  # the planner against torch.cuda.max_memory_allocated (random wei
   $FLOWRL plan --config recipes/sd3_group_pickscore.yaml --measure --json "$OUT/json/gpu_plan_sd35m_ckpt.json" \
     model.options.gradient_checkpointing=true
 }
-step_plan_flux() {
-  $FLOWRL plan --config recipes/flux_group_pickscore.yaml --measure --json "$OUT/json/gpu_plan_flux.json"
+step_plan_flux() {  # cuDNN attention off first (torch 2.11's cuDNN SDPA backward), then as is, kernels synchronous
+  $PY -P -c "import runpy, sys, torch; torch.backends.cuda.enable_cudnn_sdp(False); sys.argv[0] = 'flowrl'; \
+runpy.run_module('flowrl', run_name='__main__')" plan --config recipes/flux_group_pickscore.yaml --measure \
+    --json "$OUT/json/gpu_plan_flux_no_cudnn_sdpa.json"
+  CUDA_LAUNCH_BLOCKING=1 $FLOWRL plan --config recipes/flux_group_pickscore.yaml --measure \
+    --json "$OUT/json/gpu_plan_flux.json"
 }
 step_iteration() {
   $FLOWRL bench precision --pipeline sd35m-arch --backends full,fp8 --resolutions 512 --iteration-timing \
@@ -102,7 +107,7 @@ STEPS=("$@")
 for s in "${STEPS[@]}"; do
   t0=$(date +%s)
   echo "=== $s (cap ${CAP[$s]:-120} s) $(date -u +%T)"
-  timeout -k 10 "${CAP[$s]:-120}" bash -c "$(declare -f arch "step_$s"); $(declare -p OUT PY FLOWRL PYTEST DEVICE 2>/dev/null); step_$s" \
+  timeout -k 10 "${CAP[$s]:-120}" bash -c "$(declare -f arch "step_$s"); $(declare -p FP8); $(declare -p OUT PY FLOWRL PYTEST DEVICE 2>/dev/null); step_$s" \
     >"$OUT/$s.log" 2>&1
   rc=$?
   echo "$s rc=$rc $(( $(date +%s) - t0 ))s" | tee -a "$OUT/summary.txt"

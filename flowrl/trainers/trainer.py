@@ -49,6 +49,15 @@ from .run_dir import RunDirectory
 from .steps import OptimizerSteps, TrainingStopped
 
 
+def accelerate_settings_differ(state: dict, mixed_precision: str, cpu: bool) -> bool:
+    """Whether accelerate's process-wide settings ``state`` (``AcceleratorState._shared_state``; empty:
+    none yet) would refuse an ``Accelerator(cpu=cpu, mixed_precision=mixed_precision)``."""
+    if not state:
+        return False
+    device = state.get("device")
+    return state.get("_mixed_precision") != mixed_precision or (cpu and device is not None and device.type != "cpu")
+
+
 class Trainer:
     """``Trainer(config, output_dir, resume=False, *, policy=None, reward=None)``; ``train()`` -> summary.
 
@@ -183,12 +192,13 @@ class Trainer:
         from accelerate.utils import ProjectConfiguration
 
         cfg = self.cfg
+        on_cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
         # an earlier run in this process (a notebook cell, a test session) left accelerate's settings behind,
         # and accelerate refuses another mixed precision: forget them (the process group, if any, stays)
-        AcceleratorState._reset_state(reset_partial_state=False)
+        if accelerate_settings_differ(AcceleratorState._shared_state, cfg.train.mixed_precision, on_cpu):
+            AcceleratorState._reset_state(reset_partial_state=False)
         trackers = list(cfg.logging.trackers)
         # cpu=True lets accelerate form a gloo (MULTI_CPU) world under torchrun when there is no GPU
-        on_cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
         # step_scheduler_with_optimizer=False: one scheduler step per call (accelerate would otherwise step it
         # num_processes times, making train.warmup_iterations depend on the number of processes)
         self.acc = Accelerator(cpu=on_cpu, mixed_precision=cfg.train.mixed_precision, log_with=trackers or None,
