@@ -6,7 +6,7 @@
 #
 # Writes OUT_DIR/<step>.log per step, OUT_DIR/json/*.json (+ PNG charts), OUT_DIR/summary.txt (one line
 # per step: rc, seconds) and, after each step, OUT_DIR.tgz (or $TGZ) of all of it (so a run cut short still hands
-# back what it finished). Runs from any directory; FLOWRL / PYTEST name the commands (default: this
+# back what it finished). CAPS="step=seconds ..." overrides caps. Runs from any directory; FLOWRL / PYTEST name the commands (default: this
 # Python's `-P -m flowrl` / `-P -m pytest`, so the checkout's folders never shadow the installed package).
 set -u
 OUT=${1:?usage: tools/gpu_session.sh OUT_DIR [STEP ...]}
@@ -102,6 +102,7 @@ step_host() {
 
 declare -A CAP=([env]=60 [pytest]=150 [sd35m]=90 [flux]=150 [train]=60 [plan]=90 [plan_flux]=90
                 [nvfp4]=90 [variants]=90 [iteration]=150 [host]=120)
+for kv in ${CAPS:-}; do CAP[${kv%%=*}]=${kv#*=}; done  # CAPS="pytest=80 flux=110": tighter caps for a rerun
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(env pytest sd35m flux train plan nvfp4 plan_flux variants iteration host)
 for s in "${STEPS[@]}"; do
