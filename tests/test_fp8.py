@@ -63,54 +63,6 @@ def test_fp8_linear_equals_dequantized_reference(weight, k, n):
     assert 0 < (y - full).norm() / full.norm() < 0.06  # E4M3: about 4% relative error on random data
 
 
-def test_fused_input_quantization_equals_the_eager_passes():
-    """The compiled input quantization (one kernel on CUDA; inductor's C++ here) gives the eager function's
-    values bit for bit, bf16 inputs and saturation included, at several M without recompiling per M."""
-    import shutil
-
-    import flowrl.quant.fp8_linear as fl
-
-    if not (shutil.which("g++") or shutil.which("c++")):
-        pytest.skip("torch.compile on the CPU needs a C++ compiler (none on PATH); the GPU tests run it on CUDA")
-    torch.manual_seed(0)
-    scale = torch.tensor(0.02)
-    for m in (5, 37, 64):
-        for dtype in (torch.bfloat16, torch.float32):
-            x = (torch.randn(m, 48) * 4).to(dtype)  # [M, K]; some |x| / scale > 448: saturate
-            fused, eager = fl._compiled_quantize_input()(x, scale), fl.quantize_input(x, scale)
-            assert fused.dtype == fl.E4M3 and torch.equal(fused.float(), eager.float()), (m, dtype)
-    assert float(eager.float().abs().max()) == 448.0
-
-
-def test_fused_input_quantization_falls_back_with_one_warning(monkeypatch):
-    import flowrl.quant.fp8_linear as fl
-
-    def broken():
-        raise RuntimeError("no Triton here")
-
-    monkeypatch.setattr(fl, "_compiled_quantize_input", broken)
-    monkeypatch.setattr(fl, "_FUSE_PROBLEM", [])
-    x, scale = torch.randn(4, 16), torch.tensor(0.01)
-    with pytest.warns(RuntimeWarning, match="unfused.*no Triton here"):
-        y = fl.fused_quantize_input(x, scale)
-    assert torch.equal(y.float(), fl.quantize_input(x, scale).float())
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # said once
-        fl.fused_quantize_input(x, scale)
-
-
-def test_fp8_fuse_input_option_is_parsed_and_checked():
-    from flowrl.quant import parse_backend_spec
-    from flowrl.quant.fp8 import FP8Quantizer
-
-    name, opts = parse_backend_spec("fp8:fuse_input=false")
-    assert name == "fp8" and FP8Quantizer(**opts).fuse_input is False
-    assert FP8Quantizer().fuse_input is True
-    with pytest.raises(ValueError, match="fuse_input must be true or false"):
-        FP8Quantizer(fuse_input="yes")
-
-
 def test_fp8_linear_static_scale_is_batch_independent():
     torch.manual_seed(1)
     lin = torch.nn.Linear(32, 16)

@@ -47,7 +47,7 @@ arch() {  # arch PIPELINE BACKENDS RESOLUTIONS NAME [more flags]
   $FLOWRL bench precision --pipeline "$pipe" --backends "$backends" --resolutions "$res" \
     --batch 4 --steps 6 --repeats 3 --json "$OUT/json/$name.json" "$@"
 }
-FP8=full,fp8,fp8:fuse_input=false  # fused vs eager input quantization side by side
+FP8=full,fp8
 step_sd35m() { arch sd35m-arch "$FP8" "${SD35M_RES:-512,1024}" gpu_sd35m_arch; }
 step_flux() { arch flux-arch "$FP8" "${FLUX_RES:-512,1024}" gpu_flux_arch; }
 step_nvfp4() { arch sd35m-arch full,nvfp4 1024 gpu_sd35m_nvfp4; }

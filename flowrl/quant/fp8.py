@@ -45,8 +45,6 @@ class FP8Quantizer(ModeloptPreset):
             (per channel where this torch's ``_scaled_mm`` takes row-wise scales on the device,
             else per tensor).
         fast_accum: ``_scaled_mm``'s fast accumulation (Hopper tensor cores; ignored on the CPU).
-        fuse_input: quantize each layer's input in one compiled kernel on CUDA (``false``: the eager
-            passes, to see what fusing saves; :mod:`flowrl.quant.fp8_linear`).
         simulate_on_cpu: allow the CPU (numerics only, slower than fp32) when there is no CUDA GPU.
         skip: fnmatch patterns of module names kept in full precision.
     """
@@ -54,7 +52,6 @@ class FP8Quantizer(ModeloptPreset):
     kernel: str = "scaled_mm"
     weight: str = "auto"
     fast_accum: bool = True
-    fuse_input: bool = True
     simulate_on_cpu: bool = False
     skip: tuple[str, ...] = DEFAULT_SKIP
     name: ClassVar[str] = "fp8"
@@ -67,7 +64,7 @@ class FP8Quantizer(ModeloptPreset):
                              f"'modelopt': fake quantization), got {self.kernel!r}")
         if self.weight not in WEIGHTS:
             raise ValueError(f"fp8 weight must be one of {WEIGHTS}, got {self.weight!r}")
-        for flag in ("fast_accum", "fuse_input", "simulate_on_cpu"):
+        for flag in ("fast_accum", "simulate_on_cpu"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"fp8 {flag} must be true or false, got {getattr(self, flag)!r}")
 
@@ -130,11 +127,9 @@ class FP8Quantizer(ModeloptPreset):
             raise ValueError(f"fp8 found no nn.Linear outside the skip-list {self.skip}; nothing to quantize")
         amax = record_input_amax(q, names, calibrate, "fp8")
         weight = self.resolved_weight(device)
-        replace_linears(q, lambda n, lin: FP8Linear(lin, amax[n], weight, self.fast_accum, self.fuse_input),
-                        self.skip)
+        replace_linears(q, lambda n, lin: FP8Linear(lin, amax[n], weight, self.fast_accum), self.skip)
         if device.type == "cuda":
-            fused = ", fused input quantization" if self.fuse_input else ", eager input quantization"
             return tag_kernel(q, real=True, kernel=f"torch._scaled_mm FP8-E4M3 GEMMs ({weight} weight scales, "
-                                                   f"static input scales{fused})")
+                                                   f"static input scales)")
         return tag_kernel(q, real=False, kernel=f"{SIMULATED}: torch._scaled_mm FP8 numerics on {device.type} "
                                                 f"(reference implementation, no FP8 units)")

@@ -5,12 +5,8 @@ Numerics (E4M3: largest finite value 448, round to nearest even, no infinities):
 * weight, quantized once: ``s_w = amax(|W|) / 448`` per output channel (``"per_channel"``,
   ``_scaled_mm``'s row-wise scales) or per tensor; ``W_q = e4m3(clamp(W / s_w, +-448))``.
 * input, static scale calibrated once on real prompts: ``s_x = amax_calibrated / 448``;
-  ``x_q = e4m3(clamp(x / s_x, +-448))`` (the division in float32, one rounding to E4M3), values
-  beyond the calibrated range saturate. On CUDA this is one fused kernel (``torch.compile`` of
-  :func:`quantize_input`: read the bf16 input once, write FP8): eager PyTorch takes four passes over
-  the input (upcast, divide, clamp, cast), which on an H200 cost about what the FP8 GEMM saves
-  (SD3.5-M / FLUX.1 shapes: K = 1536-12288, M = thousands of tokens). ``fuse_input=False`` runs the
-  eager passes (for comparison; also the fallback, with a warning, where compiling fails).
+  ``x_q = e4m3(clamp(x / s_x, +-448))`` (the division runs in the input's dtype: bf16 on a GPU),
+  values beyond the calibrated range saturate.
 * ``y = (x_q @ W_q^T) * s_x * s_w + b`` with fp32 accumulation; bf16 out on CUDA, the input's
   dtype on the CPU.
 
@@ -26,8 +22,7 @@ implementation (upcast and fp32 matmul): the same numerics, no speed-up.
 from __future__ import annotations
 
 import functools
-import warnings
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -42,32 +37,6 @@ WEIGHT_SCALINGS = ("per_channel", "per_tensor")
 def e4m3_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``e4m3(clamp(x / scale, +-448))`` with ``scale`` a 0-dim fp32 tensor or broadcastable."""
     return (x / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
-
-
-def quantize_input(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``e4m3(clamp(x / scale, +-448))`` computed in float32 (one rounding), ``scale`` a 0-dim fp32 tensor."""
-    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_quantize_input() -> Callable:
-    return torch.compile(quantize_input, dynamic=True, fullgraph=True)
-
-
-_FUSE_PROBLEM: list[str] = []  # why the fused quantization does not run here (said once), if it does not
-
-
-def fused_quantize_input(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """:func:`quantize_input` as one compiled kernel (the same numerics); eager, with one warning, where
-    compiling fails (no Triton, no C++ compiler)."""
-    if not _FUSE_PROBLEM:
-        try:
-            return _compiled_quantize_input()(x, scale)
-        except Exception as e:  # noqa: BLE001 - any compile failure: the eager passes give the same values
-            _FUSE_PROBLEM.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            warnings.warn(f"FP8 input quantization runs unfused (four passes over each input, slower): "
-                          f"torch.compile failed here ({_FUSE_PROBLEM[0]})", RuntimeWarning, stacklevel=2)
-    return quantize_input(x, scale)
 
 
 def _pad_to(n: int, multiple: int = ALIGN) -> int:
@@ -104,11 +73,9 @@ class FP8Linear(nn.Module):
         weight: ``"per_channel"`` (one scale per output feature) or ``"per_tensor"``.
         fast_accum: ``_scaled_mm``'s ``use_fast_accum`` (Hopper: faster, slightly less exact
             accumulation; ignored on the CPU).
-        fuse_input: quantize the input in one compiled kernel on CUDA (module doc); eager elsewhere.
     """
 
-    def __init__(self, linear: nn.Linear, input_amax: float, weight: str = "per_channel", fast_accum: bool = True,
-                 fuse_input: bool = True):
+    def __init__(self, linear: nn.Linear, input_amax: float, weight: str = "per_channel", fast_accum: bool = True):
         super().__init__()
         if weight not in WEIGHT_SCALINGS:
             raise ValueError(f"FP8Linear weight must be one of {WEIGHT_SCALINGS}, got {weight!r}")
@@ -116,7 +83,7 @@ class FP8Linear(nn.Module):
         dev = w.device
         self.in_features, self.out_features = int(w.shape[1]), int(w.shape[0])
         self.pad_k, self.pad_n = _pad_to(self.in_features), _pad_to(self.out_features)
-        self.weight_scaling, self.fast_accum, self.fuse_input = weight, bool(fast_accum), bool(fuse_input)
+        self.weight_scaling, self.fast_accum = weight, bool(fast_accum)
         wf = F.pad(w.float(), (0, self.pad_k, 0, self.pad_n))  # [Np, Kp] fp32, zero padding
         if weight == "per_channel":
             s_w = (wf.abs().amax(dim=1) / E4M3_MAX).clamp_min(1e-12)  # [Np]
@@ -154,8 +121,7 @@ class FP8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         if self.pad_k:
             x2 = F.pad(x2, (0, self.pad_k))  # [M, Kp]
-        fused = self.fuse_input and x.is_cuda and not torch.compiler.is_compiling()  # compiled model: inductor fuses
-        xq = (fused_quantize_input if fused else quantize_input)(x2, self.input_scale)  # [M, Kp] float8, row-major
+        xq = e4m3_quantize(x2, self.input_scale)  # [M, Kp] float8, row-major
         out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
         bias = None if self.bias is None else self.bias.to(out_dtype)
         y = torch._scaled_mm(xq, self.qweight.t(), scale_a=self._scale_a(xq.shape[0]), scale_b=self.weight_scale,
@@ -166,4 +132,4 @@ class FP8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, weight={self.weight_scaling}, "
-                f"input_scale={float(self.input_scale):.3e}, fast_accum={self.fast_accum}, fuse_input={self.fuse_input}")
+                f"input_scale={float(self.input_scale):.3e}, fast_accum={self.fast_accum}")
