@@ -118,9 +118,12 @@ def build_component(component: Component, device: Union[str, torch.device], dtyp
             "transformers:") else cls(**config)
     for m in model.modules():  # tensors created with an explicit dtype (e.g. a float32 position table)
         for store in (m._parameters, m._buffers):
-            for k, t in store.items():
+            for k, t in list(store.items()):
                 if t is not None and t.is_floating_point() and t.dtype != dtype:
-                    t.data = t.data.to(dtype)
+                    # a new tensor, not `t.data = ...`: a view (SD3's table is `table.float().unsqueeze(0)`)
+                    # keeps its float32 base alive through `_base` (864 MiB at SD3.5-Medium size)
+                    new = t.detach().to(dtype)
+                    store[k] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
     return model.eval().requires_grad_(False)
 
 

@@ -200,3 +200,18 @@ def test_video_and_editing_geometry():
     assert kw["hidden_states"].shape == (2, 2 * 32 * 32, 64) and kw["img_shapes"] == [[(1, 32, 32), (1, 32, 32)]] * 2
     assert edit.transformer_output(out, x).shape == x.shape
     assert policy_class("sd3").vae_latents(x) is x
+
+
+def test_build_component_in_bf16_keeps_no_float32_storage():
+    """SD3's position table is made in float32 as a view (`table.float().unsqueeze(0)`); cast to bf16 it must
+    not keep its float32 base alive (864 MiB at SD3.5-Medium size, seen on a GPU as a -13% plan error)."""
+    cfg = dict(sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=1, attention_head_dim=8,
+               num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=32,
+               pos_embed_max_size=96, qk_norm="rms_norm")
+    tr = build_component(Component("diffusers:SD3Transformer2DModel", cfg), "cpu", torch.bfloat16)
+    tensors = list(tr.parameters()) + list(tr.buffers())
+    assert {t.dtype for t in tensors} == {torch.bfloat16}
+    assert all(t._base is None or t._base.dtype == torch.bfloat16 for t in tensors)
+    table = tr.pos_embed.pos_embed  # [1, 96 * 96, 16]
+    assert table.untyped_storage().nbytes() == table.numel() * 2
+    assert all(not p.requires_grad for p in tr.parameters())
