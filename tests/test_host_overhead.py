@@ -311,7 +311,7 @@ def test_a_later_run_in_the_same_process_may_change_mixed_precision(tmp_path):
 
     from flowrl.bench.host import build_host_policy
 
-    from flowrl.trainers.trainer import accelerate_settings_differ
+    from flowrl.distributed.accelerate_state import accelerate_settings_differ
 
     Accelerator(cpu=True, mixed_precision="bf16")  # the earlier run
     assert accelerate_settings_differ(AcceleratorState._shared_state, "no", True)

@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from ..errors import ConfigError
+from ..utils.cuda_quirks import apply_cuda_workarounds
 from .activations import max_rows, velocity_of
 from .budget import cfg_rows, train_rows
 from .core import measured_setup
@@ -216,6 +217,7 @@ def measure_recipe(cfg, device=None) -> dict:
                           f"(limit {CPU_LIMIT_BYTES / 2**30:.0f} GiB); run it on a GPU, or on a smaller model directory "
                           f"(flowrl.plan.measure.write_check_model)")
     shapes = acts.shapes
+    apply_cuda_workarounds(device)  # as the trainer (flowrl.utils.cuda_quirks)
     peak = cuda_peak if device.type == "cuda" else cpu_peak
     tr = comp.transformer
     trained = module_bytes(tr, trainable=True)

@@ -33,6 +33,7 @@ from ..checkpoints.common import CheckpointError, list_checkpoints
 from ..data.embeddings import attach_text_cache, text_cache_covers
 from ..data.items import item_sources, item_texts
 from ..diagnostics import watch
+from ..distributed.accelerate_state import forget_stale_accelerate_settings
 from ..distributed.fsdp import check_launcher
 from ..distributed.offload import Offload, offload_idle
 from ..distributed.strategy import evaluation_weights, strategy_for
@@ -41,21 +42,13 @@ from ..registry import Registry
 from ..rollout.base import Rollout
 from ..scoring import score_images
 from ..trainable import EMA, Reference, set_up_trainable
+from ..utils.cuda_quirks import apply_cuda_workarounds
 from ..updates import UPDATES
 from ..updates.base import Update, UpdateContext
 from .config import Config
 from .reporting import rollout_rows
 from .run_dir import RunDirectory
 from .steps import OptimizerSteps, TrainingStopped
-
-
-def accelerate_settings_differ(state: dict, mixed_precision: str, cpu: bool) -> bool:
-    """Whether accelerate's process-wide settings ``state`` (``AcceleratorState._shared_state``; empty:
-    none yet) would refuse an ``Accelerator(cpu=cpu, mixed_precision=mixed_precision)``."""
-    if not state:
-        return False
-    device = state.get("device")
-    return state.get("_mixed_precision") != mixed_precision or (cpu and device is not None and device.type != "cpu")
 
 
 class Trainer:
@@ -146,6 +139,7 @@ class Trainer:
         cfg = self.cfg
         self._open_data()
         device = self._make_accelerator()
+        apply_cuda_workarounds(device)  # known CUDA library faults (flowrl.utils.cuda_quirks)
         prompts = self._setup_data()
         self.eval_prompts = cfg.data.eval_prompt_set()
         # the rewards before the model: a reward server that does not answer fails before minutes of loading
@@ -188,23 +182,17 @@ class Trainer:
     def _make_accelerator(self) -> torch.device:
         """``self.acc`` and ``self.strategy``; returns the device the model goes to."""
         from accelerate import Accelerator
-        from accelerate.state import AcceleratorState
         from accelerate.utils import ProjectConfiguration
 
         cfg = self.cfg
-        on_cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
-        # an earlier run in this process (a notebook cell, a test session) left accelerate's settings behind,
-        # and accelerate refuses another mixed precision: forget them (the process group, if any, stays)
-        if accelerate_settings_differ(AcceleratorState._shared_state, cfg.train.mixed_precision, on_cpu):
-            AcceleratorState._reset_state(reset_partial_state=False)
-        trackers = list(cfg.logging.trackers)
         # cpu=True lets accelerate form a gloo (MULTI_CPU) world under torchrun when there is no GPU
+        on_cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
+        forget_stale_accelerate_settings(cfg.train.mixed_precision, on_cpu)  # an earlier run in this process
         # step_scheduler_with_optimizer=False: one scheduler step per call (accelerate would otherwise step it
         # num_processes times, making train.warmup_iterations depend on the number of processes)
-        self.acc = Accelerator(cpu=on_cpu, mixed_precision=cfg.train.mixed_precision, log_with=trackers or None,
-                               step_scheduler_with_optimizer=False,
-                               project_config=ProjectConfiguration(project_dir=str(self.run.path),
-                                                                   logging_dir=str(self.run.path / "logs")))
+        project = ProjectConfiguration(project_dir=str(self.run.path), logging_dir=str(self.run.path / "logs"))
+        self.acc = Accelerator(cpu=on_cpu, mixed_precision=cfg.train.mixed_precision, project_config=project,
+                               log_with=list(cfg.logging.trackers) or None, step_scheduler_with_optimizer=False)
         check_launcher(self.acc.distributed_type, cfg.train.sharding)
         self.strategy = strategy_for(cfg.train.sharding, self.acc, cfg.train)
         return self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
@@ -312,8 +300,7 @@ class Trainer:
     # ---------------------------------------------------------------- evaluation
     def evaluate(self, i: int) -> tuple[dict, torch.Tensor]:
         """Fixed prompts x fixed seeds, deterministic ODE (:func:`flowrl.builders.evaluate_policy`, chunks of
-        ``eval_max_batch`` scored while the next samples) with the evaluation weights (the EMA when kept),
-        plus the subclass's metrics."""
+        ``eval_max_batch`` scored while the next samples), evaluation weights (EMA if kept), subclass metrics."""
         with evaluation_weights(self.strategy, self.policy, self.unwrapped, self.ema), self.reward_available(i):
             met, images = evaluate_policy(self.policy, self.reward, self.heldout, self.eval_prompts,
                                           self.cfg.data.eval_seeds_per_prompt, self.eval_steps, i,
