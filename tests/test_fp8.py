@@ -134,3 +134,51 @@ def test_fp8_modelopt_kernel_is_kept_and_labelled_simulated(tiny_digits_policy):
     assert not any(isinstance(m, FP8Linear) for m in q.modules())
     assert any(n.endswith("input_quantizer") for n, _ in q.named_modules())
     assert kernel_info("fp8:kernel=modelopt", q)["real_kernels"] is False
+
+
+def test_fp8_fuse_qkv_quantizes_each_attention_input_once(tiny_digits_policy):
+    """fp8:fuse_qkv=true fuses q/k/v first: fewer FP8 layers (one per attention input instead of three) and
+    the same samples as the unfused copy (same weights, per-channel scales and input scale)."""
+    from flowrl.quant.fp8 import FP8Quantizer
+
+    pol = tiny_digits_policy
+    cal = _calibrator(pol, PROMPTS[:4], SEEDS[:4])
+    plain = FP8Quantizer(simulate_on_cpu=True).quantize(pol.transformer, cal)
+    fused = FP8Quantizer(simulate_on_cpu=True, fuse_qkv=True).quantize(pol.transformer, cal)
+    count = lambda m: sum(isinstance(x, FP8Linear) for x in m.modules())  # noqa: E731
+    names = {n.rsplit(".", 1)[-1] for n, x in fused.named_modules() if isinstance(x, FP8Linear)}
+    assert {"to_qkv", "to_added_qkv"} <= names and "to_q" not in names
+    assert count(fused) == count(plain) - 4  # one joint block: 3 + 3 projections -> 1 + 1
+    a, b = _x0(pol, plain, [0, 1, 2, 3]), _x0(pol, fused, [0, 1, 2, 3])
+    assert torch.allclose(a, b, rtol=0, atol=1e-5), float((a - b).abs().max())
+    assert not any(n.endswith("to_qkv") for n, _ in pol.transformer.named_modules())  # the policy is untouched
+
+
+def test_fp8_fuse_qkv_on_a_model_without_it_is_a_clear_error():
+    from flowrl.quant.fp8 import fuse_qkv_projections
+
+    with pytest.raises(ValueError, match="fuse_qkv_projections.*drop fuse_qkv"):
+        fuse_qkv_projections(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+def test_fuse_qkv_keeps_a_flux_transformer_s_output():
+    """FLUX (double and single blocks): the fused copy, unfused projections dropped, computes the same."""
+    import copy
+
+    from diffusers import FluxTransformer2DModel
+
+    from flowrl.quant.fp8 import fuse_qkv_projections
+
+    torch.manual_seed(0)
+    tr = FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=8,
+                                num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8,
+                                axes_dims_rope=(2, 2, 4)).eval()
+    fused = copy.deepcopy(tr)
+    fuse_qkv_projections(fused)
+    assert not any(n.endswith((".to_q", ".add_q_proj")) for n, _ in fused.named_modules())
+    kw = dict(hidden_states=torch.randn(2, 16, 8), encoder_hidden_states=torch.randn(2, 4, 16),
+              pooled_projections=torch.randn(2, 8), timestep=torch.rand(2), img_ids=torch.rand(16, 3),
+              txt_ids=torch.zeros(4, 3), return_dict=False)
+    with torch.no_grad():
+        a, b = tr(**kw)[0], fused(**kw)[0]  # [2, 16, 8]
+    assert torch.allclose(a, b, atol=1e-5), float((a - b).abs().max())

@@ -52,7 +52,8 @@ step_sd35m() { arch sd35m-arch "$FP8" "${SD35M_RES:-512,1024}" gpu_sd35m_arch; }
 step_flux() { arch flux-arch "$FP8" "${FLUX_RES:-512,1024}" gpu_flux_arch; }
 step_nvfp4() { arch sd35m-arch full,nvfp4 1024 gpu_sd35m_nvfp4; }
 step_variants() {
-  arch sd35m-arch full,fp8,fp8:weight=per_tensor,fp8:fast_accum=false 1024 gpu_sd35m_fp8_variants
+  arch sd35m-arch full,fp8,fp8:fuse_qkv=true,fp8:weight=per_tensor,fp8:fast_accum=false 512,1024 \
+    gpu_sd35m_fp8_variants
 }
 
 step_train() {  # a few bf16 iterations of the tiny SD3 recipe; the first minibatch's ratio must be 1
@@ -83,12 +84,8 @@ step_plan() {  # the planner against torch.cuda.max_memory_allocated (random wei
   $FLOWRL plan --config recipes/sd3_group_pickscore.yaml --measure --json "$OUT/json/gpu_plan_sd35m_ckpt.json" \
     model.options.gradient_checkpointing=true
 }
-step_plan_flux() {  # cuDNN attention off first (torch 2.11's cuDNN SDPA backward), then as is, kernels synchronous
-  $PY -P -c "import runpy, sys, torch; torch.backends.cuda.enable_cudnn_sdp(False); sys.argv[0] = 'flowrl'; \
-runpy.run_module('flowrl', run_name='__main__')" plan --config recipes/flux_group_pickscore.yaml --measure \
-    --json "$OUT/json/gpu_plan_flux_no_cudnn_sdpa.json"
-  CUDA_LAUNCH_BLOCKING=1 $FLOWRL plan --config recipes/flux_group_pickscore.yaml --measure \
-    --json "$OUT/json/gpu_plan_flux.json"
+step_plan_flux() {  # on torch 2.11 flowrl turns cuDNN attention off (flowrl.utils.cuda_quirks)
+  $FLOWRL plan --config recipes/flux_group_pickscore.yaml --measure --json "$OUT/json/gpu_plan_flux.json"
 }
 step_iteration() {
   $FLOWRL bench precision --pipeline sd35m-arch --backends full,fp8 --resolutions 512 --iteration-timing \
@@ -101,10 +98,10 @@ step_host() {
 }
 
 declare -A CAP=([env]=60 [pytest]=150 [sd35m]=90 [flux]=150 [train]=60 [plan]=90 [plan_flux]=90
-                [nvfp4]=90 [variants]=90 [iteration]=150 [host]=120)
+                [nvfp4]=90 [variants]=120 [iteration]=150 [host]=120)
 for kv in ${CAPS:-}; do CAP[${kv%%=*}]=${kv#*=}; done  # CAPS="pytest=80 flux=110": tighter caps for a rerun
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(env pytest sd35m flux train plan nvfp4 plan_flux variants iteration host)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(env pytest sd35m flux train plan plan_flux variants nvfp4 iteration host)
 for s in "${STEPS[@]}"; do
   t0=$(date +%s)
   echo "=== $s (cap ${CAP[$s]:-120} s) $(date -u +%T)"

@@ -35,6 +35,27 @@ WEIGHTS = ("auto", "per_channel", "per_tensor")
 CPU_ALTERNATIVES = "on this machine use 'int8-dynamic' (real int8 kernels) or 'nvfp4-emulated' (FP4 numerics)"
 
 
+FUSED_FROM = {"to_qkv": ("to_q", "to_k", "to_v"), "to_kv": ("to_k", "to_v"),
+              "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj")}
+
+
+def fuse_qkv_projections(module: nn.Module) -> None:
+    """Fuse ``module``'s attention projections in place (diffusers' ``fuse_qkv_projections``: ``to_qkv``,
+    ``to_added_qkv``) and drop the unfused ones the fused processors no longer call; or say which model
+    lacks it."""
+    fuse = getattr(module, "fuse_qkv_projections", None)
+    if not callable(fuse):
+        raise ValueError(f"fp8:fuse_qkv=true needs a transformer with diffusers' fuse_qkv_projections (SD3, FLUX); "
+                         f"{type(module).__name__} has none: drop fuse_qkv")
+    fuse()
+    for m in module.modules():
+        for fused, parts in FUSED_FROM.items():
+            if getattr(m, "fused_projections", False) and isinstance(getattr(m, fused, None), nn.Module):
+                for part in parts:
+                    if isinstance(getattr(m, part, None), nn.Module):
+                        delattr(m, part)
+
+
 @dataclass
 class FP8Quantizer(ModeloptPreset):
     """FP8-E4M3 exploration copy (module doc), calibrated once.
@@ -45,6 +66,9 @@ class FP8Quantizer(ModeloptPreset):
             (per channel where this torch's ``_scaled_mm`` takes row-wise scales on the device,
             else per tensor).
         fast_accum: ``_scaled_mm``'s fast accumulation (Hopper tensor cores; ignored on the CPU).
+        fuse_qkv: fuse each attention's query/key/value projections first (diffusers'
+            ``fuse_qkv_projections``): one FP8 GEMM and one input quantization where there were three
+            of the same input (off by default: not yet measured on a GPU; ``docs/gpu_benchmark.md``).
         simulate_on_cpu: allow the CPU (numerics only, slower than fp32) when there is no CUDA GPU.
         skip: fnmatch patterns of module names kept in full precision.
     """
@@ -52,6 +76,7 @@ class FP8Quantizer(ModeloptPreset):
     kernel: str = "scaled_mm"
     weight: str = "auto"
     fast_accum: bool = True
+    fuse_qkv: bool = False
     simulate_on_cpu: bool = False
     skip: tuple[str, ...] = DEFAULT_SKIP
     name: ClassVar[str] = "fp8"
@@ -64,7 +89,7 @@ class FP8Quantizer(ModeloptPreset):
                              f"'modelopt': fake quantization), got {self.kernel!r}")
         if self.weight not in WEIGHTS:
             raise ValueError(f"fp8 weight must be one of {WEIGHTS}, got {self.weight!r}")
-        for flag in ("fast_accum", "simulate_on_cpu"):
+        for flag in ("fast_accum", "fuse_qkv", "simulate_on_cpu"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"fp8 {flag} must be true or false, got {getattr(self, flag)!r}")
 
@@ -122,6 +147,8 @@ class FP8Quantizer(ModeloptPreset):
             raise ValueError("fp8 calibrates its activation scales once: pass calibrate, a callable that runs real "
                              "prompts through the module")
         q = merged_copy(module)
+        if self.fuse_qkv:
+            fuse_qkv_projections(q)
         names = [n for n, m in q.named_modules() if isinstance(m, nn.Linear) and not is_skipped(n, self.skip)]
         if not names:
             raise ValueError(f"fp8 found no nn.Linear outside the skip-list {self.skip}; nothing to quantize")
@@ -130,6 +157,6 @@ class FP8Quantizer(ModeloptPreset):
         replace_linears(q, lambda n, lin: FP8Linear(lin, amax[n], weight, self.fast_accum), self.skip)
         if device.type == "cuda":
             return tag_kernel(q, real=True, kernel=f"torch._scaled_mm FP8-E4M3 GEMMs ({weight} weight scales, "
-                                                   f"static input scales)")
+                                                   f"static input scales{', fused q/k/v' if self.fuse_qkv else ''})")
         return tag_kernel(q, real=False, kernel=f"{SIMULATED}: torch._scaled_mm FP8 numerics on {device.type} "
                                                 f"(reference implementation, no FP8 units)")
