@@ -311,8 +311,9 @@ def test_a_later_run_in_the_same_process_may_change_mixed_precision(tmp_path):
 
     from flowrl.bench.host import build_host_policy
 
-    from flowrl.distributed.accelerate_state import accelerate_settings_differ
+    from flowrl.distributed.accelerate_state import accelerate_settings_differ, forget_stale_accelerate_settings
 
+    forget_stale_accelerate_settings("bf16", True)  # whatever an earlier test of this session left
     Accelerator(cpu=True, mixed_precision="bf16")  # the earlier run
     assert accelerate_settings_differ(AcceleratorState._shared_state, "no", True)
     assert not accelerate_settings_differ(AcceleratorState._shared_state, "bf16", True)  # same: kept
