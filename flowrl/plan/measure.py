@@ -64,16 +64,35 @@ def cpu_peak(fn: Callable[[Callable], None]) -> int:
         events = json.loads(open(path).read())["traceEvents"]
     finally:
         os.unlink(path)
-    mem = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    mem = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: (e["ts"], e["args"]["Bytes"] > 0))
     if not mem:
         return 0
     # "Total Allocated" is the allocator's whole level, also what was held before fn (earlier objects of
     # this process): the level at the start is the first event's total before its own allocation
     start = mem[0]["args"]["Total Allocated"] - mem[0]["args"]["Bytes"]
     t0 = min((e["ts"] for e in events if e.get("name") == PASS_MARK), default=mem[0]["ts"])
-    before = [e for e in mem if e["ts"] < t0]
-    held = before[-1]["args"]["Total Allocated"] if before else start  # the level as the pass starts
-    return max(0, max([held] + [e["args"]["Total Allocated"] for e in mem if e["ts"] >= t0]) - start)
+    levels = recorded_levels(mem)
+    held = max([start] + [lv for e, lv in zip(mem, levels) if e["ts"] < t0][-1:])  # the level as the pass starts
+    return max(0, max([held] + [lv for e, lv in zip(mem, levels) if e["ts"] >= t0]) - start)
+
+
+def recorded_levels(mem: list[dict]) -> list[int]:
+    """The allocator's level after each ``[memory]`` event (in time order), corrected for frees the profiler
+    did not record: it records the threads it profiles, and gloo's worker threads free the buffers of
+    collectives they finished (a context-parallel pass's all-to-alls: 39 MiB of a 237 MiB peak on the
+    Wan check model with checkpointing). An address allocated again without a recorded free was freed
+    before: from then on it no longer counts (until then it does: the level stays an upper bound)."""
+    live: dict[int, int] = {}
+    lost, out = 0, []
+    for e in mem:
+        addr, size = e["args"]["Addr"], e["args"]["Bytes"]
+        if size > 0:
+            lost += live.pop(addr, 0)  # still live by the record: its free happened on another thread
+            live[addr] = size
+        else:
+            live.pop(addr, None)
+        out.append(e["args"]["Total Allocated"] - lost)
+    return out
 
 
 def cuda_peak(fn: Callable[[Callable], None]) -> int:
