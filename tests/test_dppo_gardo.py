@@ -170,3 +170,19 @@ def test_dinov3_the_papers_family_loads_the_same_way(tmp_path):
                                    image_size=32, patch_size=8)).save_pretrained(tmp_path / "v3")
     f = DinoFeatures(str(tmp_path / "v3"), size=32)(torch.rand(3, 3, 40, 40))  # [3, 32]
     assert f.shape == (3, 32) and torch.isfinite(f).all()
+
+
+@pytest.mark.parametrize("cls,ignored", [("GARDOGRPOOptions", {"global_std": True, "advantage_options": {"a": 1}}),
+                                         ("GARDONFTOptions", {"global_std": True})])
+def test_gardo_refuses_advantage_options_its_diversity_ignores(cls, ignored):
+    """Both bases: options of the base's advantage that the diversity-aware advantage ignores are refused with
+    diversity on (named), accepted with it off; kl_threshold must be positive."""
+    import flowrl.updates.gardo as gardo
+
+    Options = getattr(gardo, cls)
+    names = " and ".join(ignored)
+    with pytest.raises(ValueError, match=f"loss_options.{names} ha.* no effect with diversity: true"):
+        Options(**ignored)
+    assert Options(**ignored, diversity=False).diversity is False
+    with pytest.raises(ValueError, match="kl_threshold"):
+        Options(kl_threshold=0.0)

@@ -64,6 +64,16 @@ class GARDOFields(UpdateOptions):
     features_options: dict = field(default_factory=lambda: dict(PAPER_FEATURES))  # its keyword arguments (dino: path,
     #   device, dtype, size, batch_size); the device defaults to the training device
 
+    def check_base_options(self, ignored: tuple[str, ...]) -> None:
+        """What both bases check: ``kl_threshold`` (each base sets its own default) positive, and none of the
+        base update's advantage options ``ignored`` by the diversity-aware advantage set with it."""
+        check_number(self, "kl_threshold", strict=True)
+        given = [name for name in ignored if getattr(self, name)]
+        if self.diversity and given:
+            raise ValueError(f"train.loss_options.{' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect "
+                             f"with diversity: true (GARDO's advantage is (r - group mean) x its diversity weight); "
+                             f"drop {'it' if len(given) == 1 else 'them'}, or set diversity: false")
+
     def __post_init__(self):
         super().__post_init__()
         if not isinstance(self.aux_rewards, list) or not self.aux_rewards or \
@@ -258,11 +268,7 @@ class GARDOGRPOOptions(GRPOOptions, GARDOFields):
 
     def __post_init__(self):
         super().__post_init__()
-        check_number(self, "kl_threshold", strict=True)
-        if self.diversity and (self.global_std or self.advantage_options):
-            raise ValueError("train.loss_options.global_std and advantage_options have no effect with diversity: true "
-                             "(GARDO's advantage is (r - group mean) x its diversity weight); drop them, or set "
-                             "diversity: false")
+        self.check_base_options(("global_std", "advantage_options"))
 
 
 class GARDOGRPOUpdate(GARDO, GRPOUpdate):
@@ -323,12 +329,9 @@ class GARDONFTOptions(NFTOptions, GARDOFields):
 
     def __post_init__(self):
         super().__post_init__()
-        check_number(self, "kl_threshold", strict=True)
+        self.check_base_options(("global_std",))
         if not isinstance(self.adapt_threshold, bool):
             raise ValueError(f"train.loss_options.adapt_threshold must be true or false, got {self.adapt_threshold!r}")
-        if self.diversity and self.global_std:
-            raise ValueError("train.loss_options.global_std has no effect with diversity: true (GARDO's advantage is "
-                             "(r - group mean) x its diversity weight); drop it, or set diversity: false")
 
 
 class GARDONFTUpdate(GARDO, NFTUpdate):
