@@ -71,9 +71,13 @@ def cpu_peak(fn: Callable[[Callable], None]) -> int:
     # this process): the level at the start is the first event's total before its own allocation
     start = mem[0]["args"]["Total Allocated"] - mem[0]["args"]["Bytes"]
     t0 = min((e["ts"] for e in events if e.get("name") == PASS_MARK), default=mem[0]["ts"])
-    levels = recorded_levels(mem)
-    held = max([start] + [lv for e, lv in zip(mem, levels) if e["ts"] < t0][-1:])  # the level as the pass starts
-    return max(0, max([held] + [lv for e, lv in zip(mem, levels) if e["ts"] >= t0]) - start)
+    held, peak = start, 0  # the level as the pass starts; the highest level within it
+    for e, level in zip(mem, recorded_levels(mem)):
+        if e["ts"] < t0:
+            held = level
+        else:
+            peak = max(peak, level)
+    return max(0, held - start, peak - start)
 
 
 def recorded_levels(mem: list[dict]) -> list[int]:
@@ -130,13 +134,13 @@ def weights_source(cfg, device: torch.device) -> str:
     return "from_pretrained"
 
 
-def _real_transformer(cfg, comp, device: torch.device):
-    """The recipe's transformer on ``device``: from_pretrained on CUDA where the weights are here, else
-    built from the config (see :func:`weights_source` and the module doc)."""
+def _real_transformer(cfg, comp, device: torch.device, weights: str):
+    """The recipe's transformer on ``device``: from_pretrained where ``weights`` (:func:`weights_source`) says
+    so, else built from the config (module doc)."""
     from ..pipelines.facts import build_component, component_class
 
     spec = comp.adapter.transformer_component(comp.config, cfg.model.options)
-    if spec.cls.startswith("diffusers:") and weights_source(cfg, device) == "from_pretrained":
+    if spec.cls.startswith("diffusers:") and weights == "from_pretrained":
         return component_class(spec.cls).from_pretrained(cfg.model.path, subfolder="transformer",
                                                          torch_dtype=comp.dtypes["transformer"]).to(device)
     return build_component(spec, device, comp.dtypes["transformer"])
@@ -156,10 +160,10 @@ def _inputs(comp, shapes, rows: int, device: torch.device) -> tuple:
     return x, comp.adapter.transformer_inputs(comp.config, dt, x, sigma, cond)
 
 
-def _set_up(cfg, comp, device: torch.device):
+def _set_up(cfg, comp, device: torch.device, weights: str):
     """The transformer with the trainer's LoRA (or all weights trainable), its forwards split over the
     process group under ``train.context_parallel`` (one group: the measuring processes)."""
-    tr = set_up_trained(_real_transformer(cfg, comp, device), cfg)
+    tr = set_up_trained(_real_transformer(cfg, comp, device, weights), cfg)
     if cfg.train.context_parallel > 1:
         import torch.distributed as dist
 
@@ -197,8 +201,8 @@ def measure_split_recipe(cfg) -> dict:
     return out
 
 
-def _train(cfg, comp, inputs: tuple, device: torch.device, mark: Callable) -> None:
-    tr = _set_up(cfg, comp, device)
+def _train(cfg, comp, inputs: tuple, device: torch.device, weights: str, mark: Callable) -> None:
+    tr = _set_up(cfg, comp, device, weights)
     if cfg.model.options.get("gradient_checkpointing"):
         tr.enable_gradient_checkpointing()
     tr.train()
@@ -213,8 +217,8 @@ def _train(cfg, comp, inputs: tuple, device: torch.device, mark: Callable) -> No
             opt.zero_grad(set_to_none=False)
 
 
-def _infer(cfg, comp, inputs: tuple, device: torch.device, mark: Callable) -> None:
-    tr = _set_up(cfg, comp, device).eval()
+def _infer(cfg, comp, inputs: tuple, device: torch.device, weights: str, mark: Callable) -> None:
+    tr = _set_up(cfg, comp, device, weights).eval()
     with mark(), torch.no_grad():
         velocity_of(comp, tr, *inputs)
 
@@ -246,10 +250,10 @@ def measure_recipe(cfg, device=None) -> dict:
     planned = {"train": module_bytes(tr) + 3 * trained + acts.bytes("train", rows_t, ckpt),
                "infer": module_bytes(tr) + acts.bytes("infer", rows_i)}
     inputs = {"train": _inputs(comp, shapes, rows_t, device), "infer": _inputs(comp, shapes, rows_i, device)}
-    measured = {"train": peak(lambda mark: _train(cfg, comp, inputs["train"], device, mark)),
-                "infer": peak(lambda mark: _infer(cfg, comp, inputs["infer"], device, mark))}
-    out = {"device": str(device), "rows": {"train": rows_t, "infer": rows_i},
-           "weights": weights_source(cfg, device)}
+    weights = weights_source(cfg, device)  # once: it may ask the hub whether it answers
+    measured = {"train": peak(lambda mark: _train(cfg, comp, inputs["train"], device, weights, mark)),
+                "infer": peak(lambda mark: _infer(cfg, comp, inputs["infer"], device, weights, mark))}
+    out = {"device": str(device), "rows": {"train": rows_t, "infer": rows_i}, "weights": weights}
     for k in ("train", "infer"):
         out[k] = {"measured_bytes": int(measured[k]), "planned_bytes": int(planned[k]),
                   "relative_error": (planned[k] - measured[k]) / max(measured[k], 1)}

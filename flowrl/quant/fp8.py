@@ -49,11 +49,13 @@ def fuse_qkv_projections(module: nn.Module) -> None:
                          f"{type(module).__name__} has none: drop fuse_qkv")
     fuse()
     for m in module.modules():
-        for fused, parts in FUSED_FROM.items():
-            if getattr(m, "fused_projections", False) and isinstance(getattr(m, fused, None), nn.Module):
-                for part in parts:
-                    if isinstance(getattr(m, part, None), nn.Module):
-                        delattr(m, part)
+        if not getattr(m, "fused_projections", False):
+            continue
+        unused = {part for fused, parts in FUSED_FROM.items() if isinstance(getattr(m, fused, None), nn.Module)
+                  for part in parts}
+        for part in unused:
+            if isinstance(getattr(m, part, None), nn.Module):  # a None entry stays: processors test it
+                delattr(m, part)
 
 
 @dataclass
