@@ -3,6 +3,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# test workers (pytest-xdist): one per core of CI's 2-core machine; each test file runs on one worker
+TEST_WORKERS ?= 2
 STAMP := $(VENV)/.flowrl-installed
 
 .PHONY: setup demo test clean-venv
@@ -23,7 +25,7 @@ demo: $(STAMP)
 	$(VENV)/bin/flowrl train --config recipes/digits.yaml --output-dir runs/demo --resume
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20
 
 clean-venv:
 	rm -rf $(VENV)

@@ -97,6 +97,7 @@ def tiny_model(pipeline: str) -> Path:
     from .pipelines import policy_class
     from .pipelines.tiny import make_tiny
     from .errors import ConfigError
+    from .utils.io import exclusive
     from .utils.paths import flowrl_home
 
     kinds = getattr(policy_class(pipeline), "tiny_kinds", ())
@@ -105,7 +106,10 @@ def tiny_model(pipeline: str) -> Path:
                           f"(tiny_kinds in pipelines/base.py)")
     out = flowrl_home() / "smoke" / kinds[0]
     if not (out.is_dir() and any(out.iterdir())):
-        make_tiny(kinds[0], out, image_size=None if pipeline == "digits" else SMOKE_PIXELS, overwrite=True)
+        # one process builds it; another started at the same time waits, then finds it built
+        with exclusive(out.parent / f".{out.name}.lock", f"building the tiny {kinds[0]} model into {out}"):
+            if not (out.is_dir() and any(out.iterdir())):
+                make_tiny(kinds[0], out, image_size=None if pipeline == "digits" else SMOKE_PIXELS, overwrite=True)
     return out
 
 

@@ -4,10 +4,29 @@ import tempfile
 import pytest
 import torch
 
+
+def _session_home() -> str:
+    """A FLOWRL_HOME of this test session's own: one directory shared by every pytest-xdist worker of the
+    run (``PYTEST_XDIST_TESTRUNUID`` is the same in each), so the digits base, its reward classifier and
+    the tiny models are built once per run (their builders take a lock), not once per worker."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:
+        return tempfile.mkdtemp(prefix="flowrl-test-home-")
+    path = os.path.join(tempfile.gettempdir(), f"flowrl-test-home-{run}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _workers() -> int:
+    """pytest-xdist worker processes of this run (1 without xdist)."""
+    return max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
+
+
 # Tests never touch the user's cache: a per-session FLOWRL_HOME unless the caller set one.
-os.environ.setdefault("FLOWRL_HOME", tempfile.mkdtemp(prefix="flowrl-test-home-"))
+os.environ.setdefault("FLOWRL_HOME", _session_home())
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# the cores shared by the workers (`make test` runs one per core): more threads only oversubscribe them
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _workers()))
 
 
 @pytest.fixture(scope="module")
