@@ -53,7 +53,9 @@ def test_remote_gives_the_local_rewards(tiny_digits_dir):
             assert same(rewards.build("remote", **remote_kwargs(url, encoding=enc))(x, PROMPTS),
                         local(eight_bit, PROMPTS))
         small = rewards.build("remote", **remote_kwargs(url, encoding="float32", batch_size=4))  # 2 requests
-        assert same(small(x, PROMPTS), local(x, PROMPTS))
+        # rows scored in batches of 4 and 2 instead of 6: the classifier's matrix products may take other kernels
+        # for other batch sizes (float32 round-off, on some CPUs and thread counts), never other values
+        torch.testing.assert_close(small(x, PROMPTS), local(x, PROMPTS), rtol=1e-5, atol=1e-7, equal_nan=True)
         mixed = rewards.build_multi({"remote": 1.0, "jpeg_compressibility": 0.5},
                                     {"remote": remote_kwargs(url, encoding="float32")})
         want = local(x, PROMPTS) + 0.5 * rewards.build("jpeg_compressibility")(x, PROMPTS)
