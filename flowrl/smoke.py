@@ -5,10 +5,10 @@ targets, sharding) and :func:`smoke_overrides` shrinks everything else:
 
 - the model: the pipeline's tiny random model (``flowrl make-tiny``, cached in
   ``$FLOWRL_HOME/smoke/``), on the CPU in float32, the recipe's model options shrunk
-  (:data:`MODEL_OPTIONS`: 32 px, 8 text tokens, 5 video frames, no gradient checkpointing; a pipeline's own
-  values in :data:`PIPELINE_OPTIONS`);
-- the sampler: the few steps and samples of its row in :data:`SAMPLERS` (a new sampler adds a row);
-  Sol's exploration runs ``int8-dynamic`` (the recipes' NVFP4 needs CUDA);
+  (:data:`MODEL_OPTIONS`: 32 px, 8 text tokens, 5 video frames, no gradient checkpointing; an adapter's own
+  values in its ``smoke_model_options``);
+- the sampler: the few steps and samples its ``smoke_options`` declares (``flowrl/rollout/base.py``; Sol's
+  exploration runs ``int8-dynamic``: the recipes' NVFP4 needs CUDA);
 - training: 1 iteration of 4 samples, one pass, a checkpoint; evaluation on one prompt; one process, so
   ``train.context_parallel`` is 1 (a context-parallel group needs several);
 - reward: ``jpeg_compressibility`` (no download; the recipe's reward models need their weights); models an
@@ -29,22 +29,20 @@ the end, never to the recipe's own cache paths, so the real run finds no stale c
 """
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 SMOKE_PIXELS = 32  # tiny diffusers models: 16 x 4 x 4 latents
 PROMPTS = {"digits": ["a handwritten digit 3", "a handwritten digit 7"]}
 DEFAULT_PROMPTS = ["a photo of a cat", "a red apple on a table"]
-# recipe model.options -> its smoke value (only keys the recipe sets are changed)
+# recipe model.options -> its smoke value (only keys the recipe sets are changed; an adapter's own values of these
+# keys: its smoke_model_options, e.g. FLUX.2 [dev]'s 48 text tokens)
 MODEL_OPTIONS = {"resolution": SMOKE_PIXELS, "max_sequence_length": 8, "dtype": "float32",
                  "gradient_checkpointing": "false", "decode_batch": "null", "num_frames": 5,
                  "condition_area": SMOKE_PIXELS ** 2, "source_area": SMOKE_PIXELS ** 2}
-# pipeline -> its own smoke values of MODEL_OPTIONS keys: FLUX.2 [dev]'s Mistral template opens with a system
-# message of 32 tokens (tiny tokenizer), so 48 text tokens keep the prompt in the conditioning. (FLUX.2
-# [klein] and Z-Image: Qwen3's template puts 3 tokens before the prompt; 8 keep it.)
-PIPELINE_OPTIONS = {"flux2": {"max_sequence_length": 48}}
 TRAIN = {"train.iterations": 1, "train.batch_size": 4, "train.minibatch_size": 64, "train.grad_accum": 1,
          "train.mixed_precision": "'no'", "train.checkpoint_every": 1, "train.ema_every": 1,
          "train.context_parallel": 1,
@@ -64,31 +62,19 @@ OFFLINE = {"offline.groups_per_prompt": 1, "offline.k": 2, "offline.num_steps": 
            "offline.generation_batch": 256, "offline.save_png": "false", "offline.judge": "{}"}
 
 
-def _group(sampler: dict) -> dict:
-    window = {"sde_window": 1, "window_start": 0} if sampler.get("sde_window") else {}  # an SDE window in 2 steps
-    return {"group_size": 2, "num_steps": 2, "max_batch": "null", **window}
+def yaml_value(value) -> str:
+    """A Python value as the YAML of a dotted override (JSON is YAML: ``null``, ``[0, 1]``, ``true``)."""
+    return json.dumps(value)
 
 
-def _ode(sampler: dict) -> dict:  # 3 steps: a training time after the first (AWM's discrete_wo_init)
-    return {**_group(sampler), "num_steps": 3}
+def sampler_smoke_options(sampler) -> dict[str, str]:
+    """``KEY -> YAML`` that shrink ``sampler``: a built sampler (its ``smoke_options`` declaration), or a
+    registered sampler's name (built with its defaults)."""
+    if isinstance(sampler, str):
+        from .registry import SAMPLERS
 
-
-def _branch(sampler: dict) -> dict:
-    return {"num_steps": 3, "split_steps": "[0, 1]", "window": 2, "window_start": 0, "max_batch": "null"}
-
-
-def _tempflow(sampler: dict) -> dict:
-    return {"num_steps": 3, "branch_steps": "[0, 1]", "branches": 2, "seeds_per_prompt": 1, "max_batch": "null"}
-
-
-def _sol(sampler: dict) -> dict:
-    return {"pool_size": 4, "preview_steps": 2, "keep": 2, "regen_options.num_steps": 2,
-            "explore_backend": "int8-dynamic", "explore_batch": "null"}
-
-
-# sampler name -> its options shrunk (every row keeps train.batch_size = 4 a multiple of its samples per prompt)
-SAMPLERS: dict[str, Callable[[dict], dict]] = {"group": _group, "ode": _ode, "branch": _branch,
-                                               "tempflow": _tempflow, "sol": _sol}
+        sampler = SAMPLERS.get(sampler)()
+    return {k: yaml_value(v) for k, v in sampler.smoke_options().items()}
 
 
 def tiny_model(pipeline: str) -> Path:
@@ -128,15 +114,13 @@ def smoke_overrides(cfg, model_dir: Path, scratch: Path) -> list[str]:
     ``scratch`` is a temporary directory for a text-embedding cache."""
     from .errors import ConfigError
 
-    shrink = SAMPLERS.get(cfg.sampler.name)
-    if shrink is None:
-        raise ConfigError(f"--smoke knows the samplers {', '.join(sorted(SAMPLERS))}, not {cfg.sampler.name!r}: "
-                          f"add its row to flowrl/smoke.py (SAMPLERS)")
+    from .pipelines import policy_class
+
     prompts = PROMPTS.get(cfg.model.pipeline, DEFAULT_PROMPTS)
-    options = {**MODEL_OPTIONS, **PIPELINE_OPTIONS.get(cfg.model.pipeline, {})}
+    options = {**MODEL_OPTIONS, **getattr(policy_class(cfg.model.pipeline), "smoke_model_options", {})}
     ov = {"model.path": str(model_dir), "model.device": "cpu",
           **{f"model.options.{k}": v for k, v in options.items() if k in cfg.model.options},
-          **{f"sampler.{k}": v for k, v in shrink(cfg.sampler.to_dict()).items()},
+          **{f"sampler.{k}": v for k, v in sampler_smoke_options(cfg.sampler.build()).items()},
           **TRAIN, "data.prompts": f"[{', '.join(prompts)}]", "data.eval_prompts": f"[{prompts[0]}]",
           **editing_data(cfg.model.pipeline)}
     if cfg.model.text_embedding_cache:  # never the recipe's own (relative, shared) cache directory

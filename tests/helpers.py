@@ -18,7 +18,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from flowrl.sde import ode_step
-from flowrl.smoke import DEFAULT_PROMPTS, MODEL_OPTIONS, SAMPLERS, SMOKE_PIXELS, TRAIN
+from flowrl.smoke import DEFAULT_PROMPTS, MODEL_OPTIONS, SMOKE_PIXELS, TRAIN, sampler_smoke_options
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = SMOKE_PIXELS  # pixels: 16 x 4 x 4 latents
@@ -35,7 +35,7 @@ def tiny_overrides(path, sampler: str, **extra) -> list[str]:
     beyond one smoke iteration: two iterations (the second changes the LoRA again), a large lr, quiet."""
     base = {"model.path": str(path), "model.device": "cpu",
             **{f"model.options.{k}": MODEL_OPTIONS[k] for k in TINY_MODEL_OPTIONS},
-            **{f"sampler.{k}": v for k, v in SAMPLERS[sampler]({}).items()}, **TRAIN,
+            **{f"sampler.{k}": v for k, v in sampler_smoke_options(sampler).items()}, **TRAIN,
             "data.prompts": f"[{', '.join(DEFAULT_PROMPTS)}]", "data.eval_prompts": f"[{DEFAULT_PROMPTS[0]}]",
             "train.iterations": 2, "train.lr": 1e-2, "logging.progress": "false"}
     base.update(extra)

@@ -20,7 +20,7 @@ import torch
 
 from flowrl.checkpoints import checkpoint_tensors
 from flowrl.checkpoints.common import list_checkpoints
-from flowrl.smoke import SAMPLERS, smoke_overrides
+from flowrl.smoke import sampler_smoke_options, smoke_overrides
 from flowrl.trainers.config import load_config
 from helpers import train_records
 
@@ -37,7 +37,7 @@ def sampler(name: str, **extra) -> str:
     """An override replacing the recipe's sampler section with ``name`` at its smoke size (the table's
     dotted keys nested), so the recipe's batch size check passes before the shrinking."""
     opts: dict = {}
-    for k, v in {**SAMPLERS[name]({}), **extra}.items():
+    for k, v in {**sampler_smoke_options(name), **extra}.items():
         head, _, tail = k.partition(".")
         if tail:
             opts.setdefault(head, {})[tail] = v

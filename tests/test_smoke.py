@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.smoke import SAMPLERS, smoke_config, smoke_run
+from flowrl.registry import SAMPLERS
+from flowrl.smoke import sampler_smoke_options, smoke_config, smoke_run
 from flowrl.checkpoints.common import list_checkpoints
 from flowrl.trainers.config import load_config
 from flowrl.trainers.config_text import shipped_recipes
@@ -17,8 +18,16 @@ RECIPES = [p.stem for p in shipped_recipes()]
 SAMPLE = ["data.prompts=flowgrpo-pickscore-sample", "data.eval_prompts=flowgrpo-pickscore-sample"]
 
 
-def test_every_shipped_sampler_has_a_row():
-    assert {load_config(f"{r}.yaml").sampler.name for r in RECIPES} <= set(SAMPLERS)
+@pytest.mark.parametrize("name", SAMPLERS.names())
+def test_every_sampler_declares_its_smoke_size(name):
+    """Each registered sampler shrinks itself (its smoke_options): a valid sampler whose samples per prompt
+    divide the smoke batch of 4."""
+    from flowrl.trainers.config import SamplerConfig
+
+    shrunk = load_config("digits", [f"sampler={{name: {name}}}", *(f"sampler.{k}={v}" for k, v in
+                                                             sampler_smoke_options(name).items()),
+                                    "train.batch_size=4", "train.loss=nft"]).sampler
+    assert isinstance(shrunk, SamplerConfig) and 4 % shrunk.samples_per_prompt == 0
 
 
 def provide_recipe_files(recipe: str, where: Path) -> None:

@@ -77,31 +77,18 @@ def exploration_copy_bytes(transformer, backend: str, options: dict) -> int:
     return total
 
 
-def reward_size(name: str) -> tuple[Optional[int], str]:
-    """``(parameters, source)`` the reward registered as ``name`` declares it keeps loaded
-    (``resident_params`` / ``resident_note`` on its class); ``(None, why)`` when it declares none."""
-    from ..rewards import _resolve
-
-    target = _resolve(name)
-    params = getattr(target, "resident_params", None)
-    if params is None:
-        return None, (f"resident size unknown: not counted ({getattr(target, '__name__', name)} declares no "
-                      f"resident_params)")
-    return int(params), str(getattr(target, "resident_note", ""))
-
-
 def reward_items(cfg) -> list[Item]:
-    """Trained-on and held-out reward models: declared parameters x their dtype, on their device."""
+    """Trained-on and held-out reward models: what each declares it keeps (``flowrl.rewards.resident``)."""
+    from ..rewards import resident
+
     out = []
     names = list(cfg.reward.weights) + [n for n in cfg.reward.heldout if n not in cfg.reward.weights]
     names += [n for n in cfg.train.update_needs.rewards if n not in names]  # models the update keeps itself
     for n in names:
-        opts = {**cfg.reward.options.get(n, {}), **cfg.reward.heldout.get(n, {})}
-        params, source = reward_size(n)
-        size = 2 if str(opts.get("dtype", "float32")) in ("bfloat16", "bf16", "float16", "fp16") else 4
-        where = "host" if str(opts.get("device", "cpu")).startswith("cpu") else "gpu"
+        size, on_gpu, source = resident(n, {**cfg.reward.options.get(n, {}), **cfg.reward.heldout.get(n, {})})
         tag = "reward" if n in cfg.reward.weights else "held-out" if n in cfg.reward.heldout else "update's reward"
-        out.append(Item(f"{tag} model: {n}", (params or 0) * size, "resident", where, source, known=params is not None))
+        out.append(Item(f"{tag} model: {n}", size or 0, "resident", "gpu" if on_gpu else "host", source,
+                        known=size is not None))
     for target in cfg.train.update_needs.models:  # e.g. GARDO's image-feature model (fp32 on the training GPU)
         cls = resolve_target(target)
         params = getattr(cls, "resident_params", None)
@@ -142,11 +129,10 @@ def model_items(cfg, comp: MetaComponents, gpus: int) -> list[Item]:
     if fsdp and (n > 1 or t.cpu_offload):
         items.append(Item("FSDP unsharded blocks (2 x largest)", 2 * block_bytes(tr), "gathered", "gpu",
                           "one block gathered for compute, the next prefetched: during transformer passes only"))
-    if cfg.sampler.name == "sol":
-        opts = cfg.sampler.options
-        backend = opts.get("explore_backend", "int8-dynamic")
-        items.append(Item(f"exploration copy ({backend})",
-                          exploration_copy_bytes(tr, backend, opts.get("explore_options", {})), "resident", "gpu",
+    explore = cfg.sampler.build().exploration(t.batch_size)  # the sampler's declaration (Sol-RL's quantized copy)
+    if explore is not None:
+        items.append(Item(f"exploration copy ({explore.backend})",
+                          exploration_copy_bytes(tr, explore.backend, explore.options), "resident", "gpu",
                           "LoRA merged; embedders / output layers full precision"))
     dropped = cfg.model.drop_text_encoders and cfg.model.text_embedding_cache
     te = sum(module_bytes(m) for m in comp.text_encoders.values())
@@ -201,17 +187,16 @@ def rollout_items(cfg, comp: MetaComponents, acts: Activations) -> list[Item]:
     k = cfg_rows(cfg, comp)
     latent = acts.shapes.latent_bytes
     items = []
-    gen = sampler
-    if cfg.sampler.name == "sol":
-        gen = sampler._regen
-        pool = (n // sampler.keep) * sampler.pool_size
-        kept, fwd, dec = _working_set(cfg, comp, acts, pool, max_rows(pool, sampler.explore_batch), k)
-        items.append(Item(f"Sol exploration ({pool} seeds): latents + conditioning + max(forward, VAE decode)",
+    gen = sampler.trained_sampler  # the sampler whose rollout trains (Sol-RL: its regeneration)
+    explore = sampler.exploration(n)
+    if explore is not None:
+        pool, rows = explore.seeds, explore.rows
+        kept, fwd, dec = _working_set(cfg, comp, acts, pool, rows, k)
+        items.append(Item(f"exploration ({pool} seeds): latents + conditioning + max(forward, VAE decode)",
                           kept + max(fwd, dec), "transient", "gpu",
-                          f"forward {max_rows(pool, sampler.explore_batch) * k} rows: {fwd / 2**30:.1f} GiB, "
-                          f"decode {chunk_decode_rows(cfg, pool, max_rows(pool, sampler.explore_batch))} images per "
-                          f"VAE call: {dec / 2**30:.1f} GiB"))
-        items.append(Item("Sol re-sync: merged full-precision copy before quantizing",
+                          f"forward {rows * k} rows: {fwd / 2**30:.1f} GiB, decode "
+                          f"{chunk_decode_rows(cfg, pool, rows)} images per VAE call: {dec / 2**30:.1f} GiB"))
+        items.append(Item("exploration re-sync: merged full-precision copy before quantizing",
                           exploration_copy_bytes(comp.transformer, "none", {}), "transient"))
     rows = max_rows(n, getattr(gen, "max_batch", None))
     kept, fwd, dec = _working_set(cfg, comp, acts, n, rows, k)

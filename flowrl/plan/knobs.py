@@ -16,6 +16,10 @@ from .core import Plan, plan_memory
 
 
 def _ckpt(cfg, gpus) -> Optional[list[str]]:
+    from ..pipelines import policy_class
+
+    if "gradient_checkpointing" not in policy_class(cfg.model.pipeline).declared_options():  # the adapter's options
+        return None
     return None if cfg.model.options.get("gradient_checkpointing") else ["model.options.gradient_checkpointing=true"]
 
 
@@ -29,12 +33,8 @@ def _minibatch(cfg, gpus) -> Optional[list[str]]:
 
 
 def _max_batch(cfg, gpus) -> Optional[list[str]]:
-    if cfg.sampler.name == "sol":
-        s = cfg.sampler.build()
-        current, key = s.explore_batch or (cfg.train.batch_size // s.keep) * s.pool_size, "sampler.explore_batch"
-    else:
-        current, key = cfg.sampler.options.get("max_batch") or cfg.train.batch_size, "sampler.max_batch"
-    return None if current <= 1 else [f"{key}={max(1, current // 2)}"]
+    key, current = cfg.sampler.build().forward_rows_option(cfg.train.batch_size)  # the sampler's declaration
+    return None if current <= 1 else [f"sampler.{key}={max(1, current // 2)}"]
 
 
 def _text_cache(cfg, gpus) -> Optional[list[str]]:

@@ -246,7 +246,8 @@ def measure_recipe(cfg, device=None) -> dict:
     trained = module_bytes(tr, trainable=True)
     ckpt = bool(cfg.model.options.get("gradient_checkpointing", False))
     rows_t = train_rows(cfg, comp)
-    rows_i = max_rows(cfg.train.batch_size, cfg.sampler.options.get("max_batch")) * cfg_rows(cfg, comp)
+    rows_i = max_rows(cfg.train.batch_size, getattr(cfg.sampler.build().trained_sampler, "max_batch", None)) * \
+        cfg_rows(cfg, comp)
     planned = {"train": module_bytes(tr) + 3 * trained + acts.bytes("train", rows_t, ckpt),
                "infer": module_bytes(tr) + acts.bytes("infer", rows_i)}
     inputs = {"train": _inputs(comp, shapes, rows_t, device), "infer": _inputs(comp, shapes, rows_i, device)}

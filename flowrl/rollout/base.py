@@ -110,3 +110,43 @@ class Rollout:
             return dict(self.cond)
         with torch.no_grad():
             return dict(encode_conditions(policy, self.prompts))
+
+
+@dataclass(frozen=True)
+class Exploration:
+    """A pass a sampler makes before the rollout it trains on (Sol-RL's quantized exploration), as ``flowrl
+    plan`` counts it: ``seeds`` samples per process and iteration, ``rows`` latent rows per velocity call, by
+    a copy of the transformer quantized with ``backend`` (a ``flowrl.quant`` spec) and its ``options``."""
+
+    seeds: int
+    rows: int
+    backend: str
+    options: dict
+
+
+class SamplerDeclarations:
+    """What the rest of flowrl asks a sampler besides sampling (``flowrl train --smoke``, ``flowrl plan``),
+    with the defaults of a flat sampler; every registered sampler inherits it and overrides what differs.
+    A sampler's options are its dataclass fields (types and ranges declared on them, checked when the config
+    loads: :mod:`flowrl.options`)."""
+
+    def smoke_options(self) -> dict:
+        """``{option: value}`` (dotted for a nested option: ``regen_options.num_steps``) that shrink this
+        sampler, as configured, for ``flowrl train --smoke``: a few steps, 2 samples per prompt (``train.batch_size``
+        4 stays a multiple), every chunk in one call."""
+        raise NotImplementedError(f"{type(self).__name__} declares no smoke_options (flowrl/rollout/base.py)")
+
+    def forward_rows_option(self, batch_size: int) -> tuple[str, int]:
+        """``(option, rows)``: the option that caps the rows of one sampling forward, and the rows it gives now
+        for ``batch_size`` samples per process (``flowrl plan --suggest`` halves it)."""
+        return "max_batch", int(getattr(self, "max_batch", None) or batch_size)
+
+    def exploration(self, batch_size: int) -> Optional[Exploration]:
+        """The pass before the trained rollout for ``batch_size`` trained samples per process, or None."""
+        return None
+
+    @property
+    def trained_sampler(self):
+        """The sampler whose rollout is trained on (its transitions, steps and chunks): itself, or Sol-RL's
+        regeneration sampler."""
+        return self

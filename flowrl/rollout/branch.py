@@ -24,7 +24,7 @@ from ..seeding import derive_seeds, seeded_randn_rows
 from ..sde import DEFAULT_NOISE_LEVEL, STEPS, get_step, ode_step
 from ..structures import TreeStructure
 from ..types import FlowPolicy, RewardFn, index_cond
-from .base import Rollout, Transitions
+from .base import Rollout, SamplerDeclarations, Transitions
 from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
 from ..scoring import ChunkScorer, unit_chunks
 
@@ -155,7 +155,7 @@ def _renumber(ids: torch.Tensor, c: int, a: int, p: int, sizes: list[int]) -> to
 
 
 @dataclass
-class BranchSampler:
+class BranchSampler(SamplerDeclarations):
     """One branching tree per prompt (BranchGRPO, arXiv 2509.06040), all trees batched per step.
 
     Args:
@@ -253,6 +253,10 @@ class BranchSampler:
     def samples_per_prompt(self) -> int:
         """Finished samples (leaves) per prompt: the trainer's batch unit."""
         return self.num_leaves
+
+    def smoke_options(self) -> dict:
+        """3 steps, splits at the first two, a window of 2 from the start."""
+        return {"num_steps": 3, "split_steps": [0, 1], "window": 2, "window_start": 0, "max_batch": None}
 
     def check_available(self) -> None:
         """Nothing to check: this sampler runs wherever the policy runs (the Sampler protocol)."""

@@ -13,13 +13,13 @@ from ..sde import DEFAULT_NOISE_LEVEL, get_step, ode_step
 from ..ode_solvers import SOLVERS, compressed_sigmas, data_prediction, dpmpp_2m_step, second_order
 from ..structures import GroupStructure
 from ..types import FlowPolicy, RewardFn, index_cond
-from .base import Rollout, Transitions
+from .base import Rollout, SamplerDeclarations, Transitions
 from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
 from ..scoring import ChunkScorer, row_chunks
 
 
 @dataclass
-class GroupSampler:
+class GroupSampler(SamplerDeclarations):
     """``group_size`` trajectories per prompt, every row of a step in one ``velocity`` call.
 
     Args:
@@ -87,6 +87,11 @@ class GroupSampler:
     def samples_per_prompt(self) -> int:
         """Finished samples per prompt: the trainer's batch unit."""
         return self.group_size
+
+    def smoke_options(self) -> dict:
+        """2 samples in 2 steps; an SDE window of 1 from the first step where one is set."""
+        window = {"sde_window": 1, "window_start": 0} if self.sde_window else {}
+        return {"group_size": 2, "num_steps": 2, "max_batch": None, **window}
 
     def check_available(self) -> None:
         """Nothing to check: this sampler runs wherever the policy runs (the Sampler protocol)."""

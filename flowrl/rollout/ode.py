@@ -15,7 +15,7 @@ from ..sde import ode_step
 from ..seeding import derive_seeds
 from ..structures import GroupStructure
 from ..types import FlowPolicy, RewardFn, index_cond
-from .base import Rollout, Transitions
+from .base import Rollout, SamplerDeclarations, Transitions
 from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
 from ..scoring import ChunkScorer, Scores, ScoreFn, row_chunks
 
@@ -127,7 +127,7 @@ def ode_rollout(policy: FlowPolicy, prompts: list[str], seeds: list[int], num_st
 
 
 @dataclass
-class ODEGroupSampler:
+class ODEGroupSampler(SamplerDeclarations):
     """``group_size`` deterministic ODE samples per prompt, one seed each: the flat sampler of
     DiffusionNFT (arXiv 2509.16117) and of online DPO / GDRO, which train on finished samples, not
     log-probs (updates declaring ``Needs.clean_samples``; GRPO has no stochastic transitions to train on here)."""
@@ -149,6 +149,10 @@ class ODEGroupSampler:
     @property
     def samples_per_prompt(self) -> int:
         return self.group_size
+
+    def smoke_options(self) -> dict:
+        """2 samples in 3 steps (a training time after the first: AWM's ``discrete_wo_init``)."""
+        return {"group_size": 2, "num_steps": 3, "max_batch": None}
 
     def check_available(self) -> None:
         """Nothing to check: this sampler runs wherever the policy runs (the Sampler protocol)."""

@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..options import check_options, declared
 from ..quant import check_available, get_quantizer, parse_backend_spec
 from ..quant.fidelity import ranking_fidelity
 from ..quant.sync import QuantizedCopy
@@ -40,7 +41,7 @@ from ..types import swapped_transformer
 from ..seeding import derive_seeds, stream_seed
 from ..structures import SolStructure
 from ..types import FlowPolicy, RewardFn
-from .base import Rollout
+from .base import Exploration, Rollout, SamplerDeclarations
 from .common import EvalCounter
 from .ode import ode_generate, ode_rollout, ode_sample
 from ..scoring import Scores
@@ -102,7 +103,7 @@ class ODERegen:
 
 
 @dataclass
-class SolSampler:
+class SolSampler(SamplerDeclarations):
     """Sol-RL sampler: quantized ODE exploration of a seed pool, full-precision regeneration of a
     contrastive subset (module doc; docs/algorithms.md §6).
 
@@ -175,18 +176,20 @@ class SolSampler:
         self._copy = QuantizedCopy(self._quantizer)
 
     def _build_regen(self):
-        opts = dict(self.regen_options)
-        if self.regen == "ode":
-            return ODERegen(**opts)
-        if self.regen == "group":
-            from .group import GroupSampler
+        from .group import GroupSampler
 
-            if opts.setdefault("group_size", self.keep) != self.keep:
-                raise ValueError(f"regen_options.group_size={opts['group_size']} must equal keep={self.keep} (the "
-                                 f"regenerated samples of a prompt form its group); drop it or change keep")
-            return GroupSampler(**opts)
-        raise ValueError(f"regen must be one of {', '.join(REGEN_SAMPLERS)} ('ode' for DiffusionNFT, 'group' for "
-                         f"GRPO with SDE regeneration), got {self.regen!r}")
+        if self.regen not in REGEN_SAMPLERS:
+            raise ValueError(f"regen must be one of {', '.join(REGEN_SAMPLERS)} ('ode' for DiffusionNFT, 'group' for "
+                             f"GRPO with SDE regeneration), got {self.regen!r}")
+        cls = ODERegen if self.regen == "ode" else GroupSampler
+        opts = dict(self.regen_options)
+        declared_options, is_open = declared(cls)
+        check_options("sampler.regen_options", f"the {self.regen!r} regeneration sampler", declared_options, opts,
+                      open=is_open)
+        if cls is GroupSampler and opts.setdefault("group_size", self.keep) != self.keep:
+            raise ValueError(f"regen_options.group_size={opts['group_size']} must equal keep={self.keep} (the "
+                             f"regenerated samples of a prompt form its group); drop it or change keep")
+        return cls(**opts)
 
     @property
     def samples_per_prompt(self) -> int:
@@ -197,6 +200,30 @@ class SolSampler:
     def stores_transitions(self) -> bool:
         """Whether the regeneration stores stochastic transitions (GRPO needs them; ODE does not)."""
         return self.regen != "ode"
+
+    def smoke_options(self) -> dict:
+        """A pool of 4 previewed in 2 steps, 2 kept and regenerated in 2; exploration by ``int8-dynamic`` (the
+        recipes' NVFP4 and FP8 need CUDA)."""
+        return {"pool_size": 4, "preview_steps": 2, "keep": 2, "regen_options.num_steps": 2,
+                "explore_backend": "int8-dynamic", "explore_batch": None}
+
+    def pool(self, batch_size: int) -> int:
+        """Seeds explored per process and iteration for ``batch_size`` trained samples."""
+        return (batch_size // self.keep) * self.pool_size
+
+    def forward_rows_option(self, batch_size: int) -> tuple[str, int]:
+        """The exploration's chunk (``explore_batch``): its pool is the largest sampling forward."""
+        return "explore_batch", int(self.explore_batch or self.pool(batch_size))
+
+    def exploration(self, batch_size: int) -> Exploration:
+        pool = self.pool(batch_size)
+        return Exploration(seeds=pool, rows=min(pool, self.explore_batch or pool), backend=self.explore_backend,
+                           options=dict(self.explore_options))
+
+    @property
+    def trained_sampler(self):
+        """The regeneration sampler: its rollout is what trains."""
+        return self._regen
 
     @property
     def num_steps(self) -> int:

@@ -39,7 +39,7 @@ from ..sde import ode_step, sde_step
 from ..seeding import derive_seeds, seeded_randn
 from ..structures import TempFlowStructure
 from ..types import FlowPolicy, RewardFn, index_cond
-from .base import Rollout, Transitions
+from .base import Rollout, SamplerDeclarations, Transitions
 from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
 from ..scoring import ChunkScorer, unit_chunks
 
@@ -58,7 +58,7 @@ def branch_noise_stream(step: int, branch: int) -> int:
 
 
 @dataclass
-class TempFlowSampler:
+class TempFlowSampler(SamplerDeclarations):
     """TempFlow-GRPO sampler: ``seeds_per_prompt`` ODE trajectories per prompt, ``branches``
     SDE children at every branch step, each completed by ODE and scored.
 
@@ -151,6 +151,10 @@ class TempFlowSampler:
     def samples_per_prompt(self) -> int:
         """Finished samples (completions) per prompt: the trainer's batch unit."""
         return self.num_completions(1)
+
+    def smoke_options(self) -> dict:
+        """One seed per prompt, 2 branches at the first two of 3 steps."""
+        return {"num_steps": 3, "branch_steps": [0, 1], "branches": 2, "seeds_per_prompt": 1, "max_batch": None}
 
     def check_available(self) -> None:
         """Nothing to check: this sampler runs wherever the policy runs (the Sampler protocol)."""
