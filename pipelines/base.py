@@ -81,6 +81,7 @@ from typing import ClassVar, Optional, Sequence, Union
 
 import torch
 
+from flowrl.options import PositiveInt, check_value, declared
 from flowrl.seeding import seeded_randn
 from flowrl.utils.io import atomic_dir, write_json
 
@@ -144,8 +145,17 @@ def diffusers_attr(name: str):
     return obj
 
 
+def _diffusers_loading(*, revision: Optional[str] = None, variant: Optional[str] = None,
+                       cache_dir: Optional[str] = None, use_safetensors: Optional[bool] = None,
+                       low_cpu_mem_usage: bool = True) -> None:
+    """The keywords of diffusers' ``DiffusionPipeline.from_pretrained`` an adapter passes through (its
+    ``loading_options``): a hub revision, a weights variant (``fp16``), a cache directory, ..."""
+
+
 class DiffusersPolicy(ModelFacts):
     """Base ``FlowPolicy`` over a diffusers pipeline; see the module doc for what a subclass declares."""
+
+    loading_options = declared(_diffusers_loading)[0]
 
     pipeline_class: ClassVar[str] = ""
     lora_target_modules: ClassVar[Sequence[str]] = ()
@@ -194,14 +204,23 @@ class DiffusersPolicy(ModelFacts):
         self._negative: Optional[dict[str, torch.Tensor]] = None  # cached [1, ...] negative conditioning
         self.decode_batch: Optional[int] = DECODE_BATCH  # images per VAE call (from_pretrained's decode_batch)
 
-    def _keep_options(self, guidance_scale: float, negative_prompt: str, max_sequence_length: int,
-                      shift: Optional[float], schedule: str) -> None:
-        """Record the options most adapters take (validated by the caller)."""
+    def _keep_options(self, *, guidance_scale: float, negative_prompt: str, max_sequence_length: int,
+                      shift: Optional[float], schedule: str, **own) -> None:
+        """Check the options every adapter takes, and ``own`` options of the adapter, against its declaration
+        (:meth:`declared_options`: the annotated ``__init__`` parameters; a ``ValueError`` naming the option) and
+        record them as attributes (numbers as float / int)."""
+        options = type(self).declared_options()
+        values = dict(guidance_scale=guidance_scale, negative_prompt=negative_prompt,
+                      max_sequence_length=max_sequence_length, shift=shift, schedule=schedule, **own)
+        for name, value in values.items():
+            check_value(name, options[name], value)
         self.guidance_scale = float(guidance_scale)
         self.negative_prompt = str(negative_prompt)
         self.max_sequence_length = int(max_sequence_length)
         self.shift = None if shift is None else float(shift)
         self.schedule = schedule
+        for name, value in own.items():
+            setattr(self, name, value)
 
     def _image_geometry(self, resolution: Resolution, default: int, channels: int) -> None:
         """``height`` / ``width`` (multiples of 2 x the VAE factor: a patch of 2), ``latent_shape`` ``(channels,
@@ -215,7 +234,7 @@ class DiffusersPolicy(ModelFacts):
     @classmethod
     def from_pretrained(cls, path_or_id: Union[str, os.PathLike], *, dtype: DTypeArg = torch.float32,
                         resolution: Resolution = None, gradient_checkpointing: bool = False,
-                        decode_batch: Optional[int] = DECODE_BATCH, **kwargs):
+                        decode_batch: Optional[PositiveInt] = DECODE_BATCH, **kwargs):
         """Load with ``<pipeline_class>.from_pretrained(path_or_id, dtype=dtype, **pipeline_kwargs)``.
 
         ``kwargs`` naming an ``__init__`` argument of the adapter go to the adapter, the rest to
@@ -226,8 +245,13 @@ class DiffusersPolicy(ModelFacts):
         make-tiny``) whose ``resolution`` is the default when ``resolution`` is None. ``decode_batch``:
         images per VAE call in :meth:`decode` (None: the whole batch at once). Other options
         ``flowrl.json`` records (:meth:`saved_options`, e.g. Wan's ``num_frames``) are the defaults of
-        the adapter arguments left None.
+        the adapter arguments left None. Every option is checked against :meth:`declared_options` first (the
+        pipeline's text encoders may be given as components, e.g. None: not loaded).
         """
+        cls.check_options({"dtype": dtype, "resolution": resolution, "gradient_checkpointing": gradient_checkpointing,
+                           "decode_batch": decode_batch,
+                           **{k: v for k, v in kwargs.items() if k not in cls.text_encoder_names}},
+                          kwargs.get("guidance_scale"), where="")
         if path_or_id is None or str(path_or_id) == "":
             raise ValueError(f"pass a model directory or hub id (`flowrl make-tiny {cls.kind} DIR` writes a "
                              f"tiny offline one)")
@@ -244,8 +268,6 @@ class DiffusersPolicy(ModelFacts):
                                                                   **pipeline_kw)
         if gradient_checkpointing:
             pipe.transformer.enable_gradient_checkpointing()
-        if decode_batch is not None and (not isinstance(decode_batch, int) or decode_batch < 1):
-            raise ValueError(f"model.options.decode_batch must be a positive integer or null, got {decode_batch!r}")
         policy = cls(pipe, resolution=resolution, **policy_kw)
         policy.decode_batch = decode_batch
         return policy

@@ -8,17 +8,24 @@ from __future__ import annotations
 import os
 import weakref
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Annotated, Callable, Literal, Optional, Sequence, Union
 
 import torch
 
-from flowrl.schedules import flow_sigmas
+from flowrl.options import AtLeast, OneOf
+from flowrl.schedules import SCHEDULE_KINDS, flow_sigmas
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-DTypeArg = Union[torch.dtype, str, dict]
 
-Resolution = Union[int, Sequence[int], None]
+# The option types the adapters share (their declarations: flowrl.options; checked before a model loads)
+DTypeName = Annotated[str, OneOf(tuple(DTYPES))]
+DTypeArg = Union[torch.dtype, DTypeName, dict[str, DTypeName]]  # one dtype, or diffusers' per-component dict
+Pixels = Annotated[int, AtLeast(1)]
+Resolution = Union[Pixels, tuple[Pixels, Pixels], None]  # an image side, or (height, width); None: the model's
+Shift = Optional[Annotated[float, AtLeast(0, strict=True)]]  # a static timestep shift; None: the scheduler's own
+Schedule = Literal[SCHEDULE_KINDS]  # flowrl.schedules.flow_sigmas' kinds (with a shift)
+TextTokens = Annotated[int, AtLeast(1)]
 
 
 def resolve_resolution(resolution: Resolution, default: int, multiple: int) -> tuple[int, int]:

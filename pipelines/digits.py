@@ -26,6 +26,7 @@ from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
 from flowrl.data.digits import DIGIT_WORDS, IMAGE_SIZE, digit_prompt, digits_dataset, parse_digit
+from flowrl.options import Guidance, PositiveFloat, check_value
 from flowrl.schedules import flow_sigmas
 from flowrl.sde import flow_interpolate
 from flowrl.seeding import seeded_randn
@@ -33,7 +34,7 @@ from flowrl.utils.io import atomic_dir, exclusive, write_json
 from flowrl.utils.paths import default_cache_dir
 from flowrl.utils.threads import use_cpu_threads
 
-from .common import cfg_combine, cfg_halves, transformer_dtype
+from .common import Schedule, cfg_combine, cfg_halves, transformer_dtype
 from .facts import Component, Geometry, ModelConfigs, ModelFacts
 from .mmdit import SD3TransformerFacts
 
@@ -174,10 +175,11 @@ class DigitsPolicy(SD3TransformerFacts, ModelFacts):
         return write_atomically(out_dir, policy.save_pretrained, overwrite=overwrite)
 
     def __init__(self, transformer: SD3Transformer2DModel, text_encoder: DigitTextEncoder,
-                 guidance_scale: float = 1.0, shift: float = 1.0, schedule: str = "diffusers",
+                 guidance_scale: Guidance = 1.0, shift: PositiveFloat = 1.0, schedule: Schedule = "diffusers",
                  device: str | torch.device = "cpu"):
-        if guidance_scale < 1.0:
-            raise ValueError(f"guidance_scale must be >= 1.0 (1.0 = no guidance), got {guidance_scale}")
+        options = type(self).declared_options()
+        for name, value in (("guidance_scale", guidance_scale), ("shift", shift), ("schedule", schedule)):
+            check_value(name, options[name], value)
         self.transformer = transformer.to(device)
         self.text_encoder = text_encoder.to(device).requires_grad_(False).eval()
         self.guidance_scale = float(guidance_scale)
@@ -190,6 +192,7 @@ class DigitsPolicy(SD3TransformerFacts, ModelFacts):
     # --- loading -------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> "DigitsPolicy":
+        cls.check_options(kwargs, kwargs.get("guidance_scale"), where="")
         path = Path(path)
         if not (path / "transformer").is_dir():
             raise FileNotFoundError(f"{path} is not a digits base model (no transformer/ inside). "

@@ -33,6 +33,8 @@ from typing import ClassVar, Iterator, Optional, Union
 import torch
 from torch import nn
 
+from flowrl.options import Option, check_options, declared
+
 
 @dataclass(frozen=True)
 class Component:
@@ -152,6 +154,36 @@ class ModelFacts:
     transformer_class: ClassVar[str] = ""
     published: ClassVar[dict] = {}  # hub id -> ModelConfigs
     cond_keys: ClassVar[tuple] = ()
+    # keywords of the library loader the adapter passes through (name -> Option); the diffusers base: revision, ...
+    loading_options: ClassVar[dict] = {}
+    # model.options keys another setting owns -> that setting
+    options_elsewhere: ClassVar[dict] = {"guidance_scale": "model.guidance_scale", "device": "model.device"}
+    smoke_model_options: ClassVar[dict] = {}  # its own `flowrl train --smoke` values of flowrl.smoke.MODEL_OPTIONS keys
+
+    # --- options ------------------------------------------------------------------------------
+    @classmethod
+    def declared_options(cls) -> dict[str, Option]:
+        """What ``model.options`` may set (:mod:`flowrl.options`): the keyword parameters with defaults of the
+        adapter's ``from_pretrained`` and ``__init__``, with their annotated types and ranges, and the
+        ``loading_options`` it passes through to its library's loader."""
+        loader, _ = declared(cls.from_pretrained)
+        init, _ = declared(cls.__init__)
+        return {**{k: o for k, o in {**init, **loader}.items() if not o.required}, **cls.loading_options}
+
+    @classmethod
+    def check_options(cls, options: dict, guidance_scale: Optional[float] = None, where: str = "model.options") -> None:
+        """One ``ValueError`` line for an unknown key, a wrong type or a value out of range in ``options`` (keys
+        another setting owns are refused with its name when ``where`` is ``model.options``), then the adapter's
+        rules between options (:meth:`check_option_rules`; ``guidance_scale``: ``model.guidance_scale``, None
+        when not known). Reads no weights: config validation calls it before anything loads."""
+        check_options(where, f"the {cls.kind or cls.__name__!r} model", cls.declared_options(), options,
+                      elsewhere=cls.options_elsewhere if where == "model.options" else None)
+        cls.check_option_rules(dict(options), guidance_scale)
+
+    @classmethod
+    def check_option_rules(cls, options: dict, guidance_scale: Optional[float]) -> None:
+        """Rules between this adapter's options (and ``model.guidance_scale``) that need no weights, each a
+        ``ValueError`` line naming the keys; none by default."""
 
     # --- which model ------------------------------------------------------------------------
     @classmethod

@@ -30,10 +30,11 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
+from flowrl.options import NonNegativeFloat
 from flowrl.schedules import flow_sigmas
 
 from .base import DiffusersPolicy
-from .common import DECODE_BATCH, Resolution, check_scheduler, module_dtype
+from .common import DECODE_BATCH, Resolution, Schedule, Shift, TextTokens, check_scheduler, module_dtype
 from .mmdit import DoubleSingleStreamFacts
 from .packing import PackedLatents, pack_latents
 
@@ -124,18 +125,15 @@ class Flux2FamilyPolicy(DoubleSingleStreamFacts, PackedLatents, DiffusersPolicy)
     text_encoder_names = ("text_encoder",)
     cond_keys = ("prompt_embeds",)  # _forward(x, sigma, *these) (base velocity)
 
-    def __init__(self, pipe, *, guidance_scale: float = 4.0, negative_prompt: str = "", max_sequence_length: int = 512,
-                 shift: Optional[float] = None, schedule: str = "diffusers", resolution: Resolution = None,
-                 device: Union[str, torch.device] = "cpu"):
-        if guidance_scale < 0:
-            raise ValueError(f"guidance_scale must be >= 0, got {guidance_scale}")
-        if max_sequence_length < 1:
-            raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
+    def __init__(self, pipe, *, guidance_scale: NonNegativeFloat = 4.0, negative_prompt: str = "",
+                 max_sequence_length: TextTokens = 512, shift: Shift = None, schedule: Schedule = "diffusers",
+                 resolution: Resolution = None, device: Union[str, torch.device] = "cpu"):
+        self._keep_options(guidance_scale=guidance_scale, negative_prompt=negative_prompt,
+                           max_sequence_length=max_sequence_length, shift=shift, schedule=schedule)
         check_scheduler(type(self).__name__, pipe.scheduler.config, shift, schedule, dynamic=True)
         self._setup(pipe, device)  # frozen VAE / text encoder, vae_scale_factor, LoRA targets, negative cache
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
         self.distilled = bool(pipe.config.get("is_distilled", False))
-        self._keep_options(guidance_scale, negative_prompt, max_sequence_length, shift, schedule)
         self._image_geometry(resolution, int(pipe.default_sample_size) * self.vae_scale_factor,
                              int(self.transformer.config.in_channels) // 4)  # unpacked latents
 

@@ -19,10 +19,11 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
+from flowrl.options import Guidance, NonNegativeFloat
 from flowrl.schedules import flow_sigmas, flux_sigmas, shift_sigmas
 
 from .base import IMAGE_SIZE, DiffusersPolicy
-from .common import Resolution, check_scheduler, resolve_resolution
+from .common import Resolution, Schedule, Shift, TextTokens, check_scheduler, resolve_resolution
 from .components import CLIP_L, FLUX_VAE, T5_XXL
 from .facts import Component, ModelConfigs
 from .mmdit import DoubleSingleStreamFacts
@@ -74,24 +75,16 @@ class FluxFamilyPolicy(DoubleSingleStreamFacts, PackedLatents, DiffusersPolicy):
     text_encoder_names = ("text_encoder", "text_encoder_2")
     cond_keys = ("prompt_embeds", "pooled_prompt_embeds")  # _forward(x, sigma, *these) (base velocity)
 
-    def __init__(self, pipe, *, guidance_scale: float = 3.5, true_cfg_scale: float = 1.0, negative_prompt: str = "",
-                 max_sequence_length: int = 512, shift: Optional[float] = None, schedule: str = "diffusers",
-                 resolution: Resolution = None, device: Union[str, torch.device] = "cpu"):
-        if guidance_scale < 0:
-            raise ValueError(f"guidance_scale must be >= 0, got {guidance_scale}")
-        if true_cfg_scale < 1.0:
-            raise ValueError(f"true_cfg_scale must be >= 1.0 (1.0 = no CFG), got {true_cfg_scale}")
-        if max_sequence_length < 1:
-            raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
+    def __init__(self, pipe, *, guidance_scale: NonNegativeFloat = 3.5, true_cfg_scale: Guidance = 1.0,
+                 negative_prompt: str = "", max_sequence_length: TextTokens = 512, shift: Shift = None,
+                 schedule: Schedule = "diffusers", resolution: Resolution = None,
+                 device: Union[str, torch.device] = "cpu"):
+        self._keep_options(guidance_scale=guidance_scale, negative_prompt=negative_prompt,
+                           max_sequence_length=max_sequence_length, shift=shift, schedule=schedule,
+                           true_cfg_scale=float(true_cfg_scale))
         check_scheduler(type(self).__name__, pipe.scheduler.config, shift, schedule)
         self._setup(pipe, device)  # frozen VAE / text encoders, vae_scale_factor, LoRA targets, negative cache
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
-        self.guidance_scale = float(guidance_scale)
-        self.true_cfg_scale = float(true_cfg_scale)
-        self.negative_prompt = str(negative_prompt)
-        self.max_sequence_length = int(max_sequence_length)
-        self.shift = None if shift is None else float(shift)
-        self.schedule = schedule
         self.height, self.width = resolve_resolution(resolution, 128 * self.vae_scale_factor, self.vae_scale_factor * 2)
         h, w = 2 * (self.height // (self.vae_scale_factor * 2)), 2 * (self.width // (self.vae_scale_factor * 2))
         self.latent_shape = (int(self.transformer.config.in_channels) // 4, h, w)  # (C, h, w), unpacked

@@ -27,11 +27,12 @@ is the resolution-dependent exponential shift, stretched so the last sigma equal
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+from typing import Annotated, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
+from flowrl.options import Between
 from flowrl.schedules import flow_sigmas, flux_mu
 
 from .base import DiffusersPolicy
@@ -40,6 +41,8 @@ from .facts import Component, ModelConfigs
 from .components import WAN21_VAE
 from .packing import PackedLatents, pack_latents, unpack_latents
 from .video import video_vae_decode
+
+QwenTextTokens = Annotated[int, Between(1, 1024)]  # QwenImagePipeline's max_sequence_length limit
 
 # Published configs of Qwen/Qwen-Image (its */config.json; flowrl plan and bench precision build the models from them
 # on the meta device or with random weights, no download). transformer/config.json (QwenImageTransformer2DModel:
@@ -140,28 +143,19 @@ class QwenFamilyPolicy(PackedLatents, DiffusersPolicy):
 
     def _setup_qwen(self, pipe, *, guidance_scale: float, negative_prompt: str, max_sequence_length: int,
                     shift: Optional[float], schedule: str, resolution: Resolution,
-                    device: Union[str, torch.device]) -> None:
-        """The checks and set-up of both adapters' ``__init__`` (their docstrings name the arguments)."""
-        if guidance_scale < 1.0:
-            raise ValueError(f"guidance_scale (Qwen-Image's true_cfg_scale) must be >= 1.0 (1.0 = no guidance), "
-                             f"got {guidance_scale}")
-        if not 1 <= max_sequence_length <= 1024:
-            raise ValueError(f"max_sequence_length must be in [1, 1024] (QwenImagePipeline's limit), "
-                             f"got {max_sequence_length}")
+                    device: Union[str, torch.device], **own) -> None:
+        """The checks and set-up of both adapters' ``__init__`` (their docstrings name the arguments; ``own``:
+        an adapter's further options, checked and kept by ``_keep_options``). ``guidance_scale`` is the
+        pipeline's ``true_cfg_scale``; ``max_sequence_length`` at most 1024, the pipeline's limit."""
+        self._keep_options(guidance_scale=guidance_scale, negative_prompt=negative_prompt,
+                           max_sequence_length=max_sequence_length, shift=shift, schedule=schedule, **own)
         if pipe.transformer.config.guidance_embeds:
             raise ValueError("this Qwen-Image transformer is guidance-distilled (guidance_embeds=True), which "
                              "QwenImagePolicy does not support; use a model with guidance_embeds=False")
         if pipe.scheduler.config.get("invert_sigmas") and shift is None:
             raise ValueError("QwenImagePolicy's schedule runs from 1 to 0; this scheduler inverts its sigmas "
                              "(invert_sigmas=True): pass shift= to use flowrl's static-shift schedule instead")
-        if shift is not None:
-            flow_sigmas(1, float(shift), schedule)  # validate early
         self._setup(pipe, device)  # frozen VAE / text encoder, vae_scale_factor, LoRA targets, negative cache
-        self.guidance_scale = float(guidance_scale)
-        self.negative_prompt = str(negative_prompt)
-        self.max_sequence_length = int(max_sequence_length)
-        self.shift = None if shift is None else float(shift)
-        self.schedule = schedule
         f = self.vae_scale_factor
         self.height, self.width = resolve_resolution(resolution, int(pipe.default_sample_size) * f, 2 * f)
         h, w = self.height // f, self.width // f
@@ -295,5 +289,5 @@ class QwenFamilyPolicy(PackedLatents, DiffusersPolicy):
         return video[:, :, 0]  # [B, 3, H, W]
 
 
-__all__ = ["LAST_BLOCK_UNUSED", "QWEN25_VL_7B", "QWEN_IMAGE_20B", "QWEN_IMAGE_LORA_TARGET_MODULES", "QWEN_IMAGE_VAE",
+__all__ = ["LAST_BLOCK_UNUSED", "QwenTextTokens", "QWEN25_VL_7B", "QWEN_IMAGE_20B", "QWEN_IMAGE_LORA_TARGET_MODULES", "QWEN_IMAGE_VAE",
            "QWEN_TEXT_ENCODERS", "QwenFamilyPolicy", "live_lora_targets", "tiny_qwen_components"]

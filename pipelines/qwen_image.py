@@ -20,9 +20,12 @@ from typing import Optional, Union
 import torch
 
 from .base import IMAGE_SIZE
-from .common import Resolution
+from flowrl.options import Guidance
+
+from .common import Resolution, Schedule, Shift
 from .facts import ModelConfigs
-from .qwen_family import QWEN_IMAGE_20B, QWEN_IMAGE_VAE, QWEN_TEXT_ENCODERS, QwenFamilyPolicy, tiny_qwen_components
+from .qwen_family import (QWEN_IMAGE_20B, QWEN_IMAGE_VAE, QWEN_TEXT_ENCODERS, QwenFamilyPolicy, QwenTextTokens,
+                          tiny_qwen_components)
 from .tiny import build_qwen_tokenizer
 
 
@@ -51,8 +54,8 @@ class QwenImagePolicy(QwenFamilyPolicy):
     published = {example_hub_id: ModelConfigs(QWEN_IMAGE_20B, QWEN_TEXT_ENCODERS, QWEN_IMAGE_VAE, example_hub_id,
                                               "Qwen-Image", "qwen-image-arch")}
 
-    def __init__(self, pipe, *, guidance_scale: float = 4.0, negative_prompt: str = " ",
-                 max_sequence_length: int = 512, shift: Optional[float] = None, schedule: str = "diffusers",
+    def __init__(self, pipe, *, guidance_scale: Guidance = 4.0, negative_prompt: str = " ",
+                 max_sequence_length: QwenTextTokens = 512, shift: Shift = None, schedule: Schedule = "diffusers",
                  resolution: Resolution = None, device: Union[str, torch.device] = "cpu"):
         self._setup_qwen(pipe, guidance_scale=guidance_scale, negative_prompt=negative_prompt,
                          max_sequence_length=max_sequence_length, shift=shift, schedule=schedule,

@@ -36,19 +36,22 @@ call (one call when they agree), so a row's velocity does not depend on its batc
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Annotated, Optional, Sequence, Union
 
 import torch
 
 from .base import IMAGE_SIZE
-from .common import Resolution, module_dtype, transformer_dtype
+from flowrl.options import AtLeast, Guidance
+
+from .common import Resolution, Schedule, Shift, module_dtype, transformer_dtype
 from .facts import ModelConfigs
-from .qwen_family import (QWEN_IMAGE_20B, QWEN_IMAGE_VAE, QWEN_TEXT_ENCODERS, QwenFamilyPolicy, pack_latents,
-                          tiny_qwen_components)
+from .qwen_family import (QWEN_IMAGE_20B, QWEN_IMAGE_VAE, QWEN_TEXT_ENCODERS, QwenFamilyPolicy, QwenTextTokens,
+                          pack_latents, tiny_qwen_components)
 from .tiny import build_qwen_tokenizer
 
 CONDITION_AREA = 384 * 384  # the pipeline's CONDITION_IMAGE_SIZE: pixels of a source as the text encoder sees it
 SOURCE_AREA = 1024 * 1024  # the pipeline's VAE_IMAGE_SIZE: pixels of a source as the VAE encodes it
+Area = Annotated[int, AtLeast(32 * 32)]  # pixels of a source (at least 32 x 32)
 MAX_SOURCES = 3  # Qwen-Image-Edit-2509 / 2511 are trained and documented with one to three images
 # Qwen/Qwen-Image-Edit-2509 transformer/config.json is Qwen-Image's; Qwen/Qwen-Image-Edit-2511 adds zero_cond_t
 # (its config.json's "zero_cond_t": true, read by diffusers >= the 2511 support, diffusers issue 12889); both use
@@ -95,17 +98,13 @@ class QwenImageEditPolicy(QwenFamilyPolicy):
                                                   "Qwen/Qwen-Image-Edit-2511", "Qwen-Image-Edit-2511",
                                                   "qwen-image-edit-2511-arch")}
 
-    def __init__(self, pipe, *, guidance_scale: float = 4.0, negative_prompt: str = " ",
-                 max_sequence_length: int = 1024, condition_area: int = CONDITION_AREA, source_area: int = SOURCE_AREA,
-                 shift: Optional[float] = None, schedule: str = "diffusers", resolution: Resolution = None,
-                 device: Union[str, torch.device] = "cpu"):
-        for name, area in (("condition_area", condition_area), ("source_area", source_area)):
-            if not isinstance(area, int) or isinstance(area, bool) or area < 32 * 32:
-                raise ValueError(f"{name} must be a number of pixels >= 1024 (32 x 32), got {area!r}")
+    def __init__(self, pipe, *, guidance_scale: Guidance = 4.0, negative_prompt: str = " ",
+                 max_sequence_length: QwenTextTokens = 1024, condition_area: Area = CONDITION_AREA,
+                 source_area: Area = SOURCE_AREA, shift: Shift = None, schedule: Schedule = "diffusers",
+                 resolution: Resolution = None, device: Union[str, torch.device] = "cpu"):
         self._setup_qwen(pipe, guidance_scale=guidance_scale, negative_prompt=negative_prompt,
                          max_sequence_length=max_sequence_length, shift=shift, schedule=schedule,
-                         resolution=resolution, device=device)
-        self.condition_area, self.source_area = condition_area, source_area
+                         resolution=resolution, device=device, condition_area=condition_area, source_area=source_area)
 
     @classmethod
     def tiny_components(cls, kind: str = "qwen-image-edit", image_size: int = IMAGE_SIZE, seed: int = 0) -> dict:

@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import inspect
 import string
-from typing import Optional, Sequence, Union
+from typing import Annotated, Optional, Sequence, Union
 
 import torch
 
+from flowrl.options import AtLeast, Guidance
 from flowrl.schedules import flow_sigmas
 
 from .base import IMAGE_SIZE, DiffusersPolicy
-from .common import Resolution, resolve_resolution
+from .common import Resolution, Schedule, Shift, resolve_resolution
 from .facts import Component, ModelConfigs
 
 # Sol-RL's SANA LoRA targets (NVlabs/Sana configs/sol_rl/sana.py: attn.qkv, attn.proj, cross_attn.q_linear,
@@ -63,6 +64,8 @@ DC_AE_F32C32 = dict(in_channels=3, latent_channels=32, attention_head_dim=32,
                     decoder_qkv_multiscales=[[], [], [], [5], [5], [5]], upsample_block_type="interpolate",
                     downsample_block_type="Conv", decoder_norm_types="rms_norm", decoder_act_fns="silu",
                     scaling_factor=0.41407)
+
+SanaTextTokens = Annotated[int, AtLeast(2)]  # Gemma's first token plus the prompt
 
 
 def default_complex_human_instruction() -> list[str]:
@@ -115,26 +118,19 @@ class SanaPolicy(DiffusersPolicy):
         SANA_1600M, {"text_encoder": Component("transformers:Gemma2Model", GEMMA2_2B)},
         Component("diffusers:AutoencoderDC", DC_AE_F32C32), example_hub_id, "SANA-1600M", "sana-arch")}
 
-    def __init__(self, pipe, *, guidance_scale: float = 4.5, negative_prompt: str = "",
-                 max_sequence_length: int = 300, complex_human_instruction: Optional[Sequence[str]] = None,
-                 shift: Optional[float] = None, schedule: str = "diffusers", resolution: Resolution = None,
+    def __init__(self, pipe, *, guidance_scale: Guidance = 4.5, negative_prompt: str = "",
+                 max_sequence_length: SanaTextTokens = 300, complex_human_instruction: Optional[Sequence[str]] = None,
+                 shift: Shift = None, schedule: Schedule = "diffusers", resolution: Resolution = None,
                  device: Union[str, torch.device] = "cpu"):
-        if guidance_scale < 1.0:
-            raise ValueError(f"guidance_scale must be >= 1.0 (1.0 = no guidance), got {guidance_scale}")
-        if max_sequence_length < 2:
-            raise ValueError(f"max_sequence_length must be >= 2 (the first token plus the prompt), "
-                             f"got {max_sequence_length}")
         sched = pipe.scheduler.config
         if shift is None:
             shift = sched.get("flow_shift") or sched.get("shift") or 1.0
-        flow_sigmas(1, float(shift), schedule)  # validates shift and schedule early
+        self._keep_options(guidance_scale=guidance_scale, negative_prompt=negative_prompt,
+                           max_sequence_length=max_sequence_length, shift=float(shift), schedule=schedule,
+                           complex_human_instruction=(default_complex_human_instruction()
+                                                      if complex_human_instruction is None
+                                                      else list(complex_human_instruction)))
         self._setup(pipe, device)  # frozen VAE / text encoder, vae_scale_factor, LoRA targets, negative cache
-        self.guidance_scale = float(guidance_scale)
-        self.negative_prompt = str(negative_prompt)
-        self.max_sequence_length = int(max_sequence_length)
-        self.complex_human_instruction = (default_complex_human_instruction() if complex_human_instruction is None
-                                          else list(complex_human_instruction))
-        self.shift, self.schedule = float(shift), schedule
         cfg = self.transformer.config
         self.patch_size = int(cfg.patch_size)
         default_size = int(cfg.sample_size) * self.vae_scale_factor

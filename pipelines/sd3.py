@@ -12,10 +12,11 @@ from typing import Optional, Union
 
 import torch
 
+from flowrl.options import Guidance
 from flowrl.schedules import flow_sigmas
 
 from .base import IMAGE_SIZE, DiffusersPolicy
-from .common import Resolution, resolve_resolution
+from .common import Resolution, Schedule, Shift, TextTokens, resolve_resolution
 from .components import CLIP_L, SD3_VAE, T5_XXL
 from .facts import Component, ModelConfigs
 from .mmdit import SD3TransformerFacts
@@ -84,25 +85,18 @@ class SD3Policy(SD3TransformerFacts, DiffusersPolicy):
         _published("stabilityai/stable-diffusion-3.5-medium", SD35_MEDIUM, "SD3.5-Medium", "sd35m-arch"),
         _published("stabilityai/stable-diffusion-3.5-large", SD35_LARGE, "SD3.5-Large", "sd35l-arch"))}
 
-    def __init__(self, pipe, *, guidance_scale: float = 4.5, negative_prompt: str = "",
-                 max_sequence_length: int = 256, shift: Optional[float] = None, schedule: str = "diffusers",
+    def __init__(self, pipe, *, guidance_scale: Guidance = 4.5, negative_prompt: str = "",
+                 max_sequence_length: TextTokens = 256, shift: Shift = None, schedule: Schedule = "diffusers",
                  resolution: Resolution = None, device: Union[str, torch.device] = "cpu"):
-        if guidance_scale < 1.0:
-            raise ValueError(f"guidance_scale must be >= 1.0 (1.0 = no guidance), got {guidance_scale}")
-        if max_sequence_length < 1:
-            raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
         sched_cfg = pipe.scheduler.config
         if shift is None:
             if sched_cfg.get("use_dynamic_shifting", False):
                 raise ValueError("this SD3 scheduler uses dynamic shifting; pass an explicit static shift= "
                                  "(flowrl's SD3 schedule is the static-shift one)")
             shift = float(sched_cfg.get("shift", 1.0))
-        flow_sigmas(1, float(shift), schedule)  # validates shift and schedule early
+        self._keep_options(guidance_scale=guidance_scale, negative_prompt=negative_prompt,
+                           max_sequence_length=max_sequence_length, shift=float(shift), schedule=schedule)
         self._setup(pipe, device)  # frozen VAE / text encoders, vae_scale_factor, LoRA targets, negative cache
-        self.guidance_scale = float(guidance_scale)
-        self.negative_prompt = str(negative_prompt)
-        self.max_sequence_length = int(max_sequence_length)
-        self.shift, self.schedule = float(shift), schedule
         self.patch_size = int(self.transformer.config.patch_size)
         default_size = int(self.transformer.config.sample_size) * self.vae_scale_factor
         self.height, self.width = resolve_resolution(resolution, default_size, self.vae_scale_factor * self.patch_size)

@@ -29,14 +29,15 @@ import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 import torch
 
+from flowrl.options import Guidance, PositiveInt
 from flowrl.schedules import flow_sigmas
 
 from .base import IMAGE_SIZE, DiffusersPolicy
-from .common import Resolution, resolve_resolution
+from .common import Resolution, Schedule, Shift, TextTokens, resolve_resolution
 from .components import WAN21_VAE
 from .experts import (EXPERTS, TwoExperts, check_second_expert, expert_lora_load_hint, expert_lora_parts,
                       experts_component, high_noise_rows)
@@ -112,29 +113,23 @@ class WanPolicy(DiffusersPolicy):
         _published(example_hub_id, WAN21_T2V_1_3B, "Wan2.1-T2V-1.3B", "wan-1.3b-arch"),
         _published("Wan-AI/Wan2.1-T2V-14B-Diffusers", WAN21_T2V_14B, "Wan2.1-T2V-14B", "wan-14b-arch"))}
 
-    def __init__(self, pipe, *, guidance_scale: float = 5.0, negative_prompt: str = "",
-                 max_sequence_length: int = 512, num_frames: Optional[int] = None, shift: Optional[float] = None,
-                 schedule: str = "diffusers", resolution: Resolution = None, device: Union[str, torch.device] = "cpu"):
-        if guidance_scale < 1.0:
-            raise ValueError(f"guidance_scale must be >= 1.0 (1.0 = no guidance), got {guidance_scale}")
-        if max_sequence_length < 1:
-            raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
+    def __init__(self, pipe, *, guidance_scale: Guidance = 5.0, negative_prompt: str = "",
+                 max_sequence_length: TextTokens = 512, num_frames: Optional[PositiveInt] = None, shift: Shift = None,
+                 schedule: Schedule = "diffusers", resolution: Resolution = None,
+                 device: Union[str, torch.device] = "cpu"):
         self._check_variant(pipe)
         num_frames = DEFAULT_NUM_FRAMES if num_frames is None else num_frames
-        ft = int(pipe.vae_scale_factor_temporal)
-        if not isinstance(num_frames, int) or num_frames < 1 or (num_frames - 1) % ft:
-            raise ValueError(f"num_frames must be {ft} k + 1 frames (k >= 0) for Wan's video VAE, got {num_frames!r}")
         sched = pipe.scheduler.config
         if shift is None:
             shift = (sched.get("flow_shift") if sched.get("use_flow_sigmas") else sched.get("shift")) or 1.0
-        flow_sigmas(1, float(shift), schedule)  # validates shift and schedule early
+        self._keep_options(guidance_scale=guidance_scale, negative_prompt=negative_prompt,
+                           max_sequence_length=max_sequence_length, shift=float(shift), schedule=schedule,
+                           num_frames=num_frames)
+        ft = int(pipe.vae_scale_factor_temporal)
+        if (num_frames - 1) % ft:
+            raise ValueError(f"num_frames must be {ft} k + 1 frames (k >= 0) for Wan's video VAE, got {num_frames!r}")
         pipe.vae_scale_factor = pipe.vae_scale_factor_spatial  # the name the base's _setup reads
         self._setup(pipe, device)  # frozen VAE / text encoder, LoRA targets, negative cache
-        self.guidance_scale = float(guidance_scale)
-        self.negative_prompt = str(negative_prompt)
-        self.max_sequence_length = int(max_sequence_length)
-        self.num_frames = num_frames
-        self.shift, self.schedule = float(shift), schedule
         cfg = self.transformer.config
         f, (_, ph, pw) = self.vae_scale_factor, cfg.patch_size
         if ph != pw:
@@ -326,10 +321,11 @@ class Wan22Policy(WanPolicy):
         _published(example_hub_id, WAN22_T2V_A14B, "Wan2.2-T2V-A14B", "wan2.2-a14b-arch"),
         _published("Wan-AI/Wan2.2-TI2V-5B-Diffusers", WAN22_TI2V_5B, "Wan2.2-TI2V-5B", "wan2.2-5b-arch", WAN22_VAE))}
 
-    def __init__(self, pipe, *, guidance_scale: float = 5.0, negative_prompt: str = "", max_sequence_length: int = 512,
-                 num_frames: Optional[int] = None, shift: Optional[float] = None, schedule: str = "diffusers",
-                 resolution: Resolution = None, device: Union[str, torch.device] = "cpu",
-                 guidance_scale_2: Optional[float] = None, train_experts: Optional[list[str]] = None):
+    def __init__(self, pipe, *, guidance_scale: Guidance = 5.0, negative_prompt: str = "",
+                 max_sequence_length: TextTokens = 512, num_frames: Optional[PositiveInt] = None, shift: Shift = None,
+                 schedule: Schedule = "diffusers", resolution: Resolution = None,
+                 device: Union[str, torch.device] = "cpu", guidance_scale_2: Optional[Guidance] = None,
+                 train_experts: Optional[list[Literal[tuple(EXPERTS)]]] = None):
         super().__init__(pipe, guidance_scale=guidance_scale, negative_prompt=negative_prompt, num_frames=num_frames,
                          max_sequence_length=max_sequence_length, shift=shift, schedule=schedule,
                          resolution=resolution, device=device)  # (listed: from_pretrained routes options by name)
@@ -343,11 +339,17 @@ class Wan22Policy(WanPolicy):
             self.transformer = TwoExperts(pipe.transformer, pipe.transformer_2, pipe.config.boundary_ratio,
                                           pipe.scheduler.config.num_train_timesteps, train_experts or tuple(EXPERTS))
             self.boundary_timestep = self.transformer.boundary
-        g2 = self.guidance_scale if guidance_scale_2 is None else float(guidance_scale_2)
-        if g2 < 1.0 or (g2 != self.guidance_scale and self.guidance_scale == 1.0):
-            raise ValueError(f"guidance_scale_2 must be >= 1.0 and needs guidance_scale > 1 (WanPipeline runs no CFG at "
-                             f"1.0), got {guidance_scale_2} with guidance_scale {self.guidance_scale}")
-        self.guidance_scale_2 = g2
+        self.check_option_rules({"guidance_scale_2": guidance_scale_2}, self.guidance_scale)
+        self.guidance_scale_2 = self.guidance_scale if guidance_scale_2 is None else float(guidance_scale_2)
+
+    @classmethod
+    def check_option_rules(cls, options: dict, guidance_scale: Optional[float]) -> None:
+        """``guidance_scale_2`` other than ``guidance_scale`` needs ``guidance_scale > 1``: WanPipeline runs no CFG
+        at 1.0."""
+        g2 = options.get("guidance_scale_2")
+        if g2 is not None and guidance_scale is not None and g2 != guidance_scale and guidance_scale == 1.0:
+            raise ValueError(f"model.options.guidance_scale_2={g2} needs model.guidance_scale > 1 (WanPipeline runs no "
+                             f"CFG at 1.0, on either expert): raise model.guidance_scale or drop guidance_scale_2")
 
     tiny_multiple = classmethod(lambda cls: 32)  # TI2V-5B: VAE factor 16 x patch 2
 

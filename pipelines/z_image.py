@@ -35,10 +35,11 @@ from typing import Optional, Union
 
 import torch
 
+from flowrl.options import Guidance
 from flowrl.schedules import flow_sigmas
 
 from .base import IMAGE_SIZE, DiffusersPolicy
-from .common import Resolution, check_scheduler
+from .common import Resolution, Schedule, Shift, TextTokens, check_scheduler
 from .components import FLUX_VAE, QWEN3_4B
 from .facts import Component, ModelConfigs
 
@@ -88,17 +89,14 @@ class ZImagePolicy(DiffusersPolicy):
     published = {m.source: m for m in (_published("Tongyi-MAI/Z-Image", "Z-Image"),
                                        _published(example_hub_id, "Z-Image-Turbo"))}
 
-    def __init__(self, pipe, *, guidance_scale: float = 6.0, negative_prompt: str = "", max_sequence_length: int = 512,
-                 shift: Optional[float] = None, schedule: str = "diffusers", resolution: Resolution = None,
-                 device: Union[str, torch.device] = "cpu"):
-        if guidance_scale < 1.0:
-            raise ValueError(f"guidance_scale must be >= 1.0 (1.0 = no guidance; the pipeline's guidance_scale g is "
-                             f"flowrl's g + 1), got {guidance_scale}")
-        if max_sequence_length < 1:
-            raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
+    def __init__(self, pipe, *, guidance_scale: Guidance = 6.0, negative_prompt: str = "",
+                 max_sequence_length: TextTokens = 512, shift: Shift = None, schedule: Schedule = "diffusers",
+                 resolution: Resolution = None, device: Union[str, torch.device] = "cpu"):
+        # guidance_scale >= 1.0: 1.0 = no guidance (the pipeline's guidance_scale g is flowrl's g + 1)
+        self._keep_options(guidance_scale=guidance_scale, negative_prompt=negative_prompt,
+                           max_sequence_length=max_sequence_length, shift=shift, schedule=schedule)
         check_scheduler("ZImagePolicy", pipe.scheduler.config, shift, schedule)
         self._setup(pipe, device)  # frozen VAE / text encoder, vae_scale_factor, LoRA targets, negative cache
-        self._keep_options(guidance_scale, negative_prompt, max_sequence_length, shift, schedule)
         self._image_geometry(resolution, 1024, self.transformer.config.in_channels)  # the pipeline's default 1024 px
 
     # --- declarations ----------------------------------------------------------------------

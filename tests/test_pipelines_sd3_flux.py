@@ -202,5 +202,5 @@ def test_decode_runs_in_chunks_of_decode_batch(tiny_dirs, kind):
         pol.vae.decode = orig
     assert calls == [2, 2, 1] and chunked.shape == whole.shape
     assert torch.allclose(chunked, whole, atol=1e-5)
-    with pytest.raises(ValueError, match="decode_batch must be a positive integer"):
+    with pytest.raises(ValueError, match="decode_batch must be an integer >= 1 or null"):
         POLICIES[kind].from_pretrained(tiny_dirs[kind], decode_batch=0)

@@ -107,7 +107,7 @@ def test_a_batch_of_mixed_sources_gives_each_row_its_own_velocity(tiny, multi):
                                                           "negative_prompt_embeds", "negative_prompt_embeds_mask"}
     with pytest.raises(ValueError, match="more than max_sequence_length=8"):
         encode_conditions(_policy(tiny, max_sequence_length=8), items[:1])
-    with pytest.raises(ValueError, match="source_area must be a number of pixels"):
+    with pytest.raises(ValueError, match="source_area must be an integer >= 1024"):
         _policy(tiny, source_area=10)
 
 

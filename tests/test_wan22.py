@@ -136,9 +136,9 @@ def test_train_experts_and_errors(tiny, tiny_ti2v, tmp_path):
     assert info["dirs"] == ["transformer_2"] and "transformer_2=" in info["load"]
     exported = WanTransformer3DModel.from_pretrained(tmp_path / "full", subfolder="transformer_2")
     assert torch.equal(exported.proj_out.bias, full.transformer.transformer_2.proj_out.bias)
-    with pytest.raises(ValueError, match="train_experts must be a non-empty list of \\['high', 'low'\\]"):
+    with pytest.raises(ValueError, match="train_experts must be a list, each item one of 'high', 'low'"):
         _policy(tiny, train_experts=["mid"])
-    with pytest.raises(ValueError, match="guidance_scale_2 must be >= 1.0 and needs guidance_scale > 1"):
+    with pytest.raises(ValueError, match="guidance_scale_2=3.0 needs model.guidance_scale > 1"):
         Wan22Policy.from_pretrained(tiny, max_sequence_length=SEQ, guidance_scale=1.0, guidance_scale_2=3.0)
     with pytest.raises(ValueError, match="need Wan2.2's two experts"):
         _policy(tiny_ti2v, train_experts=["high"])

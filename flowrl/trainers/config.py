@@ -37,14 +37,15 @@ class ModelConfig:
     path: Optional[str] = _h("directory or hub id; digits: empty = the cached base, pretrained on first use", None)
     guidance_scale: float = _h("classifier-free guidance inside the policy (1.0 = none)", 1.0)
     device: str = _h("'auto' = the accelerator's device, or cpu / cuda:N", "auto")
-    options: dict = _h("extra keyword arguments for the pipeline's from_pretrained", factory=dict)
+    options: dict = _h("the adapter's own options (resolution, dtype, max_sequence_length, ...: each pipeline declares "
+                       "its own, with types and ranges; an unknown key lists the valid ones)", factory=dict)
     text_embedding_cache: Optional[str] = _h("encode the fixed prompt sets once: 'memory', or a directory of "
                                              "safetensors shards (reused across runs); empty = encode every batch", None)
     drop_text_encoders: bool = _h("after caching, remove the text encoders from memory (needs "
                                   "text_embedding_cache; prompts outside the sets are then an error)", False)
 
     def __post_init__(self):
-        from flowrl.pipelines import REGISTRY
+        from flowrl.pipelines import REGISTRY, policy_class
 
         if self.drop_text_encoders and not self.text_embedding_cache:
             raise ConfigError("model.drop_text_encoders=true needs model.text_embedding_cache ('memory' or a "
@@ -56,6 +57,12 @@ class ModelConfig:
             raise ConfigError(f"model.pipeline: {e}") from None
         if not self.guidance_scale >= 1.0:
             raise ConfigError(f"model.guidance_scale must be >= 1.0 (1.0 = no guidance), got {self.guidance_scale}")
+        adapter = policy_class(self.pipeline)
+        if adapter is not None:  # a registered loader that declares no adapter class: its options unchecked
+            try:
+                adapter.check_options(self.options, self.guidance_scale)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
 
 @dataclass
@@ -78,21 +85,18 @@ class SamplerConfig:
         self.flat_groups = bool(getattr(sampler, "flat_groups", True))  # False: a tree (branch, tempflow)
 
     def build(self):
+        """The sampler, its options first held against its declaration (:func:`flowrl.options.check_options`:
+        the dataclass fields' types and ranges), then its own cross-option checks (``__post_init__``)."""
+        from flowrl.options import check_options, declared
+
         cls = SAMPLERS.get(self.name)
-        valid = ({f.name for f in fields(cls) if f.init and not f.name.startswith("_")}
-                 if dataclasses.is_dataclass(cls) else None)
-        if valid is not None:
-            bad = set(self.options) - valid
-            if bad:
-                k = sorted(bad)[0]
-                close = difflib.get_close_matches(k, valid, n=1)
-                hint = f" Did you mean sampler.{close[0]}?" if close else ""
-                raise ConfigError(f"sampler.{k}: not an option of the {self.name!r} sampler.{hint} "
-                                  f"Valid: {', '.join(sorted(valid))}")
+        options, is_open = declared(cls)
         try:
+            check_options("sampler", f"the {self.name!r} sampler", options, self.options, open=is_open)
             return cls(**self.options)
         except (TypeError, ValueError) as e:
-            raise ConfigError(f"sampler ({self.name}): {e}") from None
+            msg = str(e)
+            raise ConfigError(msg if msg.startswith("sampler.") else f"sampler ({self.name}): {msg}") from None
 
     @classmethod
     def from_dict(cls, d: dict) -> "SamplerConfig":
@@ -119,6 +123,7 @@ class RewardConfig:
 
     def __post_init__(self):
         from flowrl.rewards import REGISTRY
+        from flowrl.rewards import check_options as check_reward_options
 
         if not isinstance(self.frame_stride, int) or isinstance(self.frame_stride, bool) or self.frame_stride < 1:
             raise ConfigError(f"reward.frame_stride must be a positive integer (score every n-th frame of a video), "
@@ -143,6 +148,13 @@ class RewardConfig:
             raise ConfigError(f"reward.options.{unused[0]}: {unused[0]!r} is not in reward.weights, so its options "
                               f"would be unused; add it to reward.weights (held-out rewards take theirs in "
                               f"reward.heldout) or drop the options")
+        for where, spec in (("reward.options", {n: self.options.get(n) for n in self.weights}),
+                            ("reward.heldout", self.heldout)):
+            for n, opts in spec.items():  # each reward's declared options (flowrl.rewards.check_options)
+                try:
+                    check_reward_options(n, opts, f"{where}.{n}")
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
         if self.aggregate not in ("sum", "per_reward"):
             raise ConfigError(f"reward.aggregate must be 'sum' or 'per_reward', got {self.aggregate!r}")
 
