@@ -48,8 +48,54 @@ def _resolve(name: str) -> Callable:
     return REGISTRY.get(name)
 
 
+def declared_options(name: str) -> tuple[dict, bool]:
+    """``({option: flowrl.options.Option}, open)`` of reward ``name``: the annotated keyword parameters of what it
+    registered (its class's constructor; types and ranges ride on the annotations); ``open`` when it takes
+    ``**kwargs`` (keys beyond the declared ones are then not refused)."""
+    from flowrl.options import declared
+
+    return declared(_resolve(name))
+
+
+def check_options(name: str, options: Optional[Mapping], where: str = "") -> None:
+    """One ``ConfigError`` (a ``ValueError``) line for reward ``name``'s ``options`` (reported under ``where``, e.g.
+    ``reward.options.hps``): an unknown key, a wrong type, a value out of range, or an option it needs (no
+    default) left out. Loads nothing: config validation calls it before any model."""
+    from flowrl.errors import ConfigError
+    from flowrl.options import check_options as check
+
+    declared_, is_open = declared_options(name)
+    options = dict(options or {})
+    try:
+        check(where, f"the {name!r} reward", declared_, options, open=is_open)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    missing = [k for k, o in declared_.items() if o.required and k not in options]
+    if missing:
+        raise ConfigError(f"{name} reward: option {missing[0]!r} has no default; set it (e.g. reward.options.{name}: "
+                          f"{{{missing[0]}: ...}}; docs/rewards.md)")
+
+
+def resident(name: str, options: Optional[Mapping]) -> tuple[Optional[int], bool, str]:
+    """``(bytes, on_gpu, note)`` reward ``name`` keeps loaded with ``options`` (``flowrl plan``): its class's
+    ``resident_params`` x the bytes of its ``dtype`` option, on the side of its ``device`` option (each the
+    declared default when not given); ``(None, ..., why)`` when it declares no ``resident_params``."""
+    target = _resolve(name)
+    params = getattr(target, "resident_params", None)
+    declared_, _ = declared_options(name)
+    given = {k: o.default for k, o in declared_.items() if not o.required}
+    given.update(options or {})
+    size = 2 if str(given.get("dtype", "float32")) in ("bfloat16", "bf16", "float16", "fp16") else 4
+    on_gpu = not str(given.get("device", "cpu")).startswith("cpu")
+    if params is None:
+        return None, on_gpu, (f"resident size unknown: not counted ({getattr(target, '__name__', name)} declares no "
+                              f"resident_params)")
+    return int(params) * size, on_gpu, str(getattr(target, "resident_note", ""))
+
+
 def build(name: str, **kwargs):
-    """Build the reward registered under ``name`` with ``kwargs``."""
+    """Build the reward registered under ``name`` with ``kwargs`` (checked first: :func:`check_options`)."""
+    check_options(name, kwargs)
     return _resolve(name)(**kwargs)
 
 

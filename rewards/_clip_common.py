@@ -16,19 +16,22 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Annotated, Callable, Iterator, Literal, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flowrl.options import Device, OneOf, PositiveFloat, PositiveInt
 from flowrl.utils.hub import require_hub_model
 
 # OpenAI CLIP statistics (also used by BLIP / ImageReward and open_clip's ViT-H-14)
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
-DTypeLike = Union[str, torch.dtype]
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DTypeLike = Union[torch.dtype, Annotated[str, OneOf(tuple(DTYPE_NAMES))]]  # a reward's dtype option
 
 
 def require(module: str, install: str):
@@ -42,8 +45,7 @@ def require(module: str, install: str):
 def resolve_dtype(dtype: DTypeLike) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    names = DTYPE_NAMES
     if dtype not in names:
         raise ValueError(f"dtype must be one of {sorted(names)} or a torch.dtype, got {dtype!r}")
     return names[dtype]
@@ -144,6 +146,7 @@ def resize_longest_pad(images: torch.Tensor, size: int, mode: str = "bicubic", f
 
 _PIL_RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL.Image.Resampling values -> torch modes
 PREPROCESS_REFERENCES = ("transformers", "torchvision")  # ImageTransform.from_hf
+Preprocess = Literal[PREPROCESS_REFERENCES]  # a reward's preprocess option
 
 
 @dataclass
@@ -348,8 +351,8 @@ class ScaledCosineReward:
 
     name = "scaled_cosine"
 
-    def __init__(self, model: str, processor: Optional[str] = None, device: str = "cpu", dtype: DTypeLike = "float32",
-                 divisor: float = 1.0, batch_size: int = 32, preprocess: str = "transformers"):
+    def __init__(self, model: str, processor: Optional[str] = None, device: Device = "cpu", dtype: DTypeLike = "float32",
+                 divisor: PositiveFloat = 1.0, batch_size: PositiveInt = 32, preprocess: Preprocess = "transformers"):
         if divisor <= 0:
             raise ValueError(f"divisor must be > 0, got {divisor}")
         self.clip = HFClip(model, processor, device=device, dtype=dtype, preprocess=preprocess,

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from flowrl.options import Device, PositiveInt
+
 from ._clip_common import DTypeLike, HFClip, LinearMLPHead, check_inputs, chunks, load_weights
 
 HEAD_HINT = ("Pass head='/path/to/sac+logos+ava1-l14-linearMSE.pth' (the LAION improved-aesthetic-predictor "
@@ -25,8 +27,8 @@ class LaionAesthetic:
     resident_params = 428_500_000  # parameters kept loaded, for `flowrl plan` (bytes: x the dtype option)
     resident_note = "CLIP ViT-L/14 427.6M + LAION aesthetic MLP head 0.9M"
 
-    def __init__(self, head: str, clip: str = "openai/clip-vit-large-patch14", device: str = "cpu",
-                 dtype: DTypeLike = "float32", batch_size: int = 32):
+    def __init__(self, head: str, clip: str = "openai/clip-vit-large-patch14", device: Device = "cpu",
+                 dtype: DTypeLike = "float32", batch_size: PositiveInt = 32):
         if not head:
             raise ValueError(f"the aesthetic reward needs its MLP head file. {HEAD_HINT}")
         sd = load_weights(head, "aesthetic head", HEAD_HINT)  # fail fast, before loading CLIP

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ._clip_common import DTypeLike, ScaledCosineReward
+from flowrl.options import Device, PositiveFloat, PositiveInt
+
+from ._clip_common import DTypeLike, Preprocess, ScaledCosineReward
 
 
 class CLIPScore(ScaledCosineReward):
@@ -31,7 +33,7 @@ class CLIPScore(ScaledCosineReward):
     resident_note = "openai/clip-vit-large-patch14 CLIPModel: 427.6M"
 
     def __init__(self, model: str = "openai/clip-vit-large-patch14", processor: Optional[str] = None,
-                 device: str = "cpu", dtype: DTypeLike = "float32", divisor: float = 30.0, batch_size: int = 32,
-                 preprocess: str = "torchvision"):
+                 device: Device = "cpu", dtype: DTypeLike = "float32", divisor: PositiveFloat = 30.0,
+                 batch_size: PositiveInt = 32, preprocess: Preprocess = "torchvision"):
         super().__init__(model, processor, device=device, dtype=dtype, divisor=divisor, batch_size=batch_size,
                          preprocess=preprocess)

@@ -5,10 +5,13 @@ Reward in kilobytes, negated for compressibility. ``quality`` 95 as in DDPO.
 from __future__ import annotations
 
 import io
+from typing import Annotated
 
 import numpy as np
 import torch
 from PIL import Image
+
+from flowrl.options import Between
 
 from ._clip_common import check_inputs
 
@@ -31,7 +34,7 @@ class JpegCompressibility:
     resident_params = 0  # parameters kept loaded, for `flowrl plan`
     resident_note = "no model"
 
-    def __init__(self, quality: int = 95):
+    def __init__(self, quality: Annotated[int, Between(1, 100)] = 95):
         self.quality = quality
 
     def __call__(self, images: torch.Tensor, prompts: list[str], **meta) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flowrl.data.digits import digits_dataset, parse_digit
+from flowrl.options import Device
 from flowrl.utils.paths import default_cache_dir
 from flowrl.utils.io import atomic_write
 
@@ -86,7 +87,7 @@ class DigitsReward:
     resident_params = 19_210  # parameters kept loaded, for `flowrl plan` (bytes: x the dtype option)
     resident_note = "flowrl's digits classifier (an MLP 64-256-10: 19.2K)"
 
-    def __init__(self, device: str = "cpu", cache_dir: Optional[str] = None):
+    def __init__(self, device: Device = "cpu", cache_dir: Optional[str] = None):
         self.device = torch.device(device)
         self.model = load_classifier(Path(cache_dir) if cache_dir else None).to(self.device)
 

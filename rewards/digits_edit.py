@@ -40,6 +40,7 @@ import torch
 
 from flowrl.data.digits import parse_digit
 from flowrl.data.items import row_sources
+from flowrl.options import Device, PositiveFloat
 
 from ._clip_common import check_inputs
 from .digits import load_classifier, to_8x8
@@ -130,7 +131,7 @@ class DigitsEditReward:
     resident_params = 19_210  # parameters kept loaded, for `flowrl plan`
     resident_note = "flowrl's digits classifier (the digits reward's)"
 
-    def __init__(self, device: str = "cpu", cache_dir: Optional[str] = None, stroke_change: float = 0.5):
+    def __init__(self, device: Device = "cpu", cache_dir: Optional[str] = None, stroke_change: PositiveFloat = 0.5):
         if not stroke_change > 0:
             raise ValueError(f"stroke_change must be > 0, got {stroke_change}")
         self.device = torch.device(device)

@@ -25,11 +25,12 @@ import os
 import sys
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Literal, Optional, Sequence, Union
 
 import torch
 
 from flowrl.errors import ConfigError
+from flowrl.options import Device, Fraction, NonNegativeFloat, PositiveInt
 
 from ._clip_common import check_inputs, chunks
 from .geneval_rules import Rules, check_metadata, evaluate, evaluate_partial, has_clauses, select_objects
@@ -109,10 +110,11 @@ class GenEval:
     resident_note = "Mask2Former Swin-S 69M + CLIP ViT-L/14 427.6M (colours)"
 
     def __init__(self, detector: str = DEFAULT_DETECTOR, detector_options: Optional[dict] = None,
-                 clip_model: str = "openai/clip-vit-large-patch14", device: str = "cpu", score: str = "official",
-                 metadata: Union[None, str, Sequence[str]] = None, threshold: float = 0.3,
-                 counting_threshold: float = 0.9, max_objects: int = 16, max_overlap: float = 1.0,
-                 position_threshold: float = 0.1, bgcolor: str = "#999", batch_size: int = 8):
+                 clip_model: str = "openai/clip-vit-large-patch14", device: Device = "cpu",
+                 score: Literal[SCORES] = "official", metadata: Union[None, str, Sequence[str]] = None,
+                 threshold: Fraction = 0.3, counting_threshold: Fraction = 0.9, max_objects: PositiveInt = 16,
+                 max_overlap: Fraction = 1.0, position_threshold: NonNegativeFloat = 0.1, bgcolor: str = "#999",
+                 batch_size: PositiveInt = 8):
         if score not in SCORES:
             raise ConfigError(f"geneval score must be one of {', '.join(SCORES)}, got {score!r}")
         self.score, self.device, self.batch_size = score, device, int(batch_size)

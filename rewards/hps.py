@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from flowrl.options import Device, PositiveInt
+
 from ._clip_common import CLIP_MEAN, CLIP_STD, DTypeLike, ImageTransform, check_inputs, chunks, load_weights, \
     require, resolve_dtype
 
@@ -30,8 +32,8 @@ class HPSv21:
     resident_params = 986_100_000  # parameters kept loaded, for `flowrl plan` (bytes: x the dtype option)
     resident_note = "HPS v2.1 = open_clip ViT-H-14 (open_clip profile: 986.1M)"
 
-    def __init__(self, checkpoint: str, model: str = "ViT-H-14", device: str = "cpu", dtype: DTypeLike = "float32",
-                 batch_size: int = 32):
+    def __init__(self, checkpoint: str, model: str = "ViT-H-14", device: Device = "cpu", dtype: DTypeLike = "float32",
+                 batch_size: PositiveInt = 32):
         if not checkpoint:
             raise ValueError(f"the hps reward needs its weights. {CHECKPOINT_HINT}")
         open_clip = require("open_clip", "open-clip-torch")

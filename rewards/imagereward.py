@@ -25,6 +25,8 @@ from typing import Mapping, Optional, Union
 import torch
 from torch import nn
 
+from flowrl.options import Device, PositiveInt
+
 from ._clip_common import CLIP_MEAN, CLIP_STD, DTypeLike, ImageTransform, LinearMLPHead, check_inputs, chunks, \
     from_pretrained, load_weights, require, resolve_dtype
 
@@ -163,8 +165,8 @@ class ImageReward:
     resident_note = "ImageReward: BLIP ViT-L/16 ~303M + BERT-base with cross-attention ~139M + head"
 
     def __init__(self, checkpoint: str, tokenizer: str = "bert-base-uncased", med_config=None,
-                 vision_config: Optional[Mapping] = None, device: str = "cpu", dtype: DTypeLike = "float32",
-                 batch_size: int = 16):
+                 vision_config: Optional[Mapping] = None, device: Device = "cpu", dtype: DTypeLike = "float32",
+                 batch_size: PositiveInt = 16):
         if not checkpoint:
             raise ValueError(f"the imagereward reward needs its weights. {CHECKPOINT_HINT}")
         transformers = require("transformers", "transformers")

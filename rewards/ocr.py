@@ -28,10 +28,12 @@ import re
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 import numpy as np
 import torch
+
+from flowrl.options import Device, Fraction, PositiveInt
 
 from ._clip_common import check_inputs, chunks, require
 
@@ -216,9 +218,9 @@ class OCRReward:
     resident_note = ("EasyOCR CRAFT 20.8M + CRNN english_g2 3.8M (the largest engine; the default RapidOCR's PP-OCRv6 "
                      "small models are about 7.8M, on onnxruntime)")
 
-    def __init__(self, backend: str = "rapidocr", device: str = "cpu", model_dir: Optional[str] = None,
-                 lang: Optional[Sequence[str]] = None, batch_size: int = 8, tesseract_config: str = "--psm 11",
-                 tesseract_cmd: Optional[str] = None, workers: int = 1, text_score: float = 0.5):
+    def __init__(self, backend: Literal[BACKENDS] = "rapidocr", device: Device = "cpu", model_dir: Optional[str] = None,
+                 lang: Optional[Sequence[str]] = None, batch_size: PositiveInt = 8, tesseract_config: str = "--psm 11",
+                 tesseract_cmd: Optional[str] = None, workers: PositiveInt = 1, text_score: Fraction = 0.5):
         if backend == "rapidocr":
             self.backend = RapidOCRBackend(device, text_score, rec_batch=batch_size)
         elif backend == "easyocr":

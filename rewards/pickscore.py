@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from flowrl.options import Device, PositiveFloat, PositiveInt
+
 from ._clip_common import DTypeLike, ScaledCosineReward
 
 PICKSCORE_DIVISOR = 26.0
@@ -26,6 +28,6 @@ class PickScore(ScaledCosineReward):
 
     def __init__(self, model: str = "yuvalkirstain/PickScore_v1",
                  processor: Optional[str] = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
-                 device: str = "cpu", dtype: DTypeLike = "float32", divisor: float = PICKSCORE_DIVISOR,
-                 batch_size: int = 32):
+                 device: Device = "cpu", dtype: DTypeLike = "float32", divisor: PositiveFloat = PICKSCORE_DIVISOR,
+                 batch_size: PositiveInt = 32):
         super().__init__(model, processor, device=device, dtype=dtype, divisor=divisor, batch_size=batch_size)

@@ -31,11 +31,12 @@ import os
 import re
 import urllib.error
 import urllib.request
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
 from flowrl.data.items import row_sources
+from flowrl.options import URL, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 from . import RewardUnavailable
 from ._clip_common import check_inputs, chunks
@@ -82,9 +83,9 @@ class RemoteReward:
     resident_params = 0  # parameters kept loaded, for `flowrl plan`
     resident_note = "a reward served by `flowrl serve-reward`: its weights live in the server's process"
 
-    def __init__(self, url: str, timeout: float = 60.0, retries: int = 3, backoff: float = 0.5,
-                 encoding: str = "uint8", batch_size: int = 64, token_env: Optional[str] = None, check: bool = True,
-                 takes_metadata: bool = False):
+    def __init__(self, url: URL, timeout: PositiveFloat = 60.0, retries: NonNegativeInt = 3,
+                 backoff: NonNegativeFloat = 0.5, encoding: Literal[ENCODINGS] = "uint8", batch_size: PositiveInt = 64,
+                 token_env: Optional[str] = None, check: bool = True, takes_metadata: bool = False):
         if not re.match(r"^https?://[^/\s]+", url or ""):
             raise ValueError(f"url must be the http(s) address `flowrl serve-reward` printed (e.g. "
                              f"http://127.0.0.1:8700), got {url!r}")

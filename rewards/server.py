@@ -110,9 +110,10 @@ def load_reward(name: str, options: Optional[dict] = None):
     """A registered reward by name, or ``module:callable`` (module doc) built with ``options``."""
     options = dict(options or {})
     if ":" not in name:
-        from . import build
+        from . import _resolve, check_options
 
-        return build(name, **options)
+        check_options(name, options, "--options")
+        return _resolve(name)(**options)
     mod_name, _, attr = name.partition(":")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # a user's module beside the command, as `python -m` would find it

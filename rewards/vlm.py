@@ -35,12 +35,13 @@ import re
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping, Optional
+from typing import Any, Literal, Mapping, Optional
 
 import torch
 from PIL import Image
 
 from flowrl.data.items import row_sources
+from flowrl.options import URL, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 from . import RewardUnavailable
 from ._clip_common import check_inputs
@@ -122,12 +123,13 @@ class VLMJudge:
     resident_params = 0  # parameters kept loaded, for `flowrl plan`
     resident_note = "an external chat-completions server: no local weights"
 
-    def __init__(self, url: str, model: str = "default", api_key_env: Optional[str] = None,
+    def __init__(self, url: URL, model: str = "default", api_key_env: Optional[str] = None,
                  template: str = DEFAULT_TEMPLATE, system: Optional[str] = None,
                  score_pattern: str = DEFAULT_SCORE_PATTERN, score_range: tuple[float, float] = (0.0, 10.0),
-                 timeout: float = 60.0, retries: int = 2, backoff: float = 1.0, concurrency: int = 4,
-                 max_side: Optional[int] = None, temperature: float = 0.0, max_tokens: int = 256,
-                 extra_body: Optional[Mapping[str, Any]] = None, on_invalid: str = "raise",
+                 timeout: PositiveFloat = 60.0, retries: NonNegativeInt = 2, backoff: NonNegativeFloat = 1.0,
+                 concurrency: PositiveInt = 4, max_side: Optional[PositiveInt] = None, temperature: NonNegativeFloat = 0.0,
+                 max_tokens: PositiveInt = 256, extra_body: Optional[Mapping[str, Any]] = None,
+                 on_invalid: Literal["raise", "nan"] = "raise",
                  edit_template: str = DEFAULT_EDIT_TEMPLATE, multi_edit_template: str = DEFAULT_MULTI_EDIT_TEMPLATE):
         if not re.match(r"^https?://", url or ""):
             raise ValueError(f"url must be an http(s) URL of an OpenAI-compatible API (e.g. http://127.0.0.1:8000/v1), "

@@ -85,7 +85,7 @@ def test_bad_settings():
         build("geneval", detector="nodetector")
     with pytest.raises(ConfigError, match=r"cannot be loaded"):
         build("geneval", detector="no_such_module_xyz:f")
-    with pytest.raises(ConfigError, match=r"score must be one of official, partial, strict"):
+    with pytest.raises(ConfigError, match=r"score must be one of 'official', 'partial', 'strict'"):
         build("geneval", detector="test_geneval_reward:top_left_detector", score="soft")
 
 

@@ -75,11 +75,13 @@ def test_a_reward_without_a_declared_size_is_reported_unknown(monkeypatch, capsy
 
 
 def test_reward_sizes_are_declared_by_the_rewards():
-    from flowrl.plan.budget import reward_size
+    """Parameters x the dtype option's bytes, on the device option's side, each the declared default unless given."""
+    from flowrl.rewards import resident
 
-    assert reward_size("pickscore") == (986_100_000, "yuvalkirstain/PickScore_v1 = CLIP ViT-H-14 (open_clip "
-                                                     "profile: 986.1M)")
-    assert reward_size("jpeg_incompressibility")[0] == 0 and reward_size("ocr")[0] == 24_600_000
+    assert resident("pickscore", {}) == (4 * 986_100_000, False, "yuvalkirstain/PickScore_v1 = CLIP ViT-H-14 "
+                                                                  "(open_clip profile: 986.1M)")
+    assert resident("pickscore", {"dtype": "bf16", "device": "cuda"})[:2] == (2 * 986_100_000, True)
+    assert resident("jpeg_incompressibility", {})[0] == 0 and resident("ocr", {})[0] == 4 * 24_600_000
 
 
 def test_transformer_parameter_counts_match_the_published_models():

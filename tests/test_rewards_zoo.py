@@ -95,7 +95,7 @@ def test_each_reward_uses_its_references_geometry(tiny_clip_dir, tiny_aesthetic_
     assert geometry(rewards.build("aesthetic", head=tiny_aesthetic_head[0], clip=tiny_clip_dir)) == ("bicubic", "floor", True)
     assert geometry(rewards.build("clipscore", model=tiny_clip_dir)) == ("bilinear", "round", False)
     assert geometry(rewards.build("clipscore", model=tiny_clip_dir, preprocess="transformers")) == ("bicubic", "floor", True)
-    with pytest.raises(ValueError, match="preprocessing reference must be one of"):
+    with pytest.raises(ValueError, match="preprocess must be one of"):
         rewards.build("clipscore", model=tiny_clip_dir, preprocess="pil")
 
 
