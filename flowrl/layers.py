@@ -8,11 +8,13 @@ fails on any import from a higher layer.
 Registry targets (``"module:attr"`` strings) are data, not imports, and are not checked.
 
 Why this order: the bottom layers are pure helpers and math that any part may use; components
-(models, rewards, data, the reward call ``flowrl.scoring``) implement the seams; the training
-infrastructure (trained parameters, EMA and reference, checkpoint formats, the distribution
-strategy) works on any model; samplers drive components; builders and updates assemble them from a
-config; the trainers run everything; the application layer is the command line and the
-benchmarks. Every package sits whole in one layer.
+(models, rewards, data) implement the seams; above them, a prompt's split into what the policy and
+the rewards take (``flowrl.conditions``) and the reward call (``flowrl.scoring``), which read the
+data's prompt items (the offline dataset is handed its reward call, as its sampler); the trained
+model (trained parameters, EMA and reference, checkpoint formats) works on any model, and the
+distribution strategy (``flowrl.distributed``) prepares, saves and loads it; samplers drive
+components; builders and updates assemble them from a config; the trainers run everything; the
+application layer is the command line and the benchmarks. Every package sits whole in one layer.
 
 Besides the order, the module graph has no cycles (:func:`import_cycles`), counting imports inside
 functions too: a lazy import is still a dependency.
@@ -29,9 +31,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                "flowrl.errors")),
     ("math", ("flowrl.schedules", "flowrl.sde", "flowrl.noise", "flowrl.ode_solvers", "flowrl.types",
               "flowrl.diagnostics", "flowrl.losses", "flowrl.advantages", "flowrl.structures", "flowrl.media")),
-    ("components", ("flowrl.pipelines", "flowrl.rewards", "flowrl.data", "flowrl.quant", "flowrl.recipes",
-                    "flowrl.conditions", "flowrl.scoring")),
-    ("training", ("flowrl.trainable", "flowrl.checkpoints", "flowrl.distributed")),
+    ("components", ("flowrl.pipelines", "flowrl.rewards", "flowrl.data", "flowrl.quant", "flowrl.recipes")),
+    ("scoring", ("flowrl.conditions", "flowrl.scoring")),
+    ("training", ("flowrl.trainable", "flowrl.checkpoints")),
+    ("distributed", ("flowrl.distributed",)),
     ("rollout", ("flowrl.rollout",)),
     ("builders", ("flowrl.builders", "flowrl.updates")),
     ("trainers", ("flowrl.trainers",)),

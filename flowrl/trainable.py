@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .types import swapped_transformer
+from .utils.sharded import host_copy
 
 DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 
@@ -122,8 +123,6 @@ class EMA:
     the average lives in host memory (``train.offload.ema``; FSDP shards stay shards)."""
 
     def __init__(self, transformer: nn.Module, decay: float, host: bool = False):
-        from .distributed.offload import host_copy
-
         self.decay = decay
         self.shadow = trainable_state(transformer)
         if host:

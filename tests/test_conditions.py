@@ -144,25 +144,26 @@ def test_offline_dataset_keeps_the_sources(tiny_digits_policy, items, tmp_path):
     from flowrl.data.offline import GenerationSettings, add_reward_column, generate_dataset
     from flowrl.data.offline_store import OfflineDataset
     from flowrl.rollout.ode import ode_sample
+    from flowrl.scoring import score_images
 
     reward = Recording()
     settings = GenerationSettings(k=2, groups_per_prompt=1, num_steps=2, groups_per_shard=2, save_png=False)
     generate_dataset(tmp_path / "ds", tiny_digits_policy, items, {"rec": reward}, settings, sample=ode_sample,
-                     progress=False)
+                     score=score_images, progress=False)
     reward.check(items)
     ds = OfflineDataset(tmp_path / "ds")
     assert ds.prompts == items and all(torch.equal(a.image, b.image) for a, b in zip(ds.prompts, items))
     batch = ds.read([0, 1, 2])
     assert batch.prompts == [items[int(p)] for p in batch.prompt_index]
     again = Recording()
-    add_reward_column(tmp_path / "ds", "again", again, tiny_digits_policy.decode, progress=False)
+    add_reward_column(tmp_path / "ds", "again", again, tiny_digits_policy.decode, progress=False, score=score_images)
     again.check(items)  # a rescored column sees the stored groups' sources
     # generating again with the same items resumes (the stored records compare equal)
     generate_dataset(tmp_path / "ds", tiny_digits_policy, items, {"rec": Recording()}, settings, sample=ode_sample,
-                     progress=False)
+                     score=score_images, progress=False)
     with pytest.raises(ValueError, match="cannot be stored"):
         generate_dataset(tmp_path / "other", tiny_digits_policy, [PromptItem("x", items[0].image)], {}, settings,
-                         sample=ode_sample, progress=False)
+                         sample=ode_sample, score=score_images, progress=False)
 
 
 def test_vlm_judge_sends_source_result_and_instruction(stub, monkeypatch):

@@ -64,12 +64,25 @@ def test_every_module_has_a_layer():
 @pytest.mark.parametrize("module, layer", [
     ("flowrl.utils.io", "utils"), ("flowrl.sde", "math"), ("flowrl.advantages.tempflow", "math"),
     ("flowrl.data.digits", "components"), ("flowrl.data.offline_store", "components"),
-    ("flowrl.data.offline", "components"), ("flowrl.scoring", "components"), ("flowrl.rollout.ode", "rollout"), ("flowrl.updates.grpo", "builders"),
-    ("flowrl.errors", "utils"), ("flowrl.trainable", "training"), ("flowrl.checkpoints.sharded", "training"),
+    ("flowrl.data.offline", "components"), ("flowrl.scoring", "scoring"), ("flowrl.conditions", "scoring"),
+    ("flowrl.rollout.ode", "rollout"), ("flowrl.updates.grpo", "builders"), ("flowrl.errors", "utils"),
+    ("flowrl.trainable", "training"), ("flowrl.checkpoints.sharded", "training"),
+    ("flowrl.distributed.offload", "distributed"),
     ("flowrl.trainers.online", "trainers"), ("flowrl.cli", "application"), ("flowrl", "utils")])
 def test_most_specific_prefix_wins(module, layer):
     assert layer_name(layer_of(module)) == layer
     assert layer_of("numpy") is None and layer_of("flowrlx.y") is None
+
+
+def test_the_data_and_the_trained_model_sit_below_what_uses_them():
+    """The offline dataset is handed its reward call (it imports no flowrl.scoring) and the trained model's EMA
+    keeps its host copy with flowrl.utils.sharded (flowrl.trainable imports no flowrl.distributed)."""
+    assert layer_of("flowrl.data.offline") < layer_of("flowrl.conditions") <= layer_of("flowrl.scoring")
+    assert layer_of("flowrl.trainable") < layer_of("flowrl.distributed.offload")
+    assert upward_imports(imports_of("from ..scoring import score_images\n", "flowrl.data.offline")) == [
+        "flowrl.data.offline:1 (layer components) imports flowrl.scoring (layer scoring, above it)"]
+    assert upward_imports(imports_of("from .distributed.offload import Offload\n", "flowrl.trainable")) == [
+        "flowrl.trainable:1 (layer training) imports flowrl.distributed.offload (layer distributed, above it)"]
 
 
 def test_walker_catches_an_upward_import_anywhere():

@@ -171,17 +171,18 @@ def test_offline_dataset_stores_and_rescores_every_source(tiny_digits_policy, mu
     from flowrl.data.offline import GenerationSettings, add_reward_column, generate_dataset
     from flowrl.data.offline_store import OfflineDataset
     from flowrl.rollout.ode import ode_sample
+    from flowrl.scoring import score_images
 
     items = [multi[3], multi[5], multi[-1]]
     settings = GenerationSettings(k=2, groups_per_prompt=1, num_steps=2, groups_per_shard=2)
     rec = Recording()
     generate_dataset(tmp_path / "ds", tiny_digits_policy, items, {"rec": rec}, settings, sample=ode_sample,
-                     progress=False)
+                     score=score_images, progress=False)
     assert rec.check(items) == 6
     ds = OfflineDataset(tmp_path / "ds")
     assert ds.prompts == items and [it.num_sources for it in ds.prompts] == [3, 2, 1]
     again = Recording()
-    add_reward_column(tmp_path / "ds", "again", again, tiny_digits_policy.decode, progress=False)
+    add_reward_column(tmp_path / "ds", "again", again, tiny_digits_policy.decode, progress=False, score=score_images)
     assert again.check(items) == 6
 
 

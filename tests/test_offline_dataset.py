@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 from flowrl.data.offline import GenerationSettings, add_reward_column, generate_dataset, group_seeds
 from flowrl.data.offline_store import DatasetError, OfflineDataset, read_index
 from flowrl.rollout.ode import ode_sample
+from flowrl.scoring import score_images
 
 PROMPTS = [f"a handwritten digit {d}" for d in range(3)]
 
@@ -39,7 +40,7 @@ def _settings(**kw):
 def _gen(out, policy, **kw):
     s = _settings(**{k: v for k, v in kw.items() if k in GenerationSettings.__dataclass_fields__})
     rest = {k: v for k, v in kw.items() if k not in GenerationSettings.__dataclass_fields__}
-    return generate_dataset(out, policy, PROMPTS, {"mean": MeanReward()}, s, sample=ode_sample,
+    return generate_dataset(out, policy, PROMPTS, {"mean": MeanReward()}, s, sample=ode_sample, score=score_images,
                             model={"pipeline": "digits"}, progress=False, **rest)
 
 
@@ -132,7 +133,7 @@ def test_resume_with_other_settings_is_refused(full_dataset, tmp_path):
         _gen(part, policy, num_steps=3)
     with pytest.raises(DatasetError, match="prompts"):
         generate_dataset(part, policy, PROMPTS[:2], {"mean": MeanReward()}, _settings(), sample=ode_sample,
-                         model={"pipeline": "digits"}, progress=False)
+                         score=score_images, model={"pipeline": "digits"}, progress=False)
     with pytest.raises(DatasetError, match="not an offline dataset"):
         other = tmp_path / "other"
         other.mkdir()
@@ -178,10 +179,10 @@ def test_rescore_adds_a_column_without_regenerating(full_dataset, tmp_path, monk
     real_save = offline._atomic_save_tensors
     monkeypatch.setattr(offline, "_atomic_save_tensors", crash_on_third)
     with pytest.raises(KeyboardInterrupt):
-        add_reward_column(ds_dir, "bright", rew, policy.decode, batch_images=100, progress=False)
+        add_reward_column(ds_dir, "bright", rew, policy.decode, batch_images=100, progress=False, score=score_images)
     assert "bright" not in OfflineDataset(ds_dir).reward_names  # incomplete column: not listed
     monkeypatch.setattr(offline, "_atomic_save_tensors", real_save)
-    add_reward_column(ds_dir, "bright", rew, policy.decode, batch_images=100, progress=False)
+    add_reward_column(ds_dir, "bright", rew, policy.decode, batch_images=100, progress=False, score=score_images)
     assert rew.calls == 2 + 4  # 5 shards, the first one was not redone after the interruption
     ds = OfflineDataset(ds_dir)
     assert ds.reward_names == ["mean", "bright"]
@@ -189,8 +190,8 @@ def test_rescore_adds_a_column_without_regenerating(full_dataset, tmp_path, monk
     assert torch.allclose(b.rewards["bright"], b.rewards["mean"], atol=1e-6)  # same function, same images
     assert {p.name: p.read_bytes() for p in ds_dir.glob("shard-??????.safetensors")} == x0_files  # untouched
     with pytest.raises(DatasetError, match="overwrite"):
-        add_reward_column(ds_dir, "bright", rew, policy.decode, progress=False)
-    add_reward_column(ds_dir, "bright", rew, policy.decode, overwrite=True, progress=False)
+        add_reward_column(ds_dir, "bright", rew, policy.decode, progress=False, score=score_images)
+    add_reward_column(ds_dir, "bright", rew, policy.decode, overwrite=True, progress=False, score=score_images)
     (ds_dir / "shard-000001.reward-bright.safetensors").unlink()
     with pytest.raises(DatasetError, match="missing"):
         OfflineDataset(ds_dir)

@@ -114,6 +114,34 @@ def test_time_sampling_by_hand():
     assert ramped_decay(100, 0.3, 0.001) == pytest.approx(0.1) and ramped_decay(10**6, 0.3, 0.001) == 0.3
 
 
+def _steps(sigmas):
+    return [int((SD35_14 - s).abs().argmin()) for s in sigmas]
+
+
+def test_time_range_keeping_a_single_step():
+    """Flow-Factory's discrete draws, where the range keeps one step: ``_with_init`` (num > 1) and ``_wo_init``
+    train the step after it (outside the range; ``_wo_init`` also the kept step it leaves out), flowrl refuses."""
+    ts = SD35_14 * 1000.0
+    g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    for frac, lo, hi in ((0.01, 0.0, 0.01), ((0.95, 1.0), 0.95, 1.0)):  # only step 0 / only step 13 inside
+        kept = 0 if hi == 0.01 else 13
+        for kind, num in (("discrete", 4), ("discrete_with_init", 1)):  # the kept step only, in both codes
+            ours = sample_times(TimeSampling(kind, num, frac), SD35_14, g())
+            assert _steps(ours) == [kept] * num
+            init = (True, kind == "discrete_with_init")
+            assert torch.equal(ours, ff_discrete(num, ts, lo, hi, *init, g()) / 1000.0)
+        for kind, num, init in (("discrete_with_init", 4, (True, True)), ("discrete_wo_init", 4, (False, False)),
+                                ("discrete_wo_init", 1, (False, False))):
+            with pytest.raises(ValueError, match="none after it"):
+                sample_times(TimeSampling(kind, num, frac), SD35_14, g())
+            peer = _steps(ff_discrete(num, ts, lo, hi, *init, g()) / 1000.0)
+            if kept == 0:  # step 1 (sigma 0.973, fraction 0.027) lies outside the range
+                assert 1 in peer and set(peer) <= {0, 1}
+                assert (0 in peer) == (num > 1)  # _wo_init with 4 times trains step 0 too
+            else:  # the last step: the index clamp gives the kept step only (the one _wo_init leaves out)
+                assert peer == [13] * num
+
+
 # ---------------------------------------------------------------- AWM
 def ff_weighted_log_prob(model_output, target, timestep, weighting, p):
     """AWMTrainer.compute_weighted_log_prob: timestep in 0..1000."""

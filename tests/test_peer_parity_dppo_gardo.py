@@ -1,8 +1,9 @@
 """Flow-DPPO and GARDO equal the peers' code (hand transcriptions of their formulas, never their files).
 
 Transcribed from: UniRL (Tencent-Hunyuan/UniRL 1a7b501) ``unirl/algorithms/flowdppo.py``
-(``_gaussian_kl_div``, ``_flowdppo_kl_adv_loss``, ``FlowDPPO._compute_sigma_t``), equal in its math to
-verl-omni's ``FlowDPPOLoss`` (a1139ba); GARDO (tinnerhrhe/GARDO 1cc77fb) ``flow_grpo/stat_tracking.py``
+(``_gaussian_kl_div``, ``_flowdppo_kl_adv_loss``, ``FlowDPPO._compute_sigma_t``) and the scale of its SDE step
+(``unirl/sde/kernels.py``, ``FlowSDEStrategy.step``), equal in its loss math to verl-omni's ``FlowDPPOLoss``
+(a1139ba); GARDO (tinnerhrhe/GARDO 1cc77fb) ``flow_grpo/stat_tracking.py``
 (``PerPromptStatTracker.update(type='gardo')``), ``scripts/train_sd3_grpo_gardo.py`` (``RiskCompensator``,
 the rank uncertainty and percentile gate, the gated KL of the GRPO loss, the reference reset) and
 ``scripts/train_sd3_nft_gardo.py`` (the NFT gated KL, the threshold update). docs/parity.md lists what differs.
@@ -81,6 +82,35 @@ def test_dppo_loss_mask_and_gradient_equal_unirl(seed):
     close_grad(g_ours, g_peer)
     assert stats["masked_fraction"] == (~keep).float().mean() and 0 < stats["masked_fraction"] < 0.5
     assert stats["high_kl_fraction"] == 0.5
+
+
+def unirl_sampler_scale(sigma, sigma_next, sigma_max, eta):
+    """The scale of UniRL's own SDE step (``FlowSDEStrategy.step``, ``unirl/sde/kernels.py``) as its SD3 rollout and
+    ``replay`` call it (``sigma_max = sigmas[1]``): ``std_dev_t sqrt(-dt)``, ``std_dev_t = sqrt(s / (1 - s')) * eta``
+    with ``s' = sigma_max`` where ``s == 1``, else ``s``."""
+    return torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * eta * torch.sqrt(-(sigma_next - sigma))
+
+
+def test_dppo_step_zero_scale_is_the_samplers_where_unirl_kl_clamps_at_099():
+    sig = flow_sigmas(10, 3.0)  # UniRL's SD3.5-M setting: 10 steps, shift 3, noise level 0.7, SDE steps among 0-4
+    s, sn = sig[:5], sig[1:6]
+    ours = sde_step(torch.zeros(5, 1), torch.zeros(5, 1), s, sn, noise_level=0.7).std  # [5]
+    close(ours, unirl_sampler_scale(s, sn, sig[1], 0.7))  # flowrl's scale is UniRL's sampler's, step 0 included
+    peer = unirl_sigma_t(s, sn, 0.7)  # the scale UniRL's KL divides by
+    close(peer[1:], ours[1:])  # below sigma 0.99 the same
+    factor = (peer[0] / ours[0]) ** 2  # at step 0 (sigma 1): min(1, 0.99) against sigmas[1] = 0.960
+    close(factor, (1 - sig[1]) / 0.01, rtol=1e-5)  # float32's 1 - 0.99
+    assert 3.98 < factor < 3.99  # UniRL's step-0 D is 1 / 3.99 of the KL of the transition it sampled
+    # a step-0 transition whose KL (under the sampler's Gaussians) is 2 tau, moving aggressively (r > 1, A > 0)
+    std = ours[:1]
+    old_mean = torch.zeros(1, 4, 3, 3)
+    mean = old_mean + 0.01
+    kl = transition_kl(mean, old_mean, std)
+    tau = float(kl[0]) / 2
+    lp, adv = torch.tensor([0.1], requires_grad=True), torch.tensor([1.0])
+    _, stats = dppo_loss(lp, torch.zeros(1), mean, old_mean, std, adv, kl_threshold=tau)
+    _, keep = unirl_dppo_loss(lp, torch.zeros(1), mean, old_mean, adv, peer[:1].view(-1, 1, 1, 1), tau)
+    assert stats["masked_fraction"] == 1 and bool(keep[0])  # flowrl drops it; UniRL's KL (2 tau / 3.99) keeps it
 
 
 def test_dppo_by_hand():

@@ -20,8 +20,9 @@ not list are leftovers of an interrupted run and are overwritten, so a resumed r
 same groups, in the same shard layout, as an uninterrupted one, with none missing or duplicated.
 
 The samples come from the deterministic sampler the caller hands over (``sample=``, the trainers
-give ``flowrl.rollout.ode.ode_sample``), and every reward call is :func:`flowrl.scoring.score_images`,
-so this module sits beside the rest of ``flowrl.data`` and imports no sampler.
+give ``flowrl.rollout.ode.ode_sample``) and the rewards are called through the reward call it hands
+over too (``score=``, the trainers give :func:`flowrl.scoring.score_images`), so this module sits
+beside the rest of ``flowrl.data`` and imports neither a sampler nor the reward call.
 """
 from __future__ import annotations
 
@@ -36,18 +37,20 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from ..scoring import score_images
 from ..utils.io import atomic_write, save_png, write_text
 from .items import item_record
 from .offline_store import DTYPES, EXTENSIBLE, FORMAT, INDEX, VERSION, DatasetError, OfflineDataset, read_index
 
 # the format, the index and the reader are offline_store's; this module writes datasets
-__all__ = ["group_seeds", "group_prompt_index", "GenerationSettings", "SampleFn", "iter_samples",
+__all__ = ["group_seeds", "group_prompt_index", "GenerationSettings", "SampleFn", "RewardCall", "iter_samples",
            "generate_dataset", "add_reward_column"]
 
 # (policy, prompts, seeds, num_steps, solver=) -> (x0 [n, C, H, W], images [n, 3, H', W']): prompt i with seed
 # i, deterministically (flowrl.rollout.ode.ode_sample)
 SampleFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# (reward, images [n, 3, H, W], prompts, frame_stride=) -> (total [n] float32, components): the reward call
+# (flowrl.scoring.score_images)
+RewardCall = Callable[..., tuple[torch.Tensor, dict]]
 
 
 # ---------------------------------------------------------------- atomic shard files
@@ -113,9 +116,9 @@ def iter_samples(policy, prompts: list, seeds: list[int], settings: GenerationSe
         yield a, x.float().cpu(), im.float().cpu()
 
 
-def _score(rewards: Mapping[str, Callable], images: torch.Tensor, prompts: list, frame_stride: int
-           ) -> dict[str, torch.Tensor]:
-    return {name: score_images(fn, images, prompts, frame_stride=frame_stride)[0]
+def _score(score: RewardCall, rewards: Mapping[str, Callable], images: torch.Tensor, prompts: list,
+           frame_stride: int) -> dict[str, torch.Tensor]:
+    return {name: score(fn, images, prompts, frame_stride=frame_stride)[0]
             for name, fn in rewards.items()}  # name -> [N]
 
 
@@ -189,8 +192,8 @@ def _open_index(root: Path, prompts: list[str], reward_names: list[str], spec: d
 
 
 def _generate_shard(root: Path, policy, prompts: list, rewards: Mapping[str, Callable],
-                    settings: GenerationSettings, start: int, count: int, sample: SampleFn, frame_stride: int
-                    ) -> tuple[dict[str, torch.Tensor], float, float]:
+                    settings: GenerationSettings, start: int, count: int, sample: SampleFn, score: RewardCall,
+                    frame_stride: int) -> tuple[dict[str, torch.Tensor], float, float]:
     """Sample and score groups ``[start, start + count)``; returns (shard tensors, generation
     seconds, reward seconds). Writes the groups' PNGs when ``settings.save_png``."""
     k = settings.k
@@ -204,7 +207,7 @@ def _generate_shard(root: Path, policy, prompts: list, rewards: Mapping[str, Cal
     for first, x, images in iter_samples(policy, rows_p, rows_s, settings, sample):
         t_score = time.perf_counter()
         gen_s += t_score - t_gen
-        parts.append(_score(rewards, images, rows_p[first:first + len(x)], frame_stride))  # name -> [n]
+        parts.append(_score(score, rewards, images, rows_p[first:first + len(x)], frame_stride))  # name -> [n]
         if settings.save_png:
             _save_pngs(root, [(groups[(first + i) // k], (first + i) % k) for i in range(len(x))], images)
         xs.append(x.to(DTYPES[settings.latent_dtype]))
@@ -219,13 +222,14 @@ def _generate_shard(root: Path, policy, prompts: list, rewards: Mapping[str, Cal
 
 
 def generate_dataset(out: str | os.PathLike, policy, prompts: Sequence, rewards: Mapping[str, Callable],
-                     settings: GenerationSettings, *, sample: SampleFn, model: Optional[dict] = None,
+                     settings: GenerationSettings, *, sample: SampleFn, score: RewardCall, model: Optional[dict] = None,
                      max_new_shards: Optional[int] = None, progress: bool = True,
                      on_shard: Optional[Callable[[int], None]] = None, frame_stride: int = 1) -> dict:
     """Generate (or resume, or extend) the dataset in ``out``; returns its index.
 
     ``policy``: the reference model (``FlowPolicy``), sampled by ``sample`` (:data:`SampleFn`:
-    ``flowrl.rollout.ode.ode_sample``). ``rewards``: name -> reward callable, each
+    ``flowrl.rollout.ode.ode_sample``). ``rewards``: name -> reward callable, each called through ``score``
+    (:data:`RewardCall`: ``flowrl.scoring.score_images``) and
     stored as column ``reward/<name>`` (videos scored every ``frame_stride``-th frame). ``model``: a description stored in the spec (pipeline,
     path, guidance) so a resume with another model is refused. A resume must use the same spec
     (except ``groups_per_prompt``, which may grow: new groups are appended). ``max_new_shards``
@@ -250,7 +254,7 @@ def generate_dataset(out: str | os.PathLike, policy, prompts: Sequence, rewards:
         if max_new_shards is not None and written >= max_new_shards:
             break
         number, start, count = nxt
-        tensors, gen_s, rew_s = _generate_shard(root, policy, prompts, rewards, settings, start, count, sample,
+        tensors, gen_s, rew_s = _generate_shard(root, policy, prompts, rewards, settings, start, count, sample, score,
                                                 frame_stride)
         name = _shard_name(number) + ".safetensors"
         _atomic_save_tensors(tensors, root / name)
@@ -278,8 +282,9 @@ def _save_pngs(root: Path, names: list[tuple[int, int]], images: torch.Tensor) -
 
 def add_reward_column(path: str | os.PathLike, name: str, reward: Callable, decode: Callable[[torch.Tensor], torch.Tensor],
                       batch_images: int = 256, overwrite: bool = False, progress: bool = True,
-                      frame_stride: int = 1) -> dict:
-    """Score every stored image with ``reward`` and add column ``reward/<name>`` (no regeneration).
+                      frame_stride: int = 1, *, score: RewardCall) -> dict:
+    """Score every stored image with ``reward`` through ``score`` (:data:`RewardCall`:
+    ``flowrl.scoring.score_images``) and add column ``reward/<name>`` (no regeneration).
 
     ``decode``: latents ``[B, C, H, W]`` -> images ``[B, 3, H', W']`` in [0, 1] (the policy's
     ``decode``; videos scored every ``frame_stride``-th frame). Each shard's column goes to its own file ``shard-NNNNNN.reward-<name>.safetensors``,
@@ -307,7 +312,7 @@ def add_reward_column(path: str | os.PathLike, name: str, reward: Callable, deco
         for a in range(0, flat.shape[0], batch_images):
             with torch.no_grad():
                 images = decode(flat[a:a + batch_images]).float().cpu()
-            vals.append(_score({name: reward}, images, prompts[a:a + batch_images], frame_stride)[name])
+            vals.append(_score(score, {name: reward}, images, prompts[a:a + batch_images], frame_stride)[name])
         fname = f"{s['name']}.reward-{_safe(name)}.safetensors"
         _atomic_save_tensors({col: torch.cat(vals).view(n, k)}, root / fname)
         s["columns"][col] = fname

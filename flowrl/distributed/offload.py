@@ -79,17 +79,6 @@ def offload_settings(train) -> Offload:
     return flags
 
 
-def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in host memory; a ``DTensor`` (FSDP shard) stays a ``DTensor`` of the same mesh and placements
-    with its local shard in host memory (as FSDP2's CPU offload keeps its shards)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        return DTensor.from_local(t.to_local().to("cpu"), t.device_mesh, t.placements, run_check=False,
-                                  shape=t.shape, stride=t.stride())
-    return t.to("cpu")
-
-
 def keep_on_host(module: nn.Module, device: torch.device, methods: tuple[str, ...] = ("forward",)) -> nn.Module:
     """``module`` moved to host memory; each of its ``methods`` (instance attributes wrapping the class's)
     moves it to ``device`` for the call and back afterwards (the outermost call only, when one calls

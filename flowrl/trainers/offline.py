@@ -84,8 +84,9 @@ def generate_offline(cfg: Config, out: Optional[str] = None, max_new_shards: Opt
         policy = build_policy_from_config(cfg, _device(cfg))
         policy = attach_text_cache(policy, cfg.model, prompts, progress=progress)  # model.text_embedding_cache, if set
     policy.transformer.requires_grad_(False)
-    idx = generate_dataset(out, policy, prompts, rewards, settings, sample=ode_sample, model=model_description(cfg),
-                           max_new_shards=max_new_shards, progress=progress, frame_stride=cfg.reward.frame_stride)
+    idx = generate_dataset(out, policy, prompts, rewards, settings, sample=ode_sample, score=score_images,
+                           model=model_description(cfg), max_new_shards=max_new_shards, progress=progress,
+                           frame_stride=cfg.reward.frame_stride)
     ds = OfflineDataset(out)
     summary = {"dataset": str(out), "groups": len(ds), "groups_planned": len(prompts) * settings.groups_per_prompt,
                "k": ds.k, "shards": len(idx["shards"]), "rewards": ds.reward_names,
@@ -122,7 +123,8 @@ def rescore_offline(dataset: str, reward_name: str, options: Optional[dict] = No
     dev = getattr(policy, "device", torch.device("cpu"))
     t0 = time.perf_counter()
     add_reward_column(dataset, reward_name, reward, lambda x: policy.decode(x.to(dev)), overwrite=overwrite,
-                      progress=progress, frame_stride=cfg.reward.frame_stride if cfg is not None else 1)
+                      progress=progress, frame_stride=cfg.reward.frame_stride if cfg is not None else 1,
+                      score=score_images)
     ds = OfflineDataset(dataset)
     col = ds.column(reward_name)
     fin = col[torch.isfinite(col)]

@@ -1,4 +1,5 @@
-"""FSDP2-sharded modules seen from outside the trainer: recognising one, and an unsharded copy of it.
+"""FSDP2-sharded modules seen from outside the trainer: recognising one, a tensor gathered whole or kept in host
+memory shard by shard, and an unsharded copy of a module.
 
 Under ``train.sharding=fsdp`` (``flowrl.distributed.fsdp``) each process holds a shard of every
 parameter (a ``DTensor``). Code that needs the whole model on one process (the low-precision
@@ -25,6 +26,17 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in host memory; a ``DTensor`` (FSDP shard) stays a ``DTensor`` of the same mesh and placements
+    with its local shard in host memory (as FSDP2's CPU offload keeps its shards)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        return DTensor.from_local(t.to_local().to("cpu"), t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+    return t.to("cpu")
 
 
 def _unsharded_class(module: nn.Module) -> type:
