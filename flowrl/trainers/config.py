@@ -275,9 +275,6 @@ class DataConfig:
     def __post_init__(self):
         if self.eval_seeds_per_prompt < 2:
             raise ConfigError(f"data.eval_seeds_per_prompt must be >= 2 (diversity needs pairs), got {self.eval_seeds_per_prompt}")
-        if not isinstance(self.source, str):
-            raise ConfigError(f"data.source is free text saying where to get the prompt files, got {self.source!r}; "
-                              f"quote it in the YAML")
 
     def train_prompts(self) -> list[str]:
         """The training prompt set (``data.prompts``, read with the column/split options)."""
