@@ -21,8 +21,10 @@ targets, sharding) and :func:`smoke_overrides` shrinks everything else:
 - offline GDRO recipes (``train.mode: offline``): a dataset of 2 groups x 2 images is generated first.
 
 Before any of that, :func:`check_real_inputs` reads what the real run would read (the recipe's prompt
-files, the local files its rewards name): a missing one fails the smoke run as it would fail the real
-one.
+files, the files its rewards name): a missing one fails the smoke run as it would fail the real one,
+except the data a recipe says it cannot ship (``data.source``: where to get it), which gets one note. So
+every shipped recipe's ``--smoke`` runs from a fresh clone: their reward weights are hub files
+(``hf://...``, downloaded by the real run), and their prompt files are a shipped set or say where to get them.
 
 Files besides the run (the dataset, a text-embedding cache) go to a temporary directory removed at
 the end, never to the recipe's own cache paths, so the real run finds no stale cache.
@@ -33,7 +35,9 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Collection, Sequence
+
+from .utils.hub import is_hub_file
 
 SMOKE_PIXELS = 32  # tiny diffusers models: 16 x 4 x 4 latents
 PROMPTS = {"digits": ["a handwritten digit 3", "a handwritten digit 7"]}
@@ -138,37 +142,77 @@ SMOKE_DATA_HINT = ("give data.prompts=... data.eval_prompts=... on this command 
 
 
 def _names_a_local_file(value) -> bool:
-    return isinstance(value, str) and (value.startswith(("/", "./", "../", "~")) or
-                                       Path(value).suffix.lower() in MODEL_FILE_SUFFIXES)
+    return isinstance(value, str) and not is_hub_file(value) and (
+        value.startswith(("/", "./", "../", "~")) or Path(value).suffix.lower() in MODEL_FILE_SUFFIXES)
 
 
-def check_real_inputs(cfg) -> None:
+def _note(text: str) -> None:
+    print(f"[flowrl] note: {text}", file=sys.stderr, flush=True)
+
+
+def check_real_inputs(cfg, given: Collection[str] = ()) -> None:
     """What the real run of ``cfg`` reads before its first iteration, checked on this machine before the
     smoke sizes replace it (a ``ConfigError`` that says so): the prompt sets (``data.prompts``,
-    ``data.eval_prompts``, read by the real loader) and the local files the rewards name
-    (``reward.options``, ``reward.heldout``). An offline recipe's ``offline.dataset`` that does not exist
-    yet gets a notice (``flowrl generate-offline`` writes it)."""
-    from .data.prompts import PromptSetError
-    from .errors import ConfigError
+    ``data.eval_prompts``, read by the real loader) and the files the rewards name (``reward.options``,
+    ``reward.heldout``). ``given`` holds the keys set on the command line (``data.prompts``, ``reward``, ...).
 
-    for key, read in (("data.prompts", cfg.data.train_prompts), ("data.eval_prompts", cfg.data.eval_prompt_set)):
-        try:
-            read()
-        except (PromptSetError, FileNotFoundError) as e:
-            raise ConfigError(f"--smoke checks what the real run reads, and {key} fails: {e}; copy the file there, "
-                              f"or {SMOKE_DATA_HINT}") from None
+    A prompt file the recipe names that is missing here fails, unless the recipe says where to get it
+    (``data.source``: data flowrl cannot ship) and the file was not given on the command line: then one note
+    names it and the source, and the smoke run goes on with its own prompts. A reward's hub file
+    (``hf://...``) must be well formed; one that is not cached while downloads are off gets a note. An
+    offline recipe's ``offline.dataset`` that does not exist yet gets a notice (``flowrl generate-offline``
+    writes it)."""
+    _check_prompt_sets(cfg, given)
     for section, spec in (("reward.options", cfg.reward.options), ("reward.heldout", cfg.reward.heldout)):
         for name, options in spec.items():
             for key, value in (options or {}).items():
-                if _names_a_local_file(value) and not Path(value).expanduser().exists():
-                    raise ConfigError(f"--smoke checks what the real run reads: {section}.{name}.{key}={value} is "
-                                      f"no file here (building the {name} reward would fail); put the file there "
-                                      f"or point the option at it")
+                _check_reward_file(f"{section}.{name}.{key}", value, name)
     dataset = getattr(cfg.offline, "dataset", None) if cfg.train.mode == "offline" else None
     if dataset and not Path(dataset).is_dir():
-        print(f"[flowrl] note: offline.dataset {dataset} does not exist yet; write it with `flowrl generate-offline "
-              f"--config RECIPE` before the real run (the smoke run generates a tiny one of its own)",
-              file=sys.stderr, flush=True)
+        _note(f"offline.dataset {dataset} does not exist yet; write it with `flowrl generate-offline --config "
+              f"RECIPE` before the real run (the smoke run generates a tiny one of its own)")
+
+
+def _check_prompt_sets(cfg, given: Collection[str]) -> None:
+    from .data.prompts import PromptSetError
+    from .errors import ConfigError
+
+    elsewhere = []  # the recipe's files that are not here, with data.source saying where to get them
+    for key, read in (("data.prompts", cfg.data.train_prompts), ("data.eval_prompts", cfg.data.eval_prompt_set)):
+        try:
+            read()
+        except FileNotFoundError as e:
+            if not (cfg.data.source and not _covered(key, set(given))):
+                raise ConfigError(f"--smoke checks what the real run reads, and {key} fails: {e}; copy the file "
+                                  f"there, or {SMOKE_DATA_HINT}") from None
+            elsewhere.append(f"{key} {getattr(cfg.data, key.split('.')[1])}")
+        except PromptSetError as e:
+            raise ConfigError(f"--smoke checks what the real run reads, and {key} fails: {e}; fix the file, or "
+                              f"{SMOKE_DATA_HINT}") from None
+    if elsewhere:
+        one = len(elsewhere) == 1
+        _note(f"{' and '.join(elsewhere)} {'is' if one else 'are'} not on this machine and the real run reads "
+              f"{'it' if one else 'them'}; get {'it' if one else 'them'} from: {cfg.data.source} (the smoke run goes "
+              f"on with its own prompts)")
+
+
+def _check_reward_file(setting: str, value, reward: str) -> None:
+    """One reward option: a local file must exist, a hub file must be well formed (a note when it is not
+    cached and downloads are off)."""
+    from .errors import ConfigError
+    from .utils.hub import cached_hub_file, hub_offline, parse_hub_file
+
+    if is_hub_file(value):
+        try:
+            ref = parse_hub_file(value)
+        except ValueError as e:
+            raise ConfigError(f"{setting}: {e}") from None
+        if hub_offline() and cached_hub_file(value) is None:
+            _note(f"{setting}={value} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: the real "
+                  f"run fails on it unless you run `{ref.download_command()}` first (or it runs with downloads on)")
+    elif _names_a_local_file(value) and not Path(value).expanduser().exists():
+        raise ConfigError(f"--smoke checks what the real run reads: {setting}={value} is no file here (building "
+                          f"the {reward} reward would fail); put the file there or point the option at it")
 
 
 def smoke_config(recipe: str, overrides: Sequence[str], scratch: Path) -> tuple:
@@ -179,7 +223,7 @@ def smoke_config(recipe: str, overrides: Sequence[str], scratch: Path) -> tuple:
     from .trainers.config_text import override_key
 
     first = load_config(recipe, list(overrides))
-    check_real_inputs(first)
+    check_real_inputs(first, {override_key(o) for o in overrides})
     mine = {override_key(o) for o in overrides if override_key(o).split(".")[0] in USER_SECTIONS}
     ov = [*overrides, *(o for o in smoke_overrides(first, tiny_model(first.model.pipeline), scratch)
                         if not _covered(override_key(o), mine))]

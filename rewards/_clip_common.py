@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flowrl.options import Device, OneOf, PositiveFloat, PositiveInt
-from flowrl.utils.hub import require_hub_model
+from flowrl.utils.hub import hub_file, is_hub_file, require_hub_model
 
 # OpenAI CLIP statistics (also used by BLIP / ImageReward and open_clip's ViT-H-14)
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -215,9 +215,14 @@ class ImageTransform:
 
 
 # ---------------------------------------------------------------- weights
-def load_weights(path: Union[str, Path], what: str, hint: str) -> dict[str, torch.Tensor]:
+def load_weights(path: Union[str, Path], what: str, hint: str,
+                 setting: str = "the reward's options") -> dict[str, torch.Tensor]:
     """A state dict from ``.safetensors`` or a torch pickle (``weights_only``), unwrapping
-    ``{"state_dict": ...}`` / ``{"model": ...}`` and a DDP ``module.`` prefix."""
+    ``{"state_dict": ...}`` / ``{"model": ...}`` and a DDP ``module.`` prefix. ``path`` is a local file or
+    a hub file ``hf://ORG/NAME/FILE`` (read from the local Hugging Face cache, or downloaded:
+    :func:`flowrl.utils.hub.hub_file`; ``setting`` names where it was given for its error)."""
+    if is_hub_file(str(path)):
+        path = hub_file(str(path), setting)
     p = Path(path).expanduser()
     if not p.is_file():
         raise FileNotFoundError(f"{what}: no file at {str(p)!r}. {hint}")

@@ -6,7 +6,9 @@ scale (SD-class images score about 5-6.5), exactly as DDPO and Flow-GRPO's
 
 Weights: CLIP ``openai/clip-vit-large-patch14`` (transformers ``CLIPModel``, ``from_pretrained``
 path or cached id) and the head file ``sac+logos+ava1-l14-linearMSE.pth`` from
-christophschuhmann/improved-aesthetic-predictor, passed as ``head`` (no download happens here).
+christophschuhmann/improved-aesthetic-predictor, passed as ``head``: a local path, or the hub file
+``hf://trl-lib/ddpo-aesthetic-predictor/aesthetic-model.pth`` (the same file, renamed in TRL's hub copy;
+read from the local Hugging Face cache, or downloaded).
 """
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ from flowrl.options import Device, PositiveInt
 
 from ._clip_common import DTypeLike, HFClip, LinearMLPHead, check_inputs, chunks, load_weights
 
-HEAD_HINT = ("Pass head='/path/to/sac+logos+ava1-l14-linearMSE.pth' (the LAION improved-aesthetic-predictor "
-             "MLP; .safetensors works too).")
+HUB_HEAD = "hf://trl-lib/ddpo-aesthetic-predictor/aesthetic-model.pth"  # sac+logos+ava1-l14-linearMSE.pth, renamed
+HEAD_HINT = (f"Pass head={HUB_HEAD} (the LAION improved-aesthetic-predictor MLP, cached or downloaded) or "
+             f"head='/path/to/sac+logos+ava1-l14-linearMSE.pth' (.safetensors works too).")
 
 
 class LaionAesthetic:
@@ -31,7 +34,8 @@ class LaionAesthetic:
                  dtype: DTypeLike = "float32", batch_size: PositiveInt = 32):
         if not head:
             raise ValueError(f"the aesthetic reward needs its MLP head file. {HEAD_HINT}")
-        sd = load_weights(head, "aesthetic head", HEAD_HINT)  # fail fast, before loading CLIP
+        # fail fast, before loading CLIP
+        sd = load_weights(head, "aesthetic head", HEAD_HINT, "reward.options.aesthetic.head")
         self.head = LinearMLPHead.from_state_dict(sd, "aesthetic head")
         self.clip = HFClip(clip, device=device, dtype=dtype, text=False, setting="reward.options.aesthetic",
                            model_key="clip")

@@ -5,7 +5,9 @@ reward = ``cos(image, text)`` of HPS's unit embeddings (the diagonal of
 ``hpsv2_scorer.py``; typical values 0.25-0.35.
 
 Architecture: ``open_clip.create_model("ViT-H-14")`` with no pretrained tag, then the
-``HPS_v2.1_compressed.pt`` state dict (Hugging Face ``xswu/HPSv2``) passed as ``checkpoint``.
+``HPS_v2.1_compressed.pt`` state dict (Hugging Face ``xswu/HPSv2``) passed as ``checkpoint``: a local
+path or the hub file ``hf://xswu/HPSv2/HPS_v2.1_compressed.pt`` (the recipes' value: read from the local
+Hugging Face cache, or downloaded).
 Images are preprocessed like HPSv2's val transform (longer side -> 224, zero-pad to square,
 OpenAI mean/std), on tensors.
 """
@@ -18,7 +20,9 @@ from flowrl.options import Device, PositiveInt
 from ._clip_common import CLIP_MEAN, CLIP_STD, DTypeLike, ImageTransform, check_inputs, chunks, load_weights, \
     require, resolve_dtype
 
-CHECKPOINT_HINT = "Pass checkpoint='/path/to/HPS_v2.1_compressed.pt' (from the xswu/HPSv2 Hugging Face repository)."
+HUB_CHECKPOINT = "hf://xswu/HPSv2/HPS_v2.1_compressed.pt"
+CHECKPOINT_HINT = (f"Pass checkpoint={HUB_CHECKPOINT} (the xswu/HPSv2 Hugging Face repository; cached or downloaded) "
+                   f"or checkpoint='/path/to/HPS_v2.1_compressed.pt'.")
 
 
 class HPSv21:
@@ -41,7 +45,8 @@ class HPSv21:
         if model not in open_clip.list_models():
             raise ValueError(f"unknown open_clip model {model!r}: use 'ViT-H-14' for HPS-v2.1, or register a config "
                              "with open_clip.add_model_config(path)")
-        sd = load_weights(checkpoint, "HPS-v2.1 checkpoint", CHECKPOINT_HINT)  # fail fast, before building
+        # fail fast, before building
+        sd = load_weights(checkpoint, "HPS-v2.1 checkpoint", CHECKPOINT_HINT, "reward.options.hps.checkpoint")
         net = open_clip.create_model(model, pretrained=None, precision="fp32", device="cpu", output_dict=True)
         try:
             net.load_state_dict(sd, strict=True)

@@ -7,8 +7,8 @@ normalisation (``ImageReward.py``), so scores are roughly standard-normal over i
 distribution; Flow-GRPO uses them unscaled.
 
 The architecture is rebuilt on transformers' BLIP parts so that the published
-``ImageReward.pt`` (Hugging Face ``THUDM/ImageReward``) loads without the ``image-reward``
-package: ``BlipVisionModel`` (the BLIP ViT; timm key names are mapped) and ``BlipTextModel``
+``ImageReward.pt`` (Hugging Face ``THUDM/ImageReward``; the hub file ``hf://THUDM/ImageReward/ImageReward.pt``
+is read from the local cache, or downloaded) loads without the ``image-reward`` package: ``BlipVisionModel`` (the BLIP ViT; timm key names are mapped) and ``BlipTextModel``
 (the BLIP "med" BERT with cross-attention; same key names). Text: ``bert-base-uncased``
 tokenizer plus BLIP's ``[DEC]``/``[ENC]`` tokens, padded to 35 tokens, first token ``[CLS]``
 (as ImageReward's ``score``, which does not swap in ``[ENC]``). Images: shorter side -> 224
@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 IMAGEREWARD_MEAN = 0.16717362830052426
 IMAGEREWARD_STD = 1.0333394966054072
 MAX_TEXT_TOKENS = 35
-CHECKPOINT_HINT = "Pass checkpoint='/path/to/ImageReward.pt' (from the THUDM/ImageReward Hugging Face repository)."
+HUB_CHECKPOINT = "hf://THUDM/ImageReward/ImageReward.pt"
+CHECKPOINT_HINT = (f"Pass checkpoint={HUB_CHECKPOINT} (the THUDM/ImageReward Hugging Face repository; cached or "
+                   f"downloaded) or checkpoint='/path/to/ImageReward.pt'.")
 
 # BLIP ``create_vit('large', 224)``: ViT-L/16, LayerNorm eps 1e-6, exact GELU
 DEFAULT_VISION = dict(image_size=224, patch_size=16, hidden_size=1024, intermediate_size=4096,
@@ -171,7 +173,8 @@ class ImageReward:
             raise ValueError(f"the imagereward reward needs its weights. {CHECKPOINT_HINT}")
         transformers = require("transformers", "transformers")
         self.device, self.dtype = torch.device(device), resolve_dtype(dtype)
-        sd = load_weights(checkpoint, "ImageReward checkpoint", CHECKPOINT_HINT)  # fail fast, before building
+        # fail fast, before building
+        sd = load_weights(checkpoint, "ImageReward checkpoint", CHECKPOINT_HINT, "reward.options.imagereward.checkpoint")
         vcfg, tcfg = build_configs(med_config, vision_config)
         model = ImageRewardModel(vcfg, tcfg)
         model.load_imagereward_state_dict(sd)

@@ -121,6 +121,21 @@ def randomize_(module, std):
     return module
 
 
+def fake_hub_cache(cache: Path, repo_id: str, files: dict, repo_type: str = "model", commit: str = "c" * 40) -> Path:
+    """A Hugging Face hub cache at ``cache`` holding ``files`` ({path in the repository: local file to copy})
+    of ``repo_id`` at ``commit``, its ``main`` branch pointing there (the layout huggingface_hub reads
+    offline); returns ``cache``."""
+    import shutil
+
+    repo = cache / f"{repo_type}s--{repo_id.replace('/', '--')}"
+    for name, src in files.items():
+        (repo / "snapshots" / commit / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, repo / "snapshots" / commit / name)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return cache
+
+
 # ---------------------------------------------------------------- stub chat-completions server
 class StubChatHandler(BaseHTTPRequestHandler):
     """Answers ``POST .../chat/completions`` like an OpenAI-compatible VLM: decodes the request's (last)

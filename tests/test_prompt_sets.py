@@ -32,6 +32,27 @@ def test_shipped_files_are_documented_and_geneval_keeps_its_metadata():
     assert set(available_sets()) >= {"digits", *NAMED}
 
 
+def test_every_set_in_the_readme_table_loads_with_its_documented_count():
+    """Each row of prompt_sets/README.md's table (| `name` | `file` | lines | ...) loads by name to that many
+    prompts, and every shipped name has a row."""
+    import re
+
+    rows = re.findall(r"^\| `([\w-]+)` \| [^|]+ \| (\d+) \|", (SETS_DIR / "README.md").read_text(), re.M)
+    assert {name for name, _ in rows} >= set(NAMED) - {"digits-edit-sample", "digits-edit-multi-sample"}
+    for name, n in rows:
+        assert len(load_prompts(name)) == int(n), name
+
+
+def test_a_missing_recipe_file_says_where_to_get_it(tmp_path, monkeypatch):
+    """The real run's error for a recipe's prompt file that is not here quotes the recipe's data.source."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("sd3_group_pickscore")
+    with pytest.raises(FileNotFoundError, match=r"prompt file 'data/pickscore/train\.txt' not found.*The recipe's "
+                                                r"prompt files come from \(data\.source\): Flow-GRPO's dataset/pickscore"):
+        cfg.data.train_prompts()
+    assert len(load_config("sd3_gdro_ocr").data.eval_prompt_set()) == 1018  # shipped: flowgrpo-ocr-test
+
+
 def test_hf_dataset_on_disk(tmp_path):
     datasets = _datasets()
     ds = datasets.Dataset.from_dict({"caption": ["a cat", "a dog"], "id": [1, 2]})

@@ -153,6 +153,27 @@ def test_aesthetic_head_errors(tiny_clip_dir, tmp_path):
         rewards.build("aesthetic", head=str(tmp_path / "l14.pth"), clip=tiny_clip_dir)
 
 
+def test_aesthetic_head_from_a_hub_file(tiny_clip_dir, tiny_aesthetic_head, tmp_path, monkeypatch):
+    """The recipes name the head as a hub file (hf://...): read from the local Hugging Face cache offline,
+    the same scores as the local path; not cached and offline, one line naming the option and the download."""
+    from huggingface_hub import constants
+
+    from flowrl.rewards.aesthetic import HUB_HEAD
+    from helpers import fake_hub_cache
+
+    path, _ = tiny_aesthetic_head
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(FileNotFoundError, match=r"^reward\.options\.aesthetic\.head=hf://trl-lib/ddpo-aesthetic-"
+                                                r"predictor/aesthetic-model\.pth .*`hf download trl-lib/ddpo-aesthetic-"
+                                                r"predictor aesthetic-model\.pth`"):
+        rewards.build("aesthetic", head=HUB_HEAD, clip=tiny_clip_dir)
+    fake_hub_cache(tmp_path / "hub", "trl-lib/ddpo-aesthetic-predictor", {"aesthetic-model.pth": path})
+    images = to_tensor(photos((64, 64)))
+    torch.testing.assert_close(rewards.build("aesthetic", head=HUB_HEAD, clip=tiny_clip_dir)(images, PROMPTS),
+                               rewards.build("aesthetic", head=path, clip=tiny_clip_dir)(images, PROMPTS))
+
+
 # ---------------------------------------------------------------- HPS-v2.1 (open_clip)
 def test_hps_matches_open_clip_reference(tiny_hps):
     import open_clip

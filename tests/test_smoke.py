@@ -12,10 +12,10 @@ from flowrl.checkpoints.common import list_checkpoints
 from flowrl.trainers.config import load_config
 from flowrl.trainers.config_text import shipped_recipes
 
+ROOT = Path(__file__).resolve().parents[1]
+
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
 RECIPES = [p.stem for p in shipped_recipes()]
-# a shipped prompt set on the line, for recipes whose prompt files are not on this machine
-SAMPLE = ["data.prompts=flowgrpo-pickscore-sample", "data.eval_prompts=flowgrpo-pickscore-sample"]
 
 
 @pytest.mark.parametrize("name", SAMPLERS.names())
@@ -30,37 +30,11 @@ def test_every_sampler_declares_its_smoke_size(name):
     assert isinstance(shrunk, SamplerConfig) and 4 % shrunk.samples_per_prompt == 0
 
 
-def provide_recipe_files(recipe: str, where: Path) -> None:
-    """The files a recipe names (prompt files, reward weights), put under ``where`` as a user copies them
-    before the real run: a shipped sample set for a prompt file (the editing set with its images for a
-    ``.jsonl``), an empty file for a reward's weights (the smoke run checks they exist, then swaps the reward)."""
-    import shutil
-
-    from flowrl.data.prompts import available_sets
-    from flowrl.smoke import _names_a_local_file
-
-    sets = Path(__import__("flowrl.data", fromlist=["x"]).__file__).parent / "prompt_sets"
-    cfg = load_config(f"{recipe}.yaml")
-    for source in (cfg.data.prompts, cfg.data.eval_prompts):
-        if isinstance(source, str) and source not in available_sets() and not (where / source).exists():
-            (where / source).parent.mkdir(parents=True, exist_ok=True)
-            if source.endswith(".jsonl"):
-                shutil.copy(sets / "digits_edit_sample.jsonl", where / source)
-                shutil.copytree(sets / "digits_edit", (where / source).parent / "digits_edit", dirs_exist_ok=True)
-            else:
-                shutil.copy(sets / "flowgrpo_pickscore_sample.txt", where / source)
-    for spec in (cfg.reward.options, cfg.reward.heldout):
-        for options in spec.values():
-            for value in (options or {}).values():
-                if _names_a_local_file(value) and not value.startswith(("/", "~")):
-                    (where / value).parent.mkdir(parents=True, exist_ok=True)
-                    (where / value).touch()
-
-
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_smoke_run(recipe, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # where the recipe's files are, as for the real run
-    provide_recipe_files(recipe, tmp_path)
+def test_recipe_smoke_run(recipe, tmp_path, monkeypatch, capsys):
+    """Each shipped recipe exactly as shipped, from a fresh working directory (no data/, no checkpoints/), with
+    no data or reward overrides: what a fresh clone runs as the README prints it."""
+    monkeypatch.chdir(tmp_path)
     run = tmp_path / "run"
     summary = smoke_run(f"recipes/{recipe}.yaml", str(run), ["logging.progress=false"])
     full = load_config(f"{recipe}.yaml")
@@ -71,6 +45,11 @@ def test_recipe_smoke_run(recipe, tmp_path, monkeypatch):
     for kept in (f"pipeline: {full.model.pipeline}", f"name: {full.sampler.name}", f"loss: {full.train.loss}",
                  f"mode: {full.train.mode}"):
         assert kept in saved, kept  # the recipe's structure survives the shrinking
+    if full.data.source:  # data flowrl cannot ship: one note naming the recipe's file and where to get it
+        notes = [ln for ln in capsys.readouterr().err.splitlines() if "is not on this machine" in ln
+                 or "are not on this machine" in ln]
+        assert len(notes) == 1 and f"data.prompts {full.data.prompts}" in notes[0], notes
+        assert notes[0].endswith(f"from: {full.data.source} (the smoke run goes on with its own prompts)")
     editing = {"flux-kontext": "digits-edit-sample", "qwen-image-edit": "digits-edit-multi-sample"}
     if full.model.pipeline in editing:  # an editing run: digits_edit is NaN for a row without its sources
         from helpers import train_records
@@ -78,24 +57,43 @@ def test_recipe_smoke_run(recipe, tmp_path, monkeypatch):
         assert editing[full.model.pipeline] in saved and all(0 <= r["reward_mean"] <= 1 for r in train_records(run))
 
 
-def test_smoke_checks_what_the_real_run_reads(tmp_path, monkeypatch, capsys):
-    """A prompt file or reward weights the recipe names but this machine lacks fail the smoke run, as they
-    would fail the real one (one line from the CLI, nothing written); given on the line, a shipped set passes."""
+def test_smoke_notes_the_recipes_data_and_fails_on_the_users(tmp_path, monkeypatch, capsys):
+    """The recipe's own prompt files, missing here, are one note saying where to get them (data.source); a
+    prompt file or reward file given on the command line, or named by a recipe that does not say where to get
+    it, fails as it would fail the real run (one line from the CLI, nothing written)."""
+    from huggingface_hub import constants
+
     from flowrl.cli import main
     from flowrl.errors import ConfigError
 
     monkeypatch.chdir(tmp_path)  # no data/ here
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # empty; downloads off (conftest)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    cfg, _ = smoke_config("recipes/sd3_group_pickscore.yaml", [], tmp_path)
+    note = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[flowrl] note: data.")]
+    assert note == [f"[flowrl] note: data.prompts data/pickscore/train.txt and data.eval_prompts "
+                    f"data/pickscore/test_64.txt are not on this machine and the real run reads them; get them "
+                    f"from: {cfg.data.source} (the smoke run goes on with its own prompts)"]
+    assert cfg.data.source.startswith("Flow-GRPO's dataset/pickscore/train.txt")
+    smoke_config("recipes/sd3_branch_hps.yaml", [], tmp_path)  # its weights: a hub file, not cached here
+    assert ("reward.options.hps.checkpoint=hf://xswu/HPSv2/HPS_v2.1_compressed.pt is not in the local Hugging Face "
+            "cache and HF_HUB_OFFLINE is set" in capsys.readouterr().err)
     with pytest.raises(ConfigError, match=r"--smoke checks what the real run reads, and data\.prompts fails: "
-                                          r"prompt file 'data/pickscore/train\.txt' not found.*flowgrpo-pickscore"):
-        smoke_config("recipes/sd3_group_pickscore.yaml", [], tmp_path)
+                                          r"prompt file 'data/mine\.txt' not found.*flowgrpo-pickscore"):
+        smoke_config("recipes/sd3_group_pickscore.yaml", ["data.prompts=data/mine.txt"], tmp_path)
+    mine = tmp_path / "mine.yaml"  # a recipe of the user's own, its data not here and no data.source
+    mine.write_text((ROOT / "recipes" / "digits.yaml").read_text().replace("prompts: digits", "prompts: data/mine.txt"))
+    with pytest.raises(ConfigError, match=r"data\.prompts fails: prompt file 'data/mine\.txt' not found"):
+        smoke_config(str(mine), [], tmp_path)
     with pytest.raises(ConfigError, match=r"reward\.options\.hps\.checkpoint=checkpoints/HPS_v2\.1_compressed\.pt "
                                           r"is no file here"):
-        smoke_config("recipes/sd3_branch_hps.yaml", SAMPLE, tmp_path)
-    cfg, _ = smoke_config("recipes/sd3_group_pickscore.yaml", SAMPLE, tmp_path)
-    assert cfg.data.prompts == "flowgrpo-pickscore-sample"
-    capsys.readouterr()  # what building the tiny model printed
+        smoke_config("recipes/sd3_branch_hps.yaml", ["reward.options.hps.checkpoint=checkpoints/HPS_v2.1_compressed.pt"],
+                     tmp_path)
+    with pytest.raises(ConfigError, match=r"reward\.options\.hps\.checkpoint: 'hf://xswu/HPS\.pt' is not a hub file"):
+        smoke_config("recipes/sd3_branch_hps.yaml", ["reward.options.hps.checkpoint=hf://xswu/HPS.pt"], tmp_path)
+    capsys.readouterr()
     assert main(["train", "--smoke", "--config", "recipes/sd3_group_pickscore.yaml", "--output-dir",
-                 str(tmp_path / "run")]) == 2
+                 str(tmp_path / "run"), "data.eval_prompts=data/missing.txt"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("flowrl train: error: --smoke checks what the real run reads")
     assert not (tmp_path / "run").exists()
@@ -103,7 +101,7 @@ def test_smoke_checks_what_the_real_run_reads(tmp_path, monkeypatch, capsys):
 
 def test_smoke_keeps_the_recipes_cache_paths_clean(tmp_path):
     """A recipe with a relative text-embedding cache (shared with the real run) gets a scratch one."""
-    cfg, ov = smoke_config("recipes/sd3_sol_nvfp4.yaml", SAMPLE, tmp_path)
+    cfg, ov = smoke_config("recipes/sd3_sol_nvfp4.yaml", [], tmp_path)
     assert load_config("recipes/sd3_sol_nvfp4.yaml").model.text_embedding_cache.startswith("cache/")
     assert Path(cfg.model.text_embedding_cache).parent == tmp_path
     assert cfg.sampler.to_dict()["explore_backend"] == "int8-dynamic" and cfg.model.device == "cpu"

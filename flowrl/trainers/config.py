@@ -281,6 +281,8 @@ class DataConfig:
                                       "prompt, caption, text", None)
     prompt_split: Optional[str] = _h("split of a saved Hugging Face DatasetDict for training prompts (default train)", None)
     eval_prompt_split: Optional[str] = _h("split of a saved DatasetDict for evaluation prompts (default train)", None)
+    source: str = _h("where to get the prompt files named here that flowrl cannot ship (free text); a missing "
+                     "file's error quotes it, and --smoke notes it and goes on instead of failing", "")
 
     def __post_init__(self):
         if self.eval_seeds_per_prompt < 2:
@@ -288,15 +290,21 @@ class DataConfig:
 
     def train_prompts(self) -> list[str]:
         """The training prompt set (``data.prompts``, read with the column/split options)."""
-        from flowrl.data import load_prompts
-
-        return load_prompts(self.prompts, self.prompt_column, self.prompt_split)
+        return self._read(self.prompts, self.prompt_split)
 
     def eval_prompt_set(self) -> list[str]:
         """The evaluation prompt set (``data.eval_prompts``)."""
+        return self._read(self.eval_prompts, self.eval_prompt_split)
+
+    def _read(self, prompts, split) -> list[str]:
         from flowrl.data import load_prompts
 
-        return load_prompts(self.eval_prompts, self.prompt_column, self.eval_prompt_split)
+        try:
+            return load_prompts(prompts, self.prompt_column, split)
+        except FileNotFoundError as e:
+            if not self.source:
+                raise
+            raise FileNotFoundError(f"{e}. The recipe's prompt files come from (data.source): {self.source}") from None
 
 
 @dataclass

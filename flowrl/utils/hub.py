@@ -7,6 +7,9 @@ cache, passes; otherwise, when ``HF_HUB_OFFLINE`` is set or the hub endpoint doe
 ``HEAD`` request within :data:`PROBE_SECONDS` (proxies from the environment are used, as the
 libraries use them), it raises ``FileNotFoundError`` with one sentence naming the model, the
 setting it came from and the three ways out. A reachable hub passes (the library downloads).
+
+One file of a hub repository (a reward's weights) is named ``hf://ORG/NAME/FILE``: :func:`hub_file` gives
+its local path, from the cache or downloaded, with the same one-line error when neither can be had.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import functools
 import os
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -89,3 +93,81 @@ def require_hub_model(path_or_id, what: str, setting: str, cache_dir: Optional[s
         f"and {why}: download it on a machine with network (`huggingface-cli download {path_or_id}`, then copy "
         f"the cache), point {setting} to a local copy (a save_pretrained directory), or set HF_HOME to the cache "
         f"that holds it")
+
+
+# ---------------------------------------------------------------- one file of a hub repository
+HUB_FILE_PREFIX = "hf://"
+HUB_FILE_FORM = "hf://ORG/NAME/FILE (a model repository), hf://ORG/NAME@REVISION/FILE or hf://datasets/ORG/NAME/FILE"
+
+
+@dataclass(frozen=True)
+class HubFile:
+    """One file of a Hugging Face hub repository, named ``hf://[datasets/]ORG/NAME[@REVISION]/PATH`` (the form
+    huggingface_hub's ``HfFileSystem`` reads); ``revision`` None is the repository's default branch."""
+
+    repo_id: str
+    filename: str
+    revision: Optional[str] = None
+    repo_type: str = "model"
+
+    def __str__(self) -> str:
+        kind = "" if self.repo_type == "model" else f"{self.repo_type}s/"
+        at = f"@{self.revision}" if self.revision else ""
+        return f"{HUB_FILE_PREFIX}{kind}{self.repo_id}{at}/{self.filename}"
+
+    def download_command(self) -> str:
+        """The ``hf download`` line that puts this file into the local cache."""
+        extra = (f" --repo-type {self.repo_type}" if self.repo_type != "model" else "") + \
+                (f" --revision {self.revision}" if self.revision else "")
+        return f"hf download {self.repo_id} {self.filename}{extra}"
+
+
+def is_hub_file(value) -> bool:
+    """Whether ``value`` is written as a hub file reference (``hf://...``; well formed or not)."""
+    return isinstance(value, str) and value.startswith(HUB_FILE_PREFIX)
+
+
+def parse_hub_file(ref: str) -> HubFile:
+    """``hf://[datasets/]ORG/NAME[@REVISION]/PATH`` -> :class:`HubFile`; ``ValueError`` (one line) otherwise."""
+    rest = str(ref)[len(HUB_FILE_PREFIX):] if is_hub_file(ref) else None
+    repo_type = "model"
+    if rest is not None and rest.startswith("datasets/"):
+        repo_type, rest = "dataset", rest[len("datasets/"):]
+    parts = rest.split("/") if rest is not None else []
+    if len(parts) < 3 or not all(parts):
+        raise ValueError(f"{ref!r} is not a hub file reference; write it as {HUB_FILE_FORM}")
+    org, name = parts[0], parts[1]
+    name, _, revision = name.partition("@")
+    if not name or (_ and not revision):
+        raise ValueError(f"{ref!r} has an empty repository name or revision; write it as {HUB_FILE_FORM}")
+    return HubFile(f"{org}/{name}", "/".join(parts[2:]), revision or None, repo_type)
+
+
+def cached_hub_file(ref: str, cache_dir: Optional[str] = None) -> Optional[Path]:
+    """The local cache's copy of hub file ``ref`` (None: not cached); reads the cache only."""
+    from huggingface_hub import try_to_load_from_cache
+
+    f = parse_hub_file(ref)
+    got = try_to_load_from_cache(f.repo_id, f.filename, cache_dir=cache_dir, revision=f.revision,
+                                 repo_type=f.repo_type)
+    return Path(got) if isinstance(got, str) else None
+
+
+def hub_file(ref: str, setting: str, cache_dir: Optional[str] = None) -> Path:
+    """The local path of hub file ``ref``: the cached copy, else downloaded into the cache. When it is not
+    cached and nothing can be downloaded (:func:`hub_unavailable`), a one-line ``FileNotFoundError`` names
+    ``setting`` (where it was given) and the ``hf download`` line that fetches it."""
+    f = parse_hub_file(ref)
+    cached = cached_hub_file(ref, cache_dir)
+    if cached is not None:
+        return cached
+    why = hub_unavailable()
+    if why is not None:
+        raise FileNotFoundError(
+            f"{setting}={ref} is not in the local Hugging Face cache {hub_cache_dir(cache_dir)} and {why}: "
+            f"run `{f.download_command()}` on a machine with network (then copy the cache), set HF_HOME to the "
+            f"cache that holds it, or point {setting} to a local copy of the file")
+    from huggingface_hub import hf_hub_download
+
+    return Path(hf_hub_download(f.repo_id, f.filename, revision=f.revision, repo_type=f.repo_type,
+                                cache_dir=cache_dir))
