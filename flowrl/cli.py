@@ -321,6 +321,18 @@ def _add_bench_parser(sub) -> None:
     for add in (add_sampler_benches, add_methods_parser, add_precision_parser, add_offline_parser, add_host_parser,
                 add_reward_parser, add_ocr_parser):
         add(bsub)
+    for verb in bsub.choices.values():  # every bench verb: where it writes, checked before it measures anything
+        verb.set_defaults(fn=_outputs_checked(verb.get_default("fn")))
+
+
+def _outputs_checked(fn):
+    """A bench verb's handler that first checks its output options (:func:`flowrl.bench.check_outputs`)."""
+    def run(a):
+        from flowrl.bench import check_outputs
+
+        check_outputs(a)
+        return fn(a)
+    return run
 
 
 def _add_serve_reward_parser(sub) -> None:

@@ -205,6 +205,18 @@ CASES = [
      ["unknown variant(s) ['bogus'] of bench reward", "choose from"], []),
     ("architecture flag on a CPU pipeline", "bench precision", lambda e: ["bench", "precision", "--tiny"],
      ["--tiny apply to the architecture pipelines"], []),
+    # (where a bench writes is checked before it trains: a result is never measured, then lost)
+    ("bench --out is a file", "bench methods", lambda e: ["bench", "methods", "--budget", "1", "--out",
+                                                         str(e["root"] / "empty.txt")],
+     ["--out", "empty.txt is a file, not a directory", "give a directory"], []),
+    ("bench --out under a file", "bench branch", lambda e: ["bench", "branch", "--budget", "1", "--out",
+                                                           str(e["root"] / "empty.txt" / "bench")],
+     ["--out", "empty.txt is not a directory"], []),
+    ("bench --json is a directory", "bench offline", lambda e: ["bench", "offline", "--budget", "1", "--json",
+                                                               str(e["root"])], ["--json", "is a directory, not a file"],
+     []),
+    ("bench --out where nothing can be written", "bench reward",
+     lambda e: ["bench", "reward", "--out", "/proc/flowrl-bench/out"], ["--out", "cannot write in /proc"], []),
     ("plan without a recipe", "plan", lambda e: ["plan", "--config", "nope.yaml"], ["not found"], []),
     ("plan a YAML list", "plan", lambda e: ["plan", "--config", str(e["root"] / "list.yaml")],
      ["holds a YAML list"], []),
@@ -245,6 +257,34 @@ def test_bad_input_is_one_line(env, capsys, name, verb, argv, words, absent):
         assert not (env["root"] / rel).exists(), rel
     assert (env["made"] / "keep.txt").read_text() == "mine" and sorted(p.name for p in env["made"].iterdir()) == [
         "keep.txt"]
+
+
+def test_every_bench_verb_checks_where_it_writes(tmp_path, capsys):
+    """Each output option of every `flowrl bench` verb is checked before the verb runs (one shared check,
+    flowrl.bench.check_outputs); an option that writes but is not declared there fails this test."""
+    import flowrl.bench
+    from flowrl.cli import build_parser
+
+    bench = next(a for a in build_parser()._actions if a.dest == "command").choices["bench"]
+    verbs = next(a for a in bench._actions if a.dest == "bench").choices
+    declared = (*flowrl.bench.OUTPUT_DIRS, *flowrl.bench.OUTPUT_FILES)
+    afile = tmp_path / "a_file.txt"
+    afile.write_text("x")
+    checked = set()
+    for verb, parser in verbs.items():
+        for action in parser._actions:
+            writes = any(w in (action.help or "").lower() for w in ("write", "directory for", "chart path", "where"))
+            if action.dest == "dataset" or not writes:  # (--dataset may be a finished one, only read)
+                continue
+            assert action.dest in declared, (verb, action.dest)
+            bad = afile if action.dest in flowrl.bench.OUTPUT_DIRS else tmp_path
+            rc, out, err = _run(["bench", verb, action.option_strings[0], str(bad)], capsys)
+            assert rc == 2 and out == "" and err.count("\n") == 1, (verb, action.dest, err)
+            assert err.startswith(f"flowrl bench {verb}: error: {action.option_strings[0]} {bad}"), err
+            checked.add((verb, action.dest))
+    assert {("methods", "out"), ("sol", "out"), ("offline", "json"), ("offline", "png"), ("host", "profile"),
+            ("precision", "json"), ("reward", "out"), ("ocr", "out"), ("offline", "workdir")} <= checked
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file.txt"]  # the probes left nothing behind
 
 
 def test_every_verb_has_bad_input_rows():
