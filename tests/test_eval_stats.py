@@ -94,6 +94,19 @@ def test_user_files(tmp_path):
         load_suite(str(tmp_path / "e.jsonl"))
 
 
+def test_the_suffix_says_how_a_file_is_read(tmp_path):
+    """A .txt (or a name without a suffix) is one prompt per line, also when its first line reads like a
+    CSV header: nothing is guessed from the contents (the same for data.prompts files)."""
+    from flowrl.data.prompts import load_prompts
+
+    for name in ("s.txt", "s.TXT", "s"):
+        (tmp_path / name).write_text("prompt,tag\na cat,animals\n")
+        assert [it.text for it in load_suite(str(tmp_path / name)).items] == ["prompt,tag", "a cat,animals"]
+        assert load_prompts(str(tmp_path / name)) == ["prompt,tag", "a cat,animals"]
+    (tmp_path / "s.csv").write_text("prompt,tag\na cat,animals\n")
+    assert [(it.text, it.tag) for it in load_suite(str(tmp_path / "s.csv")).items] == [("a cat", "animals")]
+
+
 def test_a_metadata_row_without_its_clauses_names_the_line(tmp_path):
     p = tmp_path / "g.jsonl"
     p.write_text(json.dumps({"prompt": "a photo of a cat", "tag": "single_object", "include": [{"class": "cat",
