@@ -45,6 +45,15 @@ def test_prompt_means_and_the_mean_over_tags():
     assert list(per) == ["a", "b"] and per["a"].mean == 1.0 and per["b"].n == 1
 
 
+def test_no_mean_over_tags_without_a_score_in_every_tag():
+    v = [1.0, 0.0, np.nan, np.nan, 0.5]
+    tags = ["a", "a", "b", "b", "c"]
+    assert stats.tag_coverage(v, tags) == {"tags_scored": ["a", "c"], "tags_unscored": ["b"], "prompts_scored": 3,
+                                           "prompts": 5}
+    assert stats.bootstrap_mean(v, strata=tags, n_boot=50) == stats.NAN  # not the mean of a and c
+    assert stats.bootstrap_mean(v, strata=["a", "a", "c", "c", "c"], n_boot=50).mean == pytest.approx(0.5)
+
+
 def test_paired_delta_and_win_rate():
     rng = np.random.default_rng(2)
     a = rng.random((30, 4))

@@ -9,7 +9,8 @@
    command line).
 3. Each model in turn: loaded, sampled and scored chunk by chunk (:mod:`flowrl.eval.panel`), freed.
 4. The statistics (:mod:`flowrl.eval.results`), printed as tables; with ``--out`` also written as
-   ``eval.json`` and ``report.html`` (atomically, after the last chunk).
+   ``eval.json`` and ``report.html`` (atomically, after the last chunk). A reward that scored no prompt
+   of some tag has no mean over tags: one warning line per such reward on stderr names the tags.
 """
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ def eval_harness(a) -> str:
     """``flowrl eval`` with a suite, a panel, a report or several models (module doc); returns the tables."""
     from .report_html import render as render_html
     from .report_text import render as render_text
-    from .results import assemble
+    from .results import assemble, unscored_tags
 
     specs = model_specs(a.models)
     named = [n.strip() for n in (a.rewards or "").split(",") if n.strip()]
@@ -123,6 +124,8 @@ def eval_harness(a) -> str:
                 max(1, a.batch // S), max_batch=a.batch)
     models, results = _run_models(a, specs, configs, plan, cfg_overrides)
     result = assemble(plan, models, results, a.bootstrap, meta={"seed": a.seed, "out": a.out})
+    for line in unscored_tags(result):  # a number the tables leave out, said where a script's log shows it
+        print(f"[flowrl] WARNING: {line}", file=sys.stderr, flush=True)
     if a.out:
         out = Path(a.out)
         write_json(result, out / "eval.json")
