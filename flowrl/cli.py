@@ -249,9 +249,14 @@ def _add_sample_parser(sub) -> None:
     s = sub.add_parser("sample", help="images from a base model or a trained run",
                        epilog=example('flowrl sample --run runs/a --prompts "a handwritten digit 3" --out three.png',
                                       'flowrl sample --config recipes/digits.yaml --prompts "a handwritten digit 3" '
-                                      '--out base.png'))
+                                      '--out base.png',
+                                      'flowrl sample --run runs/kontext --prompts "turn it into a 7" --source three.png '
+                                      '--out seven.png'))
     _add_model_arguments(s)
     s.add_argument("--prompts", nargs="+", required=True, help="one or more prompts (quote each)")
+    s.add_argument("--source", action="append", default=None, metavar="PATH",
+                   help="editing models (flux-kontext, qwen-image-edit): a source image every prompt edits; repeat "
+                        "for several, in order (picture 1, 2, ...)")
     s.add_argument("--per-prompt", type=positive_int, default=8, help="images per prompt (a row of the grid each)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", required=True, help="PNG grid path")

@@ -17,12 +17,14 @@ targets, sharding) and :func:`smoke_overrides` shrinks everything else:
   an editing model (its adapter's ``max_sources``: :func:`editing_data`) edits the shipped
   ``digits-edit-sample`` set (one source per prompt) or ``digits-edit-multi-sample`` (one to three),
   rewarded by ``digits_edit``;
-  a prompt set or reward given on the command line (``data.*``, ``reward.*``) is kept instead;
+  a prompt set or reward given on the command line (``data.*``, ``reward.*``) is kept instead (a prompt
+  set without source images then keeps the JPEG reward: ``digits_edit`` scores only edits);
 - offline GDRO recipes (``train.mode: offline``): a dataset of 2 groups x 2 images is generated first.
 
 Before any of that, :func:`check_real_inputs` reads what the real run would read (the recipe's prompt
-files, the local files its rewards name): a missing one fails the smoke run as it would fail the real
-one.
+files, the local files its rewards name) and holds the prompts against the model's and the rewards'
+need of source images (:func:`flowrl.conditions.check_sources`): what fails the real run fails the
+smoke run, in the same words.
 
 Files besides the run (the dataset, a text-embedding cache) go to a temporary directory removed at
 the end, never to the recipe's own cache paths, so the real run finds no stale cache.
@@ -123,9 +125,10 @@ def editing_data(pipeline: str) -> dict:
     return MULTI_EDITING if most > 1 else EDITING if most == 1 else {}
 
 
-def smoke_overrides(cfg, model_dir: Path, scratch: Path) -> list[str]:
+def smoke_overrides(cfg, model_dir: Path, scratch: Path, edits: bool = True) -> list[str]:
     """Overrides (applied after the user's) that shrink the recipe ``cfg`` as the module doc says;
-    ``scratch`` is a temporary directory for a text-embedding cache."""
+    ``scratch`` is a temporary directory for a text-embedding cache; ``edits`` False: an editing model's
+    smoke data and reward are left out (the user's prompt set has no source images)."""
     from .errors import ConfigError
 
     shrink = SAMPLERS.get(cfg.sampler.name)
@@ -138,7 +141,7 @@ def smoke_overrides(cfg, model_dir: Path, scratch: Path) -> list[str]:
           **{f"model.options.{k}": v for k, v in options.items() if k in cfg.model.options},
           **{f"sampler.{k}": v for k, v in shrink(cfg.sampler.to_dict()).items()},
           **TRAIN, "data.prompts": f"[{', '.join(prompts)}]", "data.eval_prompts": f"[{prompts[0]}]",
-          **editing_data(cfg.model.pipeline)}
+          **(editing_data(cfg.model.pipeline) if edits else {})}
     if cfg.model.text_embedding_cache:  # never the recipe's own (relative, shared) cache directory
         ov["model.text_embedding_cache"] = str(scratch / "text-embeddings")
     if cfg.train.mode == "offline":
@@ -149,8 +152,13 @@ def smoke_overrides(cfg, model_dir: Path, scratch: Path) -> list[str]:
 
 # reward options naming a file of weights or settings (checked to exist: the real run reads them)
 MODEL_FILE_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt", ".onnx", ".json", ".yaml")
-SMOKE_DATA_HINT = ("give data.prompts=... data.eval_prompts=... on this command line (e.g. the shipped "
-                   "flowgrpo-pickscore-sample): --smoke then checks and uses those")
+def smoke_data_hint(pipeline: str) -> str:
+    """How to give the smoke run a prompt set of its own: a shipped sample that suits the model (an editing
+    set for an editing model, whose smoke data need source images)."""
+    edit_set = editing_data(pipeline).get("data.prompts")
+    sample = f"{edit_set}, an editing set" if edit_set else "flowgrpo-pickscore-sample"
+    return (f"give data.prompts=... data.eval_prompts=... on this command line (e.g. the shipped {sample}): "
+            f"--smoke then checks and uses those")
 
 
 def _names_a_local_file(value) -> bool:
@@ -164,15 +172,18 @@ def check_real_inputs(cfg) -> None:
     ``data.eval_prompts``, read by the real loader) and the local files the rewards name
     (``reward.options``, ``reward.heldout``). An offline recipe's ``offline.dataset`` that does not exist
     yet gets a notice (``flowrl generate-offline`` writes it)."""
+    from .conditions import check_sources
     from .data.prompts import PromptSetError
     from .errors import ConfigError
 
+    rewards = [n for n, w in cfg.reward.weights.items() if w]
     for key, read in (("data.prompts", cfg.data.train_prompts), ("data.eval_prompts", cfg.data.eval_prompt_set)):
         try:
-            read()
+            prompts = read()
         except (PromptSetError, FileNotFoundError) as e:
             raise ConfigError(f"--smoke checks what the real run reads, and {key} fails: {e}; copy the file there, "
-                              f"or {SMOKE_DATA_HINT}") from None
+                              f"or {smoke_data_hint(cfg.model.pipeline)}") from None
+        check_sources(cfg.model.pipeline, prompts, key, rewards)  # (the trainer says what a text-only run is)
     for section, spec in (("reward.options", cfg.reward.options), ("reward.heldout", cfg.reward.heldout)):
         for name, options in spec.items():
             for key, value in (options or {}).items():
@@ -194,10 +205,14 @@ def smoke_config(recipe: str, overrides: Sequence[str], scratch: Path) -> tuple:
     from .trainers.config import load_config
     from .trainers.config_text import override_key
 
+    from .conditions import has_items
+
     first = load_config(recipe, list(overrides))
     check_real_inputs(first)
     mine = {override_key(o) for o in overrides if override_key(o).split(".")[0] in USER_SECTIONS}
-    ov = [*overrides, *(o for o in smoke_overrides(first, tiny_model(first.model.pipeline), scratch)
+    # an editing model's smoke data and reward, unless the user's own prompt set has no source images
+    edits = not _covered("data.prompts", mine) or has_items(first.data.train_prompts())
+    ov = [*overrides, *(o for o in smoke_overrides(first, tiny_model(first.model.pipeline), scratch, edits)
                         if not _covered(override_key(o), mine))]
     return load_config(recipe, ov), ov
 

@@ -22,6 +22,7 @@ from conftest import tiny_train_overrides
 from flowrl.cli import main
 
 RECIPE = "recipes/digits.yaml"
+EDIT_SOURCE = Path(__import__("flowrl.data.prompts", fromlist=["x"]).SETS_DIR) / "digits_edit" / "digit_3.png"
 QUIET = ["logging.trackers=[]", "logging.progress=false"]
 
 
@@ -86,6 +87,16 @@ CASES = [
      ["not UTF-8", "re-save it as UTF-8"], ["new_run"]),
     ("missing prompt file", "train", lambda e: train_args(e, f"data.prompts={e['root'] / 'none.txt'}"),
      ["not found", ".jsonl"], ["new_run"]),
+    # (an editing model or reward without the source images it needs: refused before any model loads)
+    ("editing model without source images", "train",
+     lambda e: ["train", "--config", "recipes/qwen_image_edit_group_pickscore.yaml", "--output-dir",
+                str(e["root"] / "new_run"), "data.prompts=[a cat, a dog]", "data.eval_prompts=[a cat]",
+                "model.device=cpu", f"model.path={e['root'] / 'no-model'}", *QUIET],
+     ["data.prompts: 2 of 2 prompts carry no source image", "qwen-image-edit is an editing model that cannot generate "
+      "without one", "'image' field per row", "digits-edit-sample"], ["new_run"]),
+    ("editing reward without source images", "train", lambda e: train_args(e, "reward.weights={digits_edit: 1.0}"),
+     ["data.prompts: no prompt carries a source image", "reward digits_edit scores edits against their sources",
+      "editing set"], ["new_run"]),
     ("unbalanced YAML override", "train", lambda e: train_args(e, "sampler={name: ode"),
      ["sampler={name: ode", "not valid YAML", "balance its brackets"], ["new_run"]),
     ("unknown key", "train", lambda e: train_args(e, "train.lrr=1"), ["train.lrr", "Did you mean train.lr"], ["new_run"]),
@@ -176,6 +187,23 @@ CASES = [
     ("weights flag without a run", "sample", lambda e: ["sample", "--config", RECIPE, "--ema", "--prompts", "x",
                                                         "--out", str(e["root"] / "new.png")], ["--run RUN_DIR"],
      ["new.png"]),
+    ("source image for a text-to-image model", "sample", lambda e: sample_args(e, "--source", str(EDIT_SOURCE)),
+     ["--source: model.pipeline=digits is a text-to-image model and takes no source image", "drop --source"],
+     ["new.png"]),
+    ("editing model sampled without a source", "sample",
+     lambda e: ["sample", "--config", "recipes/qwen_image_edit_group_pickscore.yaml", "--prompts", "make it red",
+                "--out", str(e["root"] / "new.png"), "model.device=cpu", f"model.path={e['root'] / 'no-model'}"],
+     ["--prompts: 1 of 1 prompts carry no source image", "qwen-image-edit", "--source PATH"], ["new.png"]),
+    ("a source image that is not there", "sample",
+     lambda e: ["sample", "--config", "recipes/flux_kontext_edit.yaml", "--prompts", "make it red", "--source",
+                str(e["root"] / "none.png"), "--out", str(e["root"] / "new.png"), "model.device=cpu",
+                f"model.path={e['root'] / 'no-model'}"], ["--source", "none.png: source image", "not found"],
+     ["new.png"]),
+    ("editing reward on a text-only suite", "eval",
+     lambda e: ["eval", "--run", str(e["run"]), "--suite", "digits", "--rewards", "digits,digits_edit",
+                "--per-prompt", "1", "--out", str(e["root"] / "report")],
+     ["--suite digits: no prompt carries a source image", "reward digits_edit scores edits", "--suite FILE.jsonl",
+      "--suite digits-edit-sample", "leave it out of --rewards"], ["report"]),
     ("zero per-prompt", "eval", lambda e: ["eval", "--run", str(e["run"]), "--per-prompt", "0"],
      ["--per-prompt", "got 0"], []),
     ("steps not a number", "eval", lambda e: ["eval", "--run", str(e["run"]), "--steps", "ten"],
