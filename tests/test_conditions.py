@@ -298,16 +298,18 @@ def test_what_editing_models_and_rewards_need_is_checked_before_loading(capsys):
 def test_a_training_run_says_once_that_an_editing_model_runs_text_only(capsys):
     from types import SimpleNamespace
 
-    from flowrl.trainers.trainer import Trainer
+    from flowrl.builders import check_run_sources
+    from flowrl.errors import ConfigError
 
-    t = SimpleNamespace(cfg=SimpleNamespace(model=SimpleNamespace(pipeline="flux-kontext"),
-                                            reward=SimpleNamespace(weights={"jpeg_compressibility": 1.0})),
-                        _given_policy=None, _given_reward=None, eval_prompts=["a cat"],
-                        acc=SimpleNamespace(is_main_process=True))
-    Trainer._check_sources(t, ["a cat", "a dog"])
+    cfg = SimpleNamespace(model=SimpleNamespace(pipeline="flux-kontext"),
+                          reward=SimpleNamespace(weights={"jpeg_compressibility": 1.0}))
+    check_run_sources(cfg, ["a cat", "a dog"], ["a cat"], acc=SimpleNamespace(is_main_process=True))
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("[flowrl] note: data.prompts has no source images: flux-kontext is an "
                                                "editing model and generates from the text alone")
-    t.acc.is_main_process = False
-    Trainer._check_sources(t, ["a cat"])
+    check_run_sources(cfg, ["a cat"], ["a cat"], acc=SimpleNamespace(is_main_process=False))
     assert capsys.readouterr().err == ""
+    cfg.reward.weights = {"digits_edit": 1.0, "jpeg_compressibility": 0.0}
+    with pytest.raises(ConfigError, match=r"data\.prompts: no prompt carries a source image, and reward digits_edit"):
+        check_run_sources(cfg, ["a cat"], ["a cat"])
+    check_run_sources(cfg, ["a cat"], ["a cat"], reward=object())  # a reward object: its needs are its own

@@ -15,8 +15,7 @@ minibatches, accumulation, clipping and the optimizer step (:meth:`flowrl.traine
 
 A subclass sets ``RESUME_FREE`` (keys a resume may change), ``unit`` (what a checkpoint counts),
 ``stop_causes`` (likely causes of non-finite steps), ``progress_desc`` and ``extend_hint`` (how to train
-a finished run further), and implements the hooks
-in the "hooks" section.
+a finished run further), and implements the hooks in the "hooks" section.
 """
 from __future__ import annotations
 
@@ -28,9 +27,8 @@ from typing import Optional
 
 import torch
 
-from ..builders import build_policy_from_config, build_reward, build_rewards, evaluate_policy
+from ..builders import build_policy_from_config, build_reward, build_rewards, check_run_sources, evaluate_policy
 from ..checkpoints.common import CheckpointError, list_checkpoints
-from ..conditions import check_sources
 from ..data.embeddings import attach_text_cache, text_cache_covers
 from ..data.items import item_sources, item_texts
 from ..diagnostics import watch
@@ -143,7 +141,7 @@ class Trainer:
         apply_cuda_workarounds(device)  # known CUDA library faults (flowrl.utils.cuda_quirks)
         prompts = self._setup_data()
         self.eval_prompts = cfg.data.eval_prompt_set()
-        self._check_sources(prompts)
+        check_run_sources(cfg, prompts, self.eval_prompts, self._given_policy, self._given_reward, self.acc)
         # the rewards before the model: a reward server that does not answer fails before minutes of loading
         self.reward = self._given_reward if self._given_reward is not None else build_reward(cfg)
         self.heldout = build_rewards(cfg.reward.heldout)
@@ -168,19 +166,6 @@ class Trainer:
                          and (self.run.path / "summary.json").is_file())
         if not self.finished:  # a finished run's directory is left exactly as it is
             self.run.claim(self.acc, self.start_iteration)
-
-    def _check_sources(self, prompts: list) -> None:
-        """Before the rewards and the model load: the prompt sets carry the source images the model and the
-        rewards need (:func:`flowrl.conditions.check_sources`); an editing model run text-to-image is said
-        once, on the main process."""
-        cfg = self.cfg
-        model = self._given_policy if self._given_policy is not None else cfg.model.pipeline
-        rewards = [] if self._given_reward is not None else [n for n, w in cfg.reward.weights.items() if w]
-        notes = [check_sources(model, rows, setting, rewards)
-                 for setting, rows in (("data.prompts", prompts), ("data.eval_prompts", self.eval_prompts))]
-        note = next((n for n in notes if n), None)
-        if note and self.acc.is_main_process:
-            print(f"[flowrl] note: {note}", file=sys.stderr, flush=True)
 
     def _note_world_size(self, saved: Optional[int]) -> None:
         """One line when a run resumes on another number of data-parallel replicas than its checkpoint was
