@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .command_line import require_device
-from .conditions import EDIT_SET_HINT, check_sources
+from .conditions import check_sources
 from .errors import ConfigError
 from .export import read_run_weights, resolve_checkpoint
 from .data.items import PromptItem, item_sources, item_texts, load_image

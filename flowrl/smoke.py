@@ -152,6 +152,8 @@ def smoke_overrides(cfg, model_dir: Path, scratch: Path, edits: bool = True) -> 
 
 # reward options naming a file of weights or settings (checked to exist: the real run reads them)
 MODEL_FILE_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt", ".onnx", ".json", ".yaml")
+
+
 def smoke_data_hint(pipeline: str) -> str:
     """How to give the smoke run a prompt set of its own: a shipped sample that suits the model (an editing
     set for an editing model, whose smoke data need source images)."""
@@ -202,10 +204,9 @@ def smoke_config(recipe: str, overrides: Sequence[str], scratch: Path) -> tuple:
     """(the smoke-sized config of ``recipe`` with the user's ``overrides``, all the overrides applied).
     The smoke sizes apply after the user's overrides, except in :data:`USER_SECTIONS`: a prompt set or
     reward given on the command line is what the smoke run uses (that is what it should check)."""
+    from .conditions import has_items
     from .trainers.config import load_config
     from .trainers.config_text import override_key
-
-    from .conditions import has_items
 
     first = load_config(recipe, list(overrides))
     check_real_inputs(first)
