@@ -5,6 +5,7 @@ The config's sampler is built by ``cfg.sampler.build()`` (the same call validate
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
@@ -32,6 +33,23 @@ def build_rewards(spec: dict) -> dict:
     from flowrl.rewards import build
 
     return {k: build(k, **(v or {})) for k, v in spec.items()}
+
+
+def check_run_sources(cfg, prompts: list, eval_prompts: list, policy=None, reward=None, acc=None) -> None:
+    """Before a run's rewards and model load: its prompt sets (``data.prompts``, ``data.eval_prompts``) carry
+    the source images that ``cfg.model`` (or the ``policy`` object given instead) and the weighted rewards of
+    ``reward.weights`` (none checked when a ``reward`` object is given) need
+    (:func:`flowrl.conditions.check_sources`: a ``ConfigError`` otherwise). An editing model run text-to-image
+    is said once on stderr (by ``acc``'s main process when an accelerator is given)."""
+    from .conditions import check_sources
+
+    model = policy if policy is not None else cfg.model.pipeline
+    rewards = [] if reward is not None else [n for n, w in cfg.reward.weights.items() if w]
+    notes = [check_sources(model, rows, setting, rewards)
+             for setting, rows in (("data.prompts", prompts), ("data.eval_prompts", eval_prompts))]
+    note = next((n for n in notes if n), None)
+    if note and (acc is None or acc.is_main_process):
+        print(f"[flowrl] note: {note}", file=sys.stderr, flush=True)
 
 
 def build_policy_from_config(cfg, device, without_text_encoders: bool = False):

@@ -249,9 +249,14 @@ def _add_sample_parser(sub) -> None:
     s = sub.add_parser("sample", help="images from a base model or a trained run",
                        epilog=example('flowrl sample --run runs/a --prompts "a handwritten digit 3" --out three.png',
                                       'flowrl sample --config recipes/digits.yaml --prompts "a handwritten digit 3" '
-                                      '--out base.png'))
+                                      '--out base.png',
+                                      'flowrl sample --run runs/kontext --prompts "turn it into a 7" --source three.png '
+                                      '--out seven.png'))
     _add_model_arguments(s)
     s.add_argument("--prompts", nargs="+", required=True, help="one or more prompts (quote each)")
+    s.add_argument("--source", action="append", default=None, metavar="PATH",
+                   help="editing models (flux-kontext, qwen-image-edit): a source image every prompt edits; repeat "
+                        "for several, in order (picture 1, 2, ...)")
     s.add_argument("--per-prompt", type=positive_int, default=8, help="images per prompt (a row of the grid each)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", required=True, help="PNG grid path")
@@ -321,6 +326,18 @@ def _add_bench_parser(sub) -> None:
     for add in (add_sampler_benches, add_methods_parser, add_precision_parser, add_offline_parser, add_host_parser,
                 add_reward_parser, add_ocr_parser):
         add(bsub)
+    for verb in bsub.choices.values():  # every bench verb: where it writes, checked before it measures anything
+        verb.set_defaults(fn=_outputs_checked(verb.get_default("fn")))
+
+
+def _outputs_checked(fn):
+    """A bench verb's handler that first checks its output options (:func:`flowrl.bench.check_outputs`)."""
+    def run(a):
+        from flowrl.bench import check_outputs
+
+        check_outputs(a)
+        return fn(a)
+    return run
 
 
 def _add_serve_reward_parser(sub) -> None:

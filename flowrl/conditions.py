@@ -20,11 +20,18 @@ never look inside them. This module is the one place that splits them into texts
   source ``[3, H, W]`` (one) or a tuple of them (several, in order; ``flowrl.data.items.row_sources``).
 
 A batch of plain strings passes both unchanged, so text-only runs are what they were.
+
+Before a model loads, :func:`check_sources` holds a prompt set against what the model and the rewards
+declare they need: a model with ``needs_sources = True`` (it cannot generate without a source:
+Qwen-Image-Edit) refuses prompts without one; a reward with ``needs_sources = True`` (it scores an
+edit against its source and is NaN without one: ``digits_edit``) refuses a set in which no prompt has
+one; an editing model that can run without (FLUX.1 Kontext, as its pipeline with ``image=None``) runs
+text-to-image on such a set, and the caller says so.
 """
 from __future__ import annotations
 
 import sys
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -32,7 +39,13 @@ from .data.items import PromptItem, as_items, item_sources, item_texts
 
 Prompt = Union[str, PromptItem]
 
-__all__ = ["Prompt", "encode_conditions", "reward_inputs", "has_items", "prompt_parts"]
+__all__ = ["Prompt", "encode_conditions", "reward_inputs", "has_items", "prompt_parts", "check_sources",
+           "EDIT_SET_HINT"]
+
+# how to give source images in a prompt set (data.prompts, --suite); flowrl sample says --source instead
+EDIT_SET_HINT = ("give an editing set: a .jsonl file with a 'prompt' and an 'image' field per row (the image's "
+                 "path relative to the file, or a list of paths for several sources; flowrl/data/items.py), e.g. "
+                 "the shipped digits-edit-sample")
 
 
 def has_items(prompts: Sequence[Prompt]) -> bool:
@@ -94,3 +107,47 @@ def reward_inputs(prompts: Sequence[Prompt], meta: dict) -> tuple[list[str], dic
     if "sources" not in meta and any(isinstance(p, PromptItem) and p.has_source for p in prompts):
         meta = {**meta, "sources": item_sources(prompts)}
     return item_texts(prompts), meta
+
+
+def _has_source(p: Prompt) -> bool:
+    return isinstance(p, PromptItem) and p.has_source
+
+
+def check_sources(model, prompts: Sequence[Prompt], setting: str, rewards: Sequence[str] = (),
+                  how: str = EDIT_SET_HINT, other_reward: str = "use another reward") -> Optional[str]:
+    """Before a model loads: whether ``prompts`` (given by the user as ``setting``, e.g. ``data.prompts``)
+    carry the source images that ``model`` (a pipeline name, adapter class or policy) and the rewards named
+    ``rewards`` need (module doc). A :class:`~flowrl.errors.ConfigError` naming ``setting`` and ``how`` (how
+    to give sources; for a reward also ``other_reward``) when they cannot run on them; for an editing model
+    that runs on them text-to-image, the note to print (None: nothing to say)."""
+    from .errors import ConfigError
+
+    if isinstance(model, str):
+        from .pipelines import policy_class
+
+        model = policy_class(model)
+    name = getattr(model, "kind", None) or (model.__name__ if isinstance(model, type) else type(model).__name__)
+    with_source = sum(_has_source(p) for p in prompts)
+    if getattr(model, "needs_sources", False) and with_source < len(prompts):
+        raise ConfigError(f"{setting}: {len(prompts) - with_source} of {len(prompts)} prompts carry no source image, "
+                          f"and {name} is an editing model that cannot generate without one; {how}")
+    if with_source:
+        return None
+    for reward in rewards:
+        if getattr(_reward_target(reward), "needs_sources", False):
+            raise ConfigError(f"{setting}: no prompt carries a source image, and reward {reward} scores edits "
+                              f"against their sources (every score would be NaN); {how}, or {other_reward}")
+    if int(getattr(model, "max_sources", 0) or 0) > 0:
+        return (f"{setting} has no source images: {name} is an editing model and generates from the text alone "
+                f"(text-to-image); to edit images, {how}")
+    return None
+
+
+def _reward_target(name: str):
+    """The registered builder of reward ``name`` (a class declares ``needs_sources``), or None."""
+    from .rewards import REGISTRY
+
+    try:
+        return REGISTRY.get(name)
+    except (ValueError, KeyError, ImportError, AttributeError):
+        return None

@@ -17,13 +17,15 @@ targets, sharding) and :func:`smoke_overrides` shrinks everything else:
   an editing model (its adapter's ``max_sources``: :func:`editing_data`) edits the shipped
   ``digits-edit-sample`` set (one source per prompt) or ``digits-edit-multi-sample`` (one to three),
   rewarded by ``digits_edit``;
-  a prompt set or reward given on the command line (``data.*``, ``reward.*``) is kept instead;
+  a prompt set or reward given on the command line (``data.*``, ``reward.*``) is kept instead (a prompt
+  set without source images then keeps the JPEG reward: ``digits_edit`` scores only edits);
 - offline GDRO recipes (``train.mode: offline``): a dataset of 2 groups x 2 images is generated first.
 
 Before any of that, :func:`check_real_inputs` reads what the real run would read (the recipe's prompt
-files, the files its rewards name): a missing one fails the smoke run as it would fail the real one,
-except the data a recipe says it cannot ship (``data.source``: where to get it), which gets one note. So
-every shipped recipe's ``--smoke`` runs from a fresh clone: their reward weights are hub files
+files, the files its rewards name) and holds the prompts against the model's and the rewards' need of
+source images (:func:`flowrl.conditions.check_sources`): what fails the real run fails the smoke run, in
+the same words, except the data a recipe says it cannot ship (``data.source``: where to get it), which gets
+one note. So every shipped recipe's ``--smoke`` runs from a fresh clone: their reward weights are hub files
 (``hf://...``, downloaded by the real run), and their prompt files are a shipped set or say where to get them.
 
 Files besides the run (the dataset, a text-embedding cache) go to a temporary directory removed at
@@ -113,9 +115,10 @@ def editing_data(pipeline: str) -> dict:
     return MULTI_EDITING if most > 1 else EDITING if most == 1 else {}
 
 
-def smoke_overrides(cfg, model_dir: Path, scratch: Path) -> list[str]:
+def smoke_overrides(cfg, model_dir: Path, scratch: Path, edits: bool = True) -> list[str]:
     """Overrides (applied after the user's) that shrink the recipe ``cfg`` as the module doc says;
-    ``scratch`` is a temporary directory for a text-embedding cache."""
+    ``scratch`` is a temporary directory for a text-embedding cache; ``edits`` False: an editing model's
+    smoke data and reward are left out (the user's prompt set has no source images)."""
     from .errors import ConfigError
 
     from .pipelines import policy_class
@@ -126,7 +129,7 @@ def smoke_overrides(cfg, model_dir: Path, scratch: Path) -> list[str]:
           **{f"model.options.{k}": v for k, v in options.items() if k in cfg.model.options},
           **{f"sampler.{k}": v for k, v in sampler_smoke_options(cfg.sampler.build()).items()},
           **TRAIN, "data.prompts": f"[{', '.join(prompts)}]", "data.eval_prompts": f"[{prompts[0]}]",
-          **editing_data(cfg.model.pipeline)}
+          **(editing_data(cfg.model.pipeline) if edits else {})}
     if cfg.model.text_embedding_cache:  # never the recipe's own (relative, shared) cache directory
         ov["model.text_embedding_cache"] = str(scratch / "text-embeddings")
     if cfg.train.mode == "offline":
@@ -137,8 +140,15 @@ def smoke_overrides(cfg, model_dir: Path, scratch: Path) -> list[str]:
 
 # reward options naming a file of weights or settings (checked to exist: the real run reads them)
 MODEL_FILE_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt", ".onnx", ".json", ".yaml")
-SMOKE_DATA_HINT = ("give data.prompts=... data.eval_prompts=... on this command line (e.g. the shipped "
-                   "flowgrpo-pickscore-sample): --smoke then checks and uses those")
+
+
+def smoke_data_hint(pipeline: str) -> str:
+    """How to give the smoke run a prompt set of its own: a shipped sample that suits the model (an editing
+    set for an editing model, whose smoke data need source images)."""
+    edit_set = editing_data(pipeline).get("data.prompts")
+    sample = f"{edit_set}, an editing set" if edit_set else "flowgrpo-pickscore-sample"
+    return (f"give data.prompts=... data.eval_prompts=... on this command line (e.g. the shipped {sample}): "
+            f"--smoke then checks and uses those")
 
 
 def _names_a_local_file(value) -> bool:
@@ -158,7 +168,8 @@ def check_real_inputs(cfg, given: Collection[str] = ()) -> None:
 
     A prompt file the recipe names that is missing here fails, unless the recipe says where to get it
     (``data.source``: data flowrl cannot ship) and the file was not given on the command line: then one note
-    names it and the source, and the smoke run goes on with its own prompts. A reward's hub file
+    names it and the source, and the smoke run goes on with its own prompts. A prompt set it reads is held
+    against the model's and the rewards' need of source images. A reward's hub file
     (``hf://...``) must be well formed; one that is not cached while downloads are off gets a note. An
     offline recipe's ``offline.dataset`` that does not exist yet gets a notice (``flowrl generate-offline``
     writes it)."""
@@ -174,21 +185,23 @@ def check_real_inputs(cfg, given: Collection[str] = ()) -> None:
 
 
 def _check_prompt_sets(cfg, given: Collection[str]) -> None:
+    from .conditions import check_sources
     from .data.prompts import PromptSetError
     from .errors import ConfigError
 
     elsewhere = []  # the recipe's files that are not here, with data.source saying where to get them
+    rewards = [n for n, w in cfg.reward.weights.items() if w]
     for key, read in (("data.prompts", cfg.data.train_prompts), ("data.eval_prompts", cfg.data.eval_prompt_set)):
         try:
-            read()
+            check_sources(cfg.model.pipeline, read(), key, rewards)  # (the trainer says what a text-only run is)
         except FileNotFoundError as e:
             if not (cfg.data.source and not _covered(key, set(given))):
                 raise ConfigError(f"--smoke checks what the real run reads, and {key} fails: {e}; copy the file "
-                                  f"there, or {SMOKE_DATA_HINT}") from None
+                                  f"there, or {smoke_data_hint(cfg.model.pipeline)}") from None
             elsewhere.append(f"{key} {getattr(cfg.data, key.split('.')[1])}")
         except PromptSetError as e:
             raise ConfigError(f"--smoke checks what the real run reads, and {key} fails: {e}; fix the file, or "
-                              f"{SMOKE_DATA_HINT}") from None
+                              f"{smoke_data_hint(cfg.model.pipeline)}") from None
     if elsewhere:
         one = len(elsewhere) == 1
         _note(f"{' and '.join(elsewhere)} {'is' if one else 'are'} not on this machine and the real run reads "
@@ -219,13 +232,16 @@ def smoke_config(recipe: str, overrides: Sequence[str], scratch: Path) -> tuple:
     """(the smoke-sized config of ``recipe`` with the user's ``overrides``, all the overrides applied).
     The smoke sizes apply after the user's overrides, except in :data:`USER_SECTIONS`: a prompt set or
     reward given on the command line is what the smoke run uses (that is what it should check)."""
+    from .conditions import has_items
     from .trainers.config import load_config
     from .trainers.config_text import override_key
 
     first = load_config(recipe, list(overrides))
     check_real_inputs(first, {override_key(o) for o in overrides})
     mine = {override_key(o) for o in overrides if override_key(o).split(".")[0] in USER_SECTIONS}
-    ov = [*overrides, *(o for o in smoke_overrides(first, tiny_model(first.model.pipeline), scratch)
+    # an editing model's smoke data and reward, unless the user's own prompt set has no source images
+    edits = not _covered("data.prompts", mine) or has_items(first.data.train_prompts())
+    ov = [*overrides, *(o for o in smoke_overrides(first, tiny_model(first.model.pipeline), scratch, edits)
                         if not _covered(override_key(o), mine))]
     return load_config(recipe, ov), ov
 

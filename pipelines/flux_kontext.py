@@ -50,6 +50,9 @@ class FluxKontextPolicy(FluxFamilyPolicy):
     lora_target_modules = FLUX_KONTEXT_LORA_TARGET_MODULES
     tiny_kinds = ("flux-kontext",)
     max_sources = 1  # source images per prompt (FluxKontextPipeline takes one image)
+    # prompts without a source run as text-to-image, as FluxKontextPipeline does with image=None (its latents
+    # alone, no image_latents); flowrl.conditions.check_sources says so before such a run starts
+    needs_sources = False
     example_hub_id = "black-forest-labs/FLUX.1-Kontext-dev"
     # Published configs of black-forest-labs/FLUX.1-Kontext-dev: FLUX.1-dev's (pipelines/flux_family.py). Black Forest
     # Labs' reference code (black-forest-labs/flux, src/flux/util.py, configs["flux-dev-kontext"]) gives the

@@ -91,6 +91,9 @@ class QwenImageEditPolicy(QwenFamilyPolicy):
     example_hub_id = "Qwen/Qwen-Image-Edit-2509"
     max_sources = MAX_SOURCES  # source images per prompt (flowrl.conditions)
     text_reads_sources = True  # the text encoder sees the sources: source_conditioning encodes text and sources
+    # no generation without a source: QwenImageEditPlusPipeline.__call__ sizes the result from the last source
+    # (image.size) and has no text-only path; flowrl.conditions.check_sources refuses such prompts before loading
+    needs_sources = True
     published = {
         example_hub_id: ModelConfigs(QWEN_IMAGE_20B, QWEN_TEXT_ENCODERS, QWEN_IMAGE_VAE, example_hub_id,
                                      "Qwen-Image-Edit-2509", "qwen-image-edit-arch"),

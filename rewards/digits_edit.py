@@ -128,6 +128,7 @@ class DigitsEditReward:
     """
 
     name = "digits_edit"
+    needs_sources = True  # a row without a source is NaN: on prompts without any, nothing is scored (flowrl.conditions)
     resident_params = 19_210  # parameters kept loaded, for `flowrl plan`
     resident_note = "flowrl's digits classifier (the digits reward's)"
 

@@ -220,14 +220,16 @@ def evaluate_partial(objects: Mapping[str, list], metadata: Mapping, colors_of: 
 def summary(tags: Sequence[str], correct: Sequence[float]) -> dict:
     """GenEval's ``summary_scores.py``: the fraction correct per tag (tags in order of first
     appearance) and the overall score, the mean over tags (not over images). NaN entries (images
-    without clauses) are left out."""
-    per: dict[str, list] = {}
+    without clauses) are left out; a tag with none scored is NaN and listed in ``unscored``, and then
+    the overall is NaN: a mean over the tags that happen to have scores is not GenEval's score."""
+    per: dict[str, list] = {t: [] for t in tags}
     for t, c in zip(tags, correct):
         if c == c:  # not NaN
-            per.setdefault(t, []).append(float(c))
-    tag_scores = {t: float(np.mean(v)) for t, v in per.items()}
-    overall = float(np.mean(list(tag_scores.values()))) if tag_scores else float("nan")
-    return {"overall": overall, "tags": tag_scores, "images": sum(len(v) for v in per.values())}
+            per[t].append(float(c))
+    tag_scores = {t: float(np.mean(v)) if v else float("nan") for t, v in per.items()}
+    unscored = [t for t, v in per.items() if not v]
+    overall = float(np.mean(list(tag_scores.values()))) if tag_scores and not unscored else float("nan")
+    return {"overall": overall, "tags": tag_scores, "images": sum(len(v) for v in per.values()), "unscored": unscored}
 
 
 # ---------------------------------------------------------------- metadata rows

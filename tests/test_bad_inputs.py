@@ -80,6 +80,15 @@ def eval_suite(text: str = None, name: str = "genevel"):
     return f
 
 
+def suite_file(text: str, name: str):
+    def f(tmp):
+        from flowrl.eval.suites import load_suite
+
+        (tmp / name).write_text(text)
+        return load_suite(str(tmp / name))
+    return f
+
+
 def geneval_detector_wrong_shape(tmp):
     from flowrl.rewards import build
 
@@ -180,6 +189,16 @@ CASES = [
     ("reward service down", vlm("down"), RuntimeError, r"failed after 1 attempts"),
     ("reward service bad url", vlm("url"), ValueError, r"url must be an http"),
     ("eval: unknown suite", eval_suite(), ConfigError, r"unknown suite 'genevel'; valid suites: .*geneval.*ocr"),
+    # a file read by its suffix: YAML lines or a CSV header never become prompts
+    ("YAML prompt file", prompts_file(b"prompts:\n  - a cat\n", "p.yaml"), ValueError,
+     r"p\.yaml: a \.yaml file is not a prompt set; give a \.txt \(one prompt per line\), a \.jsonl .*dataset directory"),
+    ("CSV prompt file", prompts_file(b"prompt,tag\na cat,animals\n", "p.csv"), ValueError,
+     r"p\.csv: a \.csv file is not a prompt set"),
+    ("eval: YAML suite file", suite_file("- a cat\n- a dog\n", "s.yaml"), ValueError,
+     r"s\.yaml: a \.yaml file is not a suite; give a \.txt \(one prompt per line\), \.jsonl .* or \.csv"),
+    ("eval: JSON suite file", suite_file('["a cat", "a dog"]\n', "s.json"), ValueError, r"a \.json file is not a suite"),
+    ("eval: TSV suite file", suite_file("prompt\ttag\na cat\tanimals\n", "s.tsv"), ValueError,
+     r"a \.tsv file is not a suite"),
     ("eval: metadata row without clauses", eval_suite('{"prompt": "two clocks", "tag": "counting"}\n'), ConfigError,
      r"s\.jsonl:1: tag 'counting' without its 'include' clauses"),
     ("geneval: detector of the wrong shape", geneval_detector_wrong_shape, ConfigError,

@@ -22,6 +22,7 @@ from conftest import tiny_train_overrides
 from flowrl.cli import main
 
 RECIPE = "recipes/digits.yaml"
+EDIT_SOURCE = Path(__import__("flowrl.data.prompts", fromlist=["x"]).SETS_DIR) / "digits_edit" / "digit_3.png"
 QUIET = ["logging.trackers=[]", "logging.progress=false"]
 
 
@@ -86,6 +87,16 @@ CASES = [
      ["not UTF-8", "re-save it as UTF-8"], ["new_run"]),
     ("missing prompt file", "train", lambda e: train_args(e, f"data.prompts={e['root'] / 'none.txt'}"),
      ["not found", ".jsonl"], ["new_run"]),
+    # (an editing model or reward without the source images it needs: refused before any model loads)
+    ("editing model without source images", "train",
+     lambda e: ["train", "--config", "recipes/qwen_image_edit_group_pickscore.yaml", "--output-dir",
+                str(e["root"] / "new_run"), "data.prompts=[a cat, a dog]", "data.eval_prompts=[a cat]",
+                "model.device=cpu", f"model.path={e['root'] / 'no-model'}", *QUIET],
+     ["data.prompts: 2 of 2 prompts carry no source image", "qwen-image-edit is an editing model that cannot generate "
+      "without one", "'image' field per row", "digits-edit-sample"], ["new_run"]),
+    ("editing reward without source images", "train", lambda e: train_args(e, "reward.weights={digits_edit: 1.0}"),
+     ["data.prompts: no prompt carries a source image", "reward digits_edit scores edits against their sources",
+      "editing set"], ["new_run"]),
     ("unbalanced YAML override", "train", lambda e: train_args(e, "sampler={name: ode"),
      ["sampler={name: ode", "not valid YAML", "balance its brackets"], ["new_run"]),
     ("unknown key", "train", lambda e: train_args(e, "train.lrr=1"), ["train.lrr", "Did you mean train.lr"], ["new_run"]),
@@ -176,6 +187,23 @@ CASES = [
     ("weights flag without a run", "sample", lambda e: ["sample", "--config", RECIPE, "--ema", "--prompts", "x",
                                                         "--out", str(e["root"] / "new.png")], ["--run RUN_DIR"],
      ["new.png"]),
+    ("source image for a text-to-image model", "sample", lambda e: sample_args(e, "--source", str(EDIT_SOURCE)),
+     ["--source: model.pipeline=digits is a text-to-image model and takes no source image", "drop --source"],
+     ["new.png"]),
+    ("editing model sampled without a source", "sample",
+     lambda e: ["sample", "--config", "recipes/qwen_image_edit_group_pickscore.yaml", "--prompts", "make it red",
+                "--out", str(e["root"] / "new.png"), "model.device=cpu", f"model.path={e['root'] / 'no-model'}"],
+     ["--prompts: 1 of 1 prompts carry no source image", "qwen-image-edit", "--source PATH"], ["new.png"]),
+    ("a source image that is not there", "sample",
+     lambda e: ["sample", "--config", "recipes/flux_kontext_edit.yaml", "--prompts", "make it red", "--source",
+                str(e["root"] / "none.png"), "--out", str(e["root"] / "new.png"), "model.device=cpu",
+                f"model.path={e['root'] / 'no-model'}"], ["--source", "none.png: source image", "not found"],
+     ["new.png"]),
+    ("editing reward on a text-only suite", "eval",
+     lambda e: ["eval", "--run", str(e["run"]), "--suite", "digits", "--rewards", "digits,digits_edit",
+                "--per-prompt", "1", "--out", str(e["root"] / "report")],
+     ["--suite digits: no prompt carries a source image", "reward digits_edit scores edits", "--suite FILE.jsonl",
+      "--suite digits-edit-sample", "leave it out of --rewards"], ["report"]),
     ("zero per-prompt", "eval", lambda e: ["eval", "--run", str(e["run"]), "--per-prompt", "0"],
      ["--per-prompt", "got 0"], []),
     ("steps not a number", "eval", lambda e: ["eval", "--run", str(e["run"]), "--steps", "ten"],
@@ -205,6 +233,18 @@ CASES = [
      ["unknown variant(s) ['bogus'] of bench reward", "choose from"], []),
     ("architecture flag on a CPU pipeline", "bench precision", lambda e: ["bench", "precision", "--tiny"],
      ["--tiny apply to the architecture pipelines"], []),
+    # (where a bench writes is checked before it trains: a result is never measured, then lost)
+    ("bench --out is a file", "bench methods", lambda e: ["bench", "methods", "--budget", "1", "--out",
+                                                         str(e["root"] / "empty.txt")],
+     ["--out", "empty.txt is a file, not a directory", "give a directory"], []),
+    ("bench --out under a file", "bench branch", lambda e: ["bench", "branch", "--budget", "1", "--out",
+                                                           str(e["root"] / "empty.txt" / "bench")],
+     ["--out", "empty.txt is not a directory"], []),
+    ("bench --json is a directory", "bench offline", lambda e: ["bench", "offline", "--budget", "1", "--json",
+                                                               str(e["root"])], ["--json", "is a directory, not a file"],
+     []),
+    ("bench --out where nothing can be written", "bench reward",
+     lambda e: ["bench", "reward", "--out", "/proc/flowrl-bench/out"], ["--out", "cannot write in /proc"], []),
     ("plan without a recipe", "plan", lambda e: ["plan", "--config", "nope.yaml"], ["not found"], []),
     ("plan a YAML list", "plan", lambda e: ["plan", "--config", str(e["root"] / "list.yaml")],
      ["holds a YAML list"], []),
@@ -245,6 +285,34 @@ def test_bad_input_is_one_line(env, capsys, name, verb, argv, words, absent):
         assert not (env["root"] / rel).exists(), rel
     assert (env["made"] / "keep.txt").read_text() == "mine" and sorted(p.name for p in env["made"].iterdir()) == [
         "keep.txt"]
+
+
+def test_every_bench_verb_checks_where_it_writes(tmp_path, capsys):
+    """Each output option of every `flowrl bench` verb is checked before the verb runs (one shared check,
+    flowrl.bench.check_outputs); an option that writes but is not declared there fails this test."""
+    import flowrl.bench
+    from flowrl.cli import build_parser
+
+    bench = next(a for a in build_parser()._actions if a.dest == "command").choices["bench"]
+    verbs = next(a for a in bench._actions if a.dest == "bench").choices
+    declared = (*flowrl.bench.OUTPUT_DIRS, *flowrl.bench.OUTPUT_FILES)
+    afile = tmp_path / "a_file.txt"
+    afile.write_text("x")
+    checked = set()
+    for verb, parser in verbs.items():
+        for action in parser._actions:
+            writes = any(w in (action.help or "").lower() for w in ("write", "directory for", "chart path", "where"))
+            if action.dest == "dataset" or not writes:  # (--dataset may be a finished one, only read)
+                continue
+            assert action.dest in declared, (verb, action.dest)
+            bad = afile if action.dest in flowrl.bench.OUTPUT_DIRS else tmp_path
+            rc, out, err = _run(["bench", verb, action.option_strings[0], str(bad)], capsys)
+            assert rc == 2 and out == "" and err.count("\n") == 1, (verb, action.dest, err)
+            assert err.startswith(f"flowrl bench {verb}: error: {action.option_strings[0]} {bad}"), err
+            checked.add((verb, action.dest))
+    assert {("methods", "out"), ("sol", "out"), ("offline", "json"), ("offline", "png"), ("host", "profile"),
+            ("precision", "json"), ("reward", "out"), ("ocr", "out"), ("offline", "workdir")} <= checked
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file.txt"]  # the probes left nothing behind
 
 
 def test_every_verb_has_bad_input_rows():

@@ -264,3 +264,53 @@ def test_frames_are_reduced_in_one_place_with_the_stride_as_an_argument(monkeypa
     torch.testing.assert_close(total, want) and torch.testing.assert_close(comps["m"], want)
     total, _ = score_images(multi, video, ["a", "b"], frame_stride=7)  # the argument wins: frame 0 only
     torch.testing.assert_close(total, video[:, :, 0].mean(dim=(1, 2, 3)))
+
+
+# ---------------------------------------------------------------- sources a model or reward needs
+def test_what_editing_models_and_rewards_need_is_checked_before_loading(capsys):
+    """flowrl.conditions.check_sources on the adapters' and rewards' declarations (nothing loads): Qwen-Image-Edit
+    cannot generate without a source (refused, per missing row); FLUX.1 Kontext runs text-to-image (a note);
+    digits_edit scores nothing without sources (refused, on any model); a text-to-image model on text is fine."""
+    from flowrl.conditions import check_sources
+    from flowrl.errors import ConfigError
+
+    edits = load_prompts("digits-edit-sample")[:2]
+    text = ["a photo of a cat", "a red apple"]
+    with pytest.raises(ConfigError, match=r"^data\.prompts: 2 of 2 prompts carry no source image, and qwen-image-edit "
+                                          r"is an editing model that cannot generate without one; give an editing "
+                                          r"set: a \.jsonl file with a 'prompt' and an 'image' field per row"):
+        check_sources("qwen-image-edit", text, "data.prompts")
+    with pytest.raises(ConfigError, match=r"1 of 3 prompts carry no source image"):  # every row needs one
+        check_sources("qwen-image-edit", [*edits, "a cat"], "data.prompts")
+    assert check_sources("qwen-image-edit", edits, "data.prompts", ["digits_edit"]) is None
+    note = check_sources("flux-kontext", text, "--prompts", how="give --source PATH")
+    assert note == ("--prompts has no source images: flux-kontext is an editing model and generates from the text "
+                    "alone (text-to-image); to edit images, give --source PATH")
+    for model in ("flux-kontext", "digits"):
+        with pytest.raises(ConfigError, match=r"data\.eval_prompts: no prompt carries a source image, and reward "
+                                              r"digits_edit scores edits against their sources \(every score would "
+                                              r"be NaN\).*, or use another reward"):
+            check_sources(model, text, "data.eval_prompts", ["jpeg_compressibility", "digits_edit"])
+    assert check_sources("digits", text, "data.prompts", ["digits", "jpeg_compressibility"]) is None
+    assert check_sources("flux-kontext", [edits[0], "a cat"], "data.prompts", ["digits_edit"]) is None
+    assert capsys.readouterr().err == ""  # the callers print the note
+
+
+def test_a_training_run_says_once_that_an_editing_model_runs_text_only(capsys):
+    from types import SimpleNamespace
+
+    from flowrl.builders import check_run_sources
+    from flowrl.errors import ConfigError
+
+    cfg = SimpleNamespace(model=SimpleNamespace(pipeline="flux-kontext"),
+                          reward=SimpleNamespace(weights={"jpeg_compressibility": 1.0}))
+    check_run_sources(cfg, ["a cat", "a dog"], ["a cat"], acc=SimpleNamespace(is_main_process=True))
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("[flowrl] note: data.prompts has no source images: flux-kontext is an "
+                                               "editing model and generates from the text alone")
+    check_run_sources(cfg, ["a cat"], ["a cat"], acc=SimpleNamespace(is_main_process=False))
+    assert capsys.readouterr().err == ""
+    cfg.reward.weights = {"digits_edit": 1.0, "jpeg_compressibility": 0.0}
+    with pytest.raises(ConfigError, match=r"data\.prompts: no prompt carries a source image, and reward digits_edit"):
+        check_run_sources(cfg, ["a cat"], ["a cat"])
+    check_run_sources(cfg, ["a cat"], ["a cat"], reward=object())  # a reward object: its needs are its own

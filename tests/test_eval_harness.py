@@ -100,6 +100,44 @@ def test_a_changed_plan_is_not_mixed_into_an_old_one(run_and_report, capsys):
     assert err.startswith("flowrl eval: error: ") and "other settings (steps differ)" in err
 
 
+def dog_detector(images):
+    """A stub GenEval detector: one confident dog filling each image."""
+    h, w = images.shape[-2:]
+    return [{"dog": [(0.0, 0.0, float(w), float(h), 0.95)]} for _ in images]
+
+
+def test_a_mean_over_tags_is_given_only_when_every_tag_has_scores(tiny_digits_dir, tmp_path, capsys):
+    """A reward that scores no prompt of some tag (here: geneval on rows without clauses) gets no mean
+    over tags: 'n/a' and the tags in the table, null with the reason in eval.json, one warning line
+    on stderr; a reward that scores every tag keeps its mean over tags."""
+    rows = [{"prompt": f"a photo of a dog {i}", "tag": "single_object", "include": [{"class": "dog", "count": 1}]}
+            for i in range(2)]
+    rows += [{"prompt": f"a photo of two dogs {i}", "tag": "counting", "include": [{"class": "dog", "count": 2}]}
+             for i in range(2)]
+    rows += [{"prompt": f"a handwritten digit {i}", "category": "digits"} for i in range(2)]  # no clauses
+    suite = tmp_path / "mixed.jsonl"
+    suite.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "report"
+    assert main(["eval", "--config", RECIPE, "--suite", str(suite), "--rewards", "geneval,jpeg_compressibility",
+                 "--per-prompt", "2", "--steps", "2", "--out", str(out), f"model.path={tiny_digits_dir}",
+                 "reward.options.geneval.detector=test_eval_harness:dog_detector"]) == 0
+    cap = capsys.readouterr()
+    res = json.loads((out / "eval.json").read_text())
+    g = res["summary"]["digits"]["rewards"]["geneval"]
+    assert g["tag_mean"] is None and g["tags"]["single_object"]["mean"] == 1.0 and g["tags"]["counting"]["mean"] == 0.0
+    assert g["tag_mean_unavailable"] == {
+        "reason": "no score for tag(s) digits; the mean over tags needs every tag of the suite",
+        "tags_scored": ["single_object", "counting"], "tags_unscored": ["digits"], "prompts_scored": 4, "prompts": 6}
+    assert res["summary"]["digits"]["rewards"]["jpeg_compressibility"]["tag_mean"]["n"] == 6  # every tag scored
+    said = ("geneval: no score for tag(s) digits (4 of 6 prompts scored), so its mean over tags (GenEval's overall "
+            "score) is not reported")
+    summary = cap.out.split("\n\n")[1]
+    assert "n/a (2 of 3 tags)" in summary and said in summary and "0.500" not in summary  # not the mean of 2 tags
+    warnings = [ln for ln in cap.err.splitlines() if "WARNING" in ln]
+    assert warnings == [f"[flowrl] WARNING: {said}; the per-tag table shows the tags it scored"]
+    assert said in (out / "report.html").read_text().replace("&#x27;", "'")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--suite", "genevel"], r"unknown suite 'genevel'; valid suites: .*geneval"),
     (["--rewards", "digitz"], r"--rewards: unknown reward 'digitz'; valid rewards"),

@@ -45,6 +45,15 @@ def test_prompt_means_and_the_mean_over_tags():
     assert list(per) == ["a", "b"] and per["a"].mean == 1.0 and per["b"].n == 1
 
 
+def test_no_mean_over_tags_without_a_score_in_every_tag():
+    v = [1.0, 0.0, np.nan, np.nan, 0.5]
+    tags = ["a", "a", "b", "b", "c"]
+    assert stats.tag_coverage(v, tags) == {"tags_scored": ["a", "c"], "tags_unscored": ["b"], "prompts_scored": 3,
+                                           "prompts": 5}
+    assert stats.bootstrap_mean(v, strata=tags, n_boot=50) == stats.NAN  # not the mean of a and c
+    assert stats.bootstrap_mean(v, strata=["a", "a", "c", "c", "c"], n_boot=50).mean == pytest.approx(0.5)
+
+
 def test_paired_delta_and_win_rate():
     rng = np.random.default_rng(2)
     a = rng.random((30, 4))
@@ -92,6 +101,19 @@ def test_user_files(tmp_path):
     (tmp_path / "e.jsonl").write_text("")
     with pytest.raises(PromptSetError, match="is empty"):
         load_suite(str(tmp_path / "e.jsonl"))
+
+
+def test_the_suffix_says_how_a_file_is_read(tmp_path):
+    """A .txt (or a name without a suffix) is one prompt per line, also when its first line reads like a
+    CSV header: nothing is guessed from the contents (the same for data.prompts files)."""
+    from flowrl.data.prompts import load_prompts
+
+    for name in ("s.txt", "s.TXT", "s"):
+        (tmp_path / name).write_text("prompt,tag\na cat,animals\n")
+        assert [it.text for it in load_suite(str(tmp_path / name)).items] == ["prompt,tag", "a cat,animals"]
+        assert load_prompts(str(tmp_path / name)) == ["prompt,tag", "a cat,animals"]
+    (tmp_path / "s.csv").write_text("prompt,tag\na cat,animals\n")
+    assert [(it.text, it.tag) for it in load_suite(str(tmp_path / "s.csv")).items] == [("a cat", "animals")]
 
 
 def test_a_metadata_row_without_its_clauses_names_the_line(tmp_path):

@@ -97,7 +97,8 @@ def test_editing_recipe_trains_on_the_tiny_model(tiny, tmp_path):
     from helpers import ROOT, lora_weights, tiny_overrides, train_records
 
     cfg = load_config(ROOT / "recipes" / "flux_kontext_edit.yaml", tiny_overrides(tiny, "group", **{
-        "data.prompts": "digits-edit-sample", "reward.weights": "{digits_edit: 1.0}",
+        "data.prompts": "digits-edit-sample", "data.eval_prompts": "digits-edit-sample",
+        "reward.weights": "{digits_edit: 1.0}",
         "model.text_embedding_cache": "memory", "model.drop_text_encoders": "true"}))
     assert cfg.model.pipeline == "flux-kontext" and cfg.model.guidance_scale == 2.5 and cfg.train.ema
     summary = train(cfg, tmp_path / "run")
@@ -128,3 +129,28 @@ def test_prompt_items_condition_through_the_text_cache(tiny):
     served = encode_conditions(cached, items)
     for k in want:
         torch.testing.assert_close(served[k], want[k], atol=1e-6, rtol=1e-6)
+
+
+def test_sample_gives_kontext_its_source_or_says_it_runs_text_only(tiny, tmp_path, capsys):
+    """``flowrl sample --source PATH`` edits that image (the grid shows it beside the results); without
+    it, Kontext samples text-to-image, as its pipeline does without an image, and says so on stderr."""
+    import json
+
+    from flowrl.cli import main
+    from flowrl.data.prompts import SETS_DIR
+
+    line = ["sample", "--config", "recipes/flux_kontext_edit.yaml", "--prompts", "turn it into a 7", "--per-prompt",
+            "1", "--steps", "1", f"model.path={tiny}", "model.device=cpu", f"model.options.resolution={SIZE}",
+            "model.options.dtype=float32", f"model.options.max_sequence_length={SEQ}"]
+    source = SETS_DIR / "digits_edit" / "digit_3.png"
+    assert main([*line, "--source", str(source), "--out", str(tmp_path / "edit.png")]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["samples"] == 1 and "no source images" not in cap.err
+    assert main([*line, "--out", str(tmp_path / "text.png")]) == 0
+    err = capsys.readouterr().err
+    assert "[flowrl] note: --prompts has no source images: flux-kontext is an editing model and generates from the " \
+           "text alone (text-to-image); to edit images, give the source image(s) with --source PATH" in err
+    from PIL import Image
+
+    with Image.open(tmp_path / "edit.png") as a, Image.open(tmp_path / "text.png") as b:
+        assert a.width > b.width  # the edit's grid has the source column

@@ -145,6 +145,10 @@ def test_summary_is_the_mean_over_tags():
     assert s["tags"] == {"counting": pytest.approx(2 / 3), "colors": 0.0}
     assert s["overall"] == pytest.approx(1 / 3)  # not 2/4 (the image mean)
     assert list(s["tags"]) == ["counting", "colors"]  # order of first appearance, as summary_scores.py
+    assert s["unscored"] == []
+    part = summary(["counting", "counting", "colors"], [1.0, 0.0, float("nan")])  # no colors image scored
+    assert part["unscored"] == ["colors"] and np.isnan(part["tags"]["colors"]) and np.isnan(part["overall"])
+    assert part["tags"]["counting"] == 0.5 and part["images"] == 2  # not an "overall" of counting alone
 
 
 def test_shipped_metadata_is_geneval_s_553_prompts():

@@ -162,6 +162,32 @@ def test_reward_health_warns_once_each(capsys):
     assert "80% of the groups" in lines[1] and "zero variance" in lines[1]
 
 
+def test_iterations_without_a_finite_reward_stop_the_run():
+    """The first iteration with no finite reward stops a run that never had one; after finite rewards, only
+    train.max_consecutive_skips such iterations in a row do (an unlucky batch of prompts goes on)."""
+    import torch
+
+    from flowrl.trainers.online import OnlineTrainer
+    from flowrl.trainers.steps import TrainingStopped
+
+    nan, ok = torch.full((8,), float("nan")), torch.tensor([0.5, float("nan")] * 4)
+    t = _stub()
+    t.cfg.train, t._given_reward, t._scored_any, t._unscored_in_a_row = SimpleNamespace(max_consecutive_skips=3), \
+        None, False, 0
+    with pytest.raises(TrainingStopped, match=r"iteration 0: all 8 rewards are NaN/inf \(from the first iteration "
+                                              r"on\): reward digits scored no sample"):
+        OnlineTrainer._require_scores(t, nan, 0)
+    t._unscored_in_a_row = 0
+    OnlineTrainer._require_scores(t, ok, 1)  # a finite reward: later all-NaN iterations are counted
+    OnlineTrainer._require_scores(t, nan, 2)
+    OnlineTrainer._require_scores(t, nan, 3)
+    OnlineTrainer._require_scores(t, ok, 4)  # the count starts again
+    OnlineTrainer._require_scores(t, nan, 5)
+    OnlineTrainer._require_scores(t, nan, 6)
+    with pytest.raises(TrainingStopped, match=r"iteration 7: all 8 rewards are NaN/inf \(3 iterations in a row\)"):
+        OnlineTrainer._require_scores(t, nan, 7)
+
+
 def test_resuming_on_another_number_of_processes_is_noted(capsys):
     from flowrl.trainers.trainer import Trainer
 

@@ -99,6 +99,27 @@ def test_smoke_notes_the_recipes_data_and_fails_on_the_users(tmp_path, monkeypat
     assert not (tmp_path / "run").exists()
 
 
+def test_an_editing_recipe_on_the_hints_prompts(tmp_path, monkeypatch):
+    """For an editing model the --smoke error's hint names an editing set; on a text-only set given as that
+    hint once did, FLUX.1 Kontext's smoke run keeps the JPEG reward (digits_edit would score nothing: NaN
+    reward and loss) and trains text-to-image, and Qwen-Image-Edit, which cannot generate without a source,
+    is refused in one line before any model is built."""
+    from flowrl.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)  # no data/ here
+    with pytest.raises(ConfigError, match=r"data\.prompts fails: .*\(e\.g\. the shipped digits-edit-sample, an editing "
+                                          r"set\)"):
+        smoke_config("recipes/flux_kontext_edit.yaml", [], tmp_path)
+    cfg, _ = smoke_config("recipes/flux_kontext_edit.yaml", SAMPLE, tmp_path)
+    assert cfg.data.prompts == "flowgrpo-pickscore-sample" and dict(cfg.reward.weights) == {"jpeg_compressibility": 1.0}
+    edits = ["data.prompts=digits-edit-sample", "data.eval_prompts=digits-edit-sample"]
+    cfg, _ = smoke_config("recipes/flux_kontext_edit.yaml", edits, tmp_path)
+    assert dict(cfg.reward.weights) == {"digits_edit": 1.0}  # the user's editing set: the editing reward
+    with pytest.raises(ConfigError, match=r"^data\.prompts: 36 of 36 prompts carry no source image, and qwen-image-edit "
+                                          r"is an editing model that cannot generate without one"):
+        smoke_config("recipes/qwen_image_edit_group_pickscore.yaml", SAMPLE, tmp_path)
+
+
 def test_smoke_keeps_the_recipes_cache_paths_clean(tmp_path):
     """A recipe with a relative text-embedding cache (shared with the real run) gets a scratch one."""
     cfg, ov = smoke_config("recipes/sd3_sol_nvfp4.yaml", [], tmp_path)

@@ -2,6 +2,12 @@
 Hugging Face dataset directory written by ``save_to_disk``, or a shipped name (``digits``,
 ``flowgrpo-ocr-sample``, ... : see :data:`NAMED` and ``flowrl/data/prompt_sets/README.md``).
 
+A file's suffix alone says how it is read (case-insensitive): ``.txt`` or no suffix, one prompt per
+line (every line, a first line that reads like a header included); ``.jsonl``, one JSON row per line.
+Any other suffix (``.yaml``, ``.json``, ``.csv``, ...) is a :class:`PromptSetError` naming these
+forms: such a file read line by line would train on its syntax. (``flowrl eval --suite`` also reads a
+``.csv`` table, :mod:`flowrl.eval.suites`.)
+
 An editing set is a JSONL file whose rows also name a source ``image`` ({"prompt": ..., "image":
 ...}, :func:`flowrl.data.items.load_edit_set`): it loads as :class:`flowrl.data.items.PromptItem` s
 (instruction + source image), which samplers, rewards and the offline dataset carry unchanged."""
@@ -73,12 +79,22 @@ def load_prompts(source: Union[str, list, tuple], column: Optional[str] = None, 
     return prompts
 
 
+# the suffixes of a prompt file, lower case ("": a name without one): one prompt per line, or JSONL
+LINE_SUFFIXES, JSONL_SUFFIX = (".txt", ""), ".jsonl"
+FILE_FORMS = (".txt (one prompt per line), a .jsonl (a 'prompt' field per row; an editing set adds 'image'), "
+              "or a Hugging Face dataset directory (save_to_disk)")
+
+
 def _load_file(p: Path, column: Optional[str]) -> list:
+    kind = p.suffix.lower()
+    if kind not in (*LINE_SUFFIXES, JSONL_SUFFIX):
+        raise PromptSetError(f"prompt file {p}: a {kind} file is not a prompt set; give a {FILE_FORMS} (the "
+                             f"suffix says how a file is read)")
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise PromptSetError(f"prompt file {p} is not UTF-8 ({e}); re-save it as UTF-8") from None
-    if p.suffix != ".jsonl":
+    if kind != JSONL_SUFFIX:
         return [ln.strip() for ln in text.splitlines() if ln.strip()]
     first = next((ln for ln in text.splitlines() if ln.strip()), "")
     try:

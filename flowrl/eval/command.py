@@ -6,17 +6,23 @@
 2. The suite (``--suite``, ``--prompts`` or the first model's ``data.eval_prompts``), the seeds
    (``--seed``: the same for every model), the panel (``--rewards`` or every model's trained and
    held-out rewards; options from the configs' ``reward.options`` / ``reward.heldout``, then the
-   command line).
+   command line). A suite without source images is refused for a reward that scores edits against
+   their sources (``digits_edit``: every score would be NaN) and for a model that cannot generate
+   without one (Qwen-Image-Edit); an editing model that can (FLUX.1 Kontext) is evaluated text-to-image,
+   with a note (:func:`flowrl.conditions.check_sources`).
 3. Each model in turn: loaded, sampled and scored chunk by chunk (:mod:`flowrl.eval.panel`), freed.
 4. The statistics (:mod:`flowrl.eval.results`), printed as tables; with ``--out`` also written as
-   ``eval.json`` and ``report.html`` (atomically, after the last chunk).
+   ``eval.json`` and ``report.html`` (atomically, after the last chunk). A reward that scored no prompt
+   of some tag has no mean over tags: one warning line per such reward on stderr names the tags.
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+from flowrl.conditions import check_sources
 from flowrl.errors import ConfigError
+from flowrl.sampling_cli import SUITE_HINT
 from flowrl.seeding import derive_seeds
 from flowrl.utils.io import write_json, write_text
 
@@ -107,7 +113,7 @@ def eval_harness(a) -> str:
     """``flowrl eval`` with a suite, a panel, a report or several models (module doc); returns the tables."""
     from .report_html import render as render_html
     from .report_text import render as render_text
-    from .results import assemble
+    from .results import assemble, unscored_tags
 
     specs = model_specs(a.models)
     named = [n.strip() for n in (a.rewards or "").split(",") if n.strip()]
@@ -118,11 +124,18 @@ def eval_harness(a) -> str:
         raise ConfigError("--checkpoint and --ema choose a run's weights: give --run RUN_DIR with them")
     suite = suite_of(a, configs[0])
     names = panel_names(named, configs)
+    setting = f"--suite {a.suite}" if a.suite else "--prompts" if a.prompts else "data.eval_prompts"
+    note = check_sources(configs[0].model.pipeline, [it.prompt for it in suite.items], setting, names, SUITE_HINT,
+                         other_reward="leave it out of --rewards")  # before any model loads
+    if note:
+        print(f"[flowrl] note: {note}", file=sys.stderr, flush=True)
     S = a.per_prompt
     plan = Plan(suite, S, derive_seeds(a.seed, len(suite.items) * S), panel_options(names, configs, cli_options),
                 max(1, a.batch // S), max_batch=a.batch)
     models, results = _run_models(a, specs, configs, plan, cfg_overrides)
     result = assemble(plan, models, results, a.bootstrap, meta={"seed": a.seed, "out": a.out})
+    for line in unscored_tags(result):  # a number the tables leave out, said where a script's log shows it
+        print(f"[flowrl] WARNING: {line}", file=sys.stderr, flush=True)
     if a.out:
         out = Path(a.out)
         write_json(result, out / "eval.json")

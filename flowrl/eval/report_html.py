@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .hacking import gains_table
-from .report_text import fmt_interval
+from .report_text import fmt_interval, headline
+from .results import unscored_tags
 
 GRID_PROMPTS = 10  # prompts per tag in the image grid
 EXTREMES = 5  # worst and best prompts shown
@@ -92,13 +93,14 @@ def _summary(r: dict) -> str:
     rows = []
     for m in r["models"]:
         s = r["summary"][m["label"]]
-        cells = [e(fmt_interval(s["rewards"][k].get("tag_mean") or s["rewards"][k])) for k in rewards]
+        cells = [e(headline(s["rewards"][k])) for k in rewards]
         rows.append([e(m["label"]), *cells, e(fmt_interval(s["watch"]["diversity"])),
                      e(fmt_interval(s["watch"]["hf_energy"]))])
     note = " GenEval's overall score is this mean over tags." if tagged else ""
+    unscored = "".join(f"<p class=warning>{e(line)}</p>" for line in unscored_tags(r))
     return (f"<h2>Means</h2><p class=meta>Mean over prompts (of each prompt's mean over its seeds) with its 95% "
             f"bootstrap interval over prompts{'; tagged suites: the mean over tags' if tagged else ''}.{note}</p>"
-            + _table(["model", *map(e, rewards), "diversity", "hf energy"], rows))
+            + _table(["model", *map(e, rewards), "diversity", "hf energy"], rows) + unscored)
 
 
 def _paired(r: dict) -> str:

@@ -3,6 +3,8 @@ intervals, paired deltas and win rates against the baseline, per tag, the watch,
 and per prompt when the suite is small (:data:`PER_PROMPT_ROWS`; always in eval.json and the HTML)."""
 from __future__ import annotations
 
+from .results import unscored_tags
+
 PER_PROMPT_ROWS = 50
 
 
@@ -23,18 +25,23 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([fmt(header), "  ".join("-" * w for w in widths), *(fmt(r) for r in rows)])
 
 
-def _headline(result: dict, label: str, name: str) -> dict:
-    entry = result["summary"][label]["rewards"][name]
-    return entry.get("tag_mean") or entry
+def headline(entry: dict) -> str:
+    """A reward's summary cell: the mean over tags in a tagged suite (``n/a (k of n tags)`` when some tag has
+    no score: flowrl.eval.results), else the mean over prompts."""
+    missing = entry.get("tag_mean_unavailable")
+    if missing:
+        return f"n/a ({len(missing['tags_scored'])} of {len(missing['tags_scored']) + len(missing['tags_unscored'])} tags)"
+    return fmt_interval(entry["tag_mean"] if "tag_mean" in entry else entry)
 
 
 def summary_table(result: dict) -> str:
     rewards = list(result["rewards"])
     tagged = len(result["suite"]["tags"]) > 1
-    rows = [[m["label"], *(fmt_interval(_headline(result, m["label"], r)) for r in rewards),
+    rows = [[m["label"], *(headline(result["summary"][m["label"]]["rewards"][r]) for r in rewards),
              fmt_interval(result["summary"][m["label"]]["watch"]["diversity"])] for m in result["models"]]
     note = " (mean over tags, as GenEval's overall score)" if tagged else ""
-    return f"mean [95% interval] over prompts{note}\n" + table(["model", *rewards, "diversity"], rows)
+    notes = "".join(f"\n{line}" for line in unscored_tags(result))
+    return f"mean [95% interval] over prompts{note}\n" + table(["model", *rewards, "diversity"], rows) + notes
 
 
 def paired_table(result: dict) -> str:

@@ -1,6 +1,10 @@
 """The numbers of an evaluation, as one JSON-ready dict (``eval.json``): per model and reward the mean
 with its bootstrap interval, per tag, the mean over tags (GenEval's overall score), per prompt; the
-reward-hacking watch; paired deltas and win rates against the first model; the hacking verdicts."""
+reward-hacking watch; paired deltas and win rates against the first model; the hacking verdicts.
+
+The mean over tags covers every tag of the suite or is not given: when a reward scored no prompt of
+some tag, ``tag_mean`` is null and ``tag_mean_unavailable`` says why (``reason``, ``tags_scored``,
+``tags_unscored``, ``prompts_scored`` of ``prompts``); :func:`unscored_tags` words it for the reports."""
 from __future__ import annotations
 
 from typing import Optional
@@ -31,7 +35,8 @@ def watch_values(s: ModelScores) -> dict:
 
 
 def model_summary(s: ModelScores, tags: list, n_boot: int) -> dict:
-    """One model: ``rewards`` {name: {mean, lo, hi, n, tag_mean?, tags}}, ``watch`` {measure: interval}."""
+    """One model: ``rewards`` {name: {mean, lo, hi, n, tag_mean?, tag_mean_unavailable?, tags}}, ``watch``
+    {measure: interval} (module doc)."""
     tagged = len(set(tags)) > 1
     out = {"rewards": {}, "watch": {}}
     for name, x in s.scores.items():
@@ -39,12 +44,38 @@ def model_summary(s: ModelScores, tags: list, n_boot: int) -> dict:
         entry = stats.bootstrap_mean(v, n_boot=n_boot).to_dict()
         entry["images"] = int(np.isfinite(x).sum())
         if tagged:
-            entry["tag_mean"] = stats.bootstrap_mean(v, strata=tags, n_boot=n_boot).to_dict()
+            cover = stats.tag_coverage(v, tags)
+            if cover["tags_unscored"]:
+                entry["tag_mean"] = None
+                entry["tag_mean_unavailable"] = {
+                    "reason": f"no score for tag(s) {', '.join(cover['tags_unscored'])}; the mean over tags needs "
+                              f"every tag of the suite", **cover}
+            else:
+                entry["tag_mean"] = stats.bootstrap_mean(v, strata=tags, n_boot=n_boot).to_dict()
             entry["tags"] = {t: i.to_dict() for t, i in stats.by_tag(v, tags, n_boot=n_boot).items()}
         out["rewards"][name] = entry
     for name, v in watch_values(s).items():
         out["watch"][name] = stats.bootstrap_mean(v, n_boot=n_boot).to_dict()
     return out
+
+
+def unscored_tags(result: dict) -> list[str]:
+    """One sentence per reward whose mean over tags is not given (module doc): the tags without a score and,
+    per model, how many prompts were scored (one model's count when every model has the same)."""
+    lines = []
+    for name in result["rewards"]:
+        missing = {m["label"]: result["summary"][m["label"]]["rewards"][name].get("tag_mean_unavailable")
+                   for m in result["models"]}
+        missing = {label: u for label, u in missing.items() if u}
+        if not missing:
+            continue
+        tags = list(dict.fromkeys(t for u in missing.values() for t in u["tags_unscored"]))
+        counts = {f"{u['prompts_scored']} of {u['prompts']} prompts scored" for u in missing.values()}
+        where = counts.pop() if len(counts) == 1 else "; ".join(
+            f"{label}: {u['prompts_scored']} of {u['prompts']} prompts scored" for label, u in missing.items())
+        lines.append(f"{name}: no score for tag(s) {', '.join(tags)} ({where}), so its mean over tags (GenEval's "
+                     f"overall score) is not reported; the per-tag table shows the tags it scored")
+    return lines
 
 
 def deltas(base: ModelScores, other: ModelScores, n_boot: int) -> dict:

@@ -7,7 +7,9 @@ seeds of one prompt are not independent draws of the benchmark). A prompt's valu
 its applicable seeds; prompts with none are left out. The interval is the percentile interval of
 ``n_boot`` resampled statistics; the generator is seeded, so a report is reproducible. With
 ``strata`` (each prompt's tag) prompts are resampled within their tag and the statistic is the mean
-over tags of the tag means, GenEval's overall score (``summary_scores.py``).
+over tags of the tag means, GenEval's overall score (``summary_scores.py``): defined only when every
+tag has a scored prompt (a mean over the tags that happen to have scores would be another number
+under the same name), NaN otherwise; :func:`tag_coverage` says which tags have scores.
 """
 from __future__ import annotations
 
@@ -58,10 +60,11 @@ def _percentiles(stats: np.ndarray, level: float) -> tuple[float, float]:
 def bootstrap_mean(values: Sequence[float], strata: Optional[Sequence] = None, n_boot: int = N_BOOT,
                    seed: int = 0, level: float = LEVEL) -> Interval:
     """Mean of per-prompt ``values`` ``[P]`` (NaN left out) with its bootstrap interval (module doc);
-    with ``strata`` ``[P]`` the mean over strata of the stratum means, resampled within strata."""
+    with ``strata`` ``[P]`` the mean over strata of the stratum means, resampled within strata (NaN,
+    ``n`` 0, when a stratum has no finite value)."""
     v = np.asarray(values, dtype=np.float64)
     keep = np.isfinite(v)
-    if not keep.any():
+    if not keep.any() or (strata is not None and tag_coverage(v, strata)["tags_unscored"]):
         return NAN
     rng = np.random.default_rng(seed)
     if strata is None:
@@ -98,3 +101,14 @@ def by_tag(values: Sequence[float], tags: Sequence, n_boot: int = N_BOOT, seed: 
     """Per-prompt ``values`` ``[P]`` summarised per tag (tags in order of first appearance)."""
     v, t = np.asarray(values, dtype=np.float64), np.asarray(tags, dtype=object)
     return {g: bootstrap_mean(v[t == g], n_boot=n_boot, seed=seed) for g in dict.fromkeys(t.tolist())}
+
+
+def tag_coverage(values: Sequence[float], tags: Sequence) -> dict:
+    """Which tags of per-prompt ``values`` ``[P]`` (NaN: no score) have scores: ``tags_scored`` and
+    ``tags_unscored`` (in order of first appearance), ``prompts_scored`` (finite values) of ``prompts`` (P)."""
+    v, t = np.asarray(values, dtype=np.float64), np.asarray(tags, dtype=object)
+    ok = np.isfinite(v)
+    labels = list(dict.fromkeys(t.tolist()))
+    scored = [g for g in labels if ok[t == g].any()]
+    return {"tags_scored": scored, "tags_unscored": [g for g in labels if g not in scored],
+            "prompts_scored": int(ok.sum()), "prompts": int(len(v))}

@@ -6,6 +6,11 @@
 editing set) or ``.csv`` (a ``prompt`` / ``Prompts`` column and an optional ``tag`` / ``category`` /
 ``Category`` one, as DrawBench's sheet exports). A row that claims GenEval clauses (a GenEval tag,
 ``include`` or ``exclude``) must hold well-formed ones: the error names the file and line.
+
+The suffix alone says how a file is read (case-insensitive): ``.txt`` and a name without a suffix are
+one prompt per line, always, also when the first line reads like a CSV header (``prompt,tag``: that
+line is then a prompt; name the file ``.csv`` to read it as a table); any other suffix (``.yaml``,
+``.json``, ``.tsv``, ...) is an error naming the forms above, not a file read line by line.
 """
 from __future__ import annotations
 
@@ -120,13 +125,22 @@ def load_suite(spec: Union[str, list]) -> Suite:
     return Suite(p.stem, str(p), tuple(_load_file(p)))
 
 
+FILE_FORMS = (".txt (one prompt per line), .jsonl (a 'prompt' field per row, optional 'tag' and metadata; an "
+              "'image' per row for an editing suite) or .csv (a 'prompt' / 'Prompts' column, optional 'tag' / "
+              "'Category')")
+
+
 def _load_file(p: Path) -> list[SuiteItem]:
+    kind = p.suffix.lower()
+    if kind not in (".jsonl", ".csv", ".txt", ""):
+        raise PromptSetError(f"suite {p}: a {kind} file is not a suite; give a {FILE_FORMS} file (the suffix "
+                             f"says how it is read)")
     try:
-        if p.suffix == ".jsonl":
+        if kind == ".jsonl":
             items = _read_jsonl(p)
-        elif p.suffix == ".csv":
+        elif kind == ".csv":
             items = _read_csv(p)
-        else:
+        else:  # .txt or no suffix: one prompt per line (module doc)
             items = [SuiteItem(t) for t in load_prompts(str(p))]
     except UnicodeDecodeError as e:
         raise PromptSetError(f"suite {p} is not UTF-8 ({e}); re-save it as UTF-8") from None

@@ -18,12 +18,14 @@ Every random draw (data order, the shared ``(t, eps)`` of each group) depends on
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Optional
 
 import torch
 
 from ..builders import build_policy_from_config, build_reward, build_rewards
+from ..conditions import check_sources
 from ..data.embeddings import attach_text_cache
 from ..data.offline import GenerationSettings, add_reward_column, generate_dataset
 from ..data.offline_store import DatasetError, OfflineDataset
@@ -79,6 +81,10 @@ def generate_offline(cfg: Config, out: Optional[str] = None, max_new_shards: Opt
     if not out:
         raise ConfigError("generate-offline needs a dataset directory: --out DIR (or offline.dataset=DIR)")
     prompts = cfg.data.train_prompts()
+    note = check_sources(cfg.model.pipeline if policy is None else policy, prompts, "data.prompts",
+                         [n for n, w in cfg.reward.weights.items() if w] if rewards is None else [])
+    if note:
+        print(f"[flowrl] note: {note}", file=sys.stderr, flush=True)
     settings = generation_settings(cfg)
     rewards = rewards if rewards is not None else dataset_rewards(cfg)
     if policy is None:

@@ -29,6 +29,7 @@ from ..seeding import stream_seed, stream_sequence
 from ..updates import updates_by_input
 from ..updates.base import incompatibility
 from .config import Config
+from .steps import TrainingStopped
 from .trainer import Trainer
 
 # keys that may change between a run and its resume without changing its trajectory
@@ -70,6 +71,7 @@ class OnlineTrainer(Trainer):
         super().__init__(config, output_dir, resume, policy=policy, reward=reward)
         self._given_sampler = sampler
         self._warned: set[str] = set()  # reward-health warnings given (each once per run)
+        self._scored_any, self._unscored_in_a_row = False, 0  # iterations with no finite reward (_require_scores)
 
     # ---------------------------------------------------------------- the data
     def _setup_data(self) -> list[str]:
@@ -145,10 +147,11 @@ class OnlineTrainer(Trainer):
             rollout = self.sampler(self.policy, prompts, self.reward, seed=self._rollout_seed(it), iteration=it)
         t1 = time.perf_counter()
         maybe_fault("after_rollout", it)
+        r_all = self._gather(rollout.rewards)
+        self._require_scores(r_all, it)
         upd, info = self.train_on(rollout, it)
         maybe_fault("after_update", it)
         t2 = time.perf_counter()
-        r_all = self._gather(rollout.rewards)
         seeds_all = self._gather(rollout.seeds)
         finite = r_all[torch.isfinite(r_all)]
         met = {"iteration": it, "reward_mean": float(finite.mean()) if len(finite) else float("nan"),
@@ -170,6 +173,31 @@ class OnlineTrainer(Trainer):
         self.sched.step()
         self._warn_reward_health(met)
         return IterationResult(met, rollout)
+
+    def _require_scores(self, r_all: torch.Tensor, it: int) -> None:
+        """Stop (:class:`~flowrl.trainers.steps.TrainingStopped`, the same on every process: ``r_all`` is
+        gathered) when no reward of the iteration is finite. Such an iteration trains nothing and the
+        update loop's non-finite guard never sees it: every group has zero variance, so no minibatch runs
+        and no optimizer step is taken or skipped (the logged loss is NaN, the mean of none). The first
+        such iteration stops a run that has not had a finite reward yet (in this process); after one that
+        had, ``train.max_consecutive_skips`` of them in a row do (a batch of prompts that a reward cannot
+        score may be drawn by chance)."""
+        if bool(torch.isfinite(r_all).any()):
+            self._scored_any, self._unscored_in_a_row = True, 0
+            return
+        self._unscored_in_a_row += 1
+        limit = self.cfg.train.max_consecutive_skips
+        if self._scored_any and self._unscored_in_a_row < limit:
+            return  # said by _warn_reward_health (once)
+        names = ", ".join(self.cfg.reward.weights) if self._given_reward is None else \
+            getattr(self._given_reward, "name", type(self._given_reward).__name__)
+        when = f"{self._unscored_in_a_row} iterations in a row" if self._scored_any else "from the first iteration on"
+        raise TrainingStopped(
+            f"iteration {it}: all {r_all.numel()} rewards are NaN/inf ({when}): reward {names} scored no sample, so "
+            f"there is nothing to train on and training stopped (the last checkpoint is intact). Causes: prompts "
+            f"the reward cannot score (an editing reward such as digits_edit needs prompts with source images: an "
+            f"editing set, a .jsonl with 'prompt' and 'image' per row; the digits reward scores only 'a handwritten "
+            f"digit N'): choose data.prompts that suit reward.weights; or a reward that returns NaN/inf.")
 
     def _warn_reward_health(self, met: dict) -> None:
         """Once per run each, on stderr: many non-finite rewards, or most groups without reward variance

@@ -15,8 +15,7 @@ minibatches, accumulation, clipping and the optimizer step (:meth:`flowrl.traine
 
 A subclass sets ``RESUME_FREE`` (keys a resume may change), ``unit`` (what a checkpoint counts),
 ``stop_causes`` (likely causes of non-finite steps), ``progress_desc`` and ``extend_hint`` (how to train
-a finished run further), and implements the hooks
-in the "hooks" section.
+a finished run further), and implements the hooks in the "hooks" section.
 """
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from ..builders import build_policy_from_config, build_reward, build_rewards, evaluate_policy
+from ..builders import build_policy_from_config, build_reward, build_rewards, check_run_sources, evaluate_policy
 from ..checkpoints.common import CheckpointError, list_checkpoints
 from ..data.embeddings import attach_text_cache, text_cache_covers
 from ..data.items import item_sources, item_texts
@@ -142,6 +141,7 @@ class Trainer:
         apply_cuda_workarounds(device)  # known CUDA library faults (flowrl.utils.cuda_quirks)
         prompts = self._setup_data()
         self.eval_prompts = cfg.data.eval_prompt_set()
+        check_run_sources(cfg, prompts, self.eval_prompts, self._given_policy, self._given_reward, self.acc)
         # the rewards before the model: a reward server that does not answer fails before minutes of loading
         self.reward = self._given_reward if self._given_reward is not None else build_reward(cfg)
         self.heldout = build_rewards(cfg.reward.heldout)
