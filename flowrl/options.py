@@ -31,7 +31,10 @@ _NO_DEFAULT = inspect.Parameter.empty
 
 # ---------------------------------------------------------------------------------------- constraints
 class Constraint:
-    """A condition on a value beyond its type: :meth:`ok` tells, :meth:`describe` says it in words."""
+    """A condition on a value beyond its type: :meth:`ok` tells, :meth:`describe` says it in words (a
+    subclass's ``why``, when set, is said after it: why the range is what it is)."""
+
+    why: str = ""
 
     def ok(self, value: Any) -> bool:
         raise NotImplementedError
@@ -46,6 +49,7 @@ class AtLeast(Constraint):
 
     minimum: float
     strict: bool = False
+    why: str = ""
 
     def ok(self, value) -> bool:
         return value > self.minimum if self.strict else value >= self.minimum
@@ -62,6 +66,7 @@ class Between(Constraint):
     high: float
     low_open: bool = False
     high_open: bool = False
+    why: str = ""
 
     def ok(self, value) -> bool:
         above = value > self.low if self.low_open else value >= self.low
@@ -77,6 +82,7 @@ class OneOf(Constraint):
     """A value among ``values`` (a registry's names, read when checked: ``values`` may be a callable)."""
 
     values: Union[Sequence[Any], Callable[[], Sequence[Any]]]
+    why: str = ""
 
     def names(self) -> list:
         return list(self.values() if callable(self.values) else self.values)
@@ -208,6 +214,7 @@ _NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a s
 def _describe_constraints(text: str, constraints: tuple) -> str:
     for c in constraints:
         text += f" {c.describe()}" if isinstance(c, (AtLeast, Between)) else f" ({c.describe()})"
+        text += f" ({c.why})" if c.why else ""
     return text
 
 
@@ -222,7 +229,8 @@ def describe_type(tp) -> str:
     tp, cons = _split_annotated(tp)
     if cons:
         if tp is str and len(cons) == 1 and isinstance(cons[0], (OneOf, DeviceName, URLScheme)):
-            return cons[0].describe()  # a name among several: "one of 'a', 'b'"; "a device such as ..."
+            # a name among several: "one of 'a', 'b'"; "a device such as ..."
+            return cons[0].describe() + (f" ({cons[0].why})" if cons[0].why else "")
         return _describe_constraints(describe_type(tp), cons)
     if tp is Any:
         return "any value"
@@ -332,3 +340,12 @@ def options_table(options: Mapping[str, Option]) -> list[tuple[str, str, str]]:
         default = "(required)" if o.required else repr(o.default)
         rows.append((name, o.describe(), default))
     return rows
+
+
+def check_fields(obj, where: str = "") -> None:
+    """Each init field of the dataclass instance ``obj`` held against its declaration (its annotated type and
+    range): a ``ValueError`` naming the first that does not fit. A dataclass calls it first in its
+    ``__post_init__``, so a Python caller gets the checks a config gets when it loads."""
+    options, _ = declared(type(obj))
+    for name, option in options.items():
+        check_value(f"{where}.{name}" if where else name, option, getattr(obj, name))

@@ -225,13 +225,13 @@ def test_depth_window_slides_and_wraps():
 # --- errors ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, match", [
     (dict(split_steps=(0, 20)), "in \\[0, num_steps - 1\\]"),
-    (dict(split_steps=(-1, 3)), "in \\[0, num_steps - 1\\]"),
+    (dict(split_steps=(-1, 3)), "split_steps must be an integer >= 0 or a list"),
     (dict(split_steps=(3, 0)), "sorted"),
     (dict(split_steps=(0, 3, 3)), "duplicates"),
     (dict(split_steps=()), "at least one split"),
-    (dict(split_steps=(0.5,)), "integers"),
+    (dict(split_steps=(0.5,)), "split_steps must be an integer >= 0 or a list"),
     (dict(branch_factor=1), "branch_factor"),
-    (dict(mode="tree"), "choose one of"),
+    (dict(mode="tree"), "mode must be one of 'sde', 'mix'"),
     (dict(step="ode"), "stochastic step"),
     (dict(step="ddim"), "Valid step types"),
     (dict(noise_level=0.0), "noise_level"),

@@ -66,7 +66,7 @@ def test_timestep_fraction():
     (dict(group_size=1), "group_size must be an integer >= 2"),
     (dict(step="euler"), "unknown step type"),
     (dict(step="ode"), "needs a stochastic step"),
-    (dict(num_steps=0), "num_steps must be a positive integer"),
+    (dict(num_steps=0), "num_steps must be an integer >= 1"),
     (dict(sde_window=11, num_steps=10), "sde_window"),
     (dict(timestep_fraction=0), "timestep_fraction"),
     (dict(noise_level=-1.0), "noise_level"),

@@ -52,9 +52,9 @@ def test_select_modes():
 def test_validation_names_the_fix():
     with pytest.raises(ValueError, match="exceeds pool_size"):
         _sol(keep=16)
-    with pytest.raises(ValueError, match="keep must be >= 2"):
+    with pytest.raises(ValueError, match="keep must be an integer >= 2"):
         _sol(keep=1)
-    with pytest.raises(ValueError, match="regen must be one of ode, group"):
+    with pytest.raises(ValueError, match="regen must be one of 'ode', 'group'"):
         _sol(regen="branch")
     with pytest.raises(ValueError, match="must equal keep"):
         _sol(regen_options={"group_size": 8})

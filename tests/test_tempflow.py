@@ -205,7 +205,7 @@ def test_child_noise_depends_on_seed_step_branch_only(tiny_digits_policy):
 @pytest.mark.parametrize("kw, match", [
     (dict(branches=1), "needs >= 2"), (dict(group_by="branch"), "group_by"), (dict(branch_steps=[]), "empty"),
     (dict(branch_steps=[2, 2]), "duplicates"), (dict(branch_steps=[10]), "outside"),
-    (dict(branch_steps=[1.5]), "integers"), (dict(noise_level=0.0), "noise_level"),
+    (dict(branch_steps=[1.5]), "branch_steps must be a list, each item an integer >= 0"), (dict(noise_level=0.0), "noise_level"),
     (dict(seeds_per_prompt=0), "seeds_per_prompt"), (dict(num_steps=1), "branch_steps=\\[0\\]"),
     (dict(max_batch=0), "max_batch"), (dict(num_steps=0), "num_steps"),
 ])

@@ -7,12 +7,16 @@ GRPO-family update needs nothing else.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Annotated, Optional
 
 import torch
 
 from ..conditions import encode_conditions
+from ..options import AtLeast
 from ..structures import GroupStructure, Structure
+
+
+GroupSize = Annotated[int, AtLeast(2, why="a group of one has no advantage signal")]  # samples compared per prompt
 
 
 @dataclass

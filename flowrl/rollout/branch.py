@@ -15,11 +15,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar, NamedTuple, Optional, Sequence
+from typing import Annotated, ClassVar, Literal, NamedTuple, Optional, Sequence, Union
 
 import torch
 
 from ..conditions import encode_conditions
+from ..options import AtLeast, NonNegativeInt, PositiveInt, check_fields
 from ..seeding import derive_seeds, seeded_randn_rows
 from ..sde import DEFAULT_NOISE_LEVEL, STEPS, get_step, ode_step
 from ..structures import TreeStructure
@@ -178,64 +179,48 @@ class BranchSampler(SamplerDeclarations):
             scored while the next chunk grows.
     """
 
-    num_steps: int = 20
-    split_steps: Sequence[int] = (0, 3, 6, 9)
-    branch_factor: int = 2
+    num_steps: PositiveInt = 20
+    split_steps: Union[NonNegativeInt, Sequence[NonNegativeInt]] = (0, 3, 6, 9)
+    branch_factor: Annotated[int, AtLeast(2, why="K children per split")] = 2
     step: str = "dance"
-    noise_level: Optional[float] = None
-    branch_noise_mix: float = 4.0
-    mode: str = "sde"
-    window: int = 4
-    window_start: int = 0
-    window_shift_every: Optional[int] = None
-    max_batch: Optional[int] = None
+    noise_level: Optional[Annotated[float, AtLeast(0, strict=True, why="children of a split differ only by noise")]] \
+        = None
+    branch_noise_mix: Annotated[float, AtLeast(0, strict=True, why="paper: 4.0; 0 makes the children of a split "
+                                                                   "identical")] = 4.0
+    mode: Literal[MODES] = "sde"
+    window: PositiveInt = 4
+    window_start: NonNegativeInt = 0
+    window_shift_every: Optional[PositiveInt] = None
+    max_batch: Optional[PositiveInt] = None
     stores_transitions: ClassVar[bool] = True  # every tree edge of a stochastic step
     flat_groups: ClassVar[bool] = False  # an edge leads to several finished samples (Needs.flat_groups)
 
     def __post_init__(self) -> None:
+        check_fields(self)  # the declared types and ranges (flowrl.options)
         get_step(self.step)
         if self.step == "ode":
             raise ValueError(f"BranchSampler needs a stochastic step (one of {sorted(set(STEPS) - {'ode'})}); "
                              "'ode' cannot branch and has no log-probabilities to train on")
-        if not isinstance(self.num_steps, int) or self.num_steps < 1:
-            raise ValueError(f"num_steps must be a positive integer, got {self.num_steps!r}")
         splits = tuple(self.split_steps) if not isinstance(self.split_steps, int) else (self.split_steps,)
         if not splits:
             raise ValueError("split_steps is empty: a tree needs at least one split step to have more than "
                              "one leaf (paper default (0, 3, 6, 9))")
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in splits):
-            raise ValueError(f"split_steps must be integers, got {splits!r}")
-        if any(i < 0 or i >= self.num_steps for i in splits):
+        if any(i >= self.num_steps for i in splits):
             raise ValueError(f"split_steps must lie in [0, num_steps - 1] = [0, {self.num_steps - 1}], got {splits}")
         if len(set(splits)) != len(splits):
             raise ValueError(f"split_steps has duplicates: {splits}; list each split step once")
         if list(splits) != sorted(splits):
             raise ValueError(f"split_steps must be sorted increasingly, got {splits}; e.g. {tuple(sorted(splits))}")
         self.split_steps = splits
-        if not isinstance(self.branch_factor, int) or self.branch_factor < 2:
-            raise ValueError(f"branch_factor must be an integer >= 2 (K children per split), "
-                             f"got {self.branch_factor!r}")
         if self.branch_factor ** len(splits) > _MAX_PATHS:
             raise ValueError(f"branch_factor ** len(split_steps) = {self.branch_factor ** len(splits)} leaves per "
                              f"tree exceeds {_MAX_PATHS}; use fewer split steps or a smaller branch_factor")
         if self.noise_level is None:
             self.noise_level = DEFAULT_NOISE_LEVEL[self.step]
-        if not self.noise_level > 0:
-            raise ValueError(f"noise_level must be > 0 (children of a split differ only by noise), "
-                             f"got {self.noise_level}")
-        if not self.branch_noise_mix > 0:
-            raise ValueError(f"branch_noise_mix must be > 0 (paper: 4.0; 0 makes the children of a split "
-                             f"identical), got {self.branch_noise_mix}")
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}; choose one of {MODES} ('mix' = BranchGRPO-Mix)")
-        if not isinstance(self.window, int) or not 1 <= self.window <= self.num_steps:
+        if self.window > self.num_steps:
             raise ValueError(f"window must be an integer in [1, num_steps={self.num_steps}], got {self.window!r}")
-        if not isinstance(self.window_start, int) or not 0 <= self.window_start < self.num_steps:
+        if self.window_start >= self.num_steps:
             raise ValueError(f"window_start must be in [0, num_steps={self.num_steps}), got {self.window_start!r}")
-        if self.window_shift_every is not None and self.window_shift_every < 1:
-            raise ValueError(f"window_shift_every must be >= 1 or None, got {self.window_shift_every}")
-        if self.max_batch is not None and self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1 or None, got {self.max_batch}")
 
     # --- counts and schedule ---------------------------------------------------------------
     def active_counts(self) -> list[int]:

@@ -3,17 +3,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Annotated, ClassVar, Literal, Optional
 
 import torch
 
 from ..conditions import encode_conditions
+from ..options import Between, NonNegativeFloat, NonNegativeInt, PositiveInt, check_fields
 from ..seeding import derive_seeds, seeded_randn
 from ..sde import DEFAULT_NOISE_LEVEL, get_step, ode_step
 from ..ode_solvers import SOLVERS, compressed_sigmas, data_prediction, dpmpp_2m_step, second_order
 from ..structures import GroupStructure
 from ..types import FlowPolicy, RewardFn, index_cond
-from .base import Rollout, SamplerDeclarations, Transitions
+from .base import GroupSize, Rollout, SamplerDeclarations, Transitions
 from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
 from ..scoring import ChunkScorer, row_chunks
 
@@ -41,47 +42,32 @@ class GroupSampler(SamplerDeclarations):
             ``sde_window``. Window transitions and their log-probs are unchanged.
     """
 
-    group_size: int = 4
-    num_steps: int = 10
+    group_size: GroupSize = 4
+    num_steps: PositiveInt = 10
     step: str = "sde"
-    noise_level: Optional[float] = None
-    sde_window: Optional[int] = None
-    window_start: int = 0
-    window_shift_every: Optional[int] = None
-    timestep_fraction: float = 1.0
-    max_batch: Optional[int] = None
-    ode_solver: str = "euler"
-    post_window_steps: Optional[int] = None
+    noise_level: Optional[NonNegativeFloat] = None
+    sde_window: Optional[PositiveInt] = None
+    window_start: NonNegativeInt = 0
+    window_shift_every: Optional[PositiveInt] = None
+    timestep_fraction: Annotated[float, Between(0, 1, low_open=True)] = 1.0
+    max_batch: Optional[PositiveInt] = None
+    ode_solver: Literal[SOLVERS] = "euler"
+    post_window_steps: Optional[PositiveInt] = None
     stores_transitions: ClassVar[bool] = True  # every stochastic step it trains on is stored
 
     def __post_init__(self) -> None:
+        check_fields(self)  # the declared types and ranges (flowrl.options)
         get_step(self.step)
         if self.step == "ode":
             raise ValueError("GroupSampler needs a stochastic step ('sde', 'dance' or 'cps'); "
                              "'ode' has no log-probabilities to train on")
-        if not isinstance(self.group_size, int) or self.group_size < 2:
-            raise ValueError(f"group_size must be an integer >= 2 (a group of one has no advantage signal), "
-                             f"got {self.group_size!r}")
-        if not isinstance(self.num_steps, int) or self.num_steps < 1:
-            raise ValueError(f"num_steps must be a positive integer, got {self.num_steps!r}")
         if self.noise_level is None:
             self.noise_level = DEFAULT_NOISE_LEVEL[self.step]
-        if self.noise_level < 0:
-            raise ValueError(f"noise_level must be >= 0, got {self.noise_level}")
-        if self.sde_window is not None and not 1 <= self.sde_window <= self.num_steps:
+        if self.sde_window is not None and self.sde_window > self.num_steps:
             raise ValueError(f"sde_window must be in [1, num_steps={self.num_steps}], got {self.sde_window}")
-        if not 0 < self.timestep_fraction <= 1:
-            raise ValueError(f"timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
-        if self.max_batch is not None and self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1 or None, got {self.max_batch}")
-        if self.ode_solver not in SOLVERS:
-            raise ValueError(f"ode_solver must be one of {SOLVERS}, got {self.ode_solver!r}")
-        if self.post_window_steps is not None:
-            if self.sde_window is None:
-                raise ValueError("post_window_steps compresses the ODE segment after the SDE window; set "
-                                 "sde_window too (MixGRPO-Flash), or remove post_window_steps")
-            if not isinstance(self.post_window_steps, int) or self.post_window_steps < 1:
-                raise ValueError(f"post_window_steps must be a positive integer, got {self.post_window_steps!r}")
+        if self.post_window_steps is not None and self.sde_window is None:
+            raise ValueError("post_window_steps compresses the ODE segment after the SDE window; set "
+                             "sde_window too (MixGRPO-Flash), or remove post_window_steps")
 
     @property
     def samples_per_prompt(self) -> int:

@@ -11,11 +11,12 @@ import torch
 
 from ..conditions import encode_conditions
 from ..ode_solvers import heun_update
+from ..options import PositiveInt, check_fields
 from ..sde import ode_step
 from ..seeding import derive_seeds
 from ..structures import GroupStructure
 from ..types import FlowPolicy, RewardFn, index_cond
-from .base import Rollout, SamplerDeclarations, Transitions
+from .base import GroupSize, Rollout, SamplerDeclarations, Transitions
 from .common import EvalCounter, sampling_setup, step_sigmas, velocity_batched
 from ..scoring import ChunkScorer, Scores, ScoreFn, row_chunks
 
@@ -132,19 +133,13 @@ class ODEGroupSampler(SamplerDeclarations):
     DiffusionNFT (arXiv 2509.16117) and of online DPO / GDRO, which train on finished samples, not
     log-probs (updates declaring ``Needs.clean_samples``; GRPO has no stochastic transitions to train on here)."""
 
-    group_size: int = 8
-    num_steps: int = 10
-    max_batch: Optional[int] = None
+    group_size: GroupSize = 8
+    num_steps: PositiveInt = 10
+    max_batch: Optional[PositiveInt] = None
     stores_transitions: ClassVar[bool] = False  # class constant: the trainer's GRPO loss cannot use this sampler
 
     def __post_init__(self) -> None:
-        if not isinstance(self.group_size, int) or self.group_size < 2:
-            raise ValueError(f"group_size must be an integer >= 2 (a group of one has no advantage signal), "
-                             f"got {self.group_size!r}")
-        if not isinstance(self.num_steps, int) or self.num_steps < 1:
-            raise ValueError(f"num_steps must be a positive integer, got {self.num_steps!r}")
-        if self.max_batch is not None and self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1 or None, got {self.max_batch}")
+        check_fields(self)  # the declared types and ranges (flowrl.options)
 
     @property
     def samples_per_prompt(self) -> int:

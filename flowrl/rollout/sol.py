@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import torch
 
-from ..options import check_options, declared
+from ..options import NonNegativeInt, OneOf, PositiveInt, check_fields, check_options, declared
 from ..quant import check_available, get_quantizer, parse_backend_spec
 from ..quant.fidelity import ranking_fidelity
 from ..quant.sync import QuantizedCopy
@@ -41,7 +41,7 @@ from ..types import swapped_transformer
 from ..seeding import derive_seeds, stream_seed
 from ..structures import SolStructure
 from ..types import FlowPolicy, RewardFn
-from .base import Exploration, Rollout, SamplerDeclarations
+from .base import Exploration, GroupSize, Rollout, SamplerDeclarations
 from .common import EvalCounter
 from .ode import ode_generate, ode_rollout, ode_sample
 from ..scoring import Scores
@@ -89,12 +89,11 @@ class ODERegen:
     """Deterministic full-precision regeneration (for DiffusionNFT, which trains on samples only):
     a rollout with the samples and no stochastic transitions."""
 
-    num_steps: int = 10
-    max_batch: Optional[int] = None
+    num_steps: PositiveInt = 10
+    max_batch: Optional[PositiveInt] = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_steps, int) or self.num_steps < 1:
-            raise ValueError(f"regen num_steps must be a positive integer, got {self.num_steps!r}")
+        check_fields(self)  # the declared types and ranges (flowrl.options)
 
     @torch.no_grad()
     def __call__(self, policy: FlowPolicy, prompts: list[str], reward: Optional[RewardFn] = None, seed: int = 0, *,
@@ -131,41 +130,31 @@ class SolSampler(SamplerDeclarations):
 
     explore_backend: str = "int8-dynamic"
     explore_options: dict = field(default_factory=dict)
-    pool_size: int = 96
-    preview_steps: int = 6
-    keep: int = 24
-    select: str = "best_worst"
-    regen: str = "group"
+    pool_size: PositiveInt = 96
+    preview_steps: PositiveInt = 6
+    keep: GroupSize = 24
+    select: Literal[SELECT_MODES] = "best_worst"
+    regen: Annotated[str, OneOf(REGEN_SAMPLERS, why="'ode' for DiffusionNFT, 'group' for GRPO with SDE "
+                                                     "regeneration")] = "group"
     regen_options: dict = field(default_factory=dict)
-    topk: Optional[int] = None
-    explore_batch: Optional[int] = None
-    calibration_prompts: Optional[list] = None
-    calibration_seeds: int = 4
-    audit_every: int = 0
+    topk: Optional[PositiveInt] = None
+    explore_batch: Optional[PositiveInt] = None
+    calibration_prompts: Optional[list[str]] = None
+    calibration_seeds: PositiveInt = 4
+    audit_every: NonNegativeInt = 0
     _quantizer: Any = field(init=False, repr=False, compare=False, default=None)
     _regen: Any = field(init=False, repr=False, compare=False, default=None)
     _copy: Any = field(init=False, repr=False, compare=False, default=None)
     _calib_prompts: Any = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
-        for name in ("pool_size", "preview_steps", "keep", "calibration_seeds"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.keep < 2:
-            raise ValueError(f"keep must be >= 2 (a group of one has no advantage signal), got {self.keep}")
+        check_fields(self)  # the declared types and ranges (flowrl.options)
         if self.keep > self.pool_size:
             raise ValueError(f"keep={self.keep} exceeds pool_size={self.pool_size}: raise pool_size or lower keep")
-        if self.select not in SELECT_MODES:
-            raise ValueError(f"select must be one of {', '.join(SELECT_MODES)}, got {self.select!r}")
         if self.topk is None:
             self.topk = max(1, self.keep // 2)
-        if not isinstance(self.topk, int) or not 1 <= self.topk <= self.keep:
+        if self.topk > self.keep:
             raise ValueError(f"topk must be an integer in [1, keep={self.keep}], got {self.topk!r}")
-        if self.explore_batch is not None and self.explore_batch < 1:
-            raise ValueError(f"explore_batch must be >= 1 or None, got {self.explore_batch}")
-        if not isinstance(self.audit_every, int) or self.audit_every < 0:
-            raise ValueError(f"audit_every must be an integer >= 0, got {self.audit_every!r}")
         if self.calibration_prompts is not None and not self.calibration_prompts:
             raise ValueError("calibration_prompts is empty: pass prompts, or None to use the first call's")
         name, spec_opts = parse_backend_spec(self.explore_backend)
@@ -178,9 +167,6 @@ class SolSampler(SamplerDeclarations):
     def _build_regen(self):
         from .group import GroupSampler
 
-        if self.regen not in REGEN_SAMPLERS:
-            raise ValueError(f"regen must be one of {', '.join(REGEN_SAMPLERS)} ('ode' for DiffusionNFT, 'group' for "
-                             f"GRPO with SDE regeneration), got {self.regen!r}")
         cls = ODERegen if self.regen == "ode" else GroupSampler
         opts = dict(self.regen_options)
         declared_options, is_open = declared(cls)

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import ClassVar, Optional, Sequence
+from typing import Annotated, ClassVar, Literal, Optional, Sequence
 
 import torch
 
 from ..advantages.tempflow import GROUP_BY, prompt_text_ids
 from ..conditions import encode_conditions
 from ..noise import noise_aware_weights
+from ..options import AtLeast, Between, NonNegativeInt, PositiveInt, check_fields
 from ..sde import ode_step, sde_step
 from ..seeding import derive_seeds, seeded_randn
 from ..structures import TempFlowStructure
@@ -82,21 +83,20 @@ class TempFlowSampler(SamplerDeclarations):
         max_batch: chunk velocity calls to at most this many rows (memory), None = all.
     """
 
-    num_steps: int = 10
-    branch_steps: Optional[Sequence[int]] = None
-    branches: int = 6
-    seeds_per_prompt: int = 4
-    noise_level: float = 0.7
+    num_steps: Annotated[int, Between(1, MAX_BRANCHES, why="per-branch noise streams")] = 10
+    branch_steps: Optional[Sequence[NonNegativeInt]] = None
+    branches: Annotated[int, Between(1, MAX_BRANCHES)] = 6
+    seeds_per_prompt: PositiveInt = 4
+    noise_level: Annotated[float, AtLeast(0, strict=True, why="the branching SDE step must inject noise")] = 0.7
     noise_aware: bool = True
-    group_by: str = "seed"
+    group_by: Literal[GROUP_BY] = "seed"
     finish_main: bool = False
-    max_batch: Optional[int] = None
+    max_batch: Optional[PositiveInt] = None
     stores_transitions: ClassVar[bool] = True  # one branching SDE step per completion
     flat_groups: ClassVar[bool] = False  # completions share their trajectory's steps (Needs.flat_groups)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_steps, int) or self.num_steps < 1:
-            raise ValueError(f"num_steps must be a positive integer, got {self.num_steps!r}")
+        check_fields(self)  # the declared types and ranges (flowrl.options)
         if self.branch_steps is None:
             if self.num_steps < 2:
                 raise ValueError("num_steps=1 leaves no step to branch by default (the last step is "
@@ -105,32 +105,18 @@ class TempFlowSampler(SamplerDeclarations):
         steps = list(self.branch_steps)
         if not steps:
             raise ValueError("branch_steps is empty: pass at least one step index (or None for range(T - 1))")
-        if not all(isinstance(k, int) and not isinstance(k, bool) for k in steps):
-            raise ValueError(f"branch_steps must be integers, got {steps!r}")
         if len(set(steps)) != len(steps):
             raise ValueError(f"branch_steps has duplicates: {steps}")
-        bad = [k for k in steps if not 0 <= k < self.num_steps]
+        bad = [k for k in steps if k >= self.num_steps]
         if bad:
             raise ValueError(f"branch_steps {bad} are outside [0, num_steps={self.num_steps})")
-        if self.num_steps > MAX_BRANCHES:
-            raise ValueError(f"num_steps must be <= {MAX_BRANCHES} (per-branch noise streams), got {self.num_steps}")
         self.branch_steps = tuple(sorted(steps))
-        if not isinstance(self.branches, int) or not 1 <= self.branches <= MAX_BRANCHES:
-            raise ValueError(f"branches must be an integer in [1, {MAX_BRANCHES}], got {self.branches!r}")
-        if not isinstance(self.seeds_per_prompt, int) or self.seeds_per_prompt < 1:
-            raise ValueError(f"seeds_per_prompt must be a positive integer, got {self.seeds_per_prompt!r}")
-        if self.group_by not in GROUP_BY:
-            raise ValueError(f"group_by must be one of {GROUP_BY}, got {self.group_by!r}")
         per_prompt = self.group_by in ("prompt", "prompt_tracker")
         group = self.branches * (self.seeds_per_prompt if per_prompt else 1)
         if group < 2:
             raise ValueError(f"an advantage group of group_by={self.group_by!r} holds {group} transition(s); "
                              f"it needs >= 2 (raise branches"
                              f"{' or seeds_per_prompt' if per_prompt else ''})")
-        if not self.noise_level > 0:
-            raise ValueError(f"noise_level must be > 0 (the branching SDE step must inject noise), got {self.noise_level}")
-        if self.max_batch is not None and (not isinstance(self.max_batch, int) or self.max_batch < 1):
-            raise ValueError(f"max_batch must be a positive integer or None, got {self.max_batch!r}")
 
     # --- closed forms ----------------------------------------------------------------------
     def main_evals(self) -> int:
