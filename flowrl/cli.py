@@ -187,12 +187,15 @@ def _add_model_arguments(p: argparse.ArgumentParser, repeatable: bool = False) -
 
 def _add_train_parser(sub) -> None:
     """`flowrl train`: online or offline RL training from a recipe."""
+    from flowrl.updates import updates_help
+
     t = sub.add_parser("train", help="RL training from a YAML recipe (online, or offline GDRO with train.mode=offline)",
                        epilog=example("flowrl train --config recipes/digits.yaml --output-dir runs/a train.lr=3e-4",
                                       "flowrl train --config recipes/digits.yaml --output-dir runs/a --resume "
                                       "train.lr=3e-4",
                                       "flowrl train --config recipes/sd3_group_pickscore.yaml --output-dir "
-                                      "runs/smoke --smoke"))
+                                      "runs/smoke --smoke")
+                       + "\n\n" + updates_help())
     t.add_argument("--config", required=True, help="recipe YAML or shipped recipe name, e.g. recipes/digits.yaml")
     t.add_argument("--output-dir", required=True, help="run directory (checkpoints, metrics, images)")
     t.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its latest "

@@ -28,7 +28,7 @@ from typing import Iterator, Optional
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("utils", ("flowrl.utils", "flowrl.faults", "flowrl.registry", "flowrl.seeding", "flowrl.layers",
-               "flowrl.errors")),
+               "flowrl.errors", "flowrl.options")),
     ("math", ("flowrl.schedules", "flowrl.sde", "flowrl.noise", "flowrl.ode_solvers", "flowrl.types",
               "flowrl.diagnostics", "flowrl.losses", "flowrl.advantages", "flowrl.structures", "flowrl.media")),
     ("components", ("flowrl.pipelines", "flowrl.rewards", "flowrl.data", "flowrl.quant", "flowrl.recipes")),

@@ -127,6 +127,31 @@ class URLScheme(Constraint):
         return " or ".join(f"an {s}:// URL" for s in self.schemes)
 
 
+@dataclass(frozen=True)
+class Reads(Constraint):
+    """The option names something read from disk or a hub: ``"file"`` a weights or settings file (a local path,
+    or a hub file ``hf://ORG/NAME/FILE``), ``"model"`` what ``from_pretrained`` loads (a local directory, or a hub
+    id ``org/name``). Any string fits; ``flowrl train --smoke`` checks that a local one is there (the real run
+    reads it), so no part's option is taken for a path by its name or suffix."""
+
+    kind: str = "file"
+
+    def ok(self, value) -> bool:
+        return True
+
+    def describe(self) -> str:
+        return "a path or hf://ORG/NAME/FILE" if self.kind == "file" else "a local directory or a hub id"
+
+
+def reads(option: Option) -> Optional[str]:
+    """The :class:`Reads` kind an option declares (on itself or on a member of its Optional / Union), or None."""
+    found = [c.kind for c in option.constraints if isinstance(c, Reads)]
+    tp = option.type
+    for a in typing.get_args(tp) if typing.get_origin(tp) in _UNIONS else ():
+        found += [c.kind for c in _split_annotated(a)[1] if isinstance(c, Reads)]
+    return found[0] if found else None
+
+
 PositiveInt = typing.Annotated[int, AtLeast(1)]
 NonNegativeInt = typing.Annotated[int, AtLeast(0)]
 NonNegativeFloat = typing.Annotated[float, AtLeast(0)]
@@ -134,6 +159,8 @@ PositiveFloat = typing.Annotated[float, AtLeast(0, strict=True)]
 Fraction = typing.Annotated[float, Between(0, 1)]
 Guidance = typing.Annotated[float, AtLeast(1.0)]  # a classifier-free guidance scale: 1.0 = none
 Device = typing.Annotated[str, DeviceName()]
+WeightsFile = typing.Annotated[str, Reads("file")]  # a local file or hf://ORG/NAME/FILE
+ModelSource = typing.Annotated[str, Reads("model")]  # a local directory or a hub id
 URL = typing.Annotated[str, URLScheme()]
 
 
@@ -228,7 +255,7 @@ def describe_type(tp) -> str:
     >= 1 or null``."""
     tp, cons = _split_annotated(tp)
     if cons:
-        if tp is str and len(cons) == 1 and isinstance(cons[0], (OneOf, DeviceName, URLScheme)):
+        if tp is str and len(cons) == 1 and isinstance(cons[0], (OneOf, DeviceName, URLScheme, Reads)):
             # a name among several: "one of 'a', 'b'"; "a device such as ..."
             return cons[0].describe() + (f" ({cons[0].why})" if cons[0].why else "")
         return _describe_constraints(describe_type(tp), cons)

@@ -138,10 +138,6 @@ def smoke_overrides(cfg, model_dir: Path, scratch: Path, edits: bool = True) -> 
     return [f"{k}={v}" for k, v in ov.items()]
 
 
-# reward options naming a file of weights or settings (checked to exist: the real run reads them)
-MODEL_FILE_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt", ".onnx", ".json", ".yaml")
-
-
 def smoke_data_hint(pipeline: str) -> str:
     """How to give the smoke run a prompt set of its own: a shipped sample that suits the model (an editing
     set for an editing model, whose smoke data need source images)."""
@@ -149,11 +145,6 @@ def smoke_data_hint(pipeline: str) -> str:
     sample = f"{edit_set}, an editing set" if edit_set else "flowgrpo-pickscore-sample"
     return (f"give data.prompts=... data.eval_prompts=... on this command line (e.g. the shipped {sample}): "
             f"--smoke then checks and uses those")
-
-
-def _names_a_local_file(value) -> bool:
-    return isinstance(value, str) and not is_hub_file(value) and (
-        value.startswith(("/", "./", "../", "~")) or Path(value).suffix.lower() in MODEL_FILE_SUFFIXES)
 
 
 def _note(text: str) -> None:
@@ -176,8 +167,7 @@ def check_real_inputs(cfg, given: Collection[str] = ()) -> None:
     _check_prompt_sets(cfg, given)
     for section, spec in (("reward.options", cfg.reward.options), ("reward.heldout", cfg.reward.heldout)):
         for name, options in spec.items():
-            for key, value in (options or {}).items():
-                _check_reward_file(f"{section}.{name}.{key}", value, name)
+            _check_reward_files(section, name, options or {})
     dataset = getattr(cfg.offline, "dataset", None) if cfg.train.mode == "offline" else None
     if dataset and not Path(dataset).is_dir():
         _note(f"offline.dataset {dataset} does not exist yet; write it with `flowrl generate-offline --config "
@@ -209,9 +199,22 @@ def _check_prompt_sets(cfg, given: Collection[str]) -> None:
               f"on with its own prompts)")
 
 
-def _check_reward_file(setting: str, value, reward: str) -> None:
-    """One reward option: a local file must exist, a hub file must be well formed (a note when it is not
-    cached and downloads are off)."""
+def _check_reward_files(section: str, reward: str, options: dict) -> None:
+    """The options reward ``reward`` declares as read from disk or a hub (:class:`flowrl.options.Reads`), as
+    ``options`` give them: a local file or directory must be there, a hub file (``hf://...``) well formed (a note
+    when it is not cached and downloads are off); a hub id (``org/name``) is left to the real run."""
+    from .options import reads
+    from .rewards import declared_options
+
+    declared, _ = declared_options(reward)
+    for key, value in options.items():
+        kind = reads(declared[key]) if key in declared else None
+        for v in (value if isinstance(value, (list, tuple)) else [value]):
+            if kind and isinstance(v, str):
+                _check_read(f"{section}.{reward}.{key}", v, kind, reward)
+
+
+def _check_read(setting: str, value: str, kind: str, reward: str) -> None:
     from .errors import ConfigError
     from .utils.hub import cached_hub_file, hub_offline, parse_hub_file
 
@@ -223,9 +226,13 @@ def _check_reward_file(setting: str, value, reward: str) -> None:
         if hub_offline() and cached_hub_file(value) is None:
             _note(f"{setting}={value} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: the real "
                   f"run fails on it unless you run `{ref.download_command()}` first (or it runs with downloads on)")
-    elif _names_a_local_file(value) and not Path(value).expanduser().exists():
-        raise ConfigError(f"--smoke checks what the real run reads: {setting}={value} is no file here (building "
-                          f"the {reward} reward would fail); put the file there or point the option at it")
+        return
+    p = Path(value).expanduser()
+    hub_id = kind == "model" and not value.startswith((".", "/", "~")) and value.count("/") == 1
+    if not hub_id and not p.exists():
+        raise ConfigError(f"--smoke checks what the real run reads: {setting}={value} is no "
+                          f"{'file' if kind == 'file' else 'directory'} here (building the {reward} reward would "
+                          f"fail); put it there or point the option at it")
 
 
 def smoke_config(recipe: str, overrides: Sequence[str], scratch: Path) -> tuple:

@@ -55,7 +55,7 @@ def policy_class(name: str):
     ret = inspect.signature(loader).return_annotation
     if isinstance(ret, str):
         ret = getattr(loader, "__globals__", {}).get(ret)
-    return ret if isinstance(ret, type) else None
+    return ret if isinstance(ret, type) and ret is not inspect.Signature.empty else None
 
 
 def tiny_kinds() -> dict[str, type]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from flowrl.options import Device, PositiveInt
+from flowrl.options import Device, ModelSource, PositiveInt, WeightsFile
 
 from ._clip_common import DTypeLike, HFClip, LinearMLPHead, check_inputs, chunks, load_weights
 
@@ -30,7 +30,7 @@ class LaionAesthetic:
     resident_params = 428_500_000  # parameters kept loaded, for `flowrl plan` (bytes: x the dtype option)
     resident_note = "CLIP ViT-L/14 427.6M + LAION aesthetic MLP head 0.9M"
 
-    def __init__(self, head: str, clip: str = "openai/clip-vit-large-patch14", device: Device = "cpu",
+    def __init__(self, head: WeightsFile, clip: ModelSource = "openai/clip-vit-large-patch14", device: Device = "cpu",
                  dtype: DTypeLike = "float32", batch_size: PositiveInt = 32):
         if not head:
             raise ValueError(f"the aesthetic reward needs its MLP head file. {HEAD_HINT}")

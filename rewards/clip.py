@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from flowrl.options import Device, PositiveFloat, PositiveInt
+from flowrl.options import Device, ModelSource, PositiveFloat, PositiveInt
 
 from ._clip_common import DTypeLike, Preprocess, ScaledCosineReward
 
@@ -32,7 +32,7 @@ class CLIPScore(ScaledCosineReward):
     resident_params = 427_600_000  # parameters kept loaded, for `flowrl plan` (bytes: x the dtype option)
     resident_note = "openai/clip-vit-large-patch14 CLIPModel: 427.6M"
 
-    def __init__(self, model: str = "openai/clip-vit-large-patch14", processor: Optional[str] = None,
+    def __init__(self, model: ModelSource = "openai/clip-vit-large-patch14", processor: Optional[ModelSource] = None,
                  device: Device = "cpu", dtype: DTypeLike = "float32", divisor: PositiveFloat = 30.0,
                  batch_size: PositiveInt = 32, preprocess: Preprocess = "torchvision"):
         super().__init__(model, processor, device=device, dtype=dtype, divisor=divisor, batch_size=batch_size,

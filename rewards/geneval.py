@@ -30,7 +30,7 @@ from typing import Literal, Optional, Sequence, Union
 import torch
 
 from flowrl.errors import ConfigError
-from flowrl.options import Device, Fraction, NonNegativeFloat, PositiveInt
+from flowrl.options import Device, Fraction, ModelSource, NonNegativeFloat, PositiveInt, WeightsFile
 
 from ._clip_common import check_inputs, chunks
 from .geneval_rules import Rules, check_metadata, evaluate, evaluate_partial, has_clauses, select_objects
@@ -110,8 +110,8 @@ class GenEval:
     resident_note = "Mask2Former Swin-S 69M + CLIP ViT-L/14 427.6M (colours)"
 
     def __init__(self, detector: str = DEFAULT_DETECTOR, detector_options: Optional[dict] = None,
-                 clip_model: str = "openai/clip-vit-large-patch14", device: Device = "cpu",
-                 score: Literal[SCORES] = "official", metadata: Union[None, str, Sequence[str]] = None,
+                 clip_model: ModelSource = "openai/clip-vit-large-patch14", device: Device = "cpu",
+                 score: Literal[SCORES] = "official", metadata: Union[None, WeightsFile, Sequence[WeightsFile]] = None,
                  threshold: Fraction = 0.3, counting_threshold: Fraction = 0.9, max_objects: PositiveInt = 16,
                  max_overlap: Fraction = 1.0, position_threshold: NonNegativeFloat = 0.1, bgcolor: str = "#999",
                  batch_size: PositiveInt = 8):

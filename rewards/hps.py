@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from flowrl.options import Device, PositiveInt
+from flowrl.options import Device, PositiveInt, WeightsFile
 
 from ._clip_common import CLIP_MEAN, CLIP_STD, DTypeLike, ImageTransform, check_inputs, chunks, load_weights, \
     require, resolve_dtype
@@ -36,7 +36,7 @@ class HPSv21:
     resident_params = 986_100_000  # parameters kept loaded, for `flowrl plan` (bytes: x the dtype option)
     resident_note = "HPS v2.1 = open_clip ViT-H-14 (open_clip profile: 986.1M)"
 
-    def __init__(self, checkpoint: str, model: str = "ViT-H-14", device: Device = "cpu", dtype: DTypeLike = "float32",
+    def __init__(self, checkpoint: WeightsFile, model: str = "ViT-H-14", device: Device = "cpu", dtype: DTypeLike = "float32",
                  batch_size: PositiveInt = 32):
         if not checkpoint:
             raise ValueError(f"the hps reward needs its weights. {CHECKPOINT_HINT}")

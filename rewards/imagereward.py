@@ -25,7 +25,7 @@ from typing import Mapping, Optional, Union
 import torch
 from torch import nn
 
-from flowrl.options import Device, PositiveInt
+from flowrl.options import Device, ModelSource, PositiveInt, WeightsFile
 
 from ._clip_common import CLIP_MEAN, CLIP_STD, DTypeLike, ImageTransform, LinearMLPHead, check_inputs, chunks, \
     from_pretrained, load_weights, require, resolve_dtype
@@ -166,7 +166,8 @@ class ImageReward:
     resident_params = 447_000_000  # parameters kept loaded, for `flowrl plan` (bytes: x the dtype option)
     resident_note = "ImageReward: BLIP ViT-L/16 ~303M + BERT-base with cross-attention ~139M + head"
 
-    def __init__(self, checkpoint: str, tokenizer: str = "bert-base-uncased", med_config=None,
+    def __init__(self, checkpoint: WeightsFile, tokenizer: ModelSource = "bert-base-uncased",
+                 med_config: Union[None, WeightsFile, Mapping] = None,
                  vision_config: Optional[Mapping] = None, device: Device = "cpu", dtype: DTypeLike = "float32",
                  batch_size: PositiveInt = 16):
         if not checkpoint:

@@ -33,7 +33,7 @@ from typing import Literal, Optional, Sequence
 import numpy as np
 import torch
 
-from flowrl.options import Device, Fraction, PositiveInt
+from flowrl.options import Device, Fraction, ModelSource, PositiveInt
 
 from ._clip_common import check_inputs, chunks, require
 
@@ -218,7 +218,8 @@ class OCRReward:
     resident_note = ("EasyOCR CRAFT 20.8M + CRNN english_g2 3.8M (the largest engine; the default RapidOCR's PP-OCRv6 "
                      "small models are about 7.8M, on onnxruntime)")
 
-    def __init__(self, backend: Literal[BACKENDS] = "rapidocr", device: Device = "cpu", model_dir: Optional[str] = None,
+    def __init__(self, backend: Literal[BACKENDS] = "rapidocr", device: Device = "cpu",
+                 model_dir: Optional[ModelSource] = None,
                  lang: Optional[Sequence[str]] = None, batch_size: PositiveInt = 8, tesseract_config: str = "--psm 11",
                  tesseract_cmd: Optional[str] = None, workers: PositiveInt = 1, text_score: Fraction = 0.5):
         if backend == "rapidocr":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from flowrl.options import Device, PositiveFloat, PositiveInt
+from flowrl.options import Device, ModelSource, PositiveFloat, PositiveInt
 
 from ._clip_common import DTypeLike, ScaledCosineReward
 
@@ -26,8 +26,8 @@ class PickScore(ScaledCosineReward):
     resident_params = 986_100_000  # parameters kept loaded, for `flowrl plan` (bytes: x the dtype option)
     resident_note = "yuvalkirstain/PickScore_v1 = CLIP ViT-H-14 (open_clip profile: 986.1M)"
 
-    def __init__(self, model: str = "yuvalkirstain/PickScore_v1",
-                 processor: Optional[str] = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+    def __init__(self, model: ModelSource = "yuvalkirstain/PickScore_v1",
+                 processor: Optional[ModelSource] = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
                  device: Device = "cpu", dtype: DTypeLike = "float32", divisor: PositiveFloat = PICKSCORE_DIVISOR,
                  batch_size: PositiveInt = 32):
         super().__init__(model, processor, device=device, dtype=dtype, divisor=divisor, batch_size=batch_size)

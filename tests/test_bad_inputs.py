@@ -147,8 +147,8 @@ CASES = [
     # (id, callable(tmp_path), exception, message pattern)
     ("unknown key", cfg("train.lrr=1"), ConfigError, r"unknown key train\.lrr.*Did you mean train\.lr"),
     ("unknown section", cfg("trian.lr=1"), ConfigError, r"unknown section 'trian'.*Did you mean 'train'"),
-    ("wrong type", cfg("train.lr=fast"), ConfigError, r"train\.lr must be float"),
-    ("wrong type int", cfg("train.iterations=1.5"), ConfigError, r"train\.iterations must be int"),
+    ("wrong type", cfg("train.lr=fast"), ConfigError, r"train\.lr must be a number"),
+    ("wrong type int", cfg("train.iterations=1.5"), ConfigError, r"train\.iterations must be an integer"),
     ("negative size", cfg("train.batch_size=-8"), ConfigError, r"train\.batch_size must be a positive integer"),
     ("zero size", cfg("train.iterations=0"), ConfigError, r"train\.iterations must be a positive integer"),
     ("zero minibatch", cfg("train.minibatch_size=0"), ConfigError, r"train\.minibatch_size must be a positive"),

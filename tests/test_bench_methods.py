@@ -17,16 +17,19 @@ from flowrl.updates import UPDATES, default_needs
 POINT_KEYS = {"train_seconds", "iteration", "samples", "eval_reward", "diversity", "hf_energy"}
 
 
-def test_the_table_names_every_method_of_the_issue_and_each_runs_on_the_sampler_its_update_needs():
-    assert [m.name for m in bm.METHODS] == ["grpo", "grpo_guard", "dppo", "nft", "awm", "dgpo", "gardo_grpo",
-                                           "dpo", "gdro"]
+def test_the_table_is_every_registered_update_and_each_runs_on_the_sampler_its_update_needs():
+    """A row per registered update, from its declaration alone (summary, digits recipe): nothing in the bench
+    names an update; an offline update is listed and skipped."""
+    assert [m.name for m in bm.METHODS] == list(UPDATES.entries)
+    assert all(m.note == UPDATES.get(m.name).summary != "" for m in bm.METHODS)
     for m in bm.METHODS:  # a declared recipe, where this build ships it, trains the method's update
         if m.shipped_recipe() is not None:
             assert read_recipe(m.shipped_recipe())["train"]["loss"] == m.loss, m.name
     runs, skipped = bm.chosen_runs()
-    assert {"grpo", "grpo_guard", "nft", "dpo", "gdro"} <= set(runs)
+    assert {"grpo", "grpo_guard", "nft", "dpo", "gdro", "gardo_nft"} <= set(runs)
     assert set(runs) | set(skipped) == set(bm.BY_NAME) and not set(runs) & set(skipped)
-    assert all(why.startswith("not available in this build (") for why in skipped.values())
+    assert skipped == {"offline_gdro": "trains on an offline dataset (train.mode offline): `flowrl bench offline` "
+                                       "compares it"}
     for name, var in runs.items():
         cfg, m = var.config(bm.RECIPE, []), bm.BY_NAME[name]
         assert cfg.train.loss == m.loss
@@ -45,25 +48,33 @@ def test_the_table_names_every_method_of_the_issue_and_each_runs_on_the_sampler_
     assert runs["nft"].config(bm.RECIPE, []).train.loss_options == {}  # the update's own defaults
 
 
+def test_a_new_update_is_a_row_and_one_not_registered_is_none(monkeypatch):
+    """Registering an update adds its row (its file plus one registry line: the bench learns of it through the
+    declaration); removing one removes it, and naming it is the unknown-method error."""
+    monkeypatch.setitem(UPDATES, "my_grpo", "flowrl.updates.grpo_guard:GRPOGuardUpdate")
+    monkeypatch.delitem(UPDATES, "gdro")
+    names = [m.name for m in bm.METHODS]
+    assert names[-1] == "my_grpo" and "gdro" not in names
+    assert "my_grpo" in bm.chosen_runs(["my_grpo"])[0]
+    with pytest.raises(BenchError, match="unknown method"):
+        bm.chosen_runs(["gdro"])
+
+
 def test_a_method_not_in_this_build_is_one_line(monkeypatch, capsys, tmp_path):
-    """An unregistered update, or a method that runs only on its recipe where the recipe is not shipped: a
-    line "not available in this build" (printed, in the JSON, in the table); the others run."""
-    monkeypatch.delitem(UPDATES, "gdro", raising=False)  # as awm / dgpo / dppo before their update lands
-    monkeypatch.setitem(UPDATES, "gardo_grpo", "flowrl.updates.grpo:GRPOUpdate")  # registered, recipe missing
+    """A method that runs only on its recipe where the recipe is not shipped: a line "not available in this
+    build" (printed, in the JSON, in the table); the others run."""
     monkeypatch.setattr(bm, "recipes_dir", lambda: tmp_path)
-    runs, skipped = bm.chosen_runs(["grpo", "gdro", "gardo_grpo"])
+    runs, skipped = bm.chosen_runs(["grpo", "gardo_grpo"])
     assert list(runs) == ["grpo"]
-    assert skipped == {"gdro": "not available in this build (update 'gdro' is not registered)",
-                       "gardo_grpo": "not available in this build (it runs on recipes/digits_gardo.yaml, which this "
-                                     "build does not ship)"}
+    why = "not available in this build (it runs on recipes/digits_gardo.yaml, which this build does not ship)"
+    assert skipped == {"gardo_grpo": why}
     monkeypatch.setattr(bm, "run_variant", lambda *a, **k: _record([(0, 0.5), (10, 0.6)]))
-    res = bm.bench_methods(budget_seconds=1, methods=["grpo", "gdro", "gardo_grpo"], out_dir=None)
+    res = bm.bench_methods(budget_seconds=1, methods=["grpo", "gardo_grpo"], out_dir=None)
     printed = capsys.readouterr().out.splitlines()
-    assert "[bench methods] gdro: not available in this build (update 'gdro' is not registered)" in printed
+    assert f"[bench methods] gardo_grpo: {why}" in printed
     assert res["skipped"] == skipped and list(res["variants"]) == ["grpo"]
     table = report(res).splitlines()
-    assert sum(ln.startswith("gdro") and ln.endswith("not available in this build (update 'gdro' is not "
-                                                     "registered)") for ln in table) == 1
+    assert sum(ln.startswith("gardo_grpo") and ln.endswith(why) for ln in table) == 1
     assert list(tmp_path.iterdir()) == []  # no --out: nothing written
 
 
@@ -78,12 +89,15 @@ def _recipe(path, **changes):
 
 
 def test_a_shipped_method_recipe_is_used_with_the_bench_footing(monkeypatch, tmp_path):
-    """When a method's update and its recipe land (here awm as DiffusionNFT's class, a recipe of its own), its
-    row runs that recipe as is, with the shared footing forced and a different evaluation reported."""
-    monkeypatch.setitem(UPDATES, "awm", "flowrl.updates.nft:NFTUpdate")
+    """When a method's update declares a digits recipe (here awm as DiffusionNFT's class with a recipe of its
+    own), its row runs that recipe as is, with the shared footing forced and a different evaluation reported;
+    before the recipe lands, the row is "not available in this build"."""
+    from flowrl.updates.nft import NFTUpdate
+
+    monkeypatch.setitem(UPDATES, "awm", type("AWMLike", (NFTUpdate,), {"digits_recipe": "digits_awm.yaml"}))
     monkeypatch.setattr(bm, "recipes_dir", lambda: tmp_path)
-    runs, _ = bm.chosen_runs(["awm"])
-    assert runs["awm"].recipe is None and runs["awm"].config(bm.RECIPE, []).sampler.name == "ode"  # fallback
+    runs, skipped = bm.chosen_runs(["awm"])
+    assert not runs and skipped["awm"].startswith("not available in this build (it runs on recipes/digits_awm.yaml")
     _recipe(tmp_path / "digits_awm.yaml", **{"train.loss": "awm", "train.loss_options": {}, "train.seed": 5, "train.lr": 2e-3,
                                              "data.eval_seeds_per_prompt": 3, "sampler.num_steps": 6,
                                              "sampler.group_size": 4})
@@ -105,8 +119,8 @@ def test_subset_and_unknown_names(capsys):
         bm.chosen_runs(method_overrides={"nope": ["train.lr=1"]})
     with pytest.raises(BenchError, match="^method nft: .*not_a_key"):  # configs validated before any model loads
         bm.chosen_runs(["nft"], method_overrides={"nft": ["train.not_a_key=1"]})
-    for argv, msg in ((["--methods", "grpo,nope"], "unknown method(s) 'nope'; choose from grpo, grpo_guard, dppo, "
-                                                   "nft, awm, dgpo, gardo_grpo, dpo, gdro"),
+    for argv, msg in ((["--methods", "grpo,nope"], "unknown method(s) 'nope'; choose from "
+                                                   + ", ".join(UPDATES.entries)),
                       (["--method-override", "nft"], "--method-override 'nft': expected METHOD:VALUE")):
         assert main(["bench", "methods", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -49,7 +49,7 @@ def test_round_trip_to_dict():
     (["train.batch_size=30"], r"not a multiple of the sampler's 8 samples per prompt"),
     (["train.batch_size=0"], r"train\.batch_size must be a positive integer"),
     (["train.lr=-1"], r"train\.lr must be a positive number"),
-    (["train.lr=fast"], r"train\.lr must be float"),
+    (["train.lr=fast"], r"train\.lr must be a number"),
     (["sampler.step=ddim"], r"unknown step type 'ddim'"),
     (["train.mixed_precision=fp8"], r"mixed_precision"),
     (["lr=1"], r"must be dotted"),
@@ -142,13 +142,19 @@ def test_a_run_saved_before_the_options_moved_loads_and_resumes(recipe, tmp_path
 
 
 def test_a_loss_given_on_the_command_line_keeps_only_its_own_recipe_options(capsys):
-    """``--config digits train.loss=dpo``: the recipe's GRPO options that DPO does not take are dropped
-    with a notice; GRPO -> GRPO-Guard keeps the shared clip range; options given too are the user's."""
+    """``--config digits train.loss=X``: one rule for every update, said in one line: the recipe's GRPO options
+    X takes are kept (GRPO -> GRPO-Guard keeps the shared clip range, AWM its clip range and KL), the others
+    dropped (DPO all, Flow-DPPO the clip range); options given too are the user's."""
     cfg = load_config("digits", ["train.loss=dpo"])
     assert cfg.train.loss == "dpo" and cfg.train.loss_options == {}
-    assert "dropped (beta_kl, clip_range, kl_form)" in capsys.readouterr().err
+    assert "dropped where it does not (beta_kl, clip_range, kl_form)" in capsys.readouterr().err
     recipe = load_config("digits").train.loss_options
     guard = load_config("digits", ["train.loss=grpo_guard"])
-    assert guard.train.loss_options == recipe and capsys.readouterr().err == ""
+    assert guard.train.loss_options == recipe
+    assert f"kept where grpo_guard takes them ({', '.join(sorted(recipe))})" in capsys.readouterr().err
+    for loss, kept, dropped in (("dppo", "beta_kl, kl_form", "clip_range"), ("awm", "beta_kl, clip_range", "kl_form")):
+        assert sorted(load_config("digits", [f"train.loss={loss}"]).train.loss_options) == kept.split(", ")
+        err = capsys.readouterr().err
+        assert f"kept where {loss} takes them ({kept}) and dropped where it does not ({dropped})" in err, err
     with pytest.raises(ConfigError, match="not an option of train.loss='dpo'"):
         load_config("digits", ["train.loss=dpo", "train.loss_options.clip_range=0.1"])

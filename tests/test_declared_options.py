@@ -133,3 +133,23 @@ def test_the_command_line_says_it_in_one_line_and_writes_nothing(verb, argv, key
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith(f"flowrl {verb}: error: ") and key in err[0], err
     assert not out.exists()
+
+
+def test_what_a_user_reads_about_an_update_is_its_own_declaration(capsys):
+    """`flowrl train --help` and train.loss's help list every registered update with the one-line summary its
+    class declares (each its own, not a parent's); `bench methods` has a row per update (tests/test_bench_methods.py)."""
+    import dataclasses
+
+    from flowrl.cli import main
+    from flowrl.trainers.config import TrainConfig
+    from flowrl.updates import UPDATES
+
+    with pytest.raises(SystemExit) as e:  # argparse's --help
+        main(["train", "--help"])
+    assert e.value.code == 0
+    shown = capsys.readouterr().out
+    loss_help = next(f.metadata["help"] for f in dataclasses.fields(TrainConfig) if f.name == "loss")
+    for name in UPDATES.entries:
+        cls = UPDATES.get(name)
+        assert "summary" in vars(cls) and cls.summary, f"{cls.__name__} declares no summary of its own"
+        assert f"  {name:<13} {cls.summary}" in shown and f"{name!r}: {cls.summary}" in loss_help

@@ -19,7 +19,7 @@ def test_offload_settings_and_their_errors():
                        ("train.offload={vae: yes please}", "must be true or false"),
                        ("train.offload={fsdp: true}", "needs train.sharding=fsdp"),
                        ("train.offload={reference: true}", "train.sharding=fsdp"),
-                       ("train.offload=[vae]", "train.offload must be dict")]:
+                       ("train.offload=[vae]", "train.offload must be a mapping")]:
         with pytest.raises(ConfigError, match=match):
             load_config(WAN, [bad])
     with pytest.raises(ConfigError, match="no effect with LoRA"):

@@ -159,7 +159,7 @@ def test_backend_errors_say_how_to_fix(tmp_path, monkeypatch):
 
     # tesseract_cmd is module-global in pytesseract: restore it after this test
     monkeypatch.setattr(pytesseract.pytesseract, "tesseract_cmd", pytesseract.pytesseract.tesseract_cmd)
-    with pytest.raises(ValueError, match="use one of 'rapidocr', 'easyocr', 'tesseract'"):
+    with pytest.raises(ValueError, match="backend must be one of 'rapidocr', 'easyocr', 'tesseract'"):
         rewards.build("ocr", backend="paddle")
     with pytest.raises(FileNotFoundError, match="craft_mlt_25k.pth"):
         rewards.build("ocr", backend="easyocr", model_dir=str(tmp_path))

@@ -269,14 +269,16 @@ def test_a_redirected_log_turns_off_the_diffusers_bars(capsys):
         dl.enable_progress_bar()
 
 
-def test_digits_on_text_prompts_warns_about_nan_rewards(tiny_digits_dir, tmp_path, capsys):
+def test_digits_on_text_prompts_stops_at_the_first_iteration(tiny_digits_dir, tmp_path):
+    """The digits reward scores only "a handwritten digit N": on other prompts every reward is NaN, so the
+    run stops at its first iteration saying which reward scored nothing and why."""
     from flowrl.trainers.config import load_config
     from flowrl.trainers.online import train
+    from flowrl.trainers.steps import TrainingStopped
 
-    train(load_config(RECIPE, tiny_train_overrides(tiny_digits_dir, **{
-        "train.iterations": 1, "data.prompts": "[a photo of a cat, a red apple on a table]"})), tmp_path / "run")
-    warnings = [ln for ln in capsys.readouterr().err.splitlines() if "WARNING" in ln]
-    assert any("16 of 16 rewards are NaN/inf" in ln for ln in warnings), warnings
+    with pytest.raises(TrainingStopped, match="all 16 rewards are NaN/inf .*reward digits scored no sample"):
+        train(load_config(RECIPE, tiny_train_overrides(tiny_digits_dir, **{
+            "train.iterations": 1, "data.prompts": "[a photo of a cat, a red apple on a table]"})), tmp_path / "run")
 
 
 def test_training_grid_has_a_row_per_prompt_with_its_text_and_sources():

@@ -106,10 +106,11 @@ def test_an_editing_recipe_on_the_hints_prompts(tmp_path, monkeypatch):
     is refused in one line before any model is built."""
     from flowrl.errors import ConfigError
 
+    SAMPLE = ["data.prompts=flowgrpo-pickscore-sample", "data.eval_prompts=flowgrpo-pickscore-sample"]  # text only
     monkeypatch.chdir(tmp_path)  # no data/ here
     with pytest.raises(ConfigError, match=r"data\.prompts fails: .*\(e\.g\. the shipped digits-edit-sample, an editing "
-                                          r"set\)"):
-        smoke_config("recipes/flux_kontext_edit.yaml", [], tmp_path)
+                                          r"set\)"):  # a file of the user's that is not there
+        smoke_config("recipes/flux_kontext_edit.yaml", ["data.prompts=mine.jsonl"], tmp_path)
     cfg, _ = smoke_config("recipes/flux_kontext_edit.yaml", SAMPLE, tmp_path)
     assert cfg.data.prompts == "flowgrpo-pickscore-sample" and dict(cfg.reward.weights) == {"jpeg_compressibility": 1.0}
     edits = ["data.prompts=digits-edit-sample", "data.eval_prompts=digits-edit-sample"]

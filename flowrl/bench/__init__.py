@@ -19,8 +19,8 @@ OUTPUT_FILES = ("json", "png")
 
 def check_outputs(args) -> None:
     """Every output option a bench verb was given (:data:`OUTPUT_DIRS`, :data:`OUTPUT_FILES`) names a place
-    this process can write (:mod:`flowrl.utils.outputs`); a ``ConfigError`` naming the option otherwise."""
-    from ..utils.outputs import check_output_dir, check_output_file
+    this process can write (:mod:`flowrl.bench.outputs`); a ``ConfigError`` naming the option otherwise."""
+    from .outputs import check_output_dir, check_output_file
 
     for dests, check in ((OUTPUT_DIRS, check_output_dir), (OUTPUT_FILES, check_output_file)):
         for dest in dests:

@@ -1,11 +1,12 @@
 """``flowrl bench methods``: every update on the same prompts, seeds and wall budget, in one run.
 
-Each method is a row of :data:`METHODS`, a declaration: its update (``train.loss``), its own digits recipe
-(``recipes/digits_<method>.yaml``, used as is when this build ships it) and, for a method that has none,
-the overrides that put its update on ``recipes/digits.yaml`` (10 prompts x 8 samples per iteration, the
-fixed evaluation set): the GRPO family keeps the recipe's group sampler with SDE steps (it trains on stored
-transitions); the updates on finished samples get 8 deterministic ODE samples per prompt, DiffusionNFT's
-digits minibatch and their own default options. Whatever the recipe, every method gets the bench's footing
+Each registered update is a row (:func:`all_methods`), made from its declaration alone: its one-line
+``summary``, its own digits recipe (``digits_recipe``, used as is when this build ships it) and, for an update
+that declares none, the overrides that put it on ``recipes/digits.yaml`` (10 prompts x 8 samples per
+iteration, the fixed evaluation set): the GRPO family keeps the recipe's group sampler with SDE steps (it
+trains on stored transitions); the updates on finished samples get 8 deterministic ODE samples per prompt,
+DiffusionNFT's digits minibatch and their own default options. An update on an offline dataset is listed
+and skipped (``flowrl bench offline`` compares it). Whatever the recipe, every method gets the bench's footing
 (:data:`FOOTING`: the base model, the training and evaluation prompts, the evaluation seeds, ``train.seed``)
 from ``digits.yaml`` and the shared overrides, and trains for the same budget of training seconds (rollout
 + reward + update, evaluation excluded; :func:`flowrl.bench.training.run_variant`), one after another in
@@ -15,9 +16,9 @@ the difference is printed and kept in its row (``differs``).
 The result (:mod:`flowrl.bench.methods_report`): per method the evaluation reward against training seconds
 and against samples drawn, the watch's within-prompt diversity and high-frequency energy
 (:mod:`flowrl.diagnostics`) beside the real data's, and when GRPO ran, the seconds and samples each method
-took to reach GRPO's final evaluation reward. A method whose update is not registered in this build (or
-that needs its recipe and this build has none) is one line, "not available in this build"; a method that
-fails while training is reported as failed (its traceback on stderr) and the others still run.
+took to reach GRPO's final evaluation reward. A method that needs its recipe where this build has none is
+one line, "not available in this build"; a method that fails while training is reported as failed (its
+traceback on stderr) and the others still run.
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ class Method:
     overrides: Optional[tuple[str, ...]] = ()
     recipe: Optional[str] = None
     note: str = ""
+    offline: bool = False  # trains on a dataset (train.mode offline): listed, compared by `flowrl bench offline`
 
     def shipped_recipe(self) -> Optional[Path]:
         """This method's digits recipe when this build ships it (None: it has none here)."""
@@ -77,40 +79,40 @@ class Method:
             got = (read_recipe(mine).get("train") or {}).get("loss")
             if got != self.loss:
                 raise BenchError(f"method {self.name}: recipes/{self.recipe} trains train.loss={got}, not {self.loss}; "
-                                 f"fix the METHODS row in flowrl/bench/methods.py")
+                                 f"fix the update's digits_recipe declaration")
             recipe = str(mine)
         fallback = () if recipe is not None else tuple(self.overrides or ())
         return Variant(overrides=[f"train.loss={self.loss}", *fallback, *more], recipe=recipe)
 
 
-METHODS: tuple[Method, ...] = (
-    Method("grpo", "grpo", note="Flow-GRPO (arXiv 2505.05470)"),
-    Method("grpo_guard", "grpo_guard", note="GRPO-Guard (arXiv 2510.22319)"),
-    Method("dppo", "dppo", recipe="digits_dppo.yaml", note="Flow-DPPO: trust region by the exact transition KL"),
-    Method("nft", "nft", ON_SAMPLES, note="DiffusionNFT (arXiv 2509.16117)"),
-    Method("awm", "awm", ON_SAMPLES, recipe="digits_awm.yaml", note="AWM (arXiv 2509.25050)"),
-    Method("dgpo", "dgpo", ON_SAMPLES, recipe="digits_dgpo.yaml", note="DGPO: group preference on ODE samples"),
-    # GARDO's gate needs an auxiliary reward and its diversity shaping image features: its recipe says which
-    Method("gardo_grpo", "gardo_grpo", None, recipe="digits_gardo.yaml", note="GARDO on GRPO (arXiv 2512.24138)"),
-    Method("dpo", "dpo", ON_SAMPLES, note="online DPO (best vs worst of each group)"),
-    Method("gdro", "gdro", ON_SAMPLES, note="online GDRO (Plackett-Luce over each group's ranking)"),
-)
-BY_NAME = {m.name: m for m in METHODS}
+def all_methods() -> tuple[Method, ...]:
+    """A row per registered update, in the registry's order, from its declaration alone: its ``summary``, its
+    ``digits_recipe`` (it runs on that recipe only), else ``recipes/digits.yaml`` with the GRPO family's group
+    sampler kept or, for an update on finished samples, :data:`ON_SAMPLES`. An update on an offline dataset
+    is a row too (skipped: ``flowrl bench offline`` compares it)."""
+    from ..updates import UPDATES, default_needs
+
+    rows = []
+    for name in UPDATES.entries:
+        cls, needs = UPDATES.get(name), default_needs(name)
+        overrides = None if cls.digits_recipe else ON_SAMPLES if not needs.transitions else ()
+        rows.append(Method(name, name, overrides, recipe=cls.digits_recipe, note=cls.summary,
+                           offline=needs.consumes != "rollout"))
+    return tuple(rows)
 
 
 def _check_names(names, what: str) -> None:
-    unknown = [n for n in names if n not in BY_NAME]
+    known = [m.name for m in all_methods()]
+    unknown = [n for n in names if n not in known]
     if unknown:
         raise BenchError(f"unknown method(s) {', '.join(map(repr, unknown))}{what}; choose from "
-                         f"{', '.join(BY_NAME)}")
+                         f"{', '.join(known)}")
 
 
 def skip_reason(m: Method, given_recipe: bool = False) -> Optional[str]:
     """Why ``m`` cannot run in this build (None: it can); ``given_recipe``: the user gave it a recipe."""
-    from ..updates import UPDATES
-
-    if m.loss not in UPDATES:
-        return f"not available in this build (update {m.loss!r} is not registered)"
+    if m.offline:
+        return "trains on an offline dataset (train.mode offline): `flowrl bench offline` compares it"
     if m.overrides is None and not given_recipe and m.shipped_recipe() is None:
         return f"not available in this build (it runs on recipes/{m.recipe}, which this build does not ship)"
     return None
@@ -149,7 +151,7 @@ def chosen_runs(methods: Optional[Sequence[str]] = None, method_overrides: Optio
     except ValueError as e:
         raise BenchError(f"the shared overrides: {e}") from None
     runs, skipped = {}, {}
-    for m in (m for m in METHODS if not methods or m.name in methods):
+    for m in (m for m in all_methods() if not methods or m.name in methods):
         reason = skip_reason(m, m.name in method_recipes)
         if reason is not None:
             skipped[m.name] = reason
@@ -196,13 +198,13 @@ def bench_methods(pipeline: str = "digits", budget_seconds: float = 120.0, eval_
     for name, diff in differs.items():
         print(f"[bench methods] {name}: its recipe evaluates differently: "
               + "; ".join(f"{k} {a} (digits.yaml: {b})" for k, (a, b) in diff.items()), flush=True)
-    variants, failed = {}, {}
+    variants, failed, rows = {}, {}, {m.name: m for m in all_methods()}
     for i, (name, var) in enumerate(runs.items(), 1):
         if progress:
             print(f"[bench methods] {i}/{len(runs)} {name}: {Path(var.recipe or RECIPE).name} "
-                  f"train.loss={BY_NAME[name].loss} ({budget_seconds:g} training s)", flush=True)
+                  f"train.loss={rows[name].loss} ({budget_seconds:g} training s)", flush=True)
         try:
-            variants[name] = {"note": BY_NAME[name].note, "overrides": list(var.overrides),
+            variants[name] = {"note": rows[name].note, "overrides": list(var.overrides),
                               "differs": differs.get(name, {}),
                               **run_variant(RECIPE, var, budget_seconds, eval_every_seconds, progress=progress)}
         except Exception as e:  # noqa: BLE001 (one method's failure is its row; the others still run)
@@ -254,7 +256,8 @@ def add_methods_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--pipeline", choices=["digits"], default="digits", help="the model (digits only)")
     p.add_argument("--budget", type=positive_float, default=120.0, help="training seconds per method")
     p.add_argument("--eval-every", type=positive_float, default=20.0, help="evaluate every N training seconds")
-    p.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(BY_NAME)} (default: all)")
+    p.add_argument("--methods", default=None, help="comma-separated subset of the registered updates (default: all; "
+                                                   "`flowrl train --help` lists them)")
     p.add_argument("--method-override", action="append", metavar="METHOD:KEY=VALUE",
                    help="a dotted override for one method (repeatable), e.g. nft:train.loss_options.beta=0.5")
     p.add_argument("--method-recipe", action="append", metavar="METHOD:RECIPE",
@@ -264,3 +267,12 @@ def add_methods_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted overrides applied to every method")
     p.set_defaults(fn=_run)
     return p
+
+
+def __getattr__(name: str):
+    """``METHODS`` / ``BY_NAME``: the rows of the updates registered now (:func:`all_methods`)."""
+    if name == "METHODS":
+        return all_methods()
+    if name == "BY_NAME":
+        return {m.name: m for m in all_methods()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

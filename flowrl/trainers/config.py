@@ -16,8 +16,9 @@ import yaml
 from ..distributed.mesh import check_parallel_settings
 from ..distributed.strategy import SHARDINGS
 from ..errors import ConfigError
+from ..options import check_value, declared
 from ..registry import SAMPLERS
-from ..updates import DEFAULT_LOSS, UPDATES, updates_by_input
+from ..updates import DEFAULT_LOSS, UPDATES, loss_help, updates_by_input
 from ..updates.base import build_options, incompatibility
 from .config_base import SECTION_NAMES, _h
 from .config_text import (_fix_floats, apply_overrides, keep_loss_options_of_new_loss, moved_key_hint, read_recipe,
@@ -26,8 +27,6 @@ from .offline_config import OfflineConfig
 
 __all__ = ["Config", "ModelConfig", "SamplerConfig", "RewardConfig", "TrainConfig", "DataConfig", "LoggingConfig",
            "SECTIONS", "load_config", "load_run_config", "dump_config", "samples_per_prompt"]
-
-
 
 
 @dataclass
@@ -168,13 +167,7 @@ class TrainConfig:
     # --- what is trained on, and how long
     mode: str = _h("'online' (rollouts of the sampler section, section sampler) or 'offline' (a dataset from "
                    "`flowrl generate-offline`, section offline)", "online")
-    loss: Optional[str] = _h("the update (flowrl.updates.UPDATES): 'grpo' (clipped ratio on stored transitions), "
-                             "'grpo_guard' (GRPO-Guard's regulated clipping), 'nft' (DiffusionNFT on finished "
-                             "samples; any sampler, ODE included), 'dpo' (online Diffusion-DPO: each group's best vs "
-                             "worst sample), 'gdro' (online GDRO: Plackett-Luce over each group's ranking), "
-                             "'awm' (advantage-weighted flow matching on finished samples), 'dgpo' (group preference "
-                             "on finished samples), 'offline_gdro' (train.mode offline); empty = grpo online, "
-                             "offline_gdro offline", None)
+    loss: Optional[str] = _h(loss_help(), None)  # every registered update, from its declaration
     loss_options: dict = _h("the update's own options (its Options dataclass in flowrl/updates/): e.g. "
                             "{clip_range: 1.0e-3, beta_kl: 0.04, kl_form: exact} for grpo, {beta: 1.0} for nft, "
                             "{beta: 12.0, tau: 0.05} for gdro; every update takes cfg_uncond_grad. See "
@@ -413,19 +406,16 @@ def samples_per_prompt(sampler) -> int:
     return int(sampler.samples_per_prompt)
 
 
-_TYPES = {int: (int,), float: (int, float), bool: (bool,), str: (str,), dict: (dict,), list: (list,)}
-
-
 def _check_types(section: str, cls, raw: dict) -> None:
-    """Reject obviously wrong YAML types (a string where a number belongs, ...)."""
-    hints = {f.name: f.type for f in fields(cls)}
+    """A recipe value of the wrong type for its field (a string where a number belongs, ...): one line
+    (the section's fields are its declaration, :mod:`flowrl.options`; null is left to the section's checks)."""
+    declared_fields, _ = declared(cls)
     for k, v in raw.items():
-        t = hints[k]
-        t = {"int": int, "float": float, "bool": bool, "str": str, "dict": dict, "list": list}.get(t, None) if isinstance(t, str) else t
-        if t in _TYPES and v is not None:
-            ok = isinstance(v, _TYPES[t]) and not (t in (int, float) and isinstance(v, bool))
-            if not ok:
-                raise ConfigError(f"{section}.{k} must be {t.__name__}, got {v!r} ({type(v).__name__})")
+        if v is not None:
+            try:
+                check_value(f"{section}.{k}", declared_fields[k], v)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
 
 def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[list[str]] = None) -> Config:

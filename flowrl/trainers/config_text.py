@@ -156,8 +156,9 @@ def read_recipe(path: Union[str, Path]) -> dict:
 def keep_loss_options_of_new_loss(d: dict, recipe_loss: Optional[str], overrides: list[str]) -> None:
     """``train.loss=X`` on the command line over a recipe of another loss (``recipe_loss``: the recipe's
     own, or its mode's default), with no ``train.loss_options``
-    given there: the recipe's loss options that X does not take are dropped, with a notice on stderr (so
-    ``--config digits train.loss=dpo`` runs, and ``grpo`` -> ``grpo_guard`` keeps the shared clip range)."""
+    given there: the recipe's loss options that X takes are kept and the others dropped, both said in one line on
+    stderr (so ``--config digits train.loss=dpo`` runs, and ``grpo`` -> ``grpo_guard`` keeps the shared clip
+    range)."""
     import sys
 
     from ..updates import UPDATES
@@ -173,8 +174,11 @@ def keep_loss_options_of_new_loss(d: dict, recipe_loss: Optional[str], overrides
         return
     valid = {f.name for f in dataclasses.fields(UPDATES.get(loss).Options)}
     dropped = sorted(k for k in options if k not in valid)
-    if dropped:
-        train["loss_options"] = {k: v for k, v in options.items() if k in valid}
-        print(f"[flowrl] train.loss={loss} on the command line: the recipe's train.loss_options for "
-              f"{recipe_loss} that {loss} does not take are dropped ({', '.join(dropped)})",
-              file=sys.stderr, flush=True)
+    kept = sorted(k for k in options if k in valid)
+    train["loss_options"] = {k: v for k, v in options.items() if k in valid}
+    # one rule for every update, said in one line: an option the new loss takes is kept, any other dropped
+    said = [f"kept where {loss} takes them ({', '.join(kept)})" if kept else "",
+            f"dropped where it does not ({', '.join(dropped)})" if dropped else ""]
+    print(f"[flowrl] train.loss={loss} on the command line: the recipe's train.loss_options for {recipe_loss} are "
+          f"{' and '.join(filter(None, said))}; set train.loss_options=... to choose them", file=sys.stderr,
+          flush=True)

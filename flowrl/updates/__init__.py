@@ -9,18 +9,18 @@ from __future__ import annotations
 
 from ..registry import Registry  # light: the classes import on first use
 
-UPDATES = Registry("update", {
+UPDATES = Registry("update", {  # in the order users read them (help, bench tables): transitions, samples, offline
     "grpo": "flowrl.updates.grpo:GRPOUpdate",
-    "nft": "flowrl.updates.nft:NFTUpdate",
-    "dpo": "flowrl.updates.preference:DPOUpdate",
-    "gdro": "flowrl.updates.preference:GDROUpdate",
     "grpo_guard": "flowrl.updates.grpo_guard:GRPOGuardUpdate",
-    "offline_gdro": "flowrl.updates.offline_gdro:OfflineGDROUpdate",
-    "awm": "flowrl.updates.awm:AWMUpdate",
-    "dgpo": "flowrl.updates.dgpo:DGPOUpdate",
     "dppo": "flowrl.updates.dppo:DPPOUpdate",
     "gardo_grpo": "flowrl.updates.gardo:GARDOGRPOUpdate",
+    "nft": "flowrl.updates.nft:NFTUpdate",
+    "awm": "flowrl.updates.awm:AWMUpdate",
+    "dgpo": "flowrl.updates.dgpo:DGPOUpdate",
     "gardo_nft": "flowrl.updates.gardo:GARDONFTUpdate",
+    "dpo": "flowrl.updates.preference:DPOUpdate",
+    "gdro": "flowrl.updates.preference:GDROUpdate",
+    "offline_gdro": "flowrl.updates.offline_gdro:OfflineGDROUpdate",
 })
 
 DEFAULT_LOSS = {"online": "grpo", "offline": "offline_gdro"}  # train.loss when a recipe names none, by train.mode
@@ -31,6 +31,25 @@ def default_needs(name: str):
     """The :class:`~flowrl.updates.base.Needs` of update ``name`` with its default options."""
     cls = UPDATES.get(name)
     return cls.needs(cls.Options())
+
+
+def describe_updates() -> list[tuple[str, str]]:
+    """``(name, summary)`` of every registered update, in registry order: what ``train.loss``'s help and the
+    bench tables say (each update's own ``summary`` declaration)."""
+    return [(name, UPDATES.get(name).summary) for name in UPDATES.entries]
+
+
+def loss_help() -> str:
+    """``train.loss``'s help: every registered update with its one-line summary."""
+    listing = "; ".join(f"{name!r}: {summary}" for name, summary in describe_updates())
+    return (f"the update (flowrl.updates.UPDATES, docs/algorithms.md): {listing}; empty = "
+            f"{DEFAULT_LOSS['online']} online, {DEFAULT_LOSS['offline']} offline")
+
+
+def updates_help() -> str:
+    """The registered updates as ``flowrl train --help`` lists them: a line each, its name and its summary."""
+    rows = "\n".join(f"  {name:<13} {summary}" for name, summary in describe_updates())
+    return f"updates (train.loss=NAME; their options: train.loss_options):\n{rows}"
 
 
 def updates_by_input() -> dict[str, list[str]]:
@@ -56,4 +75,5 @@ def moved_key_table() -> dict[str, tuple[str, list[str]]]:
     return out
 
 
-__all__ = ["UPDATES", "DEFAULT_LOSS", "MODE_INPUT", "default_needs", "updates_by_input", "moved_key_table"]
+__all__ = ["UPDATES", "DEFAULT_LOSS", "MODE_INPUT", "default_needs", "describe_updates", "loss_help", "updates_help",
+           "updates_by_input", "moved_key_table"]

@@ -74,6 +74,8 @@ class AWMUpdate(KeepsRampedCopy, Update):
     """AWM on finished samples (module doc); keeps the EMA copy across iterations when its options use one."""
 
     Options = AWMUpdateOptions
+    summary = "AWM (arXiv 2509.25050): advantage-weighted flow matching on finished samples"
+    digits_recipe = "digits_awm.yaml"
     COPY = "ema_policy"  # the EMA copy (self.ramped), kept with beta_ema_kl > 0 or off_policy
 
     @classmethod

@@ -158,6 +158,11 @@ class Update:
     """
 
     Options: ClassVar[type] = UpdateOptions
+    # what a user reads about the method (train.loss's help, the bench methods table): one line, its paper
+    summary: ClassVar[str] = ""
+    # its recipe on the embedded digits model (a shipped recipe's file name) when it needs one of its own (an
+    # auxiliary reward, a dataset); None: recipes/digits.yaml with train.loss set to it
+    digits_recipe: ClassVar[Optional[str]] = None
 
     @classmethod
     def needs(cls, options) -> Needs:

@@ -83,6 +83,8 @@ class DGPOUpdate(KeepsRampedCopy, Update):
     """DGPO on a rollout's groups (module doc); keeps the EMA old policy across iterations."""
 
     Options = DGPOUpdateOptions
+    summary = "DGPO: group preference on finished samples"
+    digits_recipe = "digits_dgpo.yaml"
     COPY = "old_policy"  # the EMA old policy (self.ramped), kept with clip_dsm, clip_kl or use_ema_ref
 
     @classmethod

@@ -41,6 +41,8 @@ class DPPOUpdate(GRPOUpdate):
     """Flow-DPPO: the KL-masked policy gradient on stored transitions (its knobs: :class:`DPPOOptions`)."""
 
     Options = DPPOOptions
+    summary = "Flow-DPPO: policy gradient masked by a trust region of the exact transition KL"
+    digits_recipe = "digits_dppo.yaml"
 
     def prepare(self, rollout, cond, trans, rows: torch.Tensor) -> dict:
         """``old_mean`` [M, C, H, W]: step means under the weights before this update (no grad)."""

@@ -275,6 +275,8 @@ class GARDOGRPOUpdate(GARDO, GRPOUpdate):
     """GARDO on GRPO: flat groups of stored transitions (``group``, ``sol`` with regen: group)."""
 
     Options = GARDOGRPOOptions
+    summary = "GARDO (arXiv 2512.24138) on GRPO: gated KL to an adaptive reference, diversity-aware advantages"
+    digits_recipe = "digits_gardo.yaml"
     when_empty = "zero"
 
     @classmethod
@@ -338,6 +340,8 @@ class GARDONFTUpdate(GARDO, NFTUpdate):
     """GARDO on DiffusionNFT: finished samples of any sampler, ODE included."""
 
     Options = GARDONFTOptions
+    summary = "GARDO (arXiv 2512.24138) on DiffusionNFT: gated velocity KL, diversity-aware advantages"
+    digits_recipe = "digits_gardo_nft.yaml"
     when_empty = "all"
 
     @classmethod

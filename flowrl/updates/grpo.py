@@ -73,6 +73,7 @@ class GRPOUpdate(Update):
     :meth:`surrogate` and may compute per-call tensors before any step in :meth:`prepare`."""
 
     Options = GRPOOptions
+    summary = "Flow-GRPO (arXiv 2505.05470): clipped probability ratio on stored SDE transitions"
     step_fn = None
 
     @classmethod

@@ -63,6 +63,8 @@ def guard_clipped_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean:
 class GRPOGuardUpdate(GRPOUpdate):
     """GRPO with GRPO-Guard's regulated clipping; advantages, KL and accounting as ``grpo``."""
 
+    summary = "GRPO-Guard (arXiv 2510.22319): GRPO with ratio normalisation and per-step reweighting"
+
     @dataclass
     class Options(GRPOOptions):
         ratio_norm: bool = True  # re-centre and rescale the log-ratio (the RatioNorm term)

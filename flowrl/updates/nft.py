@@ -62,6 +62,7 @@ class NFTUpdate(Update):
     """DiffusionNFT; keeps the old policy across iterations (checkpointed as ``extra["old_policy"]``)."""
 
     Options = NFTOptions
+    summary = "DiffusionNFT (arXiv 2509.16117): positive / negative velocity contrast on finished samples"
 
     @classmethod
     def needs(cls, options) -> Needs:

@@ -82,6 +82,8 @@ class OfflineGDROUpdate(Update):
     of ``offline.batch_groups`` group ids of ``ctx.dataset`` (in the order the trainer drew them)."""
 
     Options = OfflineGDROOptions
+    summary = "offline GDRO: Plackett-Luce over groups generated and scored once (train.mode offline)"
+    digits_recipe = "digits_gdro.yaml"
 
     @classmethod
     def needs(cls, options) -> Needs:

@@ -54,6 +54,7 @@ class GDROUpdate(Update):
     """Online GDRO: the Plackett-Luce loss over each group's whole ranking."""
 
     Options = PreferenceOptions
+    summary = "online GDRO: Plackett-Luce over each group's ranking of finished samples"
     pairwise = False
 
     @classmethod
@@ -102,5 +103,7 @@ class GDROUpdate(Update):
 
 class DPOUpdate(GDROUpdate):
     """Online Diffusion-DPO: each group's best vs worst sample (``tau`` unused)."""
+
+    summary = "online Diffusion-DPO: each group's best vs worst finished sample"
 
     pairwise = True
