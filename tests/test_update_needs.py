@@ -105,13 +105,13 @@ IMPOSSIBLE = {
     "a moved key: the clip range": ("digits", ["train.clip_range=0.2"],
                                     "train.loss_options.clip_range (train.loss: grpo / grpo_guard / gardo_grpo)"),
     "a moved key: the KL weight": ("digits", ["train.beta_kl=0.1"], "unknown key train.beta_kl. It is an option of "
-                                   "the update now: train.loss_options.beta_kl (train.loss: grpo / nft / grpo_guard / dppo / "
-                                   "gardo_grpo / gardo_nft)"),
+                                   "the update now: train.loss_options.beta_kl (train.loss: grpo / grpo_guard / dppo / "
+                                   "gardo_grpo / nft / gardo_nft)"),
     "a moved key: the KL form": ("digits", ["train.kl_form=exact"],
                                  "train.loss_options.kl_form (train.loss: grpo / grpo_guard / dppo / gardo_grpo)"),
     "a moved key: the advantage clip": ("digits", ["train.adv_clip_max=3"],
-                                        "train.loss_options.adv_clip_max (train.loss: grpo / nft / grpo_guard / dppo / "
-                                        "gardo_grpo / gardo_nft)"),
+                                        "train.loss_options.adv_clip_max (train.loss: grpo / grpo_guard / dppo / "
+                                        "gardo_grpo / nft / gardo_nft)"),
     "a moved key: the CFG gradient": ("digits_gdro", ["train.cfg_uncond_grad=true"],
                                       "train.loss_options.cfg_uncond_grad (every train.loss)"),
 }
