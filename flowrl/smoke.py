@@ -119,8 +119,6 @@ def smoke_overrides(cfg, model_dir: Path, scratch: Path, edits: bool = True) -> 
     """Overrides (applied after the user's) that shrink the recipe ``cfg`` as the module doc says;
     ``scratch`` is a temporary directory for a text-embedding cache; ``edits`` False: an editing model's
     smoke data and reward are left out (the user's prompt set has no source images)."""
-    from .errors import ConfigError
-
     from .pipelines import policy_class
 
     prompts = PROMPTS.get(cfg.model.pipeline, DEFAULT_PROMPTS)

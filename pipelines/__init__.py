@@ -25,7 +25,7 @@ REGISTRY = Registry("pipeline", {
     "flux2": "flowrl.pipelines.flux2:Flux2Policy.from_pretrained",
     "flux2-klein": "flowrl.pipelines.flux2_klein:Flux2KleinPolicy.from_pretrained",
     "z-image": "flowrl.pipelines.z_image:ZImagePolicy.from_pretrained",
-    "wan2.2": "flowrl.pipelines.wan:Wan22Policy.from_pretrained",
+    "wan2.2": "flowrl.pipelines.wan22:Wan22Policy.from_pretrained",
 })
 
 

@@ -82,6 +82,7 @@ from typing import ClassVar, Optional, Sequence, Union
 import torch
 
 from flowrl.options import PositiveInt, check_value, declared
+from flowrl.schedules import flow_sigmas
 from flowrl.seeding import seeded_randn
 from flowrl.utils.io import atomic_dir, write_json
 
@@ -165,6 +166,9 @@ class DiffusersPolicy(ModelFacts):
     # with CFG in a differentiable forward: gradient through the unconditional half too (True), or that
     # half without gradient (False, Flow-GRPO's training forward); the trainer sets train.loss_options.cfg_uncond_grad
     cfg_uncond_grad: bool = True
+    # token sequences a transformer call gets must be a multiple of this (the run's context-parallel degree: each
+    # process takes an equal slice); the trainer sets it from the run's layout, an adapter never reads it off a module
+    token_multiple: int = 1
 
     # --- declarations with defaults ---------------------------------------------------------
     @classmethod
@@ -353,6 +357,21 @@ class DiffusersPolicy(ModelFacts):
         uncond = (x, sigma, *(cond["negative_" + k] for k in self.cond_keys))
         u, c = cfg_halves(self._forward, uncond, text, uncond_grad=self.cfg_uncond_grad)  # [B, C, (F',) h, w] each
         return cfg_combine(u, c, self.cfg_scale_for(sigma, x.ndim), uncond_grad=self.cfg_uncond_grad)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """``[num_steps + 1]`` float32 from 1 to 0: ``flow_sigmas(num_steps, shift, schedule)`` with a static
+        ``shift`` (SD3, SANA and Wan resolve theirs from the scheduler), else exactly what the pipeline gives
+        its scheduler (:meth:`pipeline_sigmas`)."""
+        if self.shift is not None:
+            return flow_sigmas(num_steps, self.shift, self.schedule)
+        if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1:
+            raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
+        return self.pipeline_sigmas(num_steps)
+
+    def pipeline_sigmas(self, num_steps: int) -> torch.Tensor:
+        """The pipeline's own ``[num_steps + 1]`` sigmas at this resolution (an adapter whose ``shift`` may be
+        None overrides it; :func:`pipelines.common.scheduler_sigmas` runs a copy of the pipeline's scheduler)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no pipeline schedule: pass a static shift")
 
     def cfg_scale_for(self, sigma: torch.Tensor, ndim: int):
         """The guidance scale of rows at ``sigma`` [B]: ``cfg_scale`` (a float); an adapter whose scale changes

@@ -64,6 +64,15 @@ def check_scheduler(owner: str, config, shift: Optional[float], schedule: str, *
         flow_sigmas(1, float(shift), schedule)  # validate early
 
 
+def scheduler_sigmas(scheduler, sigmas, mu: Optional[float] = None) -> torch.Tensor:
+    """``[T + 1]`` float32 on the CPU: the sigmas a fresh copy of the pipeline's ``scheduler`` (a diffusers
+    flow-matching scheduler; the pipeline's own stays untouched) makes of the ``T`` ``sigmas`` a pipeline gives
+    it, with the time shift at ``mu`` when it shifts dynamically (ignored by a static one); the last is 0."""
+    fresh = type(scheduler).from_config(scheduler.config)
+    fresh.set_timesteps(sigmas=sigmas, mu=mu)
+    return fresh.sigmas.to("cpu", torch.float32)  # [T + 1]
+
+
 def cfg_combine(uncond: torch.Tensor, cond: torch.Tensor, scale: float, *, uncond_grad: bool) -> torch.Tensor:
     """Classifier-free guidance ``u + s (c - u)`` (Ho & Salimans 2022), computed in float32.
 
@@ -172,15 +181,6 @@ def transformer_dtype(transformer: torch.nn.Module) -> torch.dtype:
     when a distributed wrapper (DDP, FSDP, DeepSpeed: all keep the model in ``.module``) has no
     ``.dtype`` of its own."""
     return module_dtype(getattr(transformer, "module", transformer))
-
-
-def context_parallel_degree(module: torch.nn.Module) -> int:
-    """How many processes split ``module``'s token sequences (context parallelism: diffusers'
-    ``_parallel_config`` on the model, or under a DDP wrapper's ``module``; 1: none). An adapter that trims
-    padding tokens before the transformer keeps a multiple of it (each process takes an equal slice)."""
-    cfg = getattr(getattr(module, "module", module), "_parallel_config", None)
-    cp = getattr(cfg, "context_parallel_config", None)
-    return 1 if cp is None else int(cp.ring_degree * cp.ulysses_degree)
 
 
 def check_model_path(path_or_id: str, kind: str, example_hub_id: Optional[str] = None,

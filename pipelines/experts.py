@@ -14,11 +14,12 @@ Trained experts: ``train_experts`` (``model.options.train_experts``: ``[high, lo
 (a full fine-tune) unfreezes those only; the other expert stays frozen.
 
 Distributed runs (more than one process): every process must run the same forwards, and DDP needs a
-gradient for every trained parameter in every backward. So under FSDP2 the processes agree (one
-tiny all-reduce) on the union of the experts their rows need, and under DDP a differentiable forward
-runs every trained expert; an expert that has no row of its own on a process then runs on one row
-whose output is added times zero (values unchanged, gradients zero). Single-process runs run only
-the experts their rows need.
+gradient for every trained parameter in every backward. The module runs no collective and knows no
+layout: the run's parallelism tells it how the processes agree on the experts a forward runs
+(:meth:`TwoExperts.set_process_agreement`, from :func:`flowrl.distributed.parallelize.parallelize`: the
+union over the processes under FSDP2, every trained expert in a DDP backward); an expert that has no
+row of its own on a process then runs on one row whose output is added times zero (values unchanged,
+gradients zero). Alone (no agreement set) it runs only the experts its rows need.
 """
 from __future__ import annotations
 
@@ -89,6 +90,7 @@ class TwoExperts(nn.Module):
         self.boundary_ratio, self.num_train_timesteps = float(boundary_ratio), int(num_train_timesteps)
         self.boundary = self.boundary_ratio * self.num_train_timesteps  # in timestep units
         self.train_experts = parse_train_experts(train_experts)
+        self._agree = None  # the processes' agreement on the experts a forward runs (set_process_agreement)
         self._no_split_modules = tuple(getattr(transformer, "_no_split_modules", None) or ())  # FSDP2 units
         if any(getattr(m, "is_gradient_checkpointing", False) for m in (transformer, transformer_2)):
             self.enable_gradient_checkpointing()  # e.g. the loader turned it on for the first expert
@@ -212,23 +214,19 @@ class TwoExperts(nn.Module):
         trained = [n for n, m in self.experts() if any(p.requires_grad for p in m.parameters())]
         return (trained or ["high"])[0]
 
+    def set_process_agreement(self, agree) -> None:
+        """How the run's processes agree on the experts a forward runs: ``agree(need, trained, device)`` with
+        ``{expert: its rows here}`` and ``{expert: trained}`` -> ``{expert: runs}`` (set by the run's
+        parallelism; module doc)."""
+        self._agree = agree
+
     def _needed(self, rows: dict[str, torch.Tensor]) -> dict[str, bool]:
-        """Which experts this forward runs (module doc: all processes agree under FSDP2; DDP's
-        differentiable forwards run every trained expert)."""
+        """Which experts this forward runs: those its rows need, as the processes agree (module doc)."""
         need = {n: len(r) > 0 for n, r in rows.items()}
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if self._agree is None:
             return need
-        from flowrl.utils.sharded import is_sharded
-
-        if is_sharded(self):
-            flags = torch.tensor([need[n] for n in EXPERTS], dtype=torch.int32, device=rows["high"].device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            return {n: bool(f) for n, f in zip(EXPERTS, flags.tolist())}
-        if torch.is_grad_enabled():
-            return {n: need[n] or any(p.requires_grad for p in m.parameters()) for n, m in self.experts()}
-        return need
+        trained = {n: any(p.requires_grad for p in m.parameters()) for n, m in self.experts()}
+        return self._agree(need, trained, rows["high"].device)
 
 
 def two_experts(**config) -> TwoExperts:

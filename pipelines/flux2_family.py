@@ -31,10 +31,10 @@ import numpy as np
 import torch
 
 from flowrl.options import NonNegativeFloat
-from flowrl.schedules import flow_sigmas
 
 from .base import DiffusersPolicy
-from .common import DECODE_BATCH, Resolution, Schedule, Shift, TextTokens, check_scheduler, module_dtype
+from .common import (DECODE_BATCH, Resolution, Schedule, Shift, TextTokens, check_scheduler, module_dtype,
+                     scheduler_sigmas)
 from .mmdit import DoubleSingleStreamFacts
 from .packing import PackedLatents, pack_latents
 
@@ -211,19 +211,13 @@ class Flux2FamilyPolicy(DoubleSingleStreamFacts, PackedLatents, DiffusersPolicy)
     def forward_settings(self) -> dict:
         return {"guidance_scale": self.guidance_scale}
 
-    def sigmas(self, num_steps: int) -> torch.Tensor:
-        """``[num_steps + 1]`` float32 ending in 0; by default exactly the sigmas the FLUX.2 pipelines give
-        their scheduler for ``num_steps`` steps at this resolution (module doc)."""
+    def pipeline_sigmas(self, num_steps: int) -> torch.Tensor:
+        """Exactly the sigmas the FLUX.2 pipelines give their scheduler for ``num_steps`` steps at this
+        resolution (module doc)."""
         from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
-        if self.shift is not None:
-            return flow_sigmas(num_steps, self.shift, self.schedule)
-        if not isinstance(num_steps, int) or num_steps < 1:
-            raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
-        scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)  # the pipeline's stays untouched
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps),
-                                mu=compute_empirical_mu(self.image_seq_len, num_steps))
-        return scheduler.sigmas.to("cpu", torch.float32)  # [num_steps + 1], the last 0
+        return scheduler_sigmas(self.pipe.scheduler, np.linspace(1.0, 1 / num_steps, num_steps),
+                                compute_empirical_mu(self.image_seq_len, num_steps))
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents ``[B, 32, h, w]`` -> float32 images ``[B, 3, 8h, 8w]`` in [0, 1] (:func:`flux2_vae_decode`)."""

@@ -14,13 +14,13 @@ sigma itself (the pipeline passes ``timestep / 1000``; the model multiplies by 1
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Union
 
 import numpy as np
 import torch
 
 from flowrl.options import Guidance, NonNegativeFloat
-from flowrl.schedules import flow_sigmas, flux_sigmas, shift_sigmas
+from flowrl.schedules import flux_sigmas, shift_sigmas
 
 from .base import IMAGE_SIZE, DiffusersPolicy
 from .common import Resolution, Schedule, Shift, TextTokens, check_scheduler, resolve_resolution
@@ -171,18 +171,13 @@ class FluxFamilyPolicy(DoubleSingleStreamFacts, PackedLatents, DiffusersPolicy):
     def forward_settings(self) -> dict:
         return {"guidance_scale": self.guidance_scale}
 
-    def sigmas(self, num_steps: int) -> torch.Tensor:
-        """``[num_steps + 1]`` float32 ending in 0; by default exactly what ``FluxPipeline`` gives its
-        scheduler at this resolution (see class doc)."""
-        if self.shift is not None:
-            return flow_sigmas(num_steps, self.shift, self.schedule)
+    def pipeline_sigmas(self, num_steps: int) -> torch.Tensor:
+        """Exactly what ``FluxPipeline`` gives its scheduler at this resolution (see class doc)."""
         cfg = self.pipe.scheduler.config
         if cfg.get("use_dynamic_shifting", False):
             return flux_sigmas(num_steps, self.image_seq_len, base_seq_len=cfg.get("base_image_seq_len", 256),
                                max_seq_len=cfg.get("max_image_seq_len", 4096), base_shift=cfg.get("base_shift", 0.5),
                                max_shift=cfg.get("max_shift", 1.15))
-        if not isinstance(num_steps, int) or num_steps < 1:
-            raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
         s = np.linspace(1.0, 1 / num_steps, num_steps).astype(np.float32)  # the pipeline's default sigmas
         s = torch.from_numpy(shift_sigmas(s, float(cfg.get("shift", 1.0))).astype(np.float32))
         return torch.cat([s, torch.zeros(1)])

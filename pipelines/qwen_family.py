@@ -33,10 +33,10 @@ import numpy as np
 import torch
 
 from flowrl.options import Between
-from flowrl.schedules import flow_sigmas, flux_mu
+from flowrl.schedules import flux_mu
 
 from .base import DiffusersPolicy
-from .common import Resolution, cfg_combine, cfg_halves, context_parallel_degree, resolve_resolution
+from .common import Resolution, cfg_combine, cfg_halves, resolve_resolution, scheduler_sigmas
 from .facts import Component, ModelConfigs
 from .components import WAN21_VAE
 from .packing import PackedLatents, pack_latents, unpack_latents
@@ -221,7 +221,7 @@ class QwenFamilyPolicy(PackedLatents, DiffusersPolicy):
     # --- FlowPolicy ----------------------------------------------------------------------
     def forward_settings(self) -> dict:
         """The context-parallel degree the text is trimmed to a multiple of (``transformer_inputs``)."""
-        return {"token_multiple": context_parallel_degree(self.transformer)}
+        return {"token_multiple": self.token_multiple}
 
     def _encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         pe, mask = self.pipe.encode_prompt(prompts, device=self.device, max_sequence_length=self.max_sequence_length)
@@ -268,19 +268,12 @@ class QwenFamilyPolicy(PackedLatents, DiffusersPolicy):
         comb = comb * (c.float().norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))  # the norm rescale
         return unpack_latents(comb, h, w)  # [B, C, h, w]
 
-    def sigmas(self, num_steps: int) -> torch.Tensor:
-        """``[num_steps + 1]`` float32 ending in 0; by default exactly the sigmas the pipeline gives its
-        scheduler at this resolution (module doc)."""
-        if self.shift is not None:
-            return flow_sigmas(num_steps, self.shift, self.schedule)
-        if not isinstance(num_steps, int) or num_steps < 1:
-            raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
+    def pipeline_sigmas(self, num_steps: int) -> torch.Tensor:
+        """Exactly the sigmas the pipeline gives its scheduler at this resolution (module doc)."""
         cfg = self.pipe.scheduler.config
         mu = flux_mu(self.image_seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
                      cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))  # the pipeline's calculate_shift
-        scheduler = type(self.pipe.scheduler).from_config(cfg)  # a fresh copy: the pipeline's stays untouched
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
-        return scheduler.sigmas.to("cpu", torch.float32)  # [num_steps + 1], the last 0
+        return scheduler_sigmas(self.pipe.scheduler, np.linspace(1.0, 1 / num_steps, num_steps), mu)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents ``[B, C, h, w]`` -> float32 images ``[B, 3, 8h, 8w]`` in [0, 1] through the video

@@ -15,7 +15,7 @@ text tokens.
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Union
 
 import torch
 

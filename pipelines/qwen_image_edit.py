@@ -36,7 +36,7 @@ call (one call when they agree), so a row's velocity does not depend on its batc
 """
 from __future__ import annotations
 
-from typing import Annotated, Optional, Sequence, Union
+from typing import Annotated, Sequence, Union
 
 import torch
 

@@ -27,7 +27,6 @@ from typing import Annotated, Optional, Sequence, Union
 import torch
 
 from flowrl.options import AtLeast, Guidance
-from flowrl.schedules import flow_sigmas
 
 from .base import IMAGE_SIZE, DiffusersPolicy
 from .common import Resolution, Schedule, Shift, resolve_resolution
@@ -218,7 +217,3 @@ class SanaPolicy(DiffusersPolicy):
         ``prompt_attention_mask`` [B, max_sequence_length]; with guidance also the cached
         ``negative_prompt_embeds`` / ``negative_prompt_attention_mask``."""
         return super().encode_prompts(prompts)
-
-    def sigmas(self, num_steps: int) -> torch.Tensor:
-        """``[num_steps + 1]`` float32 from 1 to 0: ``flow_sigmas(num_steps, shift, schedule)``."""
-        return flow_sigmas(num_steps, self.shift, self.schedule)

@@ -8,12 +8,11 @@ which are that).
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Union
 
 import torch
 
 from flowrl.options import Guidance
-from flowrl.schedules import flow_sigmas
 
 from .base import IMAGE_SIZE, DiffusersPolicy
 from .common import Resolution, Schedule, Shift, TextTokens, resolve_resolution
@@ -170,7 +169,3 @@ class SD3Policy(SD3TransformerFacts, DiffusersPolicy):
         with guidance also ``negative_prompt_embeds`` / ``negative_pooled_prompt_embeds`` (the
         negative prompt, encoded once and cached)."""
         return super().encode_prompts(prompts)
-
-    def sigmas(self, num_steps: int) -> torch.Tensor:
-        """``[num_steps + 1]`` float32 from 1 to 0: ``flow_sigmas(num_steps, shift, schedule)``."""
-        return flow_sigmas(num_steps, self.shift, self.schedule)

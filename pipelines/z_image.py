@@ -31,15 +31,14 @@ model's (docs/models.md, "Few-step distilled models").
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Union
 
 import torch
 
 from flowrl.options import Guidance
-from flowrl.schedules import flow_sigmas
 
 from .base import IMAGE_SIZE, DiffusersPolicy
-from .common import Resolution, Schedule, Shift, TextTokens, check_scheduler
+from .common import Resolution, Schedule, Shift, TextTokens, check_scheduler, scheduler_sigmas
 from .components import FLUX_VAE, QWEN3_4B
 from .facts import Component, ModelConfigs
 
@@ -187,21 +186,14 @@ class ZImagePolicy(DiffusersPolicy):
         ``negative_prompt_embeds`` / ``negative_prompt_embeds_mask``."""
         return super().encode_prompts(prompts)
 
-    def sigmas(self, num_steps: int) -> torch.Tensor:
-        """``[num_steps + 1]`` float32 ending in 0; by default exactly the sigmas ``ZImagePipeline`` gives its
-        scheduler (module doc)."""
+    def pipeline_sigmas(self, num_steps: int) -> torch.Tensor:
+        """Exactly the sigmas ``ZImagePipeline`` gives its scheduler (module doc)."""
         from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift, get_default_z_image_sigmas
 
-        if self.shift is not None:
-            return flow_sigmas(num_steps, self.shift, self.schedule)
-        if not isinstance(num_steps, int) or num_steps < 1:
-            raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
         cfg = self.pipe.scheduler.config
         mu = calculate_shift(self.image_seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
                              cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))  # ignored by a static scheduler
-        scheduler = type(self.pipe.scheduler).from_config(cfg)  # a fresh copy: the pipeline's stays untouched
-        scheduler.set_timesteps(sigmas=get_default_z_image_sigmas(num_steps), mu=mu)
-        return scheduler.sigmas.to("cpu", torch.float32)  # [num_steps + 1], the last 0
+        return scheduler_sigmas(self.pipe.scheduler, get_default_z_image_sigmas(num_steps), mu)
 
 
 __all__ = ["Z_IMAGE_6B", "Z_IMAGE_LORA_TARGET_MODULES", "ZImagePolicy"]

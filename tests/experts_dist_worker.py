@@ -1,6 +1,6 @@
 """One process of tests/test_wan22.py's two-process check of ``TwoExperts`` (run by ``torch.distributed.run``,
 gloo on the CPU): process 0 holds a high-noise row, process 1 a low-noise row, so each process alone would
-run a different expert. Under DDP and under FSDP2 (flowrl's ``shard_model``) two training steps and a
+run a different expert. Under DDP and under FSDP2 (laid out by flowrl's ``parallelize``) two training steps and a
 ``no_grad`` forward must complete (DDP raises on the second step if a trained parameter got no gradient;
 FSDP2 hangs if the processes run different experts), and the outputs and averaged gradients must equal a
 single-process computation of both rows. Writes ``OUT/<rank>.pt`` with the largest differences."""
@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from diffusers import WanTransformer3DModel
 
-from flowrl.distributed.fsdp import shard_model
+from flowrl.distributed.mesh import ParallelLayout
+from flowrl.distributed.parallelize import parallelize
 from flowrl.pipelines.experts import TwoExperts
 from flowrl.utils.sharded import full_tensor
 
@@ -61,9 +62,12 @@ def main(out_dir: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     outs, grads = reference(world)
-    ddp = torch.nn.parallel.DistributedDataParallel(pair())
-    result = {"ddp": check(ddp, rank, outs, grads)}
-    result["fsdp"] = check(shard_model(pair(), torch.device("cpu")), rank, outs, grads)
+    cpu = torch.device("cpu")
+    replicated, sharded = pair(), pair()  # laid out by the trainer's one path (the processes' agreement included)
+    parallelize([replicated], ParallelLayout(world, rank), cpu)
+    parallelize([sharded], ParallelLayout(world, rank, sharded=True), cpu)
+    result = {"ddp": check(torch.nn.parallel.DistributedDataParallel(replicated), rank, outs, grads),
+              "fsdp": check(sharded, rank, outs, grads)}
     torch.save(result, f"{out_dir}/{rank}.pt")
     dist.destroy_process_group()
 

@@ -29,6 +29,13 @@ PROMPTS = list(DEFAULT_PROMPTS)
 TINY_MODEL_OPTIONS = ("resolution", "max_sequence_length", "dtype", "gradient_checkpointing")
 
 
+# For tests that compare two layouts (process counts, FSDP vs DDP, context parallelism): a smooth reward, the
+# digits classifier's probability, so the layouts' float32 round-off moves rewards, advantages and gradients by
+# round-off alone on any CPU (a JPEG size jumps by whole bytes when one pixel's rounding flips).
+SMOOTH_REWARD = {"reward.weights": "{digits: 1.0}", "data.prompts": "[a handwritten digit 3, a handwritten digit 7]",
+                 "data.eval_prompts": "[a handwritten digit 3]"}
+
+
 def tiny_overrides(path, sampler: str, **extra) -> list[str]:
     """Overrides that run a GPU recipe in seconds on a tiny CPU model at ``path``: the shrink tables of
     ``flowrl train --smoke`` (:mod:`flowrl.smoke`, the one source of truth), plus what these tests need

@@ -79,16 +79,17 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def case(build, attention: str, fsdp: bool, layout):
-    from flowrl.distributed.context import enable_context_parallel
-    from flowrl.distributed.fsdp import shard_model
+    import dataclasses
+
+    from flowrl.distributed.context import attention_heads
+    from flowrl.distributed.parallelize import parallelize
     from flowrl.utils.sharded import full_tensor
 
     model, kw = build()
     split = copy.deepcopy(model)
     out0, loss0, grads0 = loss_and_grads(model, kw)
-    enable_context_parallel(split, layout, torch.device("cpu"), attention)
-    if fsdp:
-        shard_model(split, torch.device("cpu"))
+    layout = dataclasses.replace(layout, sharded=fsdp, attention=attention).with_attention(attention_heads(split))
+    parallelize([split], layout, torch.device("cpu"))  # the trainer's one path: context parallel, then FSDP2
     out, loss, grads = loss_and_grads(split, kw)
     diffs = {}
     for n, g in grads.items():

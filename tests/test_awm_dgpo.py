@@ -120,7 +120,7 @@ REFUSED = {
                                "train.loss_options.kl_form: not an option of train.loss='awm'"),
     "AWM's options for DGPO": ("digits_dgpo", ["train.loss_options.weighting=t"],
                                "train.loss_options.weighting: not an option of train.loss='dgpo'"),
-    "DGPO on groups of one": ("digits_dgpo", [SOL_KEEP_ONE], "keep must be >= 2 (a group of one has no advantage"),
+    "DGPO on groups of one": ("digits_dgpo", [SOL_KEEP_ONE], "keep must be an integer >= 2 (a group of one has no advantage"),
     "AWM in offline mode": ("digits_gdro", ["train.loss=awm", "train.loss_options={}"],
                             "train.loss=awm trains on rollouts"),
     "per-reward normalisation for DGPO": ("digits_dgpo", ["reward.aggregate=per_reward"],

@@ -251,6 +251,14 @@ CASES = [
     ("plan a plain string", "plan", lambda e: ["plan", "--config", str(e["root"] / "string.yaml")],
      ["holds a plain string"], []),
     ("plan an empty recipe", "plan", lambda e: ["plan", "--config", str(e["root"] / "empty.yaml")], ["is empty"], []),
+    # the trainer's layout, checked in the same place: a degree that does not divide the processes, a Ulysses
+    # degree the model's heads (Wan2.1-1.3B: 12) do not divide
+    ("plan a context-parallel degree the GPUs do not divide", "plan",
+     lambda e: ["plan", "--config", "wan_group_ocr", "--gpus", "8", "train.context_parallel=3"],
+     ["--gpus 8", "train.context_parallel=3 must divide the number of processes"], []),
+    ("plan a Ulysses degree the heads do not divide", "plan",
+     lambda e: ["plan", "--config", "wan_group_ocr", "--gpus", "8", "train.context_parallel=8",
+                "train.context_parallel_attention=ulysses"], ["12 attention heads do not divide over 8"], []),
     # --- serve-reward (fails before it binds a port or loads a model)
     ("serve an unknown reward", "serve-reward", lambda e: ["serve-reward", "pickscor"], ["pickscor"], []),
     ("serve with an option the reward lacks", "serve-reward",

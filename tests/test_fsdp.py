@@ -23,12 +23,13 @@ from flowrl.checkpoints.common import list_checkpoints
 from flowrl.checkpoints.sharded import ShardedCheckpoint
 from flowrl.errors import ConfigError
 from flowrl.trainers.config import load_config
-from helpers import tiny_overrides
+from helpers import SMOOTH_REWARD, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
-# 3 iterations, 2 optimizer steps each (grad_accum 2 over 4 minibatches), warm-up over 2 iterations, EMA kept
+# 3 iterations, 2 optimizer steps each (grad_accum 2 over 4 minibatches), warm-up over 2 iterations, EMA kept;
+# a smooth reward (helpers.SMOOTH_REWARD): the layouts' round-off moves the later iterations by round-off alone
 GROUP = {"train.iterations": 3, "train.minibatch_size": 4, "train.grad_accum": 2, "train.warmup_iterations": 2,
-         "logging.eval_every": 2}
+         "logging.eval_every": 2, **SMOOTH_REWARD}
 
 
 def _free_port() -> int:

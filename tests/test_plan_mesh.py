@@ -32,7 +32,7 @@ def test_context_parallelism_divides_the_wan_recipes_activations():
     assert _row(plans[3], "rollout: VAE decode").bytes == _row(plans[1], "rollout: VAE decode").bytes  # not split
     assert [(p.settings["data_parallel"], p.settings["context_parallel"]) for p in plans.values()] == [(6, 1), (3, 2),
                                                                                                      (2, 3)]
-    with pytest.raises(ValueError, match="not a multiple of train.context_parallel=4"):
+    with pytest.raises(ValueError, match="--gpus 6: train.context_parallel=4 must divide the number of processes"):
         _plan(WAN, ["train.context_parallel=4"], gpus=6)
     from flowrl.errors import ConfigError
 

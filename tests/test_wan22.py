@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from flowrl.pipelines.experts import TwoExperts
-from flowrl.pipelines.wan import Wan22Policy, WanPolicy
+from flowrl.pipelines.wan import WanPolicy
+from flowrl.pipelines.wan22 import Wan22Policy
 from flowrl.rollout.ode import ode_sample
 from helpers import ROOT, fixed_velocity
 from model_parity import exported_lora

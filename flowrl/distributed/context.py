@@ -33,7 +33,7 @@ sequences or heads) have no backward and are not used.
 """
 from __future__ import annotations
 
-import math
+import dataclasses
 from typing import Optional
 
 import torch
@@ -54,18 +54,6 @@ def attention_heads(model: nn.Module) -> int:
     if heads is None:
         raise ConfigError(f"{type(model).__name__}: cannot tell its attention heads for context parallelism")
     return int(heads)
-
-
-def attention_degrees(heads: int, cp: int, mode: str = "auto") -> tuple[int, int]:
-    """``(ulysses, ring)`` degrees with ``ulysses x ring = cp``: ``ulysses`` all of ``cp`` (it must divide
-    ``heads``), ``ring`` all of it, or ``auto``: Ulysses over ``gcd(heads, cp)``, ring attention over the rest."""
-    if mode == "ring":
-        return 1, cp
-    u = math.gcd(heads, cp)
-    if mode == "ulysses" and u != cp:
-        raise ConfigError(f"train.context_parallel_attention=ulysses: {heads} attention heads do not divide over "
-                          f"{cp} processes; use auto (Ulysses over {u}, ring attention over {cp // u}) or ring")
-    return u, cp // u
 
 
 def cp_plan(model: nn.Module) -> dict:
@@ -219,14 +207,17 @@ def _check_backend(processors: list, ring: int) -> None:
 def enable_context_parallel(model: nn.Module, layout: ParallelLayout, device: torch.device,
                             attention: str = "auto", mesh=None) -> Optional[object]:
     """Split ``model``'s forwards over ``layout``'s context-parallel group (collective: every process
-    calls it, in the same order for every model). Returns the device mesh (None when ``layout.cp == 1``:
-    nothing is done); pass it back as ``mesh`` for a second model of the same run (the frozen reference)."""
+    calls it, in the same order for every model) with the layout's Ulysses and ring degrees (chosen from the
+    model's heads and ``attention`` where the layout has none yet). Returns the device mesh (None when
+    ``layout.cp == 1``: nothing is done); pass it back as ``mesh`` for a second model of the same run."""
     if layout.cp == 1:
         return None
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
 
     cp_plan(model)  # (a clear error before any collective)
-    ulysses, ring = attention_degrees(attention_heads(model), layout.cp, attention)
+    if not layout.ulysses:
+        layout = dataclasses.replace(layout, attention=attention).with_attention(attention_heads(model))
+    ulysses, ring = layout.ulysses, layout.ring
     mesh = mesh if mesh is not None else device_mesh(layout, device, ulysses, ring)
     config = ParallelConfig(context_parallel_config=ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses,
                                                                           mesh=mesh))

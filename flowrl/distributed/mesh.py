@@ -17,6 +17,8 @@ data-parallel mean (docs/cluster.md).
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,17 +31,57 @@ CP_ATTENTION = ("auto", "ulysses", "ring")  # train.context_parallel_attention
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """``world`` processes as ``dp_size`` replicas of ``cp`` ranks each; this process is ``rank``."""
+    """Every degree of a run in one record: ``world`` processes as ``dp_size`` data-parallel replicas of ``cp``
+    ranks each (a context-parallel group splitting every forward's tokens: ``ulysses`` x ``ring``, known once
+    the model's attention heads are, :meth:`with_attention`); the replicas' copies of the model are whole
+    (``sharded`` False: DDP replication, ``dp_replicate = dp_size``) or FSDP2 shards over all ``world``
+    processes (``dp_shard = world``). This process is ``rank``. Built and checked in one place,
+    :meth:`of`; the trainer and ``flowrl plan`` (``--measure`` included) apply it with one function,
+    :func:`flowrl.distributed.parallelize.parallelize`."""
 
     world: int = 1
     rank: int = 0
     cp: int = 1
+    sharded: bool = False
+    attention: str = "auto"  # train.context_parallel_attention: how cp splits into Ulysses x ring
+    ulysses: int = 0  # 0: not chosen yet (the model's heads decide: with_attention)
+    ring: int = 0
 
     def __post_init__(self):
         if self.cp < 1 or self.world % self.cp:
             raise ConfigError(f"train.context_parallel={self.cp} must divide the number of processes ({self.world}): "
                               f"launch a multiple of {self.cp} processes, or set train.context_parallel to a divisor "
                               f"of {self.world}")
+        if self.ulysses and self.ulysses * self.ring != self.cp:
+            raise ConfigError(f"Ulysses {self.ulysses} x ring {self.ring} must be train.context_parallel={self.cp}")
+
+    @classmethod
+    def of(cls, train, world: int, rank: int = 0, heads: Optional[int] = None) -> "ParallelLayout":
+        """The layout of ``world`` processes under the ``train`` settings (``context_parallel``, its attention,
+        ``sharding``), checked as a whole: the settings alone (:func:`check_parallel_settings`), the process
+        count, and with the model's attention ``heads`` the Ulysses and ring degrees. One ``ConfigError`` line."""
+        check_parallel_settings(train)
+        if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+            raise ConfigError(f"the number of processes must be a positive integer, got {world!r}")
+        layout = cls(world, rank, int(train.context_parallel), sharded=train.sharding == "fsdp",
+                     attention=train.context_parallel_attention)
+        return layout if heads is None else layout.with_attention(heads)
+
+    def with_attention(self, heads: int) -> "ParallelLayout":
+        """This layout with its Ulysses and ring degrees for a model of ``heads`` attention heads
+        (:func:`attention_degrees` under ``attention``)."""
+        ulysses, ring = attention_degrees(heads, self.cp, self.attention)
+        return dataclasses.replace(self, ulysses=ulysses, ring=ring)
+
+    @property
+    def dp_replicate(self) -> int:
+        """Replicas holding whole copies of the model (DDP): the data-parallel degree, 1 when sharded."""
+        return 1 if self.sharded else self.dp_size
+
+    @property
+    def dp_shard(self) -> int:
+        """Processes each parameter is split over (FSDP2): all of them when sharded, else 1."""
+        return self.world if self.sharded else 1
 
     @property
     def dp_size(self) -> int:
@@ -66,8 +108,20 @@ class ParallelLayout:
 
 
 def layout_for(acc, train) -> ParallelLayout:
-    """The layout of accelerator ``acc``'s processes under ``train.context_parallel``."""
-    return ParallelLayout(acc.num_processes, acc.process_index, int(getattr(train, "context_parallel", 1) or 1))
+    """The layout of accelerator ``acc``'s processes under the ``train`` settings (:meth:`ParallelLayout.of`)."""
+    return ParallelLayout.of(train, acc.num_processes, acc.process_index)
+
+
+def attention_degrees(heads: int, cp: int, mode: str = "auto") -> tuple[int, int]:
+    """``(ulysses, ring)`` degrees with ``ulysses x ring = cp``: ``ulysses`` all of ``cp`` (it must divide
+    ``heads``), ``ring`` all of it, or ``auto``: Ulysses over ``gcd(heads, cp)``, ring attention over the rest."""
+    if mode == "ring":
+        return 1, cp
+    u = math.gcd(heads, cp)
+    if mode == "ulysses" and u != cp:
+        raise ConfigError(f"train.context_parallel_attention=ulysses: {heads} attention heads do not divide over "
+                          f"{cp} processes; use auto (Ulysses over {u}, ring attention over {cp // u}) or ring")
+    return u, cp // u
 
 
 def check_parallel_settings(train) -> None:

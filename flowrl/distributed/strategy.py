@@ -10,10 +10,11 @@ Everything the trainer does differently under DDP and under FSDP2 lives in one o
 | evaluation | main process, bare module (a DDP forward is collective) | every process (forwards are collective) |
 | in sync | checksums of the trained tensors gathered | one sharded copy: nothing to diverge |
 
-Both split every transformer forward over a context-parallel group when ``train.context_parallel > 1``
-(:mod:`flowrl.distributed.context`, applied in :meth:`shard` before FSDP2); ``layout`` says which
-data-parallel replica and which slice of the tokens this process has (:mod:`flowrl.distributed.mesh`).
-Under context parallelism every process evaluates (a forward is collective over its group).
+Both apply the run's :class:`~flowrl.distributed.mesh.ParallelLayout` in :meth:`shard` through the one
+:func:`~flowrl.distributed.parallelize.parallelize` (context parallelism, then FSDP2 under ``fsdp``, then the
+processes' agreement for modules that route rows); ``layout`` says which data-parallel replica and which
+slice of the tokens this process has. Under context parallelism every process evaluates (a forward is
+collective over its group).
 
 A strategy is made once the accelerator exists (``strategy_for(train.sharding, accelerator)``).
 """
@@ -31,25 +32,27 @@ from ..checkpoints.sharded import ShardedCheckpoint
 from ..checkpoints.unsharded import UnshardedCheckpoint
 from ..trainable import load_trainable_state, trainable_state
 from ..types import swapped_transformer
-from .context import enable_context_parallel
-from .fsdp import clip_grad_norm, shard_model
+from .context import attention_heads
+from .fsdp import clip_grad_norm
 from .mesh import layout_for
+from .parallelize import parallelize
 
 
 class _Strategy:
-    """What both strategies share: the process layout and context parallelism."""
+    """What both strategies share: the process layout, applied to the modules by :meth:`shard`."""
 
     def __init__(self, acc, train) -> None:
         self.acc, self.train = acc, train
         self.layout = layout_for(acc, train)
 
-    def split_tokens(self, modules: list[Optional[nn.Module]]) -> None:
-        """Context parallelism on each module (nothing when ``train.context_parallel`` is 1)."""
-        mesh = None
-        for m in modules:
-            if m is not None:
-                mesh = enable_context_parallel(m, self.layout, self.acc.device, self.train.context_parallel_attention,
-                                               mesh)
+    def shard(self, modules: list[Optional[nn.Module]]) -> None:
+        """The layout applied in place (:func:`~flowrl.distributed.parallelize.parallelize`): ``modules[0]`` the
+        trained model, the rest frozen copies (a full fine-tune's reference; in host memory with
+        ``train.offload.reference``). Its Ulysses and ring degrees are chosen here, from the model's heads."""
+        if self.layout.cp > 1:
+            self.layout = self.layout.with_attention(attention_heads(modules[0]))
+        parallelize(modules, self.layout, self.acc.device, mixed_precision=self.train.mixed_precision,
+                    cpu_offload=self.train.cpu_offload, offload_copies=bool(self.train.offload.get("reference")))
 
 
 class ReplicatedStrategy(_Strategy):
@@ -61,11 +64,6 @@ class ReplicatedStrategy(_Strategy):
     def evaluates_here(self) -> bool:
         """Evaluation runs on the main process only (on every process under context parallelism)."""
         return self.acc.is_main_process or self.layout.cp > 1
-
-    def shard(self, modules: list[Optional[nn.Module]]) -> None:
-        """Nothing to shard: each process keeps whole modules (their forwards split over a
-        context-parallel group when there is one)."""
-        self.split_tokens(modules)
 
     def prepare(self, model: nn.Module, optimizer, scheduler) -> tuple[nn.Module, object, object, nn.Module]:
         """``(model, optimizer, scheduler, unwrapped)`` after ``accelerate.prepare`` (the DDP wrapper)."""
@@ -124,16 +122,6 @@ class ShardedStrategy(_Strategy):
     def evaluates_here(self) -> bool:
         """Every process evaluates: the sharded forwards are collective (the main process writes)."""
         return True
-
-    def shard(self, modules: list[Optional[nn.Module]]) -> None:
-        """FSDP2 in place on each module (blocks, then the root): ``modules[0]`` the trained model, the rest
-        frozen copies (a full fine-tune's reference; in host memory with ``train.offload.reference``), after
-        context parallelism when there is one."""
-        self.split_tokens(modules)
-        for i, m in enumerate(modules):
-            if m is not None:
-                offload = self.train.cpu_offload or (i > 0 and bool(self.train.offload.get("reference")))
-                shard_model(m, self.acc.device, mixed_precision=self.train.mixed_precision, cpu_offload=offload)
 
     def prepare(self, model: nn.Module, optimizer, scheduler) -> tuple[nn.Module, object, object, nn.Module]:
         """Unchanged (not through ``accelerate.prepare``, which would wrap the sharded model in DDP)."""

@@ -22,7 +22,6 @@ tensors each. What the update needs comes from its declaration (``cfg.train.upda
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from ..distributed.context import attention_heads
+from ..distributed.mesh import ParallelLayout
+from ..errors import ConfigError
 from .activations import Activations, recipe_geometry
 from .budget import Item, model_items, rollout_items, train_items
 from .models import meta_components, model_configs, num_params
@@ -68,13 +71,12 @@ def plan_memory(cfg, gpus: int = 1, gpu_memory: int = 80 * GiB, recipe: str = ""
     ``train.context_parallel: C`` the processes are ``gpus / C`` replicas of ``C``: the transformer's
     activations are one rank's (:meth:`Activations.degree`); ``train.offload`` moves rows to the host
     (:func:`flowrl.plan.placement.place`)."""
-    if not isinstance(gpus, int) or gpus < 1:
-        raise ValueError(f"--gpus must be a positive integer, got {gpus!r}")
-    cp = cfg.train.context_parallel
-    if gpus % cp:
-        raise ValueError(f"--gpus {gpus} is not a multiple of train.context_parallel={cp} (each data-parallel "
-                         f"replica is {cp} processes)")
     comp, acts = measured_setup(cfg)
+    try:  # the trainer's layout of --gpus processes, checked in the same place (the Ulysses degree by the heads)
+        layout = ParallelLayout.of(cfg.train, gpus, heads=attention_heads(comp.transformer))
+    except ConfigError as e:
+        raise ConfigError(f"--gpus {gpus}: {e}") from None
+    cp = layout.cp
     acts = acts.degree(cp)
     items = model_items(cfg, comp, gpus) + rollout_items(cfg, comp, acts) + train_items(cfg, comp, acts, gpus)
     items = place(items, cfg.train.offload)

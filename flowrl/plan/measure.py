@@ -165,13 +165,18 @@ def _set_up(cfg, comp, device: torch.device, weights: str):
     process group under ``train.context_parallel`` (one group: the measuring processes)."""
     tr = set_up_trained(_real_transformer(cfg, comp, device, weights), cfg)
     if cfg.train.context_parallel > 1:
+        import dataclasses
+
         import torch.distributed as dist
 
-        from ..distributed.context import enable_context_parallel
+        from ..distributed.context import attention_heads
         from ..distributed.mesh import ParallelLayout
+        from ..distributed.parallelize import parallelize
 
-        layout = ParallelLayout(dist.get_world_size(), dist.get_rank(), cfg.train.context_parallel)
-        enable_context_parallel(tr, layout, device, cfg.train.context_parallel_attention)
+        # the trainer's layout and its one parallelize, unsharded: the passes' peaks are one replica's (the plan
+        # counts the shards)
+        layout = ParallelLayout.of(cfg.train, dist.get_world_size(), dist.get_rank(), attention_heads(tr))
+        parallelize([tr], dataclasses.replace(layout, sharded=False), device)
     return tr
 
 

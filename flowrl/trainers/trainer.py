@@ -133,8 +133,7 @@ class Trainer:
 
     # ---------------------------------------------------------------- set-up
     def setup(self) -> None:
-        """Everything a run needs, in an order that fails fast on bad input; the run directory is claimed
-        only once everything loaded."""
+        """Everything a run needs, in an order that fails fast on bad input; the run directory claimed last."""
         cfg = self.cfg
         self._open_data()
         device = self._make_accelerator()
@@ -149,6 +148,7 @@ class Trainer:
             cfg, device, without_text_encoders=text_cache_covers(cfg.model, prompts + self.eval_prompts))
         offload_idle(policy, Offload(**cfg.train.offload), device)  # train.offload: text encoders, VAE
         policy.cfg_uncond_grad = cfg.train.update_options.cfg_uncond_grad  # CFG's unconditional half in training
+        policy.token_multiple = self.strategy.layout.cp  # a context-parallel split takes equal token slices
         self.policy = attach_text_cache(policy, cfg.model, prompts + self.eval_prompts,
                                         is_main=self.acc.is_main_process, barrier=self.acc.wait_for_everyone,
                                         progress=cfg.logging.progress and self.acc.is_main_process)
