@@ -94,8 +94,9 @@ def resident(name: str, options: Optional[Mapping]) -> tuple[Optional[int], bool
 
 
 def build(name: str, **kwargs):
-    """Build the reward registered under ``name`` with ``kwargs`` (checked first: :func:`check_options`)."""
-    check_options(name, kwargs)
+    """Build the reward registered under ``name`` with ``kwargs`` (checked first: :func:`check_options`, the
+    options named ``NAME.KEY``)."""
+    check_options(name, kwargs, name)
     return _resolve(name)(**kwargs)
 
 

@@ -61,7 +61,10 @@ def panel_names(given: list[str], configs: list) -> list[str]:
 
 
 def panel_options(names: list[str], configs: list, cli: dict) -> dict:
-    """Each panel reward's options: a config's ``reward.heldout`` / ``reward.options`` entry, then ``cli``."""
+    """Each panel reward's options: a config's ``reward.heldout`` / ``reward.options`` entry, then ``cli``; each
+    held against the reward's declaration before any reward loads (one line naming the option)."""
+    from flowrl.rewards import check_options
+
     out = {}
     for n in names:
         opts: dict = {}
@@ -69,6 +72,7 @@ def panel_options(names: list[str], configs: list, cli: dict) -> dict:
             opts.update(c.reward.heldout.get(n) or {})
             opts.update(c.reward.options.get(n) or {})
         out[n] = {**opts, **cli.get(n, {})}
+        check_options(n, out[n], f"reward.options.{n}")
     return out
 
 
