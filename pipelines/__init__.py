@@ -26,6 +26,8 @@ REGISTRY = Registry("pipeline", {
     "flux2-klein": "flowrl.pipelines.flux2_klein:Flux2KleinPolicy.from_pretrained",
     "z-image": "flowrl.pipelines.z_image:ZImagePolicy.from_pretrained",
     "wan2.2": "flowrl.pipelines.wan22:Wan22Policy.from_pretrained",
+    "qwen-image-2.1": "flowrl.pipelines.qwen_image21:QwenImage21Policy.from_pretrained",
+    "krea2": "flowrl.pipelines.krea2:Krea2Policy.from_pretrained",
 })
 
 

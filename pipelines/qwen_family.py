@@ -1,7 +1,11 @@
 """What Qwen-Image and Qwen-Image-Edit share (no adapter owns this module; ``pipelines/qwen_image.py`` and
 ``pipelines/qwen_image_edit.py`` import it): the published Qwen-Image transformer and Qwen2.5-VL configs,
 Flow-GRPO's LoRA targets, the tiny random components, and :class:`QwenFamilyPolicy`, the math both
-adapters run.
+adapters run. The pieces later models built on Qwen-Image's parts share with them are functions and a mixin
+here too: :class:`QwenVideoVaeFacts` (a Qwen-Image-style causal video VAE decoding one-frame videos: Qwen-Image,
+Qwen-Image 2.1, Krea 2), :func:`qwen_pipeline_sigmas` (the Qwen-Image pipelines' resolution-dependent schedule,
+also Qwen-Image 2.1's), :func:`pad_text` (sequence conditioning of one width with its mask) and
+:func:`tiny_qwen3_vl` (a tiny random Qwen3-VL text encoder: Qwen-Image 2.1, Krea 2).
 
 ``QwenFamilyPolicy`` exposes **unpacked latents** ``[B, 16, h, w]`` (``h = H/8``), as FLUX does;
 ``velocity`` packs them into the MMDiT's 2x2-patch token sequence ``[B, (h/2)(w/2), 64]`` and unpacks the
@@ -132,7 +136,73 @@ def tiny_qwen_components(tok, seed: int = 0, **transformer_options) -> dict:
     return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer)
 
 
-class QwenFamilyPolicy(PackedLatents, DiffusersPolicy):
+class QwenVideoVaeFacts:
+    """Model facts of an adapter whose VAE is a Qwen-Image-style causal video VAE (``AutoencoderKLQwenImage``,
+    ``AutoencoderKLQwenImage21``) that decodes its images as one-frame videos."""
+
+    @classmethod
+    def vae_factor(cls, configs: ModelConfigs) -> int:
+        """The causal video VAE: 2 per downsampling stage (one ``temperal_downsample`` entry each: 8 for
+        Qwen-Image's, 16 for Qwen-Image 2.1's)."""
+        return 2 ** len(configs.vae.config["temperal_downsample"])
+
+    @classmethod
+    def vae_latents(cls, latents: torch.Tensor) -> torch.Tensor:
+        """``[B, C, h, w]`` -> ``[B, C, 1, h, w]``: the video VAE decodes a one-frame video."""
+        return latents[:, :, None]
+
+
+def qwen_pipeline_sigmas(scheduler, image_seq_len: int, num_steps: int,
+                         grid: Optional[Sequence[float]] = None) -> torch.Tensor:
+    """``[num_steps + 1]`` float32: the sigmas the Qwen-Image pipelines (``QwenImagePipeline``,
+    ``QwenImageEditPlusPipeline``, ``QwenImage21Pipeline``) give their scheduler, ``linspace(1, 1/T, T)`` (or
+    ``grid``, the ``T`` sigmas a pipeline config fixes) with ``mu`` linear in the image's token count
+    ``image_seq_len`` (their ``calculate_shift``, the config's ``base_image_seq_len`` / ``max_image_seq_len`` /
+    ``base_shift`` / ``max_shift`` with the same fallbacks), run through a fresh copy of ``scheduler``."""
+    cfg = scheduler.config
+    mu = flux_mu(image_seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+                 cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))  # the pipelines' calculate_shift
+    sigmas = np.linspace(1.0, 1 / num_steps, num_steps) if grid is None else np.asarray(grid, dtype=np.float64)
+    return scheduler_sigmas(scheduler, sigmas, mu)
+
+
+def pad_text(pe: torch.Tensor, mask: Optional[torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """A text encoding ``pe`` ``[B, n, D]`` with its mask ``[B, n]`` (1 = token; None: every token) zero-padded to
+    ``length >= n`` tokens: ``{"prompt_embeds": [B, length, D], "prompt_embeds_mask": [B, length]}``."""
+    b, n, d = pe.shape
+    if mask is None:  # the pipelines drop an all-ones mask
+        mask = torch.ones(b, n, dtype=torch.long, device=pe.device)
+    pad = length - n
+    pe = torch.cat([pe, pe.new_zeros(b, pad, d)], 1)  # [B, L, D]
+    mask = torch.cat([mask, mask.new_zeros(b, pad)], 1)  # [B, L]
+    return {"prompt_embeds": pe, "prompt_embeds_mask": mask}
+
+
+def tiny_qwen3_vl(model_class: str, tok, num_layers: int, *, tie_word_embeddings: bool, hidden: int = 16):
+    """A tiny random Qwen3-VL text encoder over the offline tokenizer ``tok`` (``pipelines.tiny.
+    build_qwen_tokenizer``): ``model_class`` ``"Qwen3VLForConditionalGeneration"`` (Qwen-Image 2.1) or
+    ``"Qwen3VLModel"`` (Krea 2), a text model of ``num_layers`` layers ``hidden`` wide (2 query / 1 KV heads of 8,
+    the published interleaved 3-axis M-RoPE with theta 5e6, sections 1 / 1 / 2 of the 4 rotary pairs) and a 1-block
+    vision tower (patch 16, 2x2 merge, temporal patch 2, as the published one); random weights in eval mode."""
+    import transformers
+
+    ids = {name: tok.convert_tokens_to_ids(f"<|{name}|>") for name in
+           ("image_pad", "video_pad", "vision_start", "vision_end", "endoftext", "im_end")}
+    config = transformers.Qwen3VLConfig(
+        text_config={"hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": num_layers,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "vocab_size": len(tok),
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [1, 1, 2],
+                                         "mrope_interleaved": True},
+                     "bos_token_id": ids["endoftext"], "eos_token_id": ids["im_end"], "pad_token_id": ids["endoftext"]},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
+                       "out_hidden_size": hidden, "patch_size": 16, "spatial_merge_size": 2,
+                       "temporal_patch_size": 2, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
+        image_token_id=ids["image_pad"], video_token_id=ids["video_pad"], vision_start_token_id=ids["vision_start"],
+        vision_end_token_id=ids["vision_end"], tie_word_embeddings=tie_word_embeddings)
+    return getattr(transformers, model_class)(config).eval()
+
+
+class QwenFamilyPolicy(QwenVideoVaeFacts, PackedLatents, DiffusersPolicy):
     """The math Qwen-Image and Qwen-Image-Edit share (module doc); an adapter subclasses it with its
     declarations (``kind``, ``pipeline_class``, ``published``, ...) and calls :meth:`_setup_qwen`."""
 
@@ -165,16 +235,6 @@ class QwenFamilyPolicy(PackedLatents, DiffusersPolicy):
                                                      self.lora_target_modules)
 
     # --- declarations ----------------------------------------------------------------------
-    @classmethod
-    def vae_factor(cls, configs: ModelConfigs) -> int:
-        """The causal video VAE: 2 per downsampling stage (one ``temperal_downsample`` entry each: 8)."""
-        return 2 ** len(configs.vae.config["temperal_downsample"])
-
-    @classmethod
-    def vae_latents(cls, latents: torch.Tensor) -> torch.Tensor:
-        """``[B, C, h, w]`` -> ``[B, C, 1, h, w]``: the video VAE decodes a one-frame video."""
-        return latents[:, :, None]
-
     @classmethod
     def example_conditioning(cls, configs, geometry, rows, device, dtype) -> dict[str, torch.Tensor]:
         """Qwen2.5-VL embeddings ``[rows, L, joint_attention_dim]`` and their int64 mask ``[rows, L]``."""
@@ -230,16 +290,11 @@ class QwenFamilyPolicy(PackedLatents, DiffusersPolicy):
     def _padded(self, pe: torch.Tensor, mask: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
         """``encode_prompt``'s ``(prompt_embeds [B, n, D], mask [B, n] or None)`` zero-padded to
         ``max_sequence_length``: ``{"prompt_embeds": [B, L, D], "prompt_embeds_mask": [B, L]}`` (1 = token)."""
-        b, n, d = pe.shape  # n = the batch's longest prompt
+        n = pe.shape[1]  # the batch's longest prompt
         if n > self.max_sequence_length:
             raise ValueError(f"a prompt encodes to {n} tokens, more than max_sequence_length="
                              f"{self.max_sequence_length}; raise model.options.max_sequence_length (at most 1024)")
-        if mask is None:  # the pipeline drops an all-ones mask
-            mask = torch.ones(b, n, dtype=torch.long, device=pe.device)
-        pad = self.max_sequence_length - n
-        pe = torch.cat([pe, pe.new_zeros(b, pad, d)], 1)  # [B, L, D]
-        mask = torch.cat([mask, mask.new_zeros(b, pad)], 1)  # [B, L]
-        return {"prompt_embeds": pe, "prompt_embeds_mask": mask}
+        return pad_text(pe, mask, self.max_sequence_length)
 
     def velocity(self, latents: torch.Tensor, sigma, cond) -> torch.Tensor:
         """``v_theta(x_t, sigma)`` float32 ``[B, C, h, w]`` for unpacked latents; ``sigma`` in [0, 1].
@@ -270,10 +325,7 @@ class QwenFamilyPolicy(PackedLatents, DiffusersPolicy):
 
     def pipeline_sigmas(self, num_steps: int) -> torch.Tensor:
         """Exactly the sigmas the pipeline gives its scheduler at this resolution (module doc)."""
-        cfg = self.pipe.scheduler.config
-        mu = flux_mu(self.image_seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
-                     cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))  # the pipeline's calculate_shift
-        return scheduler_sigmas(self.pipe.scheduler, np.linspace(1.0, 1 / num_steps, num_steps), mu)
+        return qwen_pipeline_sigmas(self.pipe.scheduler, self.image_seq_len, num_steps)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents ``[B, C, h, w]`` -> float32 images ``[B, 3, 8h, 8w]`` in [0, 1] through the video
@@ -283,4 +335,5 @@ class QwenFamilyPolicy(PackedLatents, DiffusersPolicy):
 
 
 __all__ = ["LAST_BLOCK_UNUSED", "QwenTextTokens", "QWEN25_VL_7B", "QWEN_IMAGE_20B", "QWEN_IMAGE_LORA_TARGET_MODULES", "QWEN_IMAGE_VAE",
-           "QWEN_TEXT_ENCODERS", "QwenFamilyPolicy", "live_lora_targets", "tiny_qwen_components"]
+           "QWEN_TEXT_ENCODERS", "QwenFamilyPolicy", "QwenVideoVaeFacts", "live_lora_targets", "pad_text",
+           "qwen_pipeline_sigmas", "tiny_qwen3_vl", "tiny_qwen_components"]

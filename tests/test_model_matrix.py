@@ -29,7 +29,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run 
 RECIPES = {"qwen-image": "qwen_image_group_pickscore", "flux-kontext": "flux_kontext_edit", "wan": "wan_group_ocr",
            "qwen-image-edit": "qwen_image_edit_group_pickscore", "flux2": "flux2_group_pickscore",
            "flux2-klein": "flux2_klein_group_pickscore", "z-image": "z_image_turbo_group_pickscore",
-           "wan2.2": "wan22_group_pickscore"}
+           "wan2.2": "wan22_group_pickscore", "qwen-image-2.1": "qwen_image21_group_pickscore",
+           "krea2": "krea2_group_pickscore"}
 EDITING = {"flux-kontext": "digits-edit-sample", "qwen-image-edit": "digits-edit-multi-sample"}  # flowrl.smoke
 
 
@@ -67,7 +68,7 @@ BATCH = ["train.batch_size=4"]  # every smoke row's samples per prompt divides i
 MODEL = {"qwen-image": ["train.sharding=none"], "wan": ["reward.frame_stride=2"], "flux-kontext": [],
          "qwen-image-edit": ["reward.weights={digits_edit: 1.0, jpeg_incompressibility: 0.001}"],
          "flux2": ["train.sharding=none"], "flux2-klein": [], "z-image": [],
-         "wan2.2": ["reward.frame_stride=2", "train.batch_size=8"]}
+         "wan2.2": ["reward.frame_stride=2", "train.batch_size=8"], "qwen-image-2.1": [], "krea2": []}
 # per model, before the shrinking: FLUX.2 [dev]'s recipe normalises per reward (Flow-Factory's GDPO), which only
 # the GRPO-family updates take; the smoke run has one reward, where the sum is the same
 FIRST = {"flux2": ["reward.aggregate=sum"]}

@@ -66,13 +66,14 @@ def test_declarations(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_save_load_round_trip(tiny_dirs, name, tmp_path):
     cls = policy_class(name)
-    res = {"resolution": (32, 48)} if _accepts(cls, "resolution") else {}
+    m = getattr(cls, "tiny_multiple", lambda: 16)()  # pixels a side must be a multiple of (16; Qwen-Image 2.1: 32)
+    res = {"resolution": (2 * m, 3 * m)} if _accepts(cls, "resolution") else {}
     policy = load(tiny_dirs, name, **res)
     assert isinstance(policy, FlowPolicy)
     policy.save_pretrained(tmp_path / "saved")
     back = build_policy(name, str(tmp_path / "saved"), **_options(cls))
     if res:  # the resolution travels with the saved model (flowrl.json)
-        assert (back.height, back.width) == (32, 48) and back.latent_shape == policy.latent_shape
+        assert (back.height, back.width) == (2 * m, 3 * m) and back.latent_shape == policy.latent_shape
     x, s = policy.initial_noise([0]), torch.tensor([0.5])
     cond = policy.encode_prompts(PROMPTS[:1])
     with torch.no_grad():
