@@ -28,6 +28,8 @@ REGISTRY = Registry("pipeline", {
     "wan2.2": "flowrl.pipelines.wan22:Wan22Policy.from_pretrained",
     "qwen-image-2.1": "flowrl.pipelines.qwen_image21:QwenImage21Policy.from_pretrained",
     "krea2": "flowrl.pipelines.krea2:Krea2Policy.from_pretrained",
+    "ernie-image": "flowrl.pipelines.ernie_image:ErnieImagePolicy.from_pretrained",
+    "hunyuan-image": "flowrl.pipelines.hunyuan_image:HunyuanImagePolicy.from_pretrained",
 })
 
 

@@ -182,6 +182,15 @@ class DiffusersPolicy(ModelFacts):
         return f"{cls.pipeline_class}.from_pretrained(BASE).load_lora_weights(OUT)"
 
     @classmethod
+    def load_exported_lora(cls, pipe, out_dir, weight_name: str = "pytorch_lora_weights.safetensors",
+                           component: str = "transformer") -> None:
+        """Load one file of a ``flowrl export`` LoRA into ``pipe`` (a ``pipeline_class`` instance) as a user would
+        (:meth:`lora_load_hint`): the pipeline's ``load_lora_weights``, a second trained transformer's file with
+        ``load_into_<component>=True``. An adapter whose pipeline has no LoRA loader overrides it."""
+        pipe.load_lora_weights(str(out_dir), weight_name=weight_name,
+                               **({} if component == "transformer" else {f"load_into_{component}": True}))
+
+    @classmethod
     def tiny_components(cls, kind: str, image_size: int = IMAGE_SIZE, seed: int = 0) -> dict:
         """Keyword arguments of ``pipeline_class`` for a tiny random-weight model of ``kind``."""
         raise NotImplementedError(f"{cls.__name__} declares no tiny components")

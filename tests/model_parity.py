@@ -28,8 +28,7 @@ def exported_lora(policy, name: str, base: str, out: Path, scale: float = 0.3):
     pipe = diffusers_attr(type(policy).pipeline_class).from_pretrained(base)
     pipe.set_progress_bar_config(disable=True)
     for component, weight in info["files"].items():  # one file per trained transformer (Wan2.2: two experts)
-        pipe.load_lora_weights(out, weight_name=weight,
-                               **({} if component == "transformer" else {f"load_into_{component}": True}))
+        type(policy).load_exported_lora(pipe, out, weight, component)
     return pipe
 
 
@@ -44,7 +43,7 @@ def assert_export_is_the_trained_policy(run, out: Path, base: str, policy, cfg, 
     add_lora(policy.transformer, cfg.train.lora_rank, cfg.train.lora_alpha, policy.lora_target_modules)
     load_trainable_state(policy.transformer, trained_state)
     pipe = diffusers_attr(type(policy).pipeline_class).from_pretrained(base)
-    pipe.load_lora_weights(out)
+    type(policy).load_exported_lora(pipe, out)
     x, cond = policy.initial_noise([5, 6]), policy.encode_prompts(["a photo of a cat", "a red apple on a table"])
     with torch.no_grad():
         v_trained = policy.velocity(x, 0.7, cond)

@@ -10,7 +10,7 @@ import torch
 
 from flowrl.export import LORA_WEIGHT_NAME, write_lora
 from flowrl.pipelines import available, build_policy, policy_class
-from flowrl.pipelines.base import diffusers_attr
+from flowrl.pipelines.base import DiffusersPolicy, diffusers_attr
 from flowrl.trainable import add_lora, trainable_state
 from flowrl.types import FlowPolicy
 from helpers import PROMPTS, fixed_velocity
@@ -59,8 +59,9 @@ def test_declarations(name):
     assert isinstance(diffusers_attr(cls.transformer_class), type)
     assert hasattr(cls.lora_writer(), "save_lora_weights")
     assert "OUT" in cls.lora_load_hint() and "BASE" in cls.lora_load_hint()
-    if cls.pipeline_class:  # the declared pipeline is the one that loads the export
-        assert hasattr(diffusers_attr(cls.pipeline_class), "load_lora_weights")
+    if cls.pipeline_class:  # the declared pipeline is the one that loads the export (or the adapter says how)
+        assert hasattr(diffusers_attr(cls.pipeline_class), "load_lora_weights") or (
+            cls.load_exported_lora.__func__ is not DiffusersPolicy.load_exported_lora.__func__)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -127,7 +128,8 @@ def test_lora_targets_exist_and_train(tiny_dirs, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_export_loads_with_the_declared_diffusers_class(tiny_dirs, name, tmp_path):
     """The export writer the adapter declares writes a file its diffusers pipeline loads with
-    ``load_lora_weights`` (``load_lora_adapter`` on the transformer for pipeline-less models), and
+    ``load_lora_weights`` (the adapter's ``load_exported_lora``: ``load_lora_adapter`` on the pipeline's
+    transformer where the pipeline has no LoRA loader; on the bare transformer for pipeline-less models), and
     the loaded model's velocity equals the policy's with the LoRA."""
     cls, base = policy_class(name), str(tiny_dirs[name])
     policy = load(tiny_dirs, name)
@@ -144,8 +146,7 @@ def test_export_loads_with_the_declared_diffusers_class(tiny_dirs, name, tmp_pat
     if cls.pipeline_class:
         pipe = diffusers_attr(cls.pipeline_class).from_pretrained(base)
         for component, weight in info["files"].items():  # one file per trained transformer (Wan2.2: two experts)
-            pipe.load_lora_weights(tmp_path, weight_name=weight,
-                                   **({} if component == "transformer" else {f"load_into_{component}": True}))
+            cls.load_exported_lora(pipe, tmp_path, weight, component)
         loaded = type(policy)(pipe, **_options(cls)).transformer  # the pipeline as the policy sees it
     else:
         loaded = diffusers_attr(cls.transformer_class).from_pretrained(base, subfolder="transformer")
