@@ -211,6 +211,11 @@ class ErnieImagePolicy(DiffusersPolicy):
         return 1024  # ErnieImagePipeline's default height / width
 
     @classmethod
+    def vae_latents(cls, latents: torch.Tensor) -> torch.Tensor:
+        """The patchified latents ``[B, 128, h, w]`` as the VAE decodes them, ``[B, 32, 2h, 2w]``."""
+        return unpatchify(latents)
+
+    @classmethod
     def transformer_component(cls, transformer: dict, options: dict) -> Component:
         """The published transformer as ``flowrl plan`` and the architecture benchmark build it: the model's own
         class with a RoPE that also runs on the meta device (:func:`meta_safe_transformer_class`)."""

@@ -41,6 +41,7 @@ sigma``; the model predicts the velocity. Two published checkpoints:
 """
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Optional, Union
 
 import numpy as np
@@ -92,6 +93,40 @@ GUIDER = dict(guidance_scale=3.5, adaptive_projected_guidance_scale=10.0, adapti
 OCR_GUIDER_START_STEP = 38
 MEANFLOW_STEPS = 8  # the distilled model's published step count
 TINY_VAE_FACTOR = 8  # the tiny VAE downsamples 8x (the published one 32x), so the 32-48 px toy images have latents
+
+
+def checkpoint_with_keywords(module, *args, **kwargs):
+    """Gradient checkpointing of one block that also passes keyword arguments (non-reentrant
+    ``torch.utils.checkpoint``): ``HunyuanImageTransformer2DModel`` calls its checkpointing function with
+    ``attention_mask=`` and ``image_rotary_emb=``, which diffusers' default one (``*args`` only) refuses with a
+    ``TypeError`` in diffusers 0.42.1."""
+    import torch.utils.checkpoint
+
+    return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def checkpointable_transformer_class() -> type:
+    """``HunyuanImageTransformer2DModel`` whose ``enable_gradient_checkpointing()`` defaults to
+    :func:`checkpoint_with_keywords` (what ``flowrl plan`` and the architecture benchmark build,
+    :meth:`HunyuanImagePolicy.transformer_component`; the module attribute
+    ``CheckpointableHunyuanImageTransformer2DModel``, built on first use). A loaded model is fixed in place by the
+    adapter instead (its class name is what ``save_pretrained`` records)."""
+    from diffusers import HunyuanImageTransformer2DModel
+
+    class CheckpointableHunyuanImageTransformer2DModel(HunyuanImageTransformer2DModel):
+        def enable_gradient_checkpointing(self, gradient_checkpointing_func=None) -> None:
+            super().enable_gradient_checkpointing(gradient_checkpointing_func or checkpoint_with_keywords)
+
+    return CheckpointableHunyuanImageTransformer2DModel
+
+
+def __getattr__(name: str):
+    """``CheckpointableHunyuanImageTransformer2DModel`` (a ``Component`` class name), built on first use without
+    importing diffusers when the adapter module loads."""
+    if name == "CheckpointableHunyuanImageTransformer2DModel":
+        return checkpointable_transformer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def meanflow_end(sigma: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
@@ -154,6 +189,8 @@ class HunyuanImagePolicy(DoubleSingleStreamFacts, DiffusersPolicy):
             raise ValueError("HunyuanImagePolicy: the scheduler shifts dynamically, which HunyuanImagePipeline cannot "
                              "run (it passes no mu); use a static-shift scheduler or pass shift=")
         self._setup(pipe, device)  # frozen VAE / text encoders, vae_scale_factor, LoRA targets, negative cache
+        if self.transformer.gradient_checkpointing:  # from_pretrained's: diffusers' default function fails here
+            self.transformer.enable_gradient_checkpointing(checkpoint_with_keywords)
         pipe.tokenizer_max_length = self.max_sequence_length  # what the pipeline's encode_prompt pads Qwen's text to
         config = self.transformer.config
         self.guidance_embeds = bool(config.guidance_embeds)
@@ -177,6 +214,12 @@ class HunyuanImagePolicy(DoubleSingleStreamFacts, DiffusersPolicy):
         return 2048  # HunyuanImagePipeline's default_sample_size 64 x the VAE's 32
 
     @classmethod
+    def transformer_component(cls, transformer: dict, options: dict) -> Component:
+        """The published transformer as ``flowrl plan`` and the architecture benchmark build it, its gradient
+        checkpointing working (:func:`checkpointable_transformer_class`)."""
+        return Component(f"{__name__}:CheckpointableHunyuanImageTransformer2DModel", transformer)
+
+    @classmethod
     def cfg_rows(cls, guidance_scale: float, options: dict) -> int:
         """Rows per sample of a sampling forward: 2 with the base model's CFG. (The planner reads the published
         base model's; a distilled model's one pass per row is below that.)"""
@@ -197,19 +240,23 @@ class HunyuanImagePolicy(DoubleSingleStreamFacts, DiffusersPolicy):
     def transformer_inputs(cls, config, dtype, x, sigma, cond, guidance_scale: float = 3.5,
                            meanflow_grid: Optional[torch.Tensor] = None, **settings) -> dict:
         """Latents ``[B, 64, h, w]`` as they are, time ``1000 sigma`` in the model's dtype, both texts cut to the
-        batch's longest valid rows with their masks (meta tensors, the planner's shapes, keep all), the embedded
-        guidance ``1000 guidance_scale`` of a guidance-distilled model and the MeanFlow end time ``1000 r``
-        (:func:`meanflow_end` on ``meanflow_grid``; ``r = sigma`` without one) of a MeanFlow model."""
+        batch's longest valid rows with their masks, the embedded guidance ``1000 guidance_scale`` of a
+        guidance-distilled model and the MeanFlow end time ``1000 r`` (:func:`meanflow_end` on ``meanflow_grid``;
+        ``r = sigma`` without one) of a MeanFlow model. Meta tensors (the planner's shapes) keep every token, the
+        ByT5 ones appended to the Qwen sequence: the transformer's reordering of the two indexes by the masks'
+        values, which meta tensors do not have (the same tokens enter the blocks)."""
         b = x.shape[0]
         pe, mask = cond["prompt_embeds"], cond["prompt_embeds_mask"]  # [B, L, D], [B, L]
         pe2, mask2 = cond["prompt_embeds_2"], cond["prompt_embeds_mask_2"]  # [B, 128, D2], [B, 128]
-        if mask.device.type != "meta":
+        if mask.device.type == "meta":
+            pe = torch.cat([pe, pe.new_empty(b, pe2.shape[1], pe.shape[2])], dim=1)  # [B, L + 128, D]
+            kw = dict(encoder_hidden_states=pe.to(dtype), encoder_attention_mask=torch.cat([mask, mask2], dim=1))
+        else:
             n, n2 = max(int(mask.sum(1).max()), 1), max(int(mask2.sum(1).max()), 1)
-            pe, mask, pe2, mask2 = pe[:, :n], mask[:, :n], pe2[:, :n2], mask2[:, :n2]
-        kw = dict(hidden_states=x.to(dtype), timestep=(sigma * 1000.0).to(dtype),
-                  encoder_hidden_states=pe.to(x.device, dtype), encoder_attention_mask=mask.to(x.device),
-                  encoder_hidden_states_2=pe2.to(x.device, dtype), encoder_attention_mask_2=mask2.to(x.device),
-                  return_dict=False)
+            kw = dict(encoder_hidden_states=pe[:, :n].to(x.device, dtype), encoder_attention_mask=mask[:, :n].to(x.device),
+                      encoder_hidden_states_2=pe2[:, :n2].to(x.device, dtype),
+                      encoder_attention_mask_2=mask2[:, :n2].to(x.device))
+        kw.update(hidden_states=x.to(dtype), timestep=(sigma * 1000.0).to(dtype), return_dict=False)
         if config.get("guidance_embeds"):
             kw["guidance"] = torch.full((b,), guidance_scale, dtype=dtype, device=x.device) * 1000.0  # [B]
         if config.get("use_meanflow"):
