@@ -26,6 +26,9 @@ Loading, export and tiny models:
 ``cfg_scale_for(sigma, n)`` the CFG scale per row (default ``cfg_scale``; Wan2.2: per expert)
 ``lora_parts(tensors)``     optional: ``[(component, file, tensors)]``, one exported LoRA file per
                             trained pipeline component (Wan2.2's two experts); default one file
+``load_exported_lora(..)``  how an exported file loads into a ``pipeline_class`` instance (default
+                            its ``load_lora_weights``; HunyuanImage: the transformer's
+                            ``load_lora_adapter``, its pipeline has no LoRA loader)
 ==========================  =====================================================================
 
 Model facts (``pipelines/facts.py``, class ``ModelFacts``: the defaults fit an MMDiT with an

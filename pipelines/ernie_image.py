@@ -115,6 +115,8 @@ def meta_safe_transformer_class() -> type:
             super().__init__(**config)
             self.pos_embed.__class__ = MetaSafeEmbedND3
 
+    # the model's own name in messages (flowrl plan's, e.g. "... declares no context-parallel plan")
+    MetaSafeErnieImageTransformer2DModel.__name__ = ErnieImageTransformer2DModel.__name__
     return MetaSafeErnieImageTransformer2DModel
 
 

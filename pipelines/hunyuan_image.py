@@ -67,19 +67,20 @@ HUNYUAN_IMAGE_LORA_TARGET_MODULES = (
 # Published configs, as diffusers' scripts/convert_hunyuan_image_to_diffusers.py writes the two repositories'
 # transformer/config.json and vae/config.json (hunyuanimage2.1 and hunyuanimage2.1-distilled)
 HUNYUAN_IMAGE_21 = dict(in_channels=64, out_channels=64, num_attention_heads=28, attention_head_dim=128, num_layers=20,
-                        num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=(1, 1), qk_norm="rms_norm",
-                        guidance_embeds=False, text_embed_dim=3584, text_embed_2_dim=1472, rope_theta=256.0,
-                        rope_axes_dim=(64, 64), use_meanflow=False)
+                        num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=(1, 1),
+                        qk_norm="rms_norm", guidance_embeds=False, text_embed_dim=3584, text_embed_2_dim=1472,
+                        rope_theta=256.0, rope_axes_dim=(64, 64), use_meanflow=False)
 HUNYUAN_IMAGE_21_DISTILLED = dict(HUNYUAN_IMAGE_21, guidance_embeds=True, use_meanflow=True)
-HUNYUAN_IMAGE_VAE = dict(in_channels=3, out_channels=3, latent_channels=64, block_out_channels=[128, 256, 512, 512, 1024, 1024],
-                         layers_per_block=2, spatial_compression_ratio=32, sample_size=384, scaling_factor=0.75289,
+HUNYUAN_IMAGE_VAE = dict(in_channels=3, out_channels=3, latent_channels=64,
+                         block_out_channels=[128, 256, 512, 512, 1024, 1024], layers_per_block=2,
+                         spatial_compression_ratio=32, sample_size=384, scaling_factor=0.75289,
                          downsample_match_channel=True, upsample_match_channel=True)
 # text_encoder_2/config.json: the Glyph-ByT5 encoder (a T5EncoderModel on google/byt5-small: 12 layers 1472 wide, 6
 # heads of 64, gated-GELU 3584, byte vocabulary 384; d_model = the transformer's text_embed_2_dim). The repository's
 # own copy was not found; these are byt5-small's published config values
 BYT5_SMALL = dict(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6,
-                  relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
-                  is_encoder_decoder=False, use_cache=False, tie_word_embeddings=False)
+                  relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                  feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False, tie_word_embeddings=False)
 # text_encoder/config.json: Qwen/Qwen2.5-VL-7B-Instruct (qwen_family.QWEN25_VL_7B, as Qwen-Image's)
 TEXT_ENCODERS = {"text_encoder": Component("transformers:Qwen2_5_VLForConditionalGeneration", QWEN25_VL_7B),
                  "text_encoder_2": Component("transformers:T5EncoderModel", BYT5_SMALL)}
@@ -118,6 +119,8 @@ def checkpointable_transformer_class() -> type:
         def enable_gradient_checkpointing(self, gradient_checkpointing_func=None) -> None:
             super().enable_gradient_checkpointing(gradient_checkpointing_func or checkpoint_with_keywords)
 
+    # the model's own name in messages (flowrl plan's, e.g. "... declares no context-parallel plan")
+    CheckpointableHunyuanImageTransformer2DModel.__name__ = HunyuanImageTransformer2DModel.__name__
     return CheckpointableHunyuanImageTransformer2DModel
 
 
@@ -253,7 +256,8 @@ class HunyuanImagePolicy(DoubleSingleStreamFacts, DiffusersPolicy):
             kw = dict(encoder_hidden_states=pe.to(dtype), encoder_attention_mask=torch.cat([mask, mask2], dim=1))
         else:
             n, n2 = max(int(mask.sum(1).max()), 1), max(int(mask2.sum(1).max()), 1)
-            kw = dict(encoder_hidden_states=pe[:, :n].to(x.device, dtype), encoder_attention_mask=mask[:, :n].to(x.device),
+            kw = dict(encoder_hidden_states=pe[:, :n].to(x.device, dtype),
+                      encoder_attention_mask=mask[:, :n].to(x.device),
                       encoder_hidden_states_2=pe2[:, :n2].to(x.device, dtype),
                       encoder_attention_mask_2=mask2[:, :n2].to(x.device))
         kw.update(hidden_states=x.to(dtype), timestep=(sigma * 1000.0).to(dtype), return_dict=False)

@@ -1,11 +1,12 @@
 """Every sampler and every update on each of the newer models (Qwen-Image, FLUX.1 Kontext, Wan2.1 and
-Wan2.2 text-to-video, Qwen-Image-Edit, FLUX.2 [dev], FLUX.2 [klein], Z-Image-Turbo), two iterations each,
-through the model's own shipped recipe.
+Wan2.2 text-to-video, Qwen-Image-Edit, FLUX.2 [dev], FLUX.2 [klein], Z-Image-Turbo, Qwen-Image 2.1, Krea 2,
+ERNIE-Image, HunyuanImage 2.1), two iterations each, through the model's own shipped recipe.
 
 Each case takes the recipe, swaps in the sampler and update under test, and shrinks the rest with
 ``flowrl train --smoke``'s table (``flowrl.smoke.smoke_overrides``: the tiny random model, 32 px, a
 few steps and samples). The group sampler with GRPO is each model's own test (test_qwen_image.py,
-test_flux_kontext.py, test_wan.py, test_flux2.py, test_z_image.py); here: branch with GRPO-Guard, TempFlow with GRPO, Sol exploring
+test_flux_kontext.py, test_wan.py, test_flux2.py, test_z_image.py, test_qwen_image21.py, test_krea2.py,
+test_ernie_image.py, test_hunyuan_image.py); here: branch with GRPO-Guard, TempFlow with GRPO, Sol exploring
 with ``int8-dynamic`` (DiffusionNFT) and with ``nvfp4-emulated`` (online DPO), online GDRO, and
 offline GDRO on a generated dataset. Kontext trains on the shipped digits editing set with the
 ``digits_edit`` reward (NaN without a source: a finite reward shows the source reached it),
@@ -30,7 +31,8 @@ RECIPES = {"qwen-image": "qwen_image_group_pickscore", "flux-kontext": "flux_kon
            "qwen-image-edit": "qwen_image_edit_group_pickscore", "flux2": "flux2_group_pickscore",
            "flux2-klein": "flux2_klein_group_pickscore", "z-image": "z_image_turbo_group_pickscore",
            "wan2.2": "wan22_group_pickscore", "qwen-image-2.1": "qwen_image21_group_pickscore",
-           "krea2": "krea2_group_pickscore"}
+           "krea2": "krea2_group_pickscore", "ernie-image": "ernie_image_group_pickscore",
+           "hunyuan-image": "hunyuan_image_group_pickscore"}
 EDITING = {"flux-kontext": "digits-edit-sample", "qwen-image-edit": "digits-edit-multi-sample"}  # flowrl.smoke
 
 
@@ -68,7 +70,8 @@ BATCH = ["train.batch_size=4"]  # every smoke row's samples per prompt divides i
 MODEL = {"qwen-image": ["train.sharding=none"], "wan": ["reward.frame_stride=2"], "flux-kontext": [],
          "qwen-image-edit": ["reward.weights={digits_edit: 1.0, jpeg_incompressibility: 0.001}"],
          "flux2": ["train.sharding=none"], "flux2-klein": [], "z-image": [],
-         "wan2.2": ["reward.frame_stride=2", "train.batch_size=8"], "qwen-image-2.1": [], "krea2": []}
+         "wan2.2": ["reward.frame_stride=2", "train.batch_size=8"], "qwen-image-2.1": [], "krea2": [],
+         "ernie-image": [], "hunyuan-image": []}
 # per model, before the shrinking: FLUX.2 [dev]'s recipe normalises per reward (Flow-Factory's GDPO), which only
 # the GRPO-family updates take; the smoke run has one reward, where the sum is the same
 FIRST = {"flux2": ["reward.aggregate=sum"]}
