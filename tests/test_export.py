@@ -198,7 +198,7 @@ def test_export_errors(runs, tmp_path, monkeypatch, capsys):
     shutil.copytree(run, odd)
     (odd / "config.yaml").write_text((run / "config.yaml").read_text().replace("pipeline: sd3", "pipeline: mymodel"))
     known = ", ".join(n for n in pipelines.available() if n != "mymodel")  # every shipped adapter exports
-    assert "flux2, flux2-klein" in known and known.startswith("digits, flux,")
+    assert "flux2, flux2-klein" in known and known.startswith("digits, ") and "sd3" in known  # sorted, all of them
     with pytest.raises(ExportError, match=f"does not know pipeline 'mymodel'.*{known}"):
         export_run(odd, tmp_path / "o")
     # the CLI: exit status 2 and the message on stderr, JSON summary on success
