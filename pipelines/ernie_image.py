@@ -1,4 +1,4 @@
-"""ERNIE-Image and ERNIE-Image-Turbo (Baidu 2026, 8B) as a ``FlowPolicy``, over diffusers ``ErnieImagePipeline``.
+"""ERNIE-Image and ERNIE-Image-Turbo (Baidu, 8B) as a ``FlowPolicy``, over diffusers ``ErnieImagePipeline``.
 
 **Model.** ``ErnieImageTransformer2DModel`` is a single-stream DiT: 36 blocks of shared-AdaLN self-attention over
 the image tokens followed by the text tokens, RMS-normed queries and keys, 3-axis RoPE (image tokens
