@@ -271,3 +271,33 @@ def _groups(ro) -> torch.Tensor:
 
     return grouped(ro)
 
+
+# ---------------------------------------------------------------- the metrics and the bench
+def test_bench_aggregate_trains_both_rules_and_logs_each_reward(tiny_digits_dir, tmp_path, capsys):
+    """``flowrl bench aggregate`` on the tiny digits model: both rules from the same base, each reward's
+    evaluation mean per curve point, and per iteration the trainer's ``reward/NAME/mean`` and
+    ``reward/NAME/adv_share`` (the shares of an iteration add up to 1); the JSON, the PNG and the table."""
+    from conftest import tiny_train_overrides
+    from flowrl.cli import main
+
+    extra = [o for o in tiny_train_overrides(tiny_digits_dir, **{"data.eval_prompts": "[a handwritten digit 3]"})
+             if not o.startswith("reward.")]
+    out = tmp_path / "bench"
+    assert main(["bench", "aggregate", "--budget", "0.2", "--eval-every", "0.2", "--out", str(out), *extra]) == 0
+    res = json.loads((out / "aggregate.json").read_text())
+    assert (out / "aggregate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert res["recipe"] == "digits_two_rewards.yaml" and res["rewards"] == [A, B] and res["machine"]["cpu"]
+    assert list(res["variants"]) == ["sum", "per_reward"]
+    first = {rule: r["curve"][0]["rewards"] for rule, r in res["variants"].items()}
+    assert first["sum"] == first["per_reward"] and set(first["sum"]) == {A, B}  # same base, same evaluation
+    for rule, r in res["variants"].items():
+        assert r["iterations"] >= 1 and len(r["iterations_log"]) == r["iterations"]
+        for e in r["iterations_log"]:
+            assert {f"reward/{n}/{m}" for n in (A, B) for m in ("mean", "adv_share")} <= set(e)
+            assert e[f"reward/{A}/adv_share"] + e[f"reward/{B}/adv_share"] == pytest.approx(1.0, abs=1e-4)
+        m = res["movement"][rule]
+        for n in (A, B):
+            assert m[n]["change"] == pytest.approx(r["curve"][-1]["rewards"][n] - r["curve"][0]["rewards"][n])
+    table = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0] for ln in table if ln.split() and ln.split()[0] in ("sum", "per_reward")] == \
+        ["sum", "per_reward"]
