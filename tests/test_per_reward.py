@@ -122,6 +122,38 @@ def test_sol_keeps_the_best_and_worst_by_the_rule(tiny_digits_policy, aggregate,
     assert r.layout.selected.tolist() == kept  # sum: b's best (1); per_reward: the z-sum's best (3)
 
 
+class Brightness:
+    """100 x the mean pixel value: a local reward of another scale than JPEG's kB (no model)."""
+
+    name = "brightness"
+
+    def __call__(self, images, prompts, **meta):
+        return 100 * images.float().mean(dim=(1, 2, 3))  # [B]
+
+
+def test_a_served_reward_arrives_apart_from_the_local_ones(tiny_digits_policy):
+    """A reward served by ``flowrl serve-reward`` (``remote``) beside a local one, scored overlapped in chunks:
+    the rollout holds each reward's scores apart (the served ones equal to the reward's own on the same images),
+    and ``per_reward`` normalises each apart."""
+    from helpers_reward_server import remote_kwargs, served
+
+    from flowrl.advantages.group import group_advantages
+    from flowrl.rewards import MultiReward, build
+    from flowrl.rewards.compress import jpeg_kilobytes
+
+    with served("jpeg_compressibility") as url:
+        reward = MultiReward({"remote": build("remote", **remote_kwargs(url)), "brightness": Brightness()},
+                             {"remote": 1.0, "brightness": 1.0}, overlap=True, aggregate="per_reward")
+        r = SAMPLERS.get("group")(group_size=4, num_steps=2, max_batch=3)(tiny_digits_policy, PROMPTS, reward, seed=0)
+    comps = r.reward_components
+    assert set(comps) == {"remote", "brightness"}
+    assert torch.equal(comps["remote"], -jpeg_kilobytes(r.images))  # uint8 on the wire: what JPEG encodes anyway
+    assert torch.allclose(comps["brightness"], Brightness()(r.images, PROMPTS))
+    adv, _ = group_structure(r, per_reward_weights=reward.weights)
+    z = [group_advantages(comps[k], r.group_index)[0] for k in ("remote", "brightness")]
+    assert torch.allclose(adv, (z[0] + z[1]).clamp(-5, 5)[r.transitions.sample_index], atol=1e-6)
+
+
 def test_every_update_on_rewards_declares_per_reward():
     assert {n for n in UPDATES.entries if default_needs(n).per_reward} == set(UPDATES.entries)
 
