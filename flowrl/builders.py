@@ -19,11 +19,12 @@ EVAL_SEED = 20251121  # evaluation seeds are fixed, independent of the training 
 
 
 def build_reward(cfg):
-    """The trained reward: ``reward.weights`` with each reward's ``reward.options``, as a ``MultiReward``."""
+    """The trained reward: ``reward.weights`` with each reward's ``reward.options`` and ``reward.aggregate``, as a
+    ``MultiReward``."""
     from flowrl.rewards import build_multi
 
     return build_multi(cfg.reward.weights, {k: cfg.reward.options.get(k, {}) for k in cfg.reward.weights},
-                       overlap=cfg.reward.overlap, frame_stride=cfg.reward.frame_stride)
+                       overlap=cfg.reward.overlap, frame_stride=cfg.reward.frame_stride, aggregate=cfg.reward.aggregate)
 
 
 def build_rewards(spec: dict) -> dict:

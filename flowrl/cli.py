@@ -318,16 +318,11 @@ def _add_bench_parser(sub) -> None:
                                      "where asked)",
                        epilog=example("flowrl bench branch --pipeline digits --budget 120 --out bench"))
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    from flowrl.bench.host import add_host_parser
-    from flowrl.bench.methods import add_methods_parser
-    from flowrl.bench.ocr import add_ocr_parser
-    from flowrl.bench.offline import add_offline_parser
-    from flowrl.bench.precision_cli import add_precision_parser
-    from flowrl.bench.reward import add_reward_parser
-    from flowrl.bench.samplers import add_parsers as add_sampler_benches
+    from flowrl.bench import aggregate, host, methods, ocr, offline, precision_cli, reward, samplers
 
-    for add in (add_sampler_benches, add_methods_parser, add_precision_parser, add_offline_parser, add_host_parser,
-                add_reward_parser, add_ocr_parser):
+    for add in (samplers.add_parsers, methods.add_methods_parser, aggregate.add_aggregate_parser,
+                precision_cli.add_precision_parser, offline.add_offline_parser, host.add_host_parser,
+                reward.add_reward_parser, ocr.add_ocr_parser):
         add(bsub)
     for verb in bsub.choices.values():  # every bench verb: where it writes, checked before it measures anything
         verb.set_defaults(fn=_outputs_checked(verb.get_default("fn")))

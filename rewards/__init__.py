@@ -105,7 +105,9 @@ class MultiReward:
     per-reward advantage normalisation (MixGRPO ``advantage_aggr``).
 
     NaN in a component with non-zero weight makes the total NaN for that image (not applicable).
-    ``overlap``: samplers score each finished chunk while the next one samples (False: the serial
+    ``aggregate``: ``reward.aggregate``, how the rewards are told apart where a sampler ranks samples itself
+    (Sol-RL's kept subset: :func:`flowrl.advantages.ranking.ranking_values`); ``combine`` is the weighted
+    sum either way. ``overlap``: samplers score each finished chunk while the next one samples (False: the serial
     path; ``flowrl.scoring``). ``frame_stride``: the stride ``flowrl.scoring.score_images`` scores
     videos ``[B, 3, F, H, W]`` with when its caller gives none (``reward.frame_stride``): every image
     reward on every n-th frame, averaged per video per component (:func:`flowrl.media.score_per_frame`,
@@ -113,11 +115,14 @@ class MultiReward:
     """
 
     def __init__(self, rewards: Mapping[str, Callable], weights: Mapping[str, float], overlap: bool = True,
-                 frame_stride: int = 1):
+                 frame_stride: int = 1, aggregate: str = "sum"):
         if set(rewards) != set(weights):
             raise ValueError(f"rewards {sorted(rewards)} and weights {sorted(weights)} must name the same rewards")
         if not rewards:
             raise ValueError("MultiReward needs at least one reward")
+        if aggregate not in ("sum", "per_reward"):
+            raise ValueError(f"aggregate must be 'sum' or 'per_reward', got {aggregate!r}")
+        self.aggregate = aggregate
         self.rewards, self.weights = dict(rewards), {k: float(v) for k, v in weights.items()}
         self.overlap = bool(overlap)
         if not isinstance(frame_stride, int) or isinstance(frame_stride, bool) or frame_stride < 1:
@@ -143,11 +148,11 @@ class MultiReward:
 
 
 def build_multi(weights: Mapping[str, float], kwargs: Optional[Mapping[str, dict]] = None,
-                overlap: bool = True, frame_stride: int = 1) -> MultiReward:
-    """``{name: weight}`` (+ per-name kwargs) -> :class:`MultiReward`."""
+                overlap: bool = True, frame_stride: int = 1, aggregate: str = "sum") -> MultiReward:
+    """``{name: weight}`` (+ per-name kwargs) -> :class:`MultiReward` (``aggregate``: ``reward.aggregate``)."""
     kwargs = kwargs or {}
     unknown = set(kwargs) - set(weights)
     if unknown:
         raise ValueError(f"reward options given for {sorted(unknown)}, which are not in the weights {sorted(weights)}")
     return MultiReward({k: build(k, **kwargs.get(k, {})) for k in weights}, weights, overlap=overlap,
-                       frame_stride=frame_stride)
+                       frame_stride=frame_stride, aggregate=aggregate)

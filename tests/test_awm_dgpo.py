@@ -123,8 +123,6 @@ REFUSED = {
     "DGPO on groups of one": ("digits_dgpo", [SOL_KEEP_ONE], "keep must be an integer >= 2 (a group of one has no advantage"),
     "AWM in offline mode": ("digits_gdro", ["train.loss=awm", "train.loss_options={}"],
                             "train.loss=awm trains on rollouts"),
-    "per-reward normalisation for DGPO": ("digits_dgpo", ["reward.aggregate=per_reward"],
-                                          "reward.aggregate=per_reward has no effect with train.loss=dgpo"),
 }
 
 

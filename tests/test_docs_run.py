@@ -66,6 +66,10 @@ SUBSTITUTIONS = [
      lambda m: (f"flowrl bench methods {m.group(1)}--budget 1 --eval-every 1{m.group(2)} --methods grpo,nft "
                 f"train.batch_size=16 data.eval_seeds_per_prompt=2"),
      "1 training second per method (one iteration), GRPO and DiffusionNFT only, a small evaluation"),
+    (r"^flowrl bench aggregate (.*?)--budget \d+(.*?)(\s+#.*)?$",
+     lambda m: (f"flowrl bench aggregate {m.group(1)}--budget 1 --eval-every 1{m.group(2)} train.batch_size=16 "
+                f"data.eval_seeds_per_prompt=2"),
+     "1 training second per rule (one iteration of 16 samples), a small evaluation"),
     (r"^flowrl bench offline (.*?)--budget \d+(.*?)(\s+#.*)?$",
      lambda m: f"flowrl bench offline {m.group(1)}--budget 1 --eval-every 1{m.group(2)} {OFFLINE_BENCH}",
      "1 compute second per method on the tiny GDRO dataset (GDRO then makes no step and says so)"),

@@ -45,11 +45,6 @@ IMPOSSIBLE = {
     "a KL form for DiffusionNFT (its KL is in velocity space)": (
         "digits_sol_nft", ["train.loss_options.kl_form=exact"], "train.loss_options.kl_form: not an option of "
         "train.loss='nft'"),
-    "per-reward normalisation for DiffusionNFT": ("digits_sol_nft", ["reward.aggregate=per_reward"],
-                                                  "reward.aggregate=per_reward has no effect with train.loss=nft"),
-    "per-reward normalisation for DPO": ("digits", ["train.loss=dpo", "train.loss_options={}",
-                                                    "reward.aggregate=per_reward", ODE],
-                                         "reward.aggregate=per_reward has no effect with train.loss=dpo"),
     "inner epochs in offline mode": ("digits_gdro", ["train.inner_epochs=2"],
                                      "train.inner_epochs=2 has no effect in offline mode"),
     "GRPO's options for DiffusionNFT": ("digits", ["train.loss=nft", "train.loss_options.clip_range=0.1"],
@@ -135,6 +130,7 @@ def test_impossible_combinations_fail_at_config_time(case):
     ("digits", ["train.loss=gdro", "train.loss_options={beta: 6.0, tau: 0.0, cfg_uncond_grad: true}", SOL_ODE]),
     ("digits", ["reward.aggregate=per_reward"]),  # GRPO normalises each reward apart
     ("digits_gdro", ["reward.aggregate=per_reward"]),  # so does offline GDRO's ranking
+    ("digits_sol_nft", ["reward.aggregate=per_reward"]),  # and every update on finished samples (tests/test_per_reward.py)
     ("digits_gdro", ["train.loss=null"]),  # no loss named: the mode's (offline_gdro)
     ("digits_gardo", ["train.loss=gardo_nft", ODE]),  # GARDO on NFT: GRPO's clip_range dropped with a notice
     ("digits_gardo", ["train.loss=gardo_nft", SOL_ODE]),  # ... on Sol regenerating by ODE

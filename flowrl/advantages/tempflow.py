@@ -14,7 +14,8 @@ from typing import Optional, Sequence
 import torch
 
 from ..structures import TempFlowStructure, layout_of
-from .group import ADV_CLIP, GROUP_EPS, combine_component_advantages, group_advantages
+from .aggregate import Normalised, aggregate
+from .group import ADV_CLIP, GROUP_EPS, group_normalised
 
 # Advantage groupings of a TempFlow rollout (``TempFlowSampler.group_by`` /
 # ``tempflow_structure(group_by=...)``). The ``*_tracker`` ones use Flow-GRPO's
@@ -55,6 +56,33 @@ def tempflow_groups(rollout, group_by: str) -> torch.Tensor:
     return row.long() * t + step  # [M] long, unique per (row, step)
 
 
+def tracker_normalised(rewards: torch.Tensor, groups: torch.Tensor, steps: torch.Tensor, *,
+                       global_std: bool = False, eps: float = GROUP_EPS) -> Normalised:
+    """:func:`tracker_advantages`' normalisation before its clip, float64 (as numpy in the tracker): per cell
+    ``centred = R - mean_g(R)``, ``scale = std + eps`` (the cell's population std, or with ``global_std`` the
+    std of the step's column); a constant cell and a non-finite reward get centred 0, scale 1 and ``zero``."""
+    r = rewards.double()  # [M] float64 as numpy in the tracker
+    valid = torch.isfinite(r)  # [M]
+    centred, scale, zero = torch.zeros_like(r), torch.ones_like(r), ~valid  # [M] each
+    col_std = {}
+    if global_std:
+        for k in torch.unique(steps).tolist():
+            rk = r[(steps == k) & valid]  # [n_k]
+            col_std[k] = rk.std(unbiased=False) if rk.numel() else r.new_zeros(())
+    for gid in torch.unique(groups).tolist():
+        m = (groups == gid) & valid  # [M]
+        if not bool(m.any()):
+            continue
+        rg = r[m]  # [n_g]
+        if bool((rg == rg[0]).all()):
+            zero |= m
+            continue  # constant cell: A = 0 (the tracker's (r - mean) / (0 + eps))
+        k = int(steps[m][0])
+        std = col_std[k] if global_std else rg.std(unbiased=False)
+        centred[m], scale[m] = rg - rg.mean(), std + eps  # [n_g]
+    return Normalised(centred, scale, zero)
+
+
 def tracker_advantages(rewards: torch.Tensor, groups: torch.Tensor, steps: torch.Tensor, rows: torch.Tensor, *,
                        global_std: bool = False, eps: float = GROUP_EPS,
                        clip: float = ADV_CLIP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,27 +109,8 @@ def tracker_advantages(rewards: torch.Tensor, groups: torch.Tensor, steps: torch
         ``(A [M] float32, zero_var [M] bool)``. Non-finite rewards are left out of every
         statistic and get A = 0 (the peer would propagate NaN).
     """
-    r = rewards.double()  # [M] float64 as numpy in the tracker
-    valid = torch.isfinite(r)  # [M]
-    adv = torch.zeros_like(r)  # [M]
-    col_std = {}
-    if global_std:
-        for k in torch.unique(steps).tolist():
-            rk = r[(steps == k) & valid]  # [n_k]
-            col_std[k] = rk.std(unbiased=False) if rk.numel() else r.new_zeros(())
-    for gid in torch.unique(groups).tolist():
-        m = (groups == gid) & valid  # [M]
-        if not bool(m.any()):
-            continue
-        rg = r[m]  # [n_g]
-        if bool((rg == rg[0]).all()):
-            continue  # constant cell: A = 0 (the tracker's (r - mean) / (0 + eps))
-        k = int(steps[m][0])
-        std = col_std[k] if global_std else rg.std(unbiased=False)
-        adv[m] = (rg - rg.mean()) / (std + eps)  # [n_g]
-    adv = adv.clamp(-clip, clip).float()  # [M]
-    zero_var = zero_rows(adv, rows)  # [M]
-    return adv, zero_var
+    adv = tracker_normalised(rewards, groups, steps, global_std=global_std, eps=eps).advantages(clip).float()  # [M]
+    return adv, zero_rows(adv, rows)
 
 
 def zero_rows(adv: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -120,8 +129,8 @@ def tempflow_rows(rollout) -> torch.Tensor:
 
 
 def tempflow_structure(rollout, *, group_by: Optional[str] = None, global_std: bool = False,
-                       per_reward_weights: Optional[dict] = None, adv_clip: float = ADV_CLIP,
-                       **_: object) -> tuple[torch.Tensor, dict]:
+                       per_reward_weights: Optional[dict] = None, reward_weights: Optional[dict] = None,
+                       adv_clip: float = ADV_CLIP, **_: object) -> tuple[torch.Tensor, dict]:
     """Per-step process-reward advantages of a TempFlow rollout (arXiv 2508.04324, docs/algorithms.md §5).
 
     ``A[b, k] = (R[b, k] - mean(R[., k])) / (std(R[., k]) + 1e-4)`` within each group (see
@@ -140,13 +149,16 @@ def tempflow_structure(rollout, *, group_by: Optional[str] = None, global_std: b
             noise per prompt.
         global_std: divide by the std of all process rewards instead of the group's (tracker
             groupings: the std of all rewards of the same step).
-        per_reward_weights: normalise each reward component first, then weight (MixGRPO).
+        per_reward_weights: normalise each reward component first, then weight (MixGRPO; each process reward
+            of a completion is its component's score, :func:`flowrl.advantages.aggregate`).
+        reward_weights: ``reward.weights``, to split the weighted sum into each reward's contribution.
         adv_clip: advantage clip of every grouping (``train.loss_options.adv_clip_max``, default 5).
     Returns:
         ``(A [M] float32, info)``; ``info["zero_var"]`` [M] bool marks transitions without signal
         (skipped): groups whose rewards are all equal, or for the tracker groupings table rows
         with A = 0 at every step; ``info["zero_var_fraction"]`` and ``info["num_groups"]`` are
-        floats to log. The noise-aware weight is not applied here: it is ``rollout.transitions.weight``.
+        floats to log; ``info["contributions"]`` name -> ``[M]`` (:mod:`flowrl.advantages.aggregate`). The
+        noise-aware weight is not applied here: it is ``rollout.transitions.weight``.
     """
     layout = layout_of(rollout, TempFlowStructure)
     group_by = group_by or layout.group_by
@@ -155,21 +167,16 @@ def tempflow_structure(rollout, *, group_by: Optional[str] = None, global_std: b
     if bool((idx < 0).any()):
         raise ValueError("every TempFlow transition must lead to exactly one completion (sample_index >= 0)")
     if group_by in TRACKER_GROUP_BY:
-        steps, rows = layout.step.long(), tempflow_rows(rollout)  # [M], [M]
-        comps = ({k: v[idx] for k, v in rollout.reward_components.items()} if per_reward_weights
-                 else {"reward": rollout.rewards[idx]})  # name -> [M]
-        weights = per_reward_weights or {"reward": 1.0}
-        adv = sum(weights[k] * tracker_advantages(v, groups, steps, rows, global_std=global_std,
-                                                  clip=adv_clip)[0] for k, v in comps.items())  # [M]
-        adv = adv.clamp(-adv_clip, adv_clip)  # the weighted sum of several rewards may pass the clip
-        zero = zero_rows(adv, rows)  # [M]
-    elif per_reward_weights:
-        comps = {k: v[idx] for k, v in rollout.reward_components.items()}  # name -> [M]
-        adv, zero = combine_component_advantages(comps, per_reward_weights, groups, global_std=global_std,
-                                                 eps=GROUP_EPS, clip=adv_clip)
+        steps = layout.step.long()  # [M]
+        normalise = lambda r: tracker_normalised(r, groups, steps, global_std=global_std)  # noqa: E731
     else:
-        adv, zero = group_advantages(rollout.rewards[idx], groups, global_std=global_std,
-                                     eps=GROUP_EPS, clip=adv_clip)  # [M], [M]
+        normalise = lambda r: group_normalised(r, groups, global_std=global_std, eps=GROUP_EPS)  # noqa: E731
+    comps = {k: v[idx] for k, v in getattr(rollout, "reward_components", {}).items()}  # name -> [M] process rewards
+    agg = aggregate(normalise, rollout.rewards[idx], comps, per_reward_weights or reward_weights,
+                    bool(per_reward_weights), adv_clip)
+    adv = agg.advantages.float()  # [M]
+    # the tracker skips a table row only when its advantages are 0 at every step (a constant cell still trains)
+    zero = zero_rows(adv, tempflow_rows(rollout)) if group_by in TRACKER_GROUP_BY else agg.zero  # [M]
     info = {"zero_var": zero, "zero_var_fraction": zero.float().mean().item() if zero.numel() else 0.0,
-            "num_groups": float(torch.unique(groups).numel())}
-    return adv.float(), info
+            "num_groups": float(torch.unique(groups).numel()), "contributions": agg.contributions}
+    return adv, info

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from ..structures import TreeStructure, layout_of
+from .aggregate import Normalised, aggregate
 from .group import ADV_CLIP
 from .tree_pruning import PEER_WIDTH_MODES, exclude_window, peer_width_mask, preorder_key
 
@@ -136,20 +137,10 @@ def fuse_rewards_children(leaf_rewards: torch.Tensor, parent: torch.Tensor, dept
     return val
 
 
-def depthwise_advantages(values: torch.Tensor, depth: torch.Tensor, tree: Optional[torch.Tensor] = None, *,
-                         eps: float = DEPTH_EPS, min_std: float = DEPTH_MIN_STD) -> tuple[torch.Tensor, torch.Tensor]:
-    """``A_d(n) = (rbar(n) - mean_d) / (std_d + eps)`` over the nodes of depth d of one tree.
-
-    (BranchGRPO, arXiv 2509.06040, depth-wise normalisation.) ``std_d`` is the unbiased std.
-    A depth with fewer than two finite values, or ``std_d < min_std``, gives A = 0 and is
-    marked degenerate (no signal); so does a node whose value is not finite.
-
-    Args:
-        values: ``[nodes]`` float32 node rewards (:func:`fuse_rewards`).
-        depth: ``[nodes]`` long; tree: ``[nodes]`` long tree id (None: one tree).
-    Returns:
-        ``(A [nodes] float32, degenerate [nodes] bool)``; A is not clipped here.
-    """
+def depthwise_normalised(values: torch.Tensor, depth: torch.Tensor, tree: Optional[torch.Tensor] = None, *,
+                         eps: float = DEPTH_EPS, min_std: float = DEPTH_MIN_STD) -> Normalised:
+    """:func:`depthwise_advantages` as ``centred / scale`` (``centred = rbar(n) - mean_d``, ``scale = std_d +
+    eps``; centred 0, scale 1 and ``zero`` where degenerate)."""
     v = values.float()
     tree = torch.zeros_like(depth) if tree is None else tree
     key = tree.long() * (int(depth.max()) + 1 if depth.numel() else 1) + depth.long()
@@ -164,8 +155,26 @@ def depthwise_advantages(values: torch.Tensor, depth: torch.Tensor, tree: Option
     std = var.sqrt()  # [G]
     good = (cnt >= 2) & (std >= min_std)  # [G]
     degenerate = ~good[gid] | ~ok  # [nodes]
-    adv = torch.where(degenerate, torch.zeros_like(v), dev / (std[gid] + eps))  # [nodes]
-    return adv, degenerate
+    return Normalised(torch.where(degenerate, torch.zeros_like(v), dev),
+                      torch.where(degenerate, torch.ones_like(v), std[gid] + eps), degenerate)
+
+
+def depthwise_advantages(values: torch.Tensor, depth: torch.Tensor, tree: Optional[torch.Tensor] = None, *,
+                         eps: float = DEPTH_EPS, min_std: float = DEPTH_MIN_STD) -> tuple[torch.Tensor, torch.Tensor]:
+    """``A_d(n) = (rbar(n) - mean_d) / (std_d + eps)`` over the nodes of depth d of one tree.
+
+    (BranchGRPO, arXiv 2509.06040, depth-wise normalisation.) ``std_d`` is the unbiased std.
+    A depth with fewer than two finite values, or ``std_d < min_std``, gives A = 0 and is
+    marked degenerate (no signal); so does a node whose value is not finite.
+
+    Args:
+        values: ``[nodes]`` float32 node rewards (:func:`fuse_rewards`).
+        depth: ``[nodes]`` long; tree: ``[nodes]`` long tree id (None: one tree).
+    Returns:
+        ``(A [nodes] float32, degenerate [nodes] bool)``; A is not clipped here.
+    """
+    n = depthwise_normalised(values, depth, tree, eps=eps, min_std=min_std)
+    return n.advantages(None), n.zero
 
 
 def edge_advantages(node_adv: torch.Tensor, edge_node: torch.Tensor, clip: float = ADV_CLIP) -> torch.Tensor:
@@ -271,6 +280,7 @@ def branch_structure(rollout, *, iteration: int = 0, fusion: Optional[str] = Non
                      depth_window: Optional[int] = None, depth_slide_every: Optional[int] = 30,
                      depth_mode: Optional[str] = None, depth_start: Optional[int] = None,
                      depth_stop: Optional[int] = None, compat: Optional[str] = None,
+                     per_reward_weights: Optional[dict] = None, reward_weights: Optional[dict] = None,
                      adv_clip: float = ADV_CLIP, **_: object) -> tuple[torch.Tensor, dict]:
     """Advantages of a BranchSampler rollout: fuse, normalise per depth, map to edges, prune.
 
@@ -293,10 +303,14 @@ def branch_structure(rollout, *, iteration: int = 0, fusion: Optional[str] = Non
             last split step).
         compat: None, or ``"branchgrpo"``: the peer code's modes by default and only those
             allowed (:func:`resolve_modes`). Pruning stays off unless its option is set.
+        per_reward_weights: each reward fused and normalised per depth apart, clipped to ``+-adv_clip``, then
+            weighted and summed (``reward.aggregate: per_reward``; :func:`flowrl.advantages.aggregate`); else the
+            weighted sum ``rollout.rewards`` is fused, and ``reward_weights`` splits it into contributions.
         adv_clip: edge advantages are clipped to ``+-adv_clip`` (the trainer passes
             ``train.loss_options.adv_clip_max``).
     Returns:
-        ``(A [M] float32, info)``; info: ``train_mask`` [M] bool (pruned edges False),
+        ``(A [M] float32, info)``; info: ``train_mask`` [M] bool (pruned edges False), ``contributions``
+        (name -> ``[M]``, each reward's part of the edge advantages),
         ``zero_var`` [M] bool (degenerate depth: A = 0) and floats ``zero_var_fraction``,
         ``train_fraction``, ``trained_edges``, ``depth_window_start`` (first depth of the
         trained / excluded window; 0: no depth pruning).
@@ -308,11 +322,19 @@ def branch_structure(rollout, *, iteration: int = 0, fusion: Optional[str] = Non
                          f"choose depth_mode from {DEPTH_MODES}")
     tree = layout_of(rollout, TreeStructure)
     parent, depth, edge_node = tree.node_parent, tree.node_depth, tree.edge_node  # [nodes], [nodes], [M]
-    if fusion == "softmax_children":
-        rbar = fuse_rewards_children(rollout.rewards, parent, depth, tree.leaf_node, tree.node_log_prob, beta)
-    else:
-        rbar = fuse_rewards(rollout.rewards, parent, tree.leaf_node, tree.node_log_prob, beta)  # [nodes]
-    node_adv, degenerate = depthwise_advantages(rbar, depth, tree.node_tree)  # [nodes]
+
+    def normalise(leaf_rewards: torch.Tensor) -> Normalised:  # leaf rewards [L] -> fused, normalised per depth
+        if fusion == "softmax_children":
+            rbar = fuse_rewards_children(leaf_rewards, parent, depth, tree.leaf_node, tree.node_log_prob, beta)
+        else:
+            rbar = fuse_rewards(leaf_rewards, parent, tree.leaf_node, tree.node_log_prob, beta)  # [nodes]
+        return depthwise_normalised(rbar, depth, tree.node_tree)
+
+    # per_reward: each reward fused and normalised per depth, clipped, then weighted (the sum clipped at the edges)
+    per_reward = bool(per_reward_weights)
+    agg = aggregate(normalise, rollout.rewards, getattr(rollout, "reward_components", {}),
+                    per_reward_weights or reward_weights, per_reward, adv_clip if per_reward else None)
+    node_adv, degenerate = agg.advantages, agg.zero  # [nodes]
     adv = edge_advantages(node_adv, edge_node, adv_clip)  # [M]
     zero_var = degenerate[edge_node]  # [M]
     mask = torch.ones(adv.shape[0], dtype=torch.bool)
@@ -325,6 +347,7 @@ def branch_structure(rollout, *, iteration: int = 0, fusion: Optional[str] = Non
         mask &= _width_prune(tree, node_adv, adv, rollout.transitions.step, mask, float(width_keep_ratio), width_mode)
     m = max(adv.shape[0], 1)
     info = {"train_mask": mask, "zero_var": zero_var,
+            "contributions": {k: v[edge_node] for k, v in agg.contributions.items()},
             "zero_var_fraction": zero_var.float().sum().item() / m, "train_fraction": mask.float().sum().item() / m,
             "trained_edges": float(mask.sum().item()), "depth_window_start": float(start)}
     return adv, info

@@ -44,13 +44,15 @@ class Variant:
 
 def run_variant(recipe: str, variant: Variant, budget_seconds: float, eval_every_seconds: float,
                 max_iterations: int = 10_000, workdir: Optional[Path] = None, progress: bool = True,
-                extra: Optional[list[str]] = None) -> dict:
+                extra: Optional[list[str]] = None, each_reward: bool = False) -> dict:
     """Train one variant for ``budget_seconds`` of training time -> curve and timing summary.
 
     Each curve point: ``train_seconds`` (rollout + reward + update so far, evaluation excluded),
     ``iteration``, ``samples`` (finished samples the rollouts scored so far), the evaluation's
     ``eval_reward``, ``diversity`` and ``hf_energy``; ``real`` holds the same measures of real data
-    (held-out digits for the evaluation prompts; empty when the model has none)."""
+    (held-out digits for the evaluation prompts; empty when the model has none). ``each_reward``: each curve
+    point also holds ``rewards`` (each trained reward's evaluation mean, name -> value), and ``iterations_log``
+    each iteration's ``train_seconds`` and ``reward/<name>/...`` metrics (its mean, its advantage share)."""
     cfg = variant.config(recipe, list(extra or []) + ["logging.trackers=[]", "logging.progress=false",
                                                       f"train.iterations={max_iterations}"])
     run_dir = Path(tempfile.mkdtemp(prefix="flowrl-bench-", dir=workdir))
@@ -58,9 +60,9 @@ def run_variant(recipe: str, variant: Variant, budget_seconds: float, eval_every
     tr.setup()
     real = {k.removeprefix("real/"): v for k, v in tr.real_data_reference().items()}
     ev0, _ = tr.evaluate(0)
-    curve = [_point(0.0, 0, 0, ev0)]
+    curve = [_point(0.0, 0, 0, ev0, each_reward)]
     spent, next_eval, it, samples = 0.0, eval_every_seconds, 0, 0
-    per_iter, rollout_s, evals = [], [], []
+    per_iter, rollout_s, evals, log = [], [], [], []
     while spent < budget_seconds and it < max_iterations:
         t0 = time.perf_counter()
         res = tr.run_iteration(it)
@@ -71,11 +73,14 @@ def run_variant(recipe: str, variant: Variant, budget_seconds: float, eval_every
         rollout_s.append(res.metrics["rollout_seconds"])
         evals.append(res.metrics["model_evals"])
         samples += res.metrics["samples_gathered"]
+        if each_reward:
+            log.append({"iteration": it, "train_seconds": spent,
+                        **{k: v for k, v in res.metrics.items() if k.startswith("reward/")}})
         if progress:
             print(f"  it {it:4d}  {spent:7.1f}s  reward {res.metrics['reward_mean']:.3f}", flush=True)
         if spent >= next_eval or spent >= budget_seconds:
             ev, _ = tr.evaluate(it)
-            curve.append(_point(spent, it, samples, ev))
+            curve.append(_point(spent, it, samples, ev, each_reward))
             next_eval += eval_every_seconds
     tr.acc.end_training()
     return {"recipe": Path(variant.recipe or recipe).name, "sampler": cfg.sampler.to_dict(), "loss": cfg.train.loss,
@@ -84,12 +89,16 @@ def run_variant(recipe: str, variant: Variant, budget_seconds: float, eval_every
             "rollout_seconds_per_iteration": float(np.mean(rollout_s)) if rollout_s else float("nan"),
             "model_evals_per_iteration": float(np.mean(evals)) if evals else float("nan"),
             "samples_per_iteration": cfg.train.batch_size, "samples_drawn": samples,
-            "final_eval_reward": curve[-1]["eval_reward"], "real": real, "curve": curve}
+            "final_eval_reward": curve[-1]["eval_reward"], "real": real, "curve": curve,
+            **({"iterations_log": log} if each_reward else {})}
 
 
-def _point(seconds: float, it: int, samples: int, ev: dict) -> dict:
-    return {"train_seconds": seconds, "iteration": it, "samples": samples, "eval_reward": ev["eval/reward"],
-            "diversity": ev["eval/diversity"], "hf_energy": ev["eval/hf_energy"]}
+def _point(seconds: float, it: int, samples: int, ev: dict, each_reward: bool = False) -> dict:
+    point = {"train_seconds": seconds, "iteration": it, "samples": samples, "eval_reward": ev["eval/reward"],
+             "diversity": ev["eval/diversity"], "hf_energy": ev["eval/hf_energy"]}
+    if each_reward:  # the trained rewards' evaluation means (eval/reward/NAME; held-out ones are eval/heldout/NAME)
+        point["rewards"] = {k.removeprefix("eval/reward/"): v for k, v in ev.items() if k.startswith("eval/reward/")}
+    return point
 
 
 def time_to_reach(curve: list[dict], target: float, x: str = "train_seconds") -> Optional[float]:

@@ -113,8 +113,9 @@ class SamplerConfig:
 class RewardConfig:
     weights: dict = _h("{reward name: weight} trained on (weighted sum)", factory=lambda: {"digits": 1.0})
     options: dict = _h("{reward name: {kwargs}} for the rewards' constructors", factory=dict)
-    aggregate: str = _h("'sum': advantages of the weighted sum; 'per_reward': normalise each reward "
-                        "within its group, then weight (MixGRPO advantage_aggr)", "sum")
+    aggregate: str = _h("'sum': advantages (and rankings) of the weighted sum; 'per_reward': normalise each "
+                        "reward within its group, then weight (MixGRPO advantage_aggr; every update and sampler, "
+                        "docs/algorithms.md section 9)", "sum")
     heldout: dict = _h("{reward name: {kwargs}} logged on the evaluation set, never trained on", factory=dict)
     overlap: bool = _h("score each finished chunk of samples (sampler.max_batch) while the next one samples; "
                        "false: score after sampling, on the training thread (same rewards either way)", True)

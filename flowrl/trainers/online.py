@@ -164,9 +164,10 @@ class OnlineTrainer(Trainer):
                "reward_seconds": rollout.stats.get("reward_seconds", 0.0),
                "reward_wait_seconds": rollout.stats.get("reward_wait_seconds", 0.0), "update_seconds": t2 - t1,
                "model_evals": rollout.stats.get("model_evals", 0)}
-        for k, v in rollout.reward_components.items():
+        for k, v in rollout.reward_components.items():  # each reward's mean (its share of the advantages: the update)
             vv = self._gather(v)
-            met[f"reward/{k}"] = float(vv[torch.isfinite(vv)].mean()) if torch.isfinite(vv).any() else float("nan")
+            vv = vv[torch.isfinite(vv)]
+            met[f"reward/{k}/mean"] = float(vv.mean()) if vv.numel() else float("nan")
         met.update({k: v for k, v in info.items() if isinstance(v, (int, float))})
         met.update({k: v for k, v in rollout.stats.items() if "/" in k and isinstance(v, (int, float))})  # sampler stats
         met.update(upd)

@@ -27,7 +27,8 @@ import torch
 from ..losses.awm import AWM_WEIGHTINGS, AWMOptions, awm_log_prob, awm_loss
 from ..types import index_cond
 from .base import Batch, Minibatch, Needs, Update, check_number
-from .flow_matching import KeepsRampedCopy, MatchingOptions, draw_generator, noised, sample_advantages, training_times
+from .flow_matching import KeepsRampedCopy, MatchingOptions, draw_generator, noised, training_times
+from .rewards import sample_advantages
 
 
 @dataclass
@@ -80,8 +81,9 @@ class AWMUpdate(KeepsRampedCopy, Update):
 
     @classmethod
     def needs(cls, options) -> Needs:
-        # the reference and the EMA copy are evaluated before the trained forward (no graph held)
-        return Needs(clean_samples=True, reference=options.beta_kl > 0,
+        # the reference and the EMA copy are evaluated before the trained forward (no graph held); its group
+        # advantages follow reward.aggregate (flowrl.updates.rewards)
+        return Needs(clean_samples=True, reference=options.beta_kl > 0, per_reward=True,
                      copies=(cls.COPY,) if options.keeps_ema else (), unit="sample")
 
     def __init__(self, ctx, options=None):
@@ -101,7 +103,7 @@ class AWMUpdate(KeepsRampedCopy, Update):
         self.iteration = it
         if opts.keeps_ema:
             self.ramped_copy()
-        adv, zero = sample_advantages(ctx, rollout, opts.global_std)  # [N]
+        adv, zero, adv_stats = sample_advantages(ctx, rollout, global_std=opts.global_std)  # [N] (reward.aggregate)
         n, k, dev = rollout.num_samples, opts.num_times, ctx.device
         times, eps = [], []
         for epoch in range(ctx.train.inner_epochs):  # drawn now: their old log-probs need the sampling weights
@@ -115,7 +117,7 @@ class AWMUpdate(KeepsRampedCopy, Update):
         with torch.no_grad(), self.sampling_weights():
             data["old"] = torch.stack([self._old_log_probs(data, e, rows) for e in range(len(times))])  # [E, N T]
         return Batch(rows, ctx.train.minibatch_size, data=data,
-                     stats={"zero_var_fraction": zero.float().mean().item(), "awm/times": float(k)})
+                     stats={"zero_var_fraction": zero.float().mean().item(), "awm/times": float(k), **adv_stats})
 
     def _inputs(self, d: dict, epoch: int, rows: torch.Tensor):
         """``(x_t, v*, sigma, cond, sample rows)`` of pair ``rows`` [m] at ``epoch``'s draws."""

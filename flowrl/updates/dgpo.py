@@ -32,8 +32,9 @@ import torch
 from ..losses.dgpo import DGPOOptions, dgpo_loss
 from ..types import index_cond
 from .base import Batch, Minibatch, Needs, Update, check_number
-from .flow_matching import KeepsRampedCopy, MatchingOptions, noised, sample_advantages, training_times
+from .flow_matching import KeepsRampedCopy, MatchingOptions, noised, training_times
 from .preference import grouped
+from .rewards import sample_advantages
 
 
 @dataclass
@@ -89,8 +90,9 @@ class DGPOUpdate(KeepsRampedCopy, Update):
 
     @classmethod
     def needs(cls, options) -> Needs:
-        # the frozen model is the DGPO reference unless use_ema_ref, and the KL's; evaluated before the graph
-        return Needs(clean_samples=True, reference=not options.use_ema_ref or options.beta_kl > 0,
+        # the frozen model is the DGPO reference unless use_ema_ref, and the KL's; evaluated before the graph;
+        # its group advantages follow reward.aggregate (flowrl.updates.rewards)
+        return Needs(clean_samples=True, reference=not options.use_ema_ref or options.beta_kl > 0, per_reward=True,
                      copies=(cls.COPY,) if options.keeps_old else (), unit="group")
 
     def __init__(self, ctx, options=None):
@@ -113,7 +115,7 @@ class DGPOUpdate(KeepsRampedCopy, Update):
         if opts.keeps_old:
             self.ramped_copy()
         groups = grouped(rollout)  # [G, k]
-        adv, zero = sample_advantages(ctx, rollout, opts.global_std)  # [N]
+        adv, zero, adv_stats = sample_advantages(ctx, rollout, global_std=opts.global_std)  # [N] (reward.aggregate)
         n_groups, k = groups.shape
         t_num, dev, shape = opts.num_times, ctx.device, tuple(rollout.x0.shape[1:])
         noise_shape = (n_groups, *shape) if opts.shared_noise else (n_groups, k, *shape)
@@ -127,7 +129,7 @@ class DGPOUpdate(KeepsRampedCopy, Update):
                 "loss_opts": opts.loss_options(k)}
         return Batch(torch.arange(n_groups * t_num), max(1, ctx.train.minibatch_size // k), draws=draws, data=data,
                      stats={"zero_var_fraction": zero.float().mean().item(), "dgpo/times": float(t_num),
-                            "dgpo/sampling_from_old": float(self.sampling_from_old())})
+                            "dgpo/sampling_from_old": float(self.sampling_from_old()), **adv_stats})
 
     def velocities(self, batch: Batch, mb: Minibatch) -> dict:
         """The tensors :func:`dgpo_loss` takes for minibatch ``mb`` (its ``m`` groups' ``m k`` rows, group by

@@ -1,7 +1,8 @@
 """What the updates that train the flow-matching loss on finished samples share (AWM ``awm.py``, DGPO
 ``dgpo.py``; docs/algorithms.md §11-12): their common options (training times, clip ranges, advantage
-normalisation, the KL weight, the ramped decay of their EMA copy), the group advantages of a rollout, the
-inputs ``x_t`` and target ``v* = eps - x0`` of a training time, and the EMA copy itself.
+normalisation, the KL weight, the ramped decay of their EMA copy), the inputs ``x_t`` and target
+``v* = eps - x0`` of a training time, and the EMA copy itself (their group advantages:
+:func:`flowrl.updates.rewards.sample_advantages`).
 
 The loss math is :mod:`flowrl.losses.flow_matching`, :mod:`flowrl.losses.awm` and :mod:`flowrl.losses.dgpo`;
 this module only turns options and rollouts into their arguments.
@@ -13,7 +14,6 @@ from typing import ClassVar, Optional, Union
 
 import torch
 
-from ..advantages import group_advantages
 from ..errors import ConfigError
 from ..losses.flow_matching import TIME_SAMPLINGS, TimeSampling, clip_pair, ramped_decay, sample_times
 from ..seeding import stream_seed
@@ -130,19 +130,6 @@ class KeepsRampedCopy:
     def load_state_dict(self, extra: dict) -> None:
         if self.COPY in extra:
             self.ramped_copy().shadow = extra[self.COPY]
-
-
-def sample_advantages(ctx, rollout, global_std: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group advantages ``[N]`` of the rollout's samples, not clipped (the losses clip), and ``zero_var``
-    ``[N]`` bool (:func:`flowrl.advantages.group_advantages`). Groups stay on their process; with
-    ``global_std`` and several processes the std is that of every process's rewards (gathered)."""
-    if not (global_std and ctx.num_processes > 1):
-        return group_advantages(rollout.rewards, rollout.group_index, global_std=global_std, clip=None)
-    n, rank = rollout.num_samples, ctx.process_index
-    rewards = ctx.gather(rollout.rewards.float())  # [W N], replica order
-    groups = ctx.gather(rollout.group_index + rank * n)  # [W N] ids distinct per process (< n each)
-    adv, zero = group_advantages(rewards, groups, global_std=True, clip=None)
-    return adv[rank * n:(rank + 1) * n], zero[rank * n:(rank + 1) * n]
 
 
 def training_times(opts: MatchingOptions, rollout, generator: torch.Generator) -> torch.Tensor:

@@ -14,7 +14,9 @@ Each wraps its base update (subclass, no copy) with three parts:
    step of an earlier iteration logged a gated KL above ``kl_threshold``, or when more than
    ``refresh_period`` iterations passed (``should_refresh``). GRPO evaluates it once per update before any
    step (its step means, like GRPO-Guard's old means); NFT before each minibatch's trained forward.
-3. **Diversity-aware advantages.** ``A = (r - mean_g r) * w``, ``w = d / mean_g d`` for above-mean samples,
+3. **Diversity-aware advantages.** ``A = (r - mean_g r) * w``, ``w = d / mean_g d`` for above-mean samples
+   (``r``: the weighted sum of the rewards; with ``reward.aggregate: per_reward`` the weighted sum of each reward
+   normalised within its group),
    ``d`` the cosine distance to the nearest other sample of the group in the feature space of the model
    ``features`` (``flowrl.rewards.features``: ``dino`` through transformers, ``digits`` on digits),
    clipped to ``+-adv_clip_max``. ``diversity: false`` keeps the base update's advantages.
@@ -32,7 +34,8 @@ from typing import ClassVar
 
 import torch
 
-from ..advantages import group_advantages
+from ..advantages.aggregate import weighted
+from ..advantages.group import group_normalised
 from ..errors import ConfigError
 from ..losses import nft_loss
 from ..losses.flow_matching import velocity_mse
@@ -44,6 +47,8 @@ from ..utils.hub import looks_like_hub_id
 from .base import Batch, Needs, UpdateOptions, check_number
 from .grpo import GRPOOptions, GRPOUpdate
 from .nft import NFTOptions, NFTUpdate
+from .rewards import rule, share_stats
+from .rewards import sample_advantages as aggregated_advantages
 
 PAPER_FEATURES = {"path": "facebook/dinov3-vitl16-pretrain-lvd1689m"}  # DINOv3 ViT-L/16, as GARDO's code
 
@@ -123,7 +128,7 @@ def gardo_needs(base: Needs, options) -> Needs:
     rewards among the rollout's components, the feature model."""
     kl = options.beta_kl > 0
     return dataclasses.replace(
-        base, reference=False, reference_in_graph=False, per_reward=base.per_reward and not options.diversity,
+        base, reference=False, reference_in_graph=False, per_reward=base.per_reward,
         flat_groups=base.transitions,  # GRPO's: the gate and the diversity are per finished sample
         copies=base.copies + (("gardo_reference",) if kl else ()), reward_components=tuple(options.aux_rewards),
         models=(FEATURES.entries[options.features],) if options.diversity else ())
@@ -219,9 +224,15 @@ class GARDO:
 
     def shaped_advantages(self, rollout) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """GARDO's diversity-aware advantages of the samples: ``(A [N] clipped, zero_var [N] bool, stats)``;
-        NaN rewards and groups without reward variance get 0 (and are skipped, as the base update's)."""
+        NaN rewards and groups without reward variance get 0 (and are skipped, as the base update's). The reward
+        they centre is the weighted sum, or under ``reward.aggregate: per_reward`` the weighted sum of each reward
+        normalised within its group (:func:`flowrl.updates.rewards.sample_advantages`); the stats hold each
+        reward's share of them."""
         r, groups = rollout.rewards.float(), rollout.group_index
-        _, zero = group_advantages(r, groups, clip=None)  # which groups carry signal
+        per_reward, weights_k = rule(self.ctx)
+        norm, zero, _ = aggregated_advantages(self.ctx, rollout)  # which groups carry signal; per_reward: the value
+        if per_reward:
+            r = norm  # [N] sum_k w_k z_k, centred in every group
         keep = torch.isfinite(r) & ~zero  # [N]
         adv, weights = torch.zeros_like(r), torch.ones_like(r)
         if keep.any():
@@ -232,8 +243,20 @@ class GARDO:
             adv[keep], weights[keep] = diversity_advantages(r[keep], feats, groups[keep])
         clip = self.opts.adv_clip_max
         up = keep & (adv > 0)
-        stats = {"gardo/diversity_weight": float(weights[up].mean()) if up.any() else 1.0}
+        stats = {"gardo/diversity_weight": float(weights[up].mean()) if up.any() else 1.0,
+                 **share_stats(self.ctx, self._contributions(rollout, per_reward, weights_k, weights), keep)}
         return adv.clamp(-clip, clip), zero, stats
+
+    @staticmethod
+    def _contributions(rollout, per_reward: bool, reward_weights, weights: torch.Tensor) -> dict:
+        """Each reward's part of the diversity-aware advantage before its clip: its weighted centred score (under
+        ``per_reward``: normalised within the group) times the sample's diversity weight, name -> ``[N]``."""
+        names, comps = weighted(reward_weights), rollout.reward_components
+        if not names or not all(k in comps for k in names):
+            return {}
+        part = lambda x: group_normalised(x, rollout.group_index)  # noqa: E731
+        return {k: reward_weights[k] * (part(comps[k]).advantages(None) if per_reward else part(comps[k]).centred)
+                * weights for k in names}
 
     def record_kl(self, kl: torch.Tensor) -> None:
         """A minibatch's gated KL (unweighted), for the refresh rule (averaged per optimizer step)."""
@@ -351,17 +374,8 @@ class GARDONFTUpdate(GARDO, NFTUpdate):
     def next_threshold(self, threshold: float, gap: int) -> float:
         return nft_threshold_after_refresh(threshold, gap) if self.opts.adapt_threshold else threshold
 
-    def sample_advantages(self, rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.opts.diversity:
-            return super().sample_advantages(rollout)
-        adv, zero, self._adv_stats = self.shaped_advantages(rollout)
-        return adv, zero
-
-    def batch(self, rollout, it: int) -> Batch:
-        self._adv_stats = {}
-        b = super().batch(rollout, it)
-        b.stats.update(self._adv_stats)
-        return b
+    def sample_advantages(self, rollout) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        return self.shaped_advantages(rollout) if self.opts.diversity else super().sample_advantages(rollout)
 
     def objective(self, v, v_old, x_t, x0, t, adv, v_ref, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
         opts = self.opts

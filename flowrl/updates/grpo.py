@@ -21,11 +21,13 @@ from ..losses import KL_FORMS, grpo_clipped_loss, kl_form_for_step, kl_to_refere
 from ..sde import get_step
 from ..types import index_cond
 from .base import Batch, Minibatch, Needs, Update, UpdateOptions, check_number
+from .rewards import rule, share_stats
 
 
 # advantage-function options the update sets itself (from its own options and reward.*)
 SET_BY_THE_UPDATE = {"adv_clip": "train.loss_options.adv_clip_max", "global_std": "train.loss_options.global_std",
                      "per_reward_weights": "reward.aggregate: per_reward with reward.weights",
+                     "reward_weights": "reward.weights",
                      "iteration": "(the iteration)"}
 
 
@@ -94,6 +96,7 @@ class GRPOUpdate(Update):
             mask &= info["train_mask"].bool()
         if "zero_var" in info:
             mask &= ~info["zero_var"].bool()
+        info.update(share_stats(ctx, info.pop("contributions", {}), mask))  # each reward's share of what trains
         rows = torch.nonzero(mask).flatten()
         self.step_fn = get_step(rollout.step_type)
         cond = rollout.conditioning(ctx.policy)  # the rollout's own: prompts are not encoded again
@@ -110,12 +113,14 @@ class GRPOUpdate(Update):
         return {"transitions_trained": trained}
 
     def advantages(self, rollout, it: int) -> tuple[torch.Tensor, dict]:
-        """Per-transition advantages ``[M]`` of the rollout's structure (clipped to ``+-adv_clip_max``
-        by the structure's function), and its info."""
+        """Per-transition advantages ``[M]`` of the rollout's structure under ``reward.aggregate`` (clipped to
+        ``+-adv_clip_max`` by the structure's function), and its info (``contributions``: each reward's part)."""
         ctx = self.ctx
         opts = {**self.opts.advantage_options, "global_std": self.opts.global_std, "adv_clip": self.opts.adv_clip_max}
-        if ctx.reward is not None and ctx.reward.aggregate == "per_reward":
-            opts["per_reward_weights"] = ctx.reward.weights
+        per_reward, weights = rule(ctx)
+        opts["reward_weights"] = weights  # each reward's contribution (its share of the advantages)
+        if per_reward:
+            opts["per_reward_weights"] = weights
         view = rollout
         if ctx.num_processes > 1 and rollout.structure == "group":
             # groups stay on their rank; statistics (global std, logging) see every rank's samples

@@ -14,12 +14,12 @@ from typing import ClassVar
 
 import torch
 
-from ..advantages import group_advantages
 from ..losses import nft_loss
 from ..sde import flow_interpolate
 from ..trainable import EMA
 from ..types import index_cond
 from .base import Batch, Minibatch, Needs, Update, UpdateOptions, check_number
+from .rewards import sample_advantages as aggregated_advantages
 
 T_MIN = 0.02
 
@@ -66,8 +66,10 @@ class NFTUpdate(Update):
 
     @classmethod
     def needs(cls, options) -> Needs:
-        # the reference and the old policy are evaluated before the trained forward (no graph held)
-        return Needs(clean_samples=True, reference=options.beta_kl > 0, copies=("old_policy",), unit="sample")
+        # the reference and the old policy are evaluated before the trained forward (no graph held); its group
+        # advantages follow reward.aggregate (flowrl.updates.rewards)
+        return Needs(clean_samples=True, reference=options.beta_kl > 0, per_reward=True, copies=("old_policy",),
+                     unit="sample")
 
     def __init__(self, ctx, options=None):
         super().__init__(ctx, options)
@@ -87,7 +89,7 @@ class NFTUpdate(Update):
         ctx = self.ctx
         if self.old_policy is None:
             self.old_policy = OldPolicy(ctx.unwrapped)
-        adv, zero = self.sample_advantages(rollout)
+        adv, zero, adv_stats = self.sample_advantages(rollout)
         dev = ctx.device
 
         def draws(g: torch.Generator) -> dict:
@@ -97,12 +99,13 @@ class NFTUpdate(Update):
         data = {"cond": rollout.conditioning(ctx.policy),  # the rollout's own: prompts are not encoded again
                 "x0": rollout.x0.to(dev), "adv": adv.to(dev), "prompt": rollout.prompt_index.to(dev)}  # once per call
         return Batch(torch.nonzero(~zero).flatten(), ctx.train.minibatch_size, shuffle="shuffle.nft", draws=draws,
-                     data=data, stats={"zero_var_fraction": zero.float().mean().item()})
+                     data=data, stats={"zero_var_fraction": zero.float().mean().item(), **adv_stats})
 
-    def sample_advantages(self, rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(A [N], zero_var [N] bool)``: group-normalised rewards, unclipped (``nft_loss`` clips to
-        ``+-adv_clip_max`` and scales by it); zero-variance groups train nothing."""
-        return group_advantages(rollout.rewards, rollout.group_index, global_std=self.opts.global_std, clip=None)
+    def sample_advantages(self, rollout) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """``(A [N], zero_var [N] bool, stats)``: group-normalised rewards under ``reward.aggregate``, unclipped
+        (``nft_loss`` clips to ``+-adv_clip_max`` and scales by it), and each reward's share; zero-variance groups
+        train nothing."""
+        return aggregated_advantages(self.ctx, rollout, global_std=self.opts.global_std)
 
     def loss(self, batch: Batch, mb: Minibatch) -> tuple[torch.Tensor, dict]:
         ctx, opts, d = self.ctx, self.opts, batch.data

@@ -13,25 +13,12 @@ from typing import ClassVar
 
 import torch
 
+from ..advantages.aggregate import variance_shares
+from ..advantages.ranking import ranking_contributions, ranking_values
 from ..conditions import encode_conditions
 from ..losses.gdro import gdro_loss, group_velocity_errors, implicit_rewards, ranking_stats, usable_groups
 from ..seeding import stream_seed
 from .base import Batch, Minibatch, Needs, Update, UpdateOptions
-
-
-def ranking_rewards(rewards: dict[str, torch.Tensor], weights: dict[str, float], aggregate: str) -> torch.Tensor:
-    """The value groups are ranked by, ``[G, k]`` float32: the weighted sum of the reward columns
-    (``aggregate='sum'``), or of each column standardised within its group first
-    (``'per_reward'``, MixGRPO ``advantage_aggr``). NaN where any weighted column is NaN."""
-    total = None
-    for name, w in weights.items():
-        if w == 0:
-            continue
-        r = rewards[name].float()  # [G, k]
-        if aggregate == "per_reward":
-            r = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)
-        total = w * r if total is None else total + w * r
-    return total if total is not None else torch.zeros_like(next(iter(rewards.values())))
 
 
 def sample_t(generator: torch.Generator, n: int, cfg) -> torch.Tensor:
@@ -87,7 +74,7 @@ class OfflineGDROUpdate(Update):
 
     @classmethod
     def needs(cls, options) -> Needs:
-        # the implicit reward compares the policy with the reference; per_reward: ranking_rewards' aggregate
+        # the implicit reward compares the policy with the reference; per_reward: the ranking value's rule
         return Needs(consumes="dataset", reference=True, reference_in_graph=True, per_reward=True, unit="group")
 
     @property
@@ -114,7 +101,8 @@ class OfflineGDROUpdate(Update):
         ctx, reward = self.ctx, self.ctx.reward
         dev = ctx.device
         batch = self.ds.read(groups, rewards=list(reward.weights))
-        r = ranking_rewards(batch.rewards, reward.weights, reward.aggregate)  # [G, k]
+        per_reward = reward.aggregate == "per_reward"
+        r = ranking_values(batch.rewards, reward.weights, per_reward)  # [G, k]
         finite, ranked = usable_groups(r)  # [G]
         t, eps = self.noise(step, micro, len(groups))
         with torch.no_grad():
@@ -131,6 +119,9 @@ class OfflineGDROUpdate(Update):
         top = rr.argmax(dim=1)  # [G']
         reg = err[m].gather(1, top.view(-1, 1)).mean()  # flow-matching loss on each group's top image
         loss = pl + self.opts.gamma * reg
+        shares = variance_shares(ranking_contributions(batch.rewards, reward.weights, per_reward),
+                                 ranked[:, None].expand_as(r))
         stats.update({"pl_loss": pl.item(), "fm_top": reg.item(),
-                      "fm_ref_top": err_ref[m].gather(1, top.view(-1, 1)).mean().item(), **ranking_stats(s[m], rr)})
+                      "fm_ref_top": err_ref[m].gather(1, top.view(-1, 1)).mean().item(), **ranking_stats(s[m], rr),
+                      **{f"reward/{k}/adv_share": v for k, v in shares.items()}})
         return loss, stats

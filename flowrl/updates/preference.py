@@ -6,7 +6,9 @@ and Flow-Factory's "online DPO"), or GDRO's Plackett-Luce loss on the whole grou
 
 Per group (``k`` samples of one prompt, ranked by reward): one shared ``(t, eps)``,
 ``x_t = (1 - t) x0_i + t eps``, implicit reward ``s_i = -beta (||v* - v_theta||^2 - ||v* - v_ref||^2)``
-(per-image mean over dims). Groups whose rewards are all equal or non-finite carry no ranking and
+(per-image mean over dims). Groups are ranked by the weighted sum of the rewards, or with ``reward.aggregate:
+per_reward`` by the weighted sum of each reward standardised within the group
+(:mod:`flowrl.advantages.ranking`); groups whose values are all equal or non-finite carry no ranking and
 are skipped (``zero_var_fraction``). ``t ~ U(T_MIN, 1 - T_MIN)`` and ``eps`` come from
 ``(train.seed, iteration, epoch)`` (seed purpose ``shuffle.preference``), so resume stays exact.
 ``train.minibatch_size`` counts images: a minibatch holds ``minibatch_size // k`` whole groups (pairs for DPO).
@@ -21,6 +23,7 @@ import torch
 from ..losses.gdro import dpo_loss, gdro_loss, group_velocity_errors, implicit_rewards, ranking_stats, usable_groups
 from ..types import index_cond
 from .base import Batch, Minibatch, Needs, Update, UpdateOptions
+from .rewards import group_ranking, share_stats
 
 T_MIN = 0.02
 
@@ -59,21 +62,25 @@ class GDROUpdate(Update):
 
     @classmethod
     def needs(cls, options) -> Needs:
-        # the implicit reward compares the policy with the reference, beside the training graph
-        return Needs(clean_samples=True, reference=True, reference_in_graph=True,
+        # the implicit reward compares the policy with the reference, beside the training graph; groups are ranked
+        # by reward.aggregate's ranking value (flowrl.updates.rewards.group_ranking)
+        return Needs(clean_samples=True, reference=True, reference_in_graph=True, per_reward=True,
                      unit="pair" if cls.pairwise else "group")
 
     def batch(self, rollout, it: int) -> Batch:
-        """The groups with a ranking (``[G, k]`` sample rows, best and worst only for DPO), their rewards and
-        conditioning; each epoch draws one ``(t, eps)`` per group."""
+        """The groups with a ranking (``[G, k]`` sample rows, best and worst only for DPO), their ranking values
+        under ``reward.aggregate`` (:func:`flowrl.updates.rewards.group_ranking`) and conditioning; each epoch
+        draws one ``(t, eps)`` per group."""
         ctx = self.ctx
         rows = grouped(rollout)  # [G, k]
-        r = rollout.rewards[rows].float()  # [G, k]
-        usable = torch.nonzero(usable_groups(r)[1]).flatten()  # [G'] groups with a ranking
+        r, contrib = group_ranking(ctx, rollout, rows)  # [G, k], name -> [G, k]
+        ranked = usable_groups(r)[1]  # [G] groups with a ranking
+        usable = torch.nonzero(ranked).flatten()  # [G']
+        shares = share_stats(ctx, contrib, ranked[:, None].expand_as(r))
         if self.pairwise:  # best and worst of each group, best first
-            order = torch.argsort(torch.nan_to_num(r, nan=-torch.inf), dim=1, descending=True)
-            rows = torch.stack([rows.gather(1, order[:, :1]), rows.gather(1, order[:, -1:])], dim=1).squeeze(-1)  # [G, 2]
-            r = rollout.rewards[rows].float()  # [G, 2]
+            order = torch.argsort(torch.nan_to_num(r, nan=-torch.inf), dim=1, descending=True)  # [G, k]
+            pick = torch.cat([order[:, :1], order[:, -1:]], dim=1)  # [G, 2]
+            rows, r = rows.gather(1, pick), r.gather(1, pick)  # [G, 2] each
         g_all, k = rows.shape
         dev = ctx.device
 
@@ -85,7 +92,8 @@ class GDROUpdate(Update):
                 "x0": rollout.x0.to(dev), "r": r.to(dev), "prompt": rollout.prompt_index[rows[:, 0]].to(dev),  # [G]
                 "rows": rows.to(dev), "k": k}  # [G, k]
         return Batch(usable, max(1, ctx.train.minibatch_size // k), shuffle="shuffle.preference", draws=draws,
-                     data=data, stats={"loss": float("nan"), "zero_var_fraction": 1.0 - len(usable) / max(1, g_all)})
+                     data=data, stats={"loss": float("nan"), "zero_var_fraction": 1.0 - len(usable) / max(1, g_all),
+                                       **shares})
 
     def loss(self, batch: Batch, mb: Minibatch) -> tuple[torch.Tensor, dict]:
         d = batch.data
