@@ -63,6 +63,9 @@ cond, **settings)``                                velocity calls it, so plan an
 ``block_counts(config)`` / ``with_block_counts``   blocks per block type (the planner's depth probes)
 ``shrink_config(config)``                          a toy-size config of the same architecture
                                                    (``bench precision --tiny`` on a CPU)
+``context_parallel_refusal``                       why the transformer's diffusers ``_cp_plan`` does not
+                                                   run ("" = it does; LTX-2): ``train.context_parallel``
+                                                   > 1 refused when the config loads
 =================================================  ==================================================
 
 A reward's resident size is declared on the reward class (``resident_params``, ``resident_note``:

@@ -159,6 +159,9 @@ class ModelFacts:
     # model.options keys another setting owns -> that setting
     options_elsewhere: ClassVar[dict] = {"guidance_scale": "model.guidance_scale", "device": "model.device"}
     smoke_model_options: ClassVar[dict] = {}  # its own `flowrl train --smoke` values of flowrl.smoke.MODEL_OPTIONS keys
+    # why train.context_parallel > 1 cannot run on this model although its transformer class declares a diffusers
+    # _cp_plan ("" = it can; a transformer without a plan is refused by flowrl.distributed.context.cp_plan)
+    context_parallel_refusal: ClassVar[str] = ""
 
     # --- options ------------------------------------------------------------------------------
     @classmethod

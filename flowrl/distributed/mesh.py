@@ -143,6 +143,17 @@ def check_parallel_settings(train) -> None:
                           "scaling is per process); use bf16")
 
 
+def cp_refusal(pipeline: str, train) -> str:
+    """Why ``train.context_parallel > 1`` cannot run on the model of ``pipeline`` ("" when it can or is 1): its
+    adapter's own declaration (``context_parallel_refusal``, pipelines/facts.py; LTX-2's), a one-line error of the
+    config's cross-section rules. A transformer without a plan is refused when the plan is applied
+    (:func:`flowrl.distributed.context.cp_plan`)."""
+    from ..pipelines import policy_class
+
+    refusal = getattr(policy_class(pipeline), "context_parallel_refusal", "") if train.context_parallel > 1 else ""
+    return f"train.context_parallel={train.context_parallel}: {refusal}; set train.context_parallel=1" if refusal else ""
+
+
 def device_mesh(layout: ParallelLayout, device: torch.device, ulysses: int, ring: int) -> Optional[object]:
     """The ``(dp, ring, ulysses)`` device mesh of ``layout`` (``ring x ulysses = cp``), or None without
     context parallelism. Collective: every process calls it."""

@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 import yaml
 
-from ..distributed.mesh import check_parallel_settings
+from ..distributed.mesh import check_parallel_settings, cp_refusal
 from ..distributed.strategy import SHARDINGS
 from ..errors import ConfigError
 from ..options import check_value, declared
@@ -343,7 +343,7 @@ class Config:
                                  stores_transitions=self.sampler.stores_transitions,
                                  aggregate=self.reward.aggregate, inner_epochs=t.inner_epochs,
                                  alternatives=updates_by_input(), rewards=tuple(self.reward.weights),
-                                 flat_groups=self.sampler.flat_groups)
+                                 flat_groups=self.sampler.flat_groups) or cp_refusal(self.model.pipeline, t)
         if reason:
             raise ConfigError(reason)
         spp = self.sampler.samples_per_prompt
