@@ -30,6 +30,7 @@ REGISTRY = Registry("pipeline", {
     "krea2": "flowrl.pipelines.krea2:Krea2Policy.from_pretrained",
     "ernie-image": "flowrl.pipelines.ernie_image:ErnieImagePolicy.from_pretrained",
     "hunyuan-image": "flowrl.pipelines.hunyuan_image:HunyuanImagePolicy.from_pretrained",
+    "hunyuan-video-1.5": "flowrl.pipelines.hunyuan_video15:HunyuanVideo15Policy.from_pretrained",
 })
 
 
