@@ -31,6 +31,7 @@ REGISTRY = Registry("pipeline", {
     "ernie-image": "flowrl.pipelines.ernie_image:ErnieImagePolicy.from_pretrained",
     "hunyuan-image": "flowrl.pipelines.hunyuan_image:HunyuanImagePolicy.from_pretrained",
     "hunyuan-video-1.5": "flowrl.pipelines.hunyuan_video15:HunyuanVideo15Policy.from_pretrained",
+    "ltx2": "flowrl.pipelines.ltx2:LTX2Policy.from_pretrained",
 })
 
 
