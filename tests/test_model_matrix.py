@@ -32,7 +32,8 @@ RECIPES = {"qwen-image": "qwen_image_group_pickscore", "flux-kontext": "flux_kon
            "flux2-klein": "flux2_klein_group_pickscore", "z-image": "z_image_turbo_group_pickscore",
            "wan2.2": "wan22_group_pickscore", "qwen-image-2.1": "qwen_image21_group_pickscore",
            "krea2": "krea2_group_pickscore", "ernie-image": "ernie_image_group_pickscore",
-           "hunyuan-image": "hunyuan_image_group_pickscore"}
+           "hunyuan-image": "hunyuan_image_group_pickscore", "ltx2": "ltx2_group_pickscore",
+           "hunyuan-video-1.5": "hunyuan_video15_group_pickscore"}
 EDITING = {"flux-kontext": "digits-edit-sample", "qwen-image-edit": "digits-edit-multi-sample"}  # flowrl.smoke
 
 
@@ -71,7 +72,8 @@ MODEL = {"qwen-image": ["train.sharding=none"], "wan": ["reward.frame_stride=2"]
          "qwen-image-edit": ["reward.weights={digits_edit: 1.0, jpeg_incompressibility: 0.001}"],
          "flux2": ["train.sharding=none"], "flux2-klein": [], "z-image": [],
          "wan2.2": ["reward.frame_stride=2", "train.batch_size=8"], "qwen-image-2.1": [], "krea2": [],
-         "ernie-image": [], "hunyuan-image": []}
+         "ernie-image": [], "hunyuan-image": [], "ltx2": ["reward.frame_stride=2"],
+         "hunyuan-video-1.5": ["reward.frame_stride=2"]}
 # per model, before the shrinking: FLUX.2 [dev]'s recipe normalises per reward (Flow-Factory's GDPO), which only
 # the GRPO-family updates take; the smoke run has one reward, where the sum is the same
 FIRST = {"flux2": ["reward.aggregate=sum"]}
