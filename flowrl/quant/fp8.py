@@ -95,6 +95,12 @@ class FP8Quantizer(ModeloptPreset):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"fp8 {flag} must be true or false, got {getattr(self, flag)!r}")
 
+    @property
+    def syncs_in_place(self) -> bool:
+        """A copy holds all its state in parameters and buffers, so a re-sync may copy a new one into it
+        (:class:`~flowrl.quant.sync.QuantizedCopy`; modelopt's quantizers keep Python-side state)."""
+        return self.kernel != "modelopt"
+
     # ------------------------------------------------------------------ availability
     def unavailable_reason(self) -> Optional[str]:
         if self.kernel == "modelopt":
