@@ -1,6 +1,6 @@
 """model.compile (flowrl.utils.compile): the compiled rollout forward equals the eager one, keeps the module's
 weights, names and gradients, is left by training, counts its recompiles; three digits iterations recompile only
-in the first; Sol-RL's compiled exploration copy re-syncs in place.
+in the first; Sol-RL's compiled exploration copy re-syncs in place; bench precision --compile's JSON.
 
 Compiling on a CPU: inductor generates and builds C++ (a tiny model's graph takes 15-40 s on a busy 2-core
 machine, each new shape again), so one case runs inductor (the digits model, sampling equal to eager) and the
@@ -173,6 +173,36 @@ def test_compiled_exploration_copy_resyncs_in_place(tiny_digits_policy, aot_eage
     fresh = get_quantizer("fp8", simulate_on_cpu=True).quantize(pol.transformer, sol._calibrate_fn(pol, DIGITS))
     ours, theirs = held.state_dict(), fresh.state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k].float(), theirs[k].float()) for k in ours)
+
+
+def test_bench_precision_puts_eager_and_compiled_side_by_side(tiny_digits_policy, tmp_path, aot_eager):
+    import argparse
+
+    from flowrl.bench.precision import bench_precision
+    from flowrl.bench.precision_cli import add_precision_parser
+    from flowrl.bench.precision_report import format_table
+
+    specs = ["full", "fp8:simulate_on_cpu=true", "int8-dynamic"]
+    out = bench_precision("digits", specs, tmp_path / "c.json", policy=tiny_digits_policy, batch=4, steps=2,
+                          repeats=1, seeds_per_prompt=0, compile="default", verbose=False)
+    saved = json.loads((tmp_path / "c.json").read_text())
+    assert saved["settings"]["compile"] == "default" and list(saved["backends"]) == specs
+    for spec in specs[:2]:
+        e, c = saved["backends"][spec], saved["backends"][spec]["compiled"]
+        assert (c["mode"], c["backend"], c["compiles"], c["recompiles"], c["recompiles_timed"]) == (
+            "default", "aot_eager", 1, 0, 0)
+        assert e["forward_ms"] > 0 and c["forward_ms"] > 0 and c["images_per_second"] > 0 and c["compile_seconds"] > 0
+        assert c["speedup_vs_eager"] == pytest.approx(e["seconds_per_batch"] / c["seconds_per_batch"])
+        assert c["speedup_vs_full"] > 0 and c["speedup_vs_full_compiled"] > 0 and c["forward_speedup_vs_eager"] > 0
+        assert c["velocity_rel_error_vs_eager"] < 1e-5 and c["velocity_rel_error"] == pytest.approx(
+            e["velocity_rel_error"], abs=1e-5)
+    assert saved["backends"]["full"]["velocity_rel_error"] == 0 < saved["backends"][specs[1]]["velocity_rel_error"]
+    assert "compiled" not in saved["backends"]["int8-dynamic"]  # fbgemm cannot be traced: left eager, and said
+    table = format_table(out)
+    assert "eager vs compiled (default, aot_eager)" in table and "\nint8-dynamic " in table
+    parser = argparse.ArgumentParser()
+    add_precision_parser(parser.add_subparsers())
+    assert parser.parse_args(["precision", "--pipeline", "digits", "--compile", "default"]).compile == "default"
 
 
 def test_model_compile_key():
