@@ -176,3 +176,19 @@ def test_arch_bench_compiled_rows_and_what_a_run_cut_short_leaves(tmp_path, monk
     assert row["velocity_rel_error_vs_eager"] < 1e-5 and row["speedup_vs_full_compiled"] == 1.0
     assert "full +c" in format_arch_table(saved)
     torch._dynamo.reset()
+
+
+def test_iteration_timing_alone_with_compiled_rollouts(tmp_path, monkeypatch):
+    """--iteration-only --compile: no backend timed; Sol-RL and flat GRPO iterations with compiled rollouts (the
+    exploration copy re-synced in place after the update), the timed iterations compile nothing."""
+    monkeypatch.setenv("FLOWRL_COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    out = bench_arch("sd35m-arch", ["full"], tmp_path / "i.json", resolutions=(32,), device="cpu", tiny=True,
+                     compile="default", iteration_only=True, verbose=False,
+                     iteration_options=dict(resolution=32, pool_size=4, preview_steps=2, keep=2, train_steps=2,
+                                            minibatch=2, lora_rank=2, explore_backend="fp8:simulate_on_cpu=true"))
+    it = json.loads((tmp_path / "i.json").read_text())["iteration_timing"]
+    assert out["backends"] == {} and (tmp_path / "i.png").is_file() and it["settings"]["compile"] == "default"
+    assert it["sol"]["recompiles"] == 0 and it["grpo"]["recompiles"] == 0 and it["sol"]["sync_seconds"] > 0
+    assert it["sol_over_grpo"] > 0
+    torch._dynamo.reset()

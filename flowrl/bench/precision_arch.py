@@ -175,11 +175,13 @@ def bench_arch(pipeline: str = "sd35m-arch", backends: Optional[Sequence[str]] =
                resolutions: Sequence[int] = (512, 1024), batch: Optional[int] = None, steps: Optional[int] = None,
                repeats: int = 3, compile: str = "off", device: Optional[str] = None, dtype: Optional[str] = None,
                tiny: bool = False, iteration_timing: bool = False, iteration_options: Optional[dict] = None,
+               iteration_only: bool = False,
                model_options: Optional[dict] = None,
                verbose: bool = True) -> dict:
     """Run the architecture benchmark (module doc); returns the result dict (also written to
     ``json_path``, a PNG chart beside it). ``backends``: as ``bench_precision`` (default ``full, fp8,
-    nvfp4`` on CUDA)."""
+    nvfp4`` on CUDA). ``iteration_only``: time the iterations alone (no backend is timed; a GPU session's
+    minutes go to the iteration)."""
     from .precision import build_quantizers, default_backends
 
     dev = resolve_device(device or None)
@@ -214,7 +216,7 @@ def bench_arch(pipeline: str = "sd35m-arch", backends: Optional[Sequence[str]] =
                     "text_tokens": policy.text_tokens, "frames": policy.geometry.frames},
            "settings": settings, "machine": machine_info(), "backends": results,
            "fidelity_note": "fidelity off: random weights (speed, memory and numerics vs full precision only)"}
-    for spec in specs:
+    for spec in [] if iteration_only else specs:
         if spec == "full":
             module, sync_s = policy.transformer, 0.0
         else:
@@ -232,7 +234,7 @@ def bench_arch(pipeline: str = "sd35m-arch", backends: Optional[Sequence[str]] =
             _release(dev)
         _speedups(results, resolutions)
         save_partial(out, json_path, f"{len(results)} of {len(specs)} backends measured")
-    if iteration_timing:
+    if iteration_timing or iteration_only:
         from .precision_iteration import time_iterations
 
         save_partial(out, json_path, "every backend measured; the iteration timing did not finish")

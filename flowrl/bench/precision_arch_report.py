@@ -98,6 +98,14 @@ def plot_arch(res: dict, path: Path) -> None:
     from ..utils.io import save_figure
 
     specs = list(res["backends"])
+    if not specs:  # --iteration-only: the two iterations' seconds
+        it = res["iteration_timing"]
+        fig, ax = plt.subplots(figsize=(4, 3.6))
+        ax.bar(["Sol-RL", "flat GRPO"], [it["sol"]["total_seconds"], it["grpo"]["total_seconds"]], color=["C0", "0.5"])
+        ax.set_ylabel("seconds per iteration")
+        ax.set_title(f"{res['pipeline']}: Sol-RL / flat GRPO {it['sol_over_grpo']:.2f}", fontsize=9)
+        save_figure(fig, path)
+        return
     pxs = list(res["settings"]["resolutions"])
     fig, ax = plt.subplots(figsize=(3 + 1.6 * len(pxs) * max(1, len(specs)) / 2, 4.2))
     w = 0.8 / max(1, len(specs))

@@ -64,8 +64,10 @@ def _run(a) -> str:
             a.pipeline, backends, a.json, png_path=a.png, resolutions=_ints(a.resolutions) or (512, 1024),
             batch=a.batch, steps=a.steps, repeats=a.repeats, compile=a.compile, device=a.device, dtype=a.dtype,
             tiny=a.tiny, iteration_timing=a.iteration_timing, iteration_options=_iteration_options(a),
+            iteration_only=a.iteration_only,
             model_options={"num_frames": a.num_frames} if a.num_frames else None))
     arch_only = [f for f, on in (("--tiny", a.tiny), ("--iteration-timing", a.iteration_timing),
+                                 ("--iteration-only", a.iteration_only),
                                  ("--resolutions", a.resolutions), ("--num-frames", a.num_frames)) if on]
     if arch_only:
         raise BenchError(f"{', '.join(arch_only)} apply to the architecture pipelines (NAME-arch), "
@@ -88,6 +90,8 @@ def _add_arch_arguments(p) -> None:
                    help="video architectures (wan-*-arch): frames per video, 4 k + 1 (default: the pipeline's 81)")
     g.add_argument("--iteration-timing", action="store_true",
                    help="also time one Sol-RL and one flat-GRPO iteration (explore, regenerate, update)")
+    g.add_argument("--iteration-only", action="store_true",
+                   help="time only those iterations (no backend timed: --explore-backend names Sol-RL's)")
     g.add_argument("--explore-backend", default=None, help="Sol-RL exploration backend (default: first quantized)")
     g.add_argument("--iteration-resolution", type=positive_int, default=None, help="iteration timing px (default 512)")
     for flag, hint in (("--pool-size", "Sol-RL seeds explored per prompt (default 96)"),
