@@ -39,8 +39,10 @@ from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor records CUDA graphs in these on a GPU
 BACKEND_ENV = "FLOWRL_COMPILE_BACKEND"
 RECOMPILE_LIMIT = 64  # graphs per compiled code (dynamo's default 8 is shared by every module compiled here)
 _eager = threading.local()
@@ -115,8 +117,8 @@ _COMPILED: dict = {}
 
 
 def _compiled_run(mode: str, backend: str):
-    """One ``torch.compile(_run)`` per (mode, backend), shared by every module compiled so: dynamo's cache entries
-    carry their backend, so one wrapper per module would recompile for each new copy."""
+    """One ``torch.compile(_run)`` per (mode, backend), shared by every module compiled so (dynamo's graphs live on
+    ``_run``'s code either way: a new module of the same structure, shapes and mode reuses them)."""
     key = (mode, backend)
     if key not in _COMPILED:
         kw = {"mode": None if mode == "default" else mode} if backend == "inductor" else {}
@@ -157,14 +159,15 @@ class RolloutForward:
         module = self._module()
         if torch.is_grad_enabled() or getattr(_eager, "depth", 0) or torch.compiler.is_compiling():
             return module._call_impl(*args, **kwargs)
-        if self.mode in ("reduce-overhead", "max-autotune"):  # CUDA graphs: a new step may reuse the outputs' memory
+        graphs = self.mode in CUDA_GRAPH_MODES and torch.cuda.is_available()
+        if graphs:  # CUDA graphs: each call a new step, whose replay reuses the last outputs' memory
             torch.compiler.cudagraph_mark_step_begin()
         frames, seen, t0 = _frames(), len(_failures()), time.perf_counter()
         out = self._compiled(module, *args, **kwargs)
         if _frames() != frames:
             self.log.record(self.role, time.perf_counter() - t0, _cause(_failures()[seen:]))
-        if self.mode in ("reduce-overhead", "max-autotune") and torch.cuda.is_available():
-            out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)  # [B, ...] kept past the step
+        if graphs:
+            out = tree_map_only(torch.Tensor, torch.clone, out)  # [B, ...] kept past the next step
         return out
 
     def __deepcopy__(self, memo) -> None:
