@@ -57,8 +57,11 @@ def build_policy_from_config(cfg, device, without_text_encoders: bool = False):
     """The policy ``cfg.model`` names, on ``device``; ``without_text_encoders``: its pipeline's text encoders
     are not loaded (a text-embedding cache serves every prompt; diffusers loads a component passed as None).
     On the CPU, torch's threads are then chosen for its size (:func:`flowrl.utils.threads.use_cpu_threads`,
-    under the command line)."""
+    under the command line). ``model.compile``: the transformer's rollout forward is compiled here, the one
+    place every command builds it (:func:`flowrl.utils.compile.compile_rollouts`; LoRA added later is traced
+    at the first call)."""
     from flowrl.pipelines import build_policy, policy_class
+    from flowrl.utils.compile import compile_rollouts
     from flowrl.utils.threads import model_params, use_cpu_threads
 
     skip = {}
@@ -68,6 +71,8 @@ def build_policy_from_config(cfg, device, without_text_encoders: bool = False):
                           device=device, **cfg.model.options, **skip)
     transformer = getattr(policy, "transformer", None)
     use_cpu_threads(model_params(transformer) if transformer is not None else None, str(device))
+    if transformer is not None:
+        compile_rollouts(transformer, cfg.model.compile)
     return policy
 
 

@@ -146,3 +146,49 @@ def test_video_architecture_takes_a_frame_count(tmp_path):
     b = parser.parse_args(["precision", "--pipeline", "sd3-mid", "--num-frames", "33"])
     with pytest.raises(ValueError, match="--num-frames apply to the architecture pipelines"):
         b.fn(b)
+
+
+def test_arch_bench_compiled_rows_and_what_a_run_cut_short_leaves(tmp_path, monkeypatch):
+    """--compile: each backend eager, then compiled (aot_eager here: inductor's C++ build would take minutes),
+    side by side; the JSON is written after each backend, so a run stopped midway keeps what it measured."""
+    import flowrl.bench.precision_arch as pa
+    from flowrl.bench.precision_arch_report import format_arch_table
+
+    monkeypatch.setenv("FLOWRL_COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    real = pa.measure_backend
+
+    def cut_after_full(policy, spec, *a, **k):
+        if spec != "full":
+            raise RuntimeError("time cap")
+        return real(policy, spec, *a, **k)
+
+    monkeypatch.setattr(pa, "measure_backend", cut_after_full)
+    with pytest.raises(RuntimeError, match="time cap"):
+        bench_arch("sd35m-arch", ["full", "fp8:simulate_on_cpu=true"], tmp_path / "p.json", resolutions=(32,),
+                   batch=1, steps=1, repeats=1, device="cpu", tiny=True, compile="default", verbose=False)
+    saved = json.loads((tmp_path / "p.json").read_text())
+    assert saved["partial"] == "1 of 2 backends measured" and list(saved["backends"]) == ["full"]
+    c = saved["backends"]["full"]["compiled"]
+    row = c["resolutions"]["32"]
+    assert (c["mode"], c["backend"], c["compiles"], row["recompiles_timed"]) == ("default", "aot_eager", 1, 0)
+    assert row["images_per_second"] > 0 and row["forward_ms"] > 0 and row["speedup_vs_eager"] > 0
+    assert row["velocity_rel_error_vs_eager"] < 1e-5 and row["speedup_vs_full_compiled"] == 1.0
+    assert "full +c" in format_arch_table(saved)
+    torch._dynamo.reset()
+
+
+def test_iteration_timing_alone_with_compiled_rollouts(tmp_path, monkeypatch):
+    """--iteration-only --compile: no backend timed; Sol-RL and flat GRPO iterations with compiled rollouts (the
+    exploration copy re-synced in place after the update), the timed iterations compile nothing."""
+    monkeypatch.setenv("FLOWRL_COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    out = bench_arch("sd35m-arch", ["full"], tmp_path / "i.json", resolutions=(32,), device="cpu", tiny=True,
+                     compile="default", iteration_only=True, verbose=False,
+                     iteration_options=dict(resolution=32, pool_size=4, preview_steps=2, keep=2, train_steps=2,
+                                            minibatch=2, lora_rank=2, explore_backend="fp8:simulate_on_cpu=true"))
+    it = json.loads((tmp_path / "i.json").read_text())["iteration_timing"]
+    assert out["backends"] == {} and (tmp_path / "i.png").is_file() and it["settings"]["compile"] == "default"
+    assert it["sol"]["recompiles"] == 0 and it["grpo"]["recompiles"] == 0 and it["sol"]["sync_seconds"] > 0
+    assert it["sol_over_grpo"] > 0
+    torch._dynamo.reset()

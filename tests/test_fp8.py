@@ -182,3 +182,47 @@ def test_fuse_qkv_keeps_a_flux_transformer_s_output():
     with torch.no_grad():
         a, b = tr(**kw)[0], fused(**kw)[0]  # [2, 16, 8]
     assert torch.allclose(a, b, atol=1e-5), float((a - b).abs().max())
+
+
+# ------------------------------------------------------------------ kernel=torchao (its float8 runs on CUDA only)
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
+
+
+def test_fp8_torchao_kernel_wiring_on_this_machine(tiny_digits_policy):
+    """The layers torchao quantizes are the hand-written kernel's, less those whose sizes its GEMMs refuse; it
+    needs no calibration, re-syncs in place; without CUDA (or torchao) it is refused before any model is used."""
+    from flowrl.quant.common import DEFAULT_SKIP, is_skipped
+    from flowrl.quant.fp8_torchao import check_torchao_module, torchao_layers
+
+    tr = tiny_digits_policy.transformer
+    q = get_quantizer("fp8", kernel="torchao", require_available=False)
+    assert q.needs_calibration is False and q.syncs_in_place and q.skip == DEFAULT_SKIP
+    hand = [n for n, m in tr.named_modules() if isinstance(m, torch.nn.Linear) and not is_skipped(n, DEFAULT_SKIP)]
+    fits, left = torchao_layers(tr, q.skip)
+    assert fits and sorted(fits + left) == sorted(hand) and not any("pos_embed" in n or n == "proj_out" for n in fits)
+    odd = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 8), torch.nn.Linear(24, 32))
+    assert torchao_layers(odd, ()) == (["0"], ["1", "2"])  # K and N multiples of 16 only
+    with pytest.raises(ValueError, match="no CPU simulation"):
+        get_quantizer("fp8", kernel="torchao", simulate_on_cpu=True, require_available=False)
+    with pytest.raises(ValueError, match="kernel=torchao quantizes a model on a CUDA device"):
+        check_torchao_module(tr, "auto")
+    if not torch.cuda.is_available():
+        why = q.unavailable_reason()
+        assert ("refuses them elsewhere" in why) if HAS_TORCHAO else ("not installed" in why)
+        with pytest.raises(BackendUnavailable, match="fp8:kernel=torchao"):
+            get_quantizer("fp8", kernel="torchao")
+
+
+@pytest.mark.skipif(not HAS_TORCHAO, reason="torchao is not installed (pip install 'torchao>=0.18', in flowrl's "
+                                            "quant extra): its config cannot be built here")
+def test_fp8_torchao_config_is_row_wise_dynamic_float8():
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor
+
+    from flowrl.quant.fp8_torchao import torchao_config
+
+    c = torchao_config("auto", True)
+    assert isinstance(c, Float8DynamicActivationFloat8WeightConfig)
+    assert all(isinstance(g, PerRow) for g in c.granularity)  # activations and weights: one scale per row
+    assert c.mm_config.use_fast_accum is True and c.set_inductor_config is False  # inductor's settings left alone
+    t = torchao_config("per_tensor", False)
+    assert all(isinstance(g, PerTensor) for g in t.granularity) and t.mm_config.use_fast_accum is False

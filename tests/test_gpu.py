@@ -2,8 +2,9 @@
 
 bf16 training iterations of the tiny SD3 and FLUX recipes (the first minibatch's PPO ratio is 1:
 rollout and training numerics agree), fp8 / nvfp4 copies close to full precision, the Sol sampler
-end to end, flowrl's nvfp4-emulated against modelopt's CUDA fake quantization, and the
-architecture benchmark's CUDA-event path. See docs/gpu_benchmark.md for the full-size runs.
+end to end, flowrl's nvfp4-emulated against modelopt's CUDA fake quantization, the
+architecture benchmark's CUDA-event path, and model.compile on CUDA (inductor, CUDA graphs, torchao's
+float8 exploration copy re-synced in place). See docs/gpu_benchmark.md for the full-size runs.
 """
 import importlib.util
 
@@ -18,12 +19,14 @@ from flowrl.seeding import derive_seeds
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_MODELOPT = importlib.util.find_spec("modelopt") is not None
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 CAP = torch.cuda.get_device_capability() if HAS_CUDA else (0, 0)
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() "
                                                                       "is False); run with `pytest -m gpu` on one")]
 _HERE = f"this GPU: sm_{CAP[0]}{CAP[1]}" if HAS_CUDA else "no CUDA GPU here"
 needs_fp8 = pytest.mark.skipif(CAP < (8, 9), reason=f"real FP8 GEMMs need an sm_89+ GPU ({_HERE})")
 needs_modelopt = pytest.mark.skipif(not HAS_MODELOPT, reason="nvidia-modelopt is not installed")
+needs_torchao = pytest.mark.skipif(not HAS_TORCHAO, reason="torchao is not installed (pip install 'torchao>=0.18')")
 PROMPTS = [f"a handwritten digit {d}" for d in range(8)]
 SEEDS = derive_seeds(3, 8)
 
@@ -162,3 +165,62 @@ def test_arch_bench_cuda_event_path(tmp_path):
     if CAP >= (8, 9):
         assert out["backends"]["fp8"]["real_kernels"] is True
         assert out["backends"]["fp8"]["resolutions"]["64"]["velocity_rel_error"] < 0.1
+
+
+# ------------------------------------------------------------------ model.compile on CUDA
+def _bf16_digits_policy():
+    pol = _digits_policy()
+    pol.transformer.to(torch.bfloat16)
+    return pol
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_rollouts_on_cuda_equal_eager_and_reuse_their_graph(mode):
+    """bf16 sampling compiled by inductor (reduce-overhead: CUDA graphs, whose outputs a later step would reuse)
+    equals eager within bf16 round-off, and a second sampling with changed weights compiles nothing."""
+    from flowrl.utils.compile import compile_rollouts
+
+    torch._dynamo.reset()
+    pol = _bf16_digits_policy()
+    eager = _x0(pol, pol.transformer, [0, 1, 2, 3])
+    log = compile_rollouts(pol.transformer, mode)
+    compiled = _x0(pol, pol.transformer, [0, 1, 2, 3])
+    assert (log.compiles, log.recompiles) == (1, 0)
+    assert (compiled - eager).norm() / eager.norm() < 2e-2
+    with torch.no_grad():
+        pol.transformer.proj_out.weight.mul_(1.5)  # an update, in place
+    again = _x0(pol, pol.transformer, [0, 1, 2, 3])
+    assert (log.compiles, log.recompiles) == (1, 0) and not torch.equal(again, compiled)
+
+
+@needs_fp8
+@needs_torchao
+def test_fp8_torchao_copy_close_compiled_and_resynced_in_place():
+    from flowrl.quant.sync import QuantizedCopy
+    from flowrl.trainable import add_lora
+    from flowrl.utils.compile import compile_rollouts, compiled_forward
+
+    torch._dynamo.reset()
+    pol = _bf16_digits_policy()
+    q = get_quantizer("fp8", kernel="torchao")
+    copy = q.quantize(pol.transformer, None)
+    info = kernel_info("fp8:kernel=torchao", copy)
+    assert info["real_kernels"] is True and "torchao float8" in info["kernel"]
+    a, full = _x0(pol, copy, [0, 1, 2, 3]), _x0(pol, pol.transformer, [0, 1, 2, 3])
+    assert 0 < (a - full).norm() / full.norm() < 0.25
+    add_lora(pol.transformer, 4, 8)
+    pol.transformer.to(torch.bfloat16)
+    log = compile_rollouts(pol.transformer, "default")
+    qc = QuantizedCopy(q)
+    qc.sync(pol.transformer)
+    held = qc.module
+    with qc.active(pol):
+        first = _x0(pol, pol.transformer, [0, 1])
+    with torch.no_grad():
+        for n, p in pol.transformer.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    assert qc.sync(pol.transformer) > 0 and qc.module is held and compiled_forward(held).role == "exploration"
+    with qc.active(pol):
+        second = _x0(pol, pol.transformer, [0, 1])
+    assert log.recompiles == 0 and not torch.equal(first, second)

@@ -34,6 +34,7 @@ def test_few_steps_change_lora_and_log(tiny_digits_dir, tmp_path):
     for r in train_recs:
         assert all(k in r for k in ("loss", "kl", "clip_fraction", "zero_var_fraction", "rollout_seconds",
                                     "reward_seconds", "update_seconds", "reward_std"))
+        assert r["compile/recompiles"] == 0  # model.compile off: logged all the same
         assert torch.isfinite(torch.tensor(r["loss"]))
     assert abs(train_recs[0]["ratio_mean"] - 1) < 1e-4  # first update: new == old policy
     assert summary["iterations_done"] == 3

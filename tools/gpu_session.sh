@@ -3,6 +3,8 @@
 # cap, every result saved as it comes: a step that fails or runs out of time does not stop the next.
 #
 #   tools/gpu_session.sh OUT_DIR [STEP ...]      (default: every step, in the order below)
+#   tools/gpu_session.sh OUT_DIR compiled        (issue 39: compiled rollouts, 9 minutes of caps: the steps c_*)
+#   DRY=1 tools/gpu_session.sh OUT_DIR compiled  (the same commands on a CPU in ~2.5 min: tiny configs, aot_eager)
 #
 # Writes OUT_DIR/<step>.log per step, OUT_DIR/json/*.json (+ PNG charts), OUT_DIR/summary.txt (one line
 # per step: rc, seconds) and, after each step, OUT_DIR.tgz (or $TGZ) of all of it (so a run cut short still hands
@@ -25,7 +27,7 @@ step_env() {
 import importlib, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.get_device_name(),
       "sm", torch.cuda.get_device_capability())
-for m in ("diffusers", "transformers", "accelerate", "peft", "modelopt", "flowrl"):
+for m in ("diffusers", "transformers", "accelerate", "peft", "modelopt", "torchao", "flowrl"):
     try:
         mod = importlib.import_module(m)
         print(m, getattr(mod, "__version__", "?"), mod.__file__)
@@ -41,11 +43,12 @@ step_pytest() {  # the GPU tests, and the CUDA-gated tests of other files
     tests/test_quant.py::test_cuda_backends_quantize_close_and_batch_independent
 }
 
-arch() {  # arch PIPELINE BACKENDS RESOLUTIONS NAME [more flags]
+arch() {  # arch PIPELINE BACKENDS RESOLUTIONS NAME [more flags]   (later flags win: ARCH_EXTRA last)
   local pipe=$1 backends=$2 res=$3 name=$4
   shift 4
+  # shellcheck disable=SC2086
   $FLOWRL bench precision --pipeline "$pipe" --backends "$backends" --resolutions "$res" \
-    --batch 4 --steps 6 --repeats 3 --json "$OUT/json/$name.json" "$@"
+    --batch 4 --steps 6 --repeats 3 --json "$OUT/json/$name.json" "$@" ${ARCH_EXTRA:-}
 }
 FP8=full,fp8
 step_sd35m() { arch sd35m-arch "$FP8" "${SD35M_RES:-512,1024}" gpu_sd35m_arch; }
@@ -91,6 +94,38 @@ step_iteration() {
   $FLOWRL bench precision --pipeline sd35m-arch --backends full,fp8 --resolutions 512 --iteration-timing \
     --json "$OUT/json/gpu_sd35m_iteration.json"
 }
+# issue 39, compiled rollouts (docs/gpu_benchmark.md, "Compiled rollouts"): eager and compiled side by side per
+# backend, the targets first; each JSON is written after every backend, so a cap keeps what was measured.
+# `compiled` = the c_* steps below (540 s of caps: 9 minutes); `compiled_more` = the rest of the matrix.
+CB=full,fp8:kernel=torchao,fp8 CT=full,fp8:kernel=torchao EXPLORE=fp8:kernel=torchao  # bf16, torchao's, hand-written
+PX_LO=512 PX_HI=1024
+if [ -n "${DRY:-}" ]; then  # the same commands on a CPU: tiny configs, dynamo without inductor's C++ build
+  export FLOWRL_COMPILE_BACKEND=aot_eager
+  CB=full,fp8:simulate_on_cpu=true CT=full,fp8:simulate_on_cpu=true EXPLORE=fp8:simulate_on_cpu=true
+  PX_LO=32 PX_HI=48 ARCH_EXTRA="--tiny --device cpu --steps 1 --repeats 1"
+  ITER_EXTRA="--pool-size 4 --preview-steps 2 --keep 2 --train-steps 2 --minibatch 2 --lora-rank 2"
+fi
+step_c_flux() { arch flux-arch "$CB" "$PX_HI" gpu_flux_compiled_${PX_HI}_b4 --compile default --repeats 2; }
+step_c_sd35m() { arch sd35m-arch "$CB" "$PX_HI" gpu_sd35m_compiled_${PX_HI}_b8 --compile default --batch 8; }
+step_c_cudagraphs() {  # 512 px is host-bound: CUDA graphs
+  arch sd35m-arch "$CT" "$PX_LO" gpu_sd35m_cudagraphs_${PX_LO}_b4 --compile reduce-overhead
+}
+step_c_iteration() {  # Sol-RL (torchao's FP8 exploration) vs flat GRPO, rollouts compiled, nothing else timed
+  # shellcheck disable=SC2086
+  arch sd35m-arch full "$PX_LO" gpu_sd35m_compiled_iteration --compile default --iteration-only \
+    --explore-backend "$EXPLORE" --iteration-resolution "$PX_LO" ${ITER_EXTRA:-}
+}
+step_c_pytest() { $PYTEST -q -rs -p no:cacheprovider tests/test_gpu.py -k "compiled or torchao"; }
+step_cm_flux() {
+  arch flux-arch "$CB" "$PX_LO" gpu_flux_compiled_${PX_LO}_b4 --compile default --repeats 2
+  arch flux-arch "$CB" "$PX_LO,$PX_HI" gpu_flux_compiled_b8 --compile default --batch 8 --repeats 2
+}
+step_cm_sd35m() {
+  arch sd35m-arch "$CB" "$PX_LO" gpu_sd35m_compiled_${PX_LO}_b4 --compile default
+  arch sd35m-arch "$CB" "$PX_LO" gpu_sd35m_compiled_${PX_LO}_b8 --compile default --batch 8
+  arch sd35m-arch "$CB" "$PX_HI" gpu_sd35m_compiled_${PX_HI}_b4 --compile default
+  arch sd35m-arch "$CT" "$PX_LO" gpu_sd35m_cudagraphs_${PX_LO}_b8 --compile reduce-overhead --batch 8
+}
 step_host() {
   $FLOWRL bench host --pipeline sd35m --device cuda --dtype bfloat16 --resolution 512 --prompts 6 \
     --group-size 24 --num-steps 10 --max-batch 9 --guidance 4.5 --minibatch 9 --grad-accum 72 \
@@ -98,14 +133,24 @@ step_host() {
 }
 
 declare -A CAP=([env]=60 [pytest]=150 [sd35m]=90 [flux]=150 [train]=60 [plan]=90 [plan_flux]=90
-                [nvfp4]=90 [variants]=120 [iteration]=150 [host]=120)
+                [nvfp4]=90 [variants]=120 [iteration]=150 [host]=120
+                [c_flux]=230 [c_sd35m]=120 [c_iteration]=120 [c_cudagraphs]=40 [c_pytest]=30
+                [cm_flux]=420 [cm_sd35m]=400)
 for kv in ${CAPS:-}; do CAP[${kv%%=*}]=${kv#*=}; done  # CAPS="pytest=80 flux=110": tighter caps for a rerun
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(env pytest sd35m flux train plan plan_flux variants nvfp4 iteration host)
+EXPANDED=()
 for s in "${STEPS[@]}"; do
+  case $s in
+    compiled) EXPANDED+=(c_flux c_sd35m c_iteration c_cudagraphs c_pytest) ;;
+    compiled_more) EXPANDED+=(cm_flux cm_sd35m) ;;
+    *) EXPANDED+=("$s") ;;
+  esac
+done
+for s in "${EXPANDED[@]}"; do
   t0=$(date +%s)
   echo "=== $s (cap ${CAP[$s]:-120} s) $(date -u +%T)"
-  timeout -k 10 "${CAP[$s]:-120}" bash -c "$(declare -f arch "step_$s"); $(declare -p FP8); $(declare -p OUT PY FLOWRL PYTEST DEVICE 2>/dev/null); step_$s" \
+  timeout -k 10 "${CAP[$s]:-120}" bash -c "$(declare -f arch "step_$s"); $(declare -p FP8 CB CT EXPLORE PX_LO PX_HI); $(declare -p OUT PY FLOWRL PYTEST DEVICE ARCH_EXTRA ITER_EXTRA 2>/dev/null); step_$s" \
     >"$OUT/$s.log" 2>&1
   rc=$?
   echo "$s rc=$rc $(( $(date +%s) - t0 ))s" | tee -a "$OUT/summary.txt"

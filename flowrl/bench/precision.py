@@ -15,7 +15,10 @@ For each backend, in one run on one machine state:
   count of ``fidelity_steps`` (full precision at few steps is the "fewer steps" baseline);
 * **batch sensitivity**: the same pool run again with every sample among other batch-mates
   (same chunk size): the largest reward change and the Kendall tau between the two runs;
-* **sync**: the seconds to build the copy (merge, quantize, calibrate): Sol-RL's per-update cost.
+* **sync**: the seconds to build the copy (merge, quantize, calibrate): Sol-RL's per-update cost;
+* **compiled** (``compile``, a ``model.compile`` mode): each backend also timed compiled as a rollout is
+  (in the same interleaved rounds), with its forward ms, memory, recompiles and velocity error beside the
+  eager ones (``backends.<spec>.compiled``, :mod:`flowrl.bench.precision_compiled`).
 
 Pipelines: ``digits`` (the pretrained offline base; rewards meaningful), ``sd3-mid`` (a
 random-init ``SD3Transformer2DModel`` of 36.0M parameters at 1024 tokens: the size where int8
@@ -25,6 +28,7 @@ diffusers directory). Full-size architectures without weights (``sd35m-arch``, `
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -40,7 +44,9 @@ from ..types import swapped_transformer
 from ..scoring import score_images
 from ..rollout.ode import ode_sample
 from ..seeding import derive_seeds
+from ..utils.compile import check_mode, eager_forwards
 from ..utils.paths import resolve_device
+from .precision_compiled import add_compiled, finish_compiled, velocity_input
 from .precision_measure import PeakMemory, machine_info, sync_device, timed, write_outputs
 from .precision_policy import PIPELINES, SD3MidPolicy, build_bench_policy, build_reward, sd3_mid_config
 from .precision_report import format_table, plot_precision
@@ -76,8 +82,11 @@ def build_quantizers(specs: list[str]) -> dict[str, Any]:
     return out
 
 
-def _sample(policy, module, prompts: list[str], seeds: list[int], steps: int, max_batch: Optional[int]):
-    with torch.no_grad(), swapped_transformer(policy, module):
+def _sample(policy, module, prompts: list[str], seeds: list[int], steps: int, max_batch: Optional[int],
+            compiled: bool = False):
+    """ODE samples of ``module`` in ``policy``: eager unless ``compiled`` (its compiled forward then runs)."""
+    with torch.no_grad(), swapped_transformer(policy, module), \
+            (contextlib.nullcontext() if compiled else eager_forwards()):
         return ode_sample(policy, prompts, seeds, steps, max_batch)
 
 
@@ -117,14 +126,16 @@ def build_copies(policy, quantizers: dict[str, Any], calibrate, device: torch.de
 
 def time_interleaved(policy, modules: dict, results: dict, prompts, seeds, steps: int, batch: int, repeats: int,
                      device: torch.device, log) -> None:
-    """Timed sampling rounds, backends interleaved (round 0 is the warm-up); fills ``results``."""
+    """Timed sampling rounds, backends interleaved (round 0 is the warm-up); fills ``results``. A key
+    ``"SPEC compiled"`` of ``modules`` and ``results`` runs ``SPEC``'s module compiled."""
     specs = list(modules)
     times: dict[str, list[float]] = {s: [] for s in specs}
     peaks: dict[str, list[Optional[int]]] = {s: [] for s in specs}
     for rnd in range(repeats + 1):
         for spec in specs:
             with PeakMemory(device) as mem:
-                dt = timed(lambda spec=spec: _sample(policy, modules[spec], prompts, seeds, steps, batch), device)
+                dt = timed(lambda spec=spec: _sample(policy, modules[spec], prompts, seeds, steps, batch,
+                                                     spec.endswith(" compiled")), device)
             if rnd > 0:
                 times[spec].append(dt)
                 peaks[spec].append(None if mem.peak is None else mem.peak - (mem.base or 0))
@@ -132,7 +143,7 @@ def time_interleaved(policy, modules: dict, results: dict, prompts, seeds, steps
                     results[spec]["peak_mb"] = None if mem.peak is None else mem.peak / 2**20
         log(f"[bench precision] timing round {rnd}/{repeats}" + (" (warm-up)" if rnd == 0 else "") + ": " +
             ", ".join(f"{results[s]['label']} {times[s][-1]:.2f}s" for s in specs if times[s]), flush=True)
-    full_med, full_best = statistics.median(times["full"]), min(times["full"])
+    full_med, full_best = statistics.median(times["full"]), min(times["full"])  # full precision, eager
     for spec in specs:
         med, best = statistics.median(times[spec]), min(times[spec])
         r = results[spec]
@@ -180,7 +191,7 @@ def bench_precision(pipeline: str = "digits", backends: Optional[Sequence[str]] 
                     fidelity_steps: Optional[Sequence[int]] = None, ref_steps: Optional[int] = None, topk: int = 12,
                     reward: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None,
                     threads: Optional[int] = None, batch_check: bool = True, calibration_seeds: int = 2,
-                    policy=None, verbose: bool = True) -> dict:
+                    compile: str = "off", policy=None, verbose: bool = True) -> dict:
     """Run the precision benchmark (module doc) and return the result dict (also written to
     ``json_path``, with a PNG chart at ``png_path``, default beside the JSON).
 
@@ -188,12 +199,14 @@ def bench_precision(pipeline: str = "digits", backends: Optional[Sequence[str]] 
     (the unquantized policy, always measured as the reference); default ``full,
     int8-dynamic, nvfp4-emulated`` on a CPU and ``full, fp8, nvfp4`` on CUDA. A backend that
     cannot run here fails before any model loads, naming those that can. ``policy``: an
-    already built ``FlowPolicy`` to measure instead of loading ``pipeline`` / ``model_path``.
+    already built ``FlowPolicy`` to measure instead of loading ``pipeline`` / ``model_path``. ``compile``:
+    a ``model.compile`` mode; each backend is then also timed compiled (module doc).
     """
     if pipeline not in PIPELINES:
         raise ValueError(f"unknown pipeline {pipeline!r}; valid: {', '.join(PIPELINES)} (full-size architectures "
                          f"without weights: flowrl.bench.precision_arch.bench_arch)")
     dflt = DEFAULTS[pipeline]
+    check_mode(compile, "compile")
     dev = resolve_device(device or None)
     dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     specs = list(backends) if backends else default_backends(dev)
@@ -225,8 +238,11 @@ def bench_precision(pipeline: str = "digits", backends: Optional[Sequence[str]] 
         _sample(policy, module, cal_prompts, cal_seeds, cal_steps, batch)
 
     modules, results = build_copies(policy, quantizers, calibrate, dev, log)
-    time_interleaved(policy, modules, results, [prompts[i % len(prompts)] for i in range(batch)],
-                     derive_seeds(BENCH_SEED + 1, batch), steps, batch, repeats, dev, log)
+    t_prompts, t_seeds = [prompts[i % len(prompts)] for i in range(batch)], derive_seeds(BENCH_SEED + 1, batch)
+    compiled = add_compiled(policy, modules, results, compile, lambda m, compiled: _sample(
+        policy, m, t_prompts, t_seeds, steps, batch, compiled), log, quantizers)
+    time_interleaved(policy, modules, results, t_prompts, t_seeds, steps, batch, repeats, dev, log)
+    finish_compiled(policy, modules, results, compiled, compile, velocity_input(policy, t_prompts, t_seeds), dev)
     fidelity_note = None
     if spp >= 2:
         measure_fidelity(policy, modules, results, reward_fn, pool_prompts, pool_seeds, groups, fsteps, ref_steps,
@@ -237,8 +253,8 @@ def bench_precision(pipeline: str = "digits", backends: Optional[Sequence[str]] 
     out = {
         "pipeline": pipeline, "model_path": model_path, "device": str(dev), "dtype": dtype,
         "settings": {"batch": batch, "steps": steps, "repeats": repeats, "prompts": len(prompts),
-                     "seeds_per_prompt": spp, "fidelity_steps": fsteps, "ref_steps": ref_steps, "topk": topk,
-                     "reward": reward_name, "calibration_prompts": len(prompts),
+                     "compile": compile, "seeds_per_prompt": spp, "fidelity_steps": fsteps, "ref_steps": ref_steps,
+                     "topk": topk, "reward": reward_name, "calibration_prompts": len(prompts),
                      "calibration_seeds_per_prompt": calibration_seeds, "guidance_scale": 1.0 if pipeline == "digits"
                      else getattr(policy, "guidance_scale", None)},
         "machine": machine_info(), "backends": results, "fidelity_note": fidelity_note,

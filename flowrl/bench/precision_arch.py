@@ -18,14 +18,17 @@ is resident beside the policy), per resolution (default 512 and 1024 px):
 * ``real_kernels`` / ``kernel`` / ``label``: simulated backends are labelled ``(simulated)`` and
   their speed-ups carry a ``*``.
 
-Reward-ranking fidelity is off (random weights). ``compile`` wraps every module measured (``full``
-included, for a fair ratio) in ``torch.compile`` with that mode (``reduce-overhead``: CUDA graphs);
-off by default until measured. ``tiny=True`` shrinks the configs so the code path runs on a CPU
-in seconds (tests); without it a CPU gets a clear error. ``iteration_timing`` adds one Sol-RL and
-one flat-GRPO iteration (:mod:`flowrl.bench.precision_iteration`).
+Reward-ranking fidelity is off (random weights). ``compile`` (a ``model.compile`` mode) measures every
+backend (``full`` included) eagerly and then compiled as ``model.compile`` compiles a rollout
+(:func:`flowrl.utils.compile.compile_rollouts`): the same fields under ``backends.<spec>.compiled``
+(:mod:`flowrl.bench.precision_compiled`), with the compiled run's recompiles and its speed-ups over the
+backend's eager run and over full precision, eager and compiled. ``tiny=True`` shrinks the configs so the
+code path runs on a CPU in seconds (tests); without it a CPU gets a clear error. ``iteration_timing`` adds one
+Sol-RL and one flat-GRPO iteration (:mod:`flowrl.bench.precision_iteration`), compiled when ``compile`` is.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
@@ -42,9 +45,10 @@ from ..seeding import derive_seeds
 from .precision_arch_models import ArchPolicy, arch_model
 from .precision_arch_report import plot_arch
 from .precision_measure import PeakMemory, machine_info, sync_device, timed, write_outputs
+from ..utils.compile import check_mode, compile_rollouts, eager_forwards
 from ..utils.paths import resolve_device
+from .precision_compiled import compiled_entry, compiled_speedups, velocity_input
 
-COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 PROMPTS = ["a photo of a cat on a sofa", "a red bicycle leaning on a brick wall"]
 ARCH_SEED = 20260410
 
@@ -60,44 +64,37 @@ def check_arch_device(pipeline: str, device: torch.device, tiny: bool) -> None:
                            f"on shrunken configs")
 
 
-def compile_module(module: torch.nn.Module, mode: str) -> torch.nn.Module:
-    """``torch.compile(module, mode=mode)``, or ``module`` itself when ``mode == "off"``."""
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
-    return module if mode == "off" else torch.compile(module, mode=None if mode == "default" else mode)
-
-
-def _velocity_input(policy: ArchPolicy, batch: int):
-    seeds = derive_seeds(ARCH_SEED + 7, batch)
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
-    x = policy.initial_noise(seeds)  # [B, 16, h, w]
-    sigma = torch.full((batch,), 0.75, device=policy.device)  # [B]
-    return x, sigma, policy.encode_prompts(prompts)
-
-
-def time_resolution(policy: ArchPolicy, module, batch: int, steps: int, repeats: int,
-                    warmups: int) -> tuple[dict, torch.Tensor]:
-    """Sampling and forward timings of ``module`` at the policy's current resolution -> (row, velocity [B, ...])."""
+def time_resolution(policy: ArchPolicy, module, batch: int, steps: int, repeats: int, warmups: int,
+                    compiled=None) -> tuple[dict, torch.Tensor]:
+    """Sampling and forward timings of ``module`` at the policy's current resolution -> (row, velocity [B, ...]);
+    eager unless ``compiled`` (the :class:`~flowrl.utils.compile.CompileLog` of ``module``'s compiled forward:
+    the row then has ``compile_seconds`` of its warm-up and ``recompiles_timed``, the compiles of its timed runs)."""
     dev = policy.device
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
     seeds = derive_seeds(ARCH_SEED, batch)
-    x, sigma, cond = _velocity_input(policy, batch)
-    with torch.no_grad(), swapped_transformer(policy, module):
+    x, sigma, cond = velocity_input(policy, [PROMPTS[i % len(PROMPTS)] for i in range(batch)],
+                                    derive_seeds(ARCH_SEED + 7, batch))
+    done = (lambda: compiled.compiles + compiled.recompiles) if compiled is not None else (lambda: 0)
+    spent = compiled.compile_seconds if compiled is not None else 0.0
+    with torch.no_grad(), swapped_transformer(policy, module), \
+            (contextlib.nullcontext() if compiled is not None else eager_forwards()):
         for _ in range(warmups):
             ode_sample(policy, prompts, seeds, steps, batch)
+            policy.velocity(x, sigma, cond)
+        after_warmup = done()
         runs, peak = [], None
         for i in range(repeats):
             with PeakMemory(dev) as mem:
                 runs.append(timed(lambda: ode_sample(policy, prompts, seeds, steps, batch), dev))
             if i == 0 and mem.cuda:
                 peak = mem.peak / 2**20
-        for _ in range(warmups):
-            policy.velocity(x, sigma, cond)
         fwd = [timed(lambda: policy.velocity(x, sigma, cond), dev) for _ in range(max(repeats, 3))]
         v = policy.velocity(x, sigma, cond).float().cpu()  # [B, 16, h, w]
     med = statistics.median(runs)
     row = {"seconds_per_batch": med, "seconds_all": runs, "images_per_second": batch / med,
            "forward_ms": 1000.0 * statistics.median(fwd), "peak_mb": peak}
+    if compiled is not None:
+        row.update({"compile_seconds": compiled.compile_seconds - spent, "recompiles_timed": done() - after_warmup})
     return row, v
 
 
@@ -116,23 +113,43 @@ def build_copy(policy: ArchPolicy, q, calibrate, device: torch.device) -> tuple[
     return module, time.perf_counter() - t0
 
 
+def _rel_error(v: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((v - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
 def measure_backend(policy: ArchPolicy, spec: str, module, resolutions, settings: dict, reference: dict,
-                    log) -> dict:
-    """Every resolution of one backend; ``reference`` (``px -> velocity``) is filled by ``full``."""
-    out = {}
-    mode, warm = settings["compile"], 1 + (settings["compile"] != "off")
-    runner = compile_module(module, mode)
+                    log) -> tuple[dict, Optional[dict]]:
+    """Every resolution of one backend, eager, then compiled when ``settings["compile"]`` is not ``off`` ->
+    (eager rows by px, the compiled entry or None); ``reference`` (``px -> velocity``) is filled by ``full``."""
+    out, eager_v = {}, {}
     for px in resolutions:
         policy.set_resolution(px)
-        row, v = time_resolution(policy, runner, settings["batch"], settings["steps"], settings["repeats"], warm)
+        row, v = time_resolution(policy, module, settings["batch"], settings["steps"], settings["repeats"], 1)
         if spec == "full":
             reference[px] = v
-        ref = reference[px]
-        row["velocity_rel_error"] = float((v - ref).norm() / ref.norm().clamp_min(1e-12))
+        eager_v[px] = v
+        row["velocity_rel_error"] = _rel_error(v, reference[px])
         out[str(px)] = row
         log(f"[bench precision] {spec} @ {px}px: {row['images_per_second']:.3f} img/s, forward "
             f"{row['forward_ms']:.1f} ms, rel. error {row['velocity_rel_error']:.2e}", flush=True)
-    return out
+    if settings["compile"] == "off":
+        return out, None
+    clog = compile_rollouts(module, settings["compile"], role=spec)
+    rows = {}
+    try:
+        for px in resolutions:
+            policy.set_resolution(px)
+            row, v = time_resolution(policy, module, settings["batch"], settings["steps"], settings["repeats"], 2,
+                                     compiled=clog)
+            row.update({"velocity_rel_error": _rel_error(v, reference[px]),
+                        "velocity_rel_error_vs_eager": _rel_error(v, eager_v[px])})
+            rows[str(px)] = row
+            log(f"[bench precision] {spec} compiled ({settings['compile']}) @ {px}px: {row['images_per_second']:.3f} "
+                f"img/s, forward {row['forward_ms']:.1f} ms, compile {row['compile_seconds']:.1f}s, "
+                f"{row['recompiles_timed']} recompiles after warm-up", flush=True)
+    finally:
+        compile_rollouts(module, "off")
+    return out, compiled_entry(settings["compile"], clog, rows)
 
 
 def _speedups(results: dict, resolutions) -> None:
@@ -141,6 +158,16 @@ def _speedups(results: dict, resolutions) -> None:
             row, full = r["resolutions"][str(px)], results["full"]["resolutions"][str(px)]
             row["speedup_vs_full"] = full["seconds_per_batch"] / row["seconds_per_batch"]
             row["forward_speedup_vs_full"] = full["forward_ms"] / row["forward_ms"]
+    compiled_speedups(results, [str(px) for px in resolutions])
+
+
+def save_partial(out: dict, json_path, note: str) -> None:
+    """Write what is measured so far to ``json_path`` (atomic), ``partial`` saying how far it got: a run cut
+    short (a GPU session's time cap) leaves the backends it finished. The finished run overwrites it."""
+    if json_path:
+        from ..utils.io import write_json
+
+        write_json({**out, "partial": note}, Path(json_path))
 
 
 def bench_arch(pipeline: str = "sd35m-arch", backends: Optional[Sequence[str]] = None,
@@ -148,16 +175,18 @@ def bench_arch(pipeline: str = "sd35m-arch", backends: Optional[Sequence[str]] =
                resolutions: Sequence[int] = (512, 1024), batch: Optional[int] = None, steps: Optional[int] = None,
                repeats: int = 3, compile: str = "off", device: Optional[str] = None, dtype: Optional[str] = None,
                tiny: bool = False, iteration_timing: bool = False, iteration_options: Optional[dict] = None,
+               iteration_only: bool = False,
                model_options: Optional[dict] = None,
                verbose: bool = True) -> dict:
     """Run the architecture benchmark (module doc); returns the result dict (also written to
     ``json_path``, a PNG chart beside it). ``backends``: as ``bench_precision`` (default ``full, fp8,
-    nvfp4`` on CUDA)."""
+    nvfp4`` on CUDA). ``iteration_only``: time the iterations alone (no backend is timed; a GPU session's
+    minutes go to the iteration)."""
     from .precision import build_quantizers, default_backends
 
     dev = resolve_device(device or None)
     check_arch_device(pipeline, dev, tiny)
-    compile_module(torch.nn.Identity(), compile)  # validates the mode before anything is built
+    check_mode(compile, "compile")  # before anything is built
     dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     specs = list(backends) if backends else default_backends(dev)
     specs = ["full"] + [s for s in specs if s != "full"]
@@ -180,7 +209,14 @@ def bench_arch(pipeline: str = "sd35m-arch", backends: Optional[Sequence[str]] =
 
     results: dict[str, dict] = {}
     reference: dict[int, torch.Tensor] = {}
-    for spec in specs:
+    out = {"pipeline": pipeline, "tiny": tiny, "device": str(dev), "dtype": dtype,
+           "arch": {"title": policy.model.title, "family": policy.family, "config": policy.config,
+                    "config_source": f"{policy.model.source} transformer/config.json",
+                    "parameters": policy.parameters_count(),
+                    "text_tokens": policy.text_tokens, "frames": policy.geometry.frames},
+           "settings": settings, "machine": machine_info(), "backends": results,
+           "fidelity_note": "fidelity off: random weights (speed, memory and numerics vs full precision only)"}
+    for spec in [] if iteration_only else specs:
         if spec == "full":
             module, sync_s = policy.transformer, 0.0
         else:
@@ -189,22 +225,19 @@ def bench_arch(pipeline: str = "sd35m-arch", backends: Optional[Sequence[str]] =
         info = kernel_info(spec, module)
         label = display_label(spec, info)
         log(f"[bench precision] {label}: sync {sync_s:.2f}s, kernels: {info['kernel']}", flush=True)
+        rows, compiled = measure_backend(policy, spec, module, resolutions, settings, reference, log)
         results[spec] = {"backend": spec, "label": label, **info, "sync_seconds": sync_s,
-                         "model_mb": module_bytes(module) / 2**20,
-                         "resolutions": measure_backend(policy, spec, module, resolutions, settings, reference, log)}
+                         "model_mb": module_bytes(module) / 2**20, "resolutions": rows,
+                         **({"compiled": compiled} if compiled else {})}
         if spec != "full":
             del module
             _release(dev)
-    _speedups(results, resolutions)
-    out = {"pipeline": pipeline, "tiny": tiny, "device": str(dev), "dtype": dtype,
-           "arch": {"title": policy.model.title, "family": policy.family, "config": policy.config,
-                    "config_source": f"{policy.model.source} transformer/config.json",
-                    "parameters": policy.parameters_count(),
-                    "text_tokens": policy.text_tokens, "frames": policy.geometry.frames},
-           "settings": settings, "machine": machine_info(), "backends": results,
-           "fidelity_note": "fidelity off: random weights (speed, memory and numerics vs full precision only)"}
-    if iteration_timing:
+        _speedups(results, resolutions)
+        save_partial(out, json_path, f"{len(results)} of {len(specs)} backends measured")
+    if iteration_timing or iteration_only:
         from .precision_iteration import time_iterations
 
-        out["iteration_timing"] = time_iterations(policy, quantizers, log=log, **(iteration_options or {}))
+        save_partial(out, json_path, "every backend measured; the iteration timing did not finish")
+        out["iteration_timing"] = time_iterations(policy, quantizers, log=log, compile=compile,
+                                                  **(iteration_options or {}))
     return write_outputs(out, json_path, png_path, log, plot_arch)

@@ -13,9 +13,9 @@ from typing import Optional
 
 from ..command_line import positive_int
 from ..errors import BenchError
+from ..utils.compile import COMPILE_MODES
 from .precision_policy import PIPELINES
 
-COMPILE_CHOICES = ("off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 ITERATION_FLAGS = ("pool_size", "preview_steps", "keep", "group_size", "train_steps", "minibatch", "lora_rank",
                    "iteration_resolution", "explore_backend")
 
@@ -64,10 +64,11 @@ def _run(a) -> str:
             a.pipeline, backends, a.json, png_path=a.png, resolutions=_ints(a.resolutions) or (512, 1024),
             batch=a.batch, steps=a.steps, repeats=a.repeats, compile=a.compile, device=a.device, dtype=a.dtype,
             tiny=a.tiny, iteration_timing=a.iteration_timing, iteration_options=_iteration_options(a),
+            iteration_only=a.iteration_only,
             model_options={"num_frames": a.num_frames} if a.num_frames else None))
     arch_only = [f for f, on in (("--tiny", a.tiny), ("--iteration-timing", a.iteration_timing),
-                                 ("--resolutions", a.resolutions), ("--compile", a.compile != "off"),
-                                 ("--num-frames", a.num_frames)) if on]
+                                 ("--iteration-only", a.iteration_only),
+                                 ("--resolutions", a.resolutions), ("--num-frames", a.num_frames)) if on]
     if arch_only:
         raise BenchError(f"{', '.join(arch_only)} apply to the architecture pipelines (NAME-arch), "
                          f"not --pipeline {a.pipeline}")
@@ -78,19 +79,19 @@ def _run(a) -> str:
         a.pipeline, backends, a.json, png_path=a.png, model_path=a.model_path, batch=a.batch, steps=a.steps,
         repeats=a.repeats, seeds_per_prompt=a.seeds_per_prompt, fidelity_steps=_ints(a.fidelity_steps),
         ref_steps=a.ref_steps, topk=a.topk, reward=a.reward, device=a.device, dtype=a.dtype, threads=a.threads,
-        batch_check=not a.no_batch_check))
+        batch_check=not a.no_batch_check, compile=a.compile))
 
 
 def _add_arch_arguments(p) -> None:
     g = p.add_argument_group("architecture pipelines (NAME-arch, e.g. sd35m-arch, flux-arch: random weights, CUDA)")
     g.add_argument("--resolutions", default=None, help="comma-separated image sides in px (default 512,1024)")
-    g.add_argument("--compile", choices=COMPILE_CHOICES, default="off",
-                   help="torch.compile every measured module with this mode (reduce-overhead: CUDA graphs)")
     g.add_argument("--tiny", action="store_true", help="shrunken configs (runs on a CPU in seconds: tests, smoke)")
     g.add_argument("--num-frames", type=int, default=None,
                    help="video architectures (wan-*-arch): frames per video, 4 k + 1 (default: the pipeline's 81)")
     g.add_argument("--iteration-timing", action="store_true",
                    help="also time one Sol-RL and one flat-GRPO iteration (explore, regenerate, update)")
+    g.add_argument("--iteration-only", action="store_true",
+                   help="time only those iterations (no backend timed: --explore-backend names Sol-RL's)")
     g.add_argument("--explore-backend", default=None, help="Sol-RL exploration backend (default: first quantized)")
     g.add_argument("--iteration-resolution", type=positive_int, default=None, help="iteration timing px (default 512)")
     for flag, hint in (("--pool-size", "Sol-RL seeds explored per prompt (default 96)"),
@@ -133,5 +134,8 @@ def add_precision_parser(subparsers) -> None:
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads")
     p.add_argument("--no-batch-check", action="store_true", help="skip the batch-mates sensitivity pass")
+    p.add_argument("--compile", choices=COMPILE_MODES, default="off",
+                   help="also time every backend compiled as model.compile compiles a rollout, beside its eager run "
+                        "(reduce-overhead: + CUDA graphs); with --iteration-timing the iterations' rollouts too")
     _add_arch_arguments(p)
     p.set_defaults(fn=_run)

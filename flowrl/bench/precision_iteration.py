@@ -11,8 +11,12 @@ A thin driver over flowrl's public pieces, not the trainer: a LoRA adapter on th
 * **update**: group advantages, the PPO-clip surrogate (``flowrl.losses.grpo_clipped_loss``) on
   every stored transition in minibatches, backward, AdamW step per minibatch.
 
-Each iteration runs twice; the second is timed (the first warms up kernels and allocators). The
-reward is the mean pixel value (the weights are random; a reward model's cost is not measured).
+Each iteration runs twice; the second is timed (the first warms up kernels and allocators, and compiles).
+With ``compile`` (a ``model.compile`` mode) the rollouts run as a training run's do: the policy's no-gradient
+forward compiled (:func:`flowrl.utils.compile.compile_rollouts`), Sol-RL's exploration copy compiled too and
+re-synced in place, the update eager; each iteration record's ``recompiles`` counts the compiles its run made
+(the timed one: 0 when nothing recompiled). The reward is the mean pixel value (the weights are random; a reward
+model's cost is not measured).
 What it leaves out compared with ``flowrl train``: accelerate / DDP, gradient checkpointing, EMA,
 KL to a reference, CFG, checkpointing, logging.
 """
@@ -29,6 +33,7 @@ from ..losses import grpo_clipped_loss
 from ..quant.kernels import display_label, kernel_info
 from ..sde import get_step
 from ..types import index_cond
+from ..utils.compile import compile_log, compile_rollouts
 from .precision_measure import sync_device
 
 ITERATION_SEED = 20260411
@@ -108,6 +113,8 @@ def grpo_update(policy, rollout, optimizer, minibatch: int, clip_range: float = 
 
 def _timed_iteration(policy, sampler, prompts, optimizer, opts: IterationOptions, seed: int) -> dict:
     dev = policy.device
+    clog = compile_log(policy.transformer)
+    compiles = clog.compiles + clog.recompiles
     sync_device(dev)
     t0 = time.perf_counter()
     rollout = sampler(policy, prompts, mean_pixel_reward, seed=seed)
@@ -118,7 +125,7 @@ def _timed_iteration(policy, sampler, prompts, optimizer, opts: IterationOptions
     t2 = time.perf_counter()
     st = rollout.stats
     out = {"total_seconds": t2 - t0, "sample_seconds": t1 - t0, "update_seconds": t2 - t1, **upd,
-           "samples_trained": rollout.num_samples}
+           "samples_trained": rollout.num_samples, "recompiles": clog.compiles + clog.recompiles - compiles}
     if "sol/explore_seconds" in st:
         out.update({"sync_seconds": st["sol/sync_seconds"], "explore_seconds": st["sol/explore_seconds"],
                     "regen_seconds": st["sol/regen_seconds"], "explore_model_evals": st["sol/explore_model_evals"]})
@@ -126,8 +133,9 @@ def _timed_iteration(policy, sampler, prompts, optimizer, opts: IterationOptions
     return out
 
 
-def time_iterations(policy, quantizers: dict, *, log=print, **options) -> dict:
-    """Time one Sol-RL and one flat-GRPO iteration (module doc) -> a JSON-able dict."""
+def time_iterations(policy, quantizers: dict, *, log=print, compile: str = "off", **options) -> dict:
+    """Time one Sol-RL and one flat-GRPO iteration (module doc), rollouts compiled with ``compile`` -> a
+    JSON-able dict."""
     from ..rollout.group import GroupSampler
     from ..rollout.sol import SolSampler
     from ..trainable import add_lora
@@ -136,6 +144,7 @@ def time_iterations(policy, quantizers: dict, *, log=print, **options) -> dict:
     spec = opts.explore_backend or next(iter(quantizers), "none")
     policy.set_resolution(opts.resolution)
     add_lora(policy.transformer, opts.lora_rank, float(opts.lora_rank))
+    compile_rollouts(policy.transformer, compile)  # LoRA first: the compiled graph traces it
     params = [p for p in policy.transformer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     prompts = [f"benchmark prompt {i}" for i in range(opts.prompts)]
@@ -145,12 +154,15 @@ def time_iterations(policy, quantizers: dict, *, log=print, **options) -> dict:
                      calibration_prompts=prompts, calibration_seeds=1)
     grpo = GroupSampler(group_size=opts.group_size, num_steps=opts.train_steps, max_batch=opts.max_batch)
     out: dict = {"settings": {**asdict(opts), "explore_backend": spec, "train_timesteps": opts.train_steps,
-                        "dtype": str(policy.dtype).replace("torch.", "")}}
-    for name, sampler in (("sol", sol), ("grpo", grpo)):
-        for rep in range(2):  # the first iteration warms up; the second is reported
-            log(f"[bench precision] {name} iteration {rep + 1}/2 at {opts.resolution}px ...", flush=True)
-            r = _timed_iteration(policy, sampler, prompts, optimizer, opts, ITERATION_SEED + rep)
-        out[name] = r
+                              "dtype": str(policy.dtype).replace("torch.", ""), "compile": compile}}
+    try:
+        for name, sampler in (("sol", sol), ("grpo", grpo)):
+            for rep in range(2):  # the first iteration warms up (and compiles); the second is reported
+                log(f"[bench precision] {name} iteration {rep + 1}/2 at {opts.resolution}px ...", flush=True)
+                r = _timed_iteration(policy, sampler, prompts, optimizer, opts, ITERATION_SEED + rep)
+            out[name] = r
+    finally:
+        compile_rollouts(policy.transformer, "off")
     info = kernel_info(spec, sol.exploration_copy.module)
     out["sol"].update({"backend": spec, "label": display_label(spec, info), **info})
     out["grpo"]["label"] = "grpo (bf16)"

@@ -41,6 +41,7 @@ def format_table(res: dict) -> str:
         lines.append(f"{label_of(spec, r):<{w}} {fmt(r['images_per_second'], '.2f'):>8} {speedup_cell(r):>9} "
                      f"{speedup_cell(r, 'speedup_vs_full_best'):>9} {fmt(r['sync_seconds'], '.2f'):>7} "
                      f"{fmt(r['model_mb'], '.1f'):>9} {fmt(r.get('peak_extra_mb'), '.0f'):>8}")
+    lines += compiled_table(res, w)
     if any(not r.get("real_kernels", True) for r in res["backends"].values()):
         lines.append(SIM_NOTE)
     if any("fidelity" in r for r in res["backends"].values()):
@@ -59,6 +60,28 @@ def format_table(res: dict) -> str:
     if res.get("fidelity_note"):
         lines.append(res["fidelity_note"])
     return "\n".join(lines)
+
+
+def compiled_table(res: dict, w: int) -> list[str]:
+    """Eager and compiled side by side (``backends.<spec>.compiled``), or nothing without ``--compile``."""
+    specs = [s for s, r in res["backends"].items() if r.get("compiled")]
+    if not specs:
+        return []
+    c = res["backends"][specs[0]]["compiled"]
+    lines = [f"eager vs compiled ({c['mode']}, {c['backend']}): images/s, speed-up of the compiled run over the same "
+             f"backend eager and over full eager, bare forward ms, velocity error vs full eager, recompiles in the "
+             f"timed runs",
+             f"{'backend':<{w}} {'img/s':>8} {'c img/s':>8} {'c x eager':>9} {'c x full':>8} {'fwd ms':>7} "
+             f"{'c fwd ms':>8} {'rel err':>8} {'c rel err':>9} {'recomp':>6} {'compile s':>9}"]
+    for spec in specs:
+        r, cr = res["backends"][spec], res["backends"][spec]["compiled"]
+        lines.append(f"{label_of(spec, r):<{w}} {fmt(r['images_per_second'], '.2f'):>8} "
+                     f"{fmt(cr['images_per_second'], '.2f'):>8} {speedup_cell(cr, 'speedup_vs_eager'):>9} "
+                     f"{speedup_cell(cr, 'speedup_vs_full'):>8} {fmt(r.get('forward_ms'), '.1f'):>7} "
+                     f"{fmt(cr.get('forward_ms'), '.1f'):>8} {fmt(r.get('velocity_rel_error'), '.1e'):>8} "
+                     f"{fmt(cr.get('velocity_rel_error'), '.1e'):>9} {cr.get('recompiles_timed', '-'):>6} "
+                     f"{fmt(cr.get('compile_seconds'), '.1f'):>9}")
+    return lines
 
 
 def _bar_label(spec: str, r: dict) -> str:

@@ -1,6 +1,6 @@
-"""``fp8``: FP8-E4M3 weights and activations, static activation scales calibrated once.
+"""``fp8``: FP8-E4M3 weights and activations.
 
-Two kernels (option ``kernel``):
+Three kernels (option ``kernel``):
 
 * ``"scaled_mm"`` (default): every ``nn.Linear`` outside the skip-list becomes an
   :class:`~flowrl.quant.fp8_linear.FP8Linear`, a real FP8 GEMM (``torch._scaled_mm``) on sm_89+
@@ -12,6 +12,10 @@ Two kernels (option ``kernel``):
 * ``"modelopt"``: nvidia-modelopt's ``FP8_DEFAULT_CFG`` fake quantization (quantize-dequantize
   around bf16 matmuls, per-tensor scales): labelled simulated, slower than bf16; on a CPU
   with ``simulate_on_cpu=true``.
+* ``"torchao"``: torchao's row-wise dynamic float8 (:mod:`flowrl.quant.fp8_torchao`): per-row scales of
+  weights and of every input at each call (no calibration), the same layers quantized; CUDA sm_89+ and a
+  bf16 model only (torchao's float8 refuses the CPU). Made for a compiled exploration copy
+  (``model.compile``), where the input quantization fuses into the preceding kernel.
 
 Without a CUDA GPU, plain ``fp8`` is unavailable and says what runs here instead
 (``int8-dynamic``: real int8 kernels; ``nvfp4-emulated``: FP4 numerics).
@@ -27,10 +31,11 @@ from torch import nn
 from .calibration import record_input_amax
 from .common import DEFAULT_SKIP, is_skipped, merged_copy, replace_linears
 from .fp8_linear import FP8Linear, scaled_mm_problem
+from .fp8_torchao import check_torchao_module, quantize_torchao, torchao_problem
 from .kernels import SIMULATED, cuda_capability, describe_capability, tag_kernel
 from .modelopt_support import ModeloptPreset, modelopt_problem
 
-KERNELS = ("scaled_mm", "modelopt")
+KERNELS = ("scaled_mm", "modelopt", "torchao")
 WEIGHTS = ("auto", "per_channel", "per_tensor")
 CPU_ALTERNATIVES = "on this machine use 'int8-dynamic' (real int8 kernels) or 'nvfp4-emulated' (FP4 numerics)"
 
@@ -63,10 +68,11 @@ class FP8Quantizer(ModeloptPreset):
     """FP8-E4M3 exploration copy (module doc), calibrated once.
 
     Args:
-        kernel: ``"scaled_mm"`` (real FP8 GEMMs on sm_89+) or ``"modelopt"`` (fake quantization).
+        kernel: ``"scaled_mm"`` (real FP8 GEMMs on sm_89+), ``"modelopt"`` (fake quantization) or
+            ``"torchao"`` (torchao's row-wise dynamic float8, sm_89+).
         weight: weight scales of ``scaled_mm``: ``"per_channel"``, ``"per_tensor"`` or ``"auto"``
             (per channel where this torch's ``_scaled_mm`` takes row-wise scales on the device,
-            else per tensor).
+            else per tensor); of ``torchao``: per row unless ``"per_tensor"``.
         fast_accum: ``_scaled_mm``'s fast accumulation (Hopper tensor cores; ignored on the CPU).
         fuse_qkv: fuse each attention's query/key/value projections first (diffusers'
             ``fuse_qkv_projections``): one FP8 GEMM and one input quantization where there were three
@@ -88,15 +94,33 @@ class FP8Quantizer(ModeloptPreset):
         super().__post_init__()
         if self.kernel not in KERNELS:
             raise ValueError(f"fp8 kernel must be one of {KERNELS} ('scaled_mm': real FP8 GEMMs on sm_89+ GPUs; "
-                             f"'modelopt': fake quantization), got {self.kernel!r}")
+                             f"'modelopt': fake quantization; 'torchao': torchao's row-wise dynamic float8), "
+                             f"got {self.kernel!r}")
         if self.weight not in WEIGHTS:
             raise ValueError(f"fp8 weight must be one of {WEIGHTS}, got {self.weight!r}")
         for flag in ("fast_accum", "fuse_qkv", "simulate_on_cpu"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"fp8 {flag} must be true or false, got {getattr(self, flag)!r}")
+        if self.kernel == "torchao" and self.simulate_on_cpu:
+            raise ValueError("fp8:kernel=torchao has no CPU simulation (torchao's float8 refuses to run off CUDA); "
+                             "drop simulate_on_cpu, or use fp8:simulate_on_cpu=true (kernel scaled_mm) for FP8 "
+                             "numerics on a CPU")
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Static input scales (``scaled_mm``, ``modelopt``) are calibrated; torchao's are dynamic."""
+        return self.kernel != "torchao"
+
+    @property
+    def syncs_in_place(self) -> bool:
+        """A copy holds all its state in parameters and buffers, so a re-sync may copy a new one into it
+        (:class:`~flowrl.quant.sync.QuantizedCopy`; modelopt's quantizers keep Python-side state)."""
+        return self.kernel != "modelopt"
 
     # ------------------------------------------------------------------ availability
     def unavailable_reason(self) -> Optional[str]:
+        if self.kernel == "torchao":
+            return torchao_problem()
         if self.kernel == "modelopt":
             if not torch.cuda.is_available() and not self.simulate_on_cpu:
                 return (f"fp8 (kernel=modelopt) needs a CUDA GPU (torch.cuda.is_available() is False); pass "
@@ -141,6 +165,8 @@ class FP8Quantizer(ModeloptPreset):
         problem = self.unavailable_reason()
         if problem:
             raise RuntimeError(problem)
+        if self.kernel == "torchao":
+            return self._quantize_torchao(module)
         device = next(module.parameters()).device
         problem = self._device_problem(device)
         if problem:
@@ -162,3 +188,15 @@ class FP8Quantizer(ModeloptPreset):
                                                    f"static input scales{', fused q/k/v' if self.fuse_qkv else ''})")
         return tag_kernel(q, real=False, kernel=f"{SIMULATED}: torch._scaled_mm FP8 numerics on {device.type} "
                                                 f"(reference implementation, no FP8 units)")
+
+    def _quantize_torchao(self, module: nn.Module) -> nn.Module:
+        """torchao's row-wise dynamic float8 on a private merged copy (LoRA merged first)."""
+        check_torchao_module(module, self.weight)
+        q = merged_copy(module)
+        if self.fuse_qkv:
+            fuse_qkv_projections(q)
+        done, left = quantize_torchao(q, self.skip, self.weight, self.fast_accum)
+        scales = "per-tensor" if self.weight == "per_tensor" else "row-wise"
+        return tag_kernel(q, real=True, kernel=f"torchao float8 dynamic ({scales} weight and input scales, {done} "
+                                               f"linear layers; {left} left in full precision for their shape"
+                                               f"{', fused q/k/v' if self.fuse_qkv else ''})")

@@ -100,7 +100,7 @@ class FP8Linear(nn.Module):
         self.register_buffer("input_scale", torch.tensor(s_x, dtype=torch.float32, device=dev))  # []
         b = None if linear.bias is None else F.pad(linear.bias.detach(), (0, self.pad_n)).clone()  # [Np]
         self.register_buffer("bias", b)
-        self._row_scales: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._row_scales: dict[tuple[int, torch.device, int], torch.Tensor] = {}
 
     def _scale_a(self, m: int) -> torch.Tensor:
         """The input's scale as ``_scaled_mm`` wants it: 0-dim (per-tensor) or ``[M, 1]`` contiguous."""
@@ -108,7 +108,7 @@ class FP8Linear(nn.Module):
             return self.input_scale
         if torch.compiler.is_compiling():  # no Python-side cache inside a compiled graph
             return self.input_scale.reshape(1, 1).repeat(m, 1)  # [M, 1]
-        key = (m, self.input_scale.device)
+        key = (m, self.input_scale.device, self.input_scale._version)  # a re-sync in place bumps the version
         col = self._row_scales.get(key)
         if col is None:
             if len(self._row_scales) > 16:  # a few batch sizes recur; do not grow without bound

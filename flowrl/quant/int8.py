@@ -229,6 +229,9 @@ class Int8DynamicQuantizer:
     skip: tuple[str, ...] = DEFAULT_SKIP
     kernel: str = "auto"
     name: ClassVar[str] = "int8-dynamic"
+    # model.compile leaves the copy eager: dynamo cannot trace fbgemm's packed weights (no meta kernels) nor the
+    # per-layer thread switching, so a compiled copy would be graph breaks around every layer
+    compilable: ClassVar[bool] = False
 
     @property
     def needs_calibration(self) -> bool:

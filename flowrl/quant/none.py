@@ -16,6 +16,7 @@ class NoQuantizer:
 
     name: ClassVar[str] = "none"
     needs_calibration: ClassVar[bool] = False
+    syncs_in_place: ClassVar[bool] = True  # a copy's state is its parameters and buffers
 
     def unavailable_reason(self) -> Optional[str]:
         return None

@@ -6,6 +6,13 @@ quantized and calibrated) whenever the trained module changed since the last syn
 times it. Change detection is a fingerprint of every parameter and buffer's identity and
 in-place version counter (an optimizer step, ``load_state_dict`` or ``copy_`` bumps it) plus
 the LoRA adapters' enabled/active state: cheap, with no tensor compared.
+
+When the trained module's rollout forward is compiled (``model.compile``, :mod:`flowrl.utils.compile`), the
+copy is compiled the same way (role ``exploration``, the policy's recompile log; not a backend that declares
+``compilable = False``: ``int8-dynamic``'s fbgemm kernels cannot be traced), and a re-sync of a backend
+whose copies hold all their state in tensors (``syncs_in_place``: ``fp8``, ``none``) copies the new copy's
+tensors into the compiled one: its graphs (and CUDA graphs' inputs) stay valid, nothing recompiles. That
+holds the old copy and the new one at once during the sync (one more copy's memory at its peak).
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ from typing import Callable, Iterator, Optional
 from torch import nn
 
 from ..types import swapped_transformer
+from ..utils.compile import compile_like, compiled_forward, load_in_place
 from .common import unwrap_model
 
 __all__ = ["QuantizedCopy", "fingerprint"]
@@ -56,10 +64,17 @@ class QuantizedCopy:
         if not force and not self.stale(transformer):
             return 0.0
         t0 = time.perf_counter()
-        self.module = None  # drop the old copy before building the new one
+        source = unwrap_model(transformer)
+        compiled = compiled_forward(source) is not None and getattr(self.quantizer, "compilable", True)
+        in_place = compiled and getattr(self.quantizer, "syncs_in_place", False)
+        if not in_place:
+            self.module = None  # drop the old copy before building the new one
         fp = fingerprint(transformer)
         need = getattr(self.quantizer, "needs_calibration", True)
-        self.module = self.quantizer.quantize(transformer, calibrate if need else None)
+        fresh = self.quantizer.quantize(transformer, calibrate if need else None)
+        if not (in_place and self.module is not None and load_in_place(self.module, fresh)):
+            self.module = compile_like(fresh, source, "exploration") if compiled else fresh
+        del fresh
         self._fingerprint = fp
         dt = time.perf_counter() - t0
         self.syncs += 1

@@ -23,45 +23,11 @@ from ..updates.base import build_options, incompatibility
 from .config_base import SECTION_NAMES, _h
 from .config_text import (_fix_floats, apply_overrides, keep_loss_options_of_new_loss, moved_key_hint, read_recipe,
                           upgrade_saved_config)
+from .model_config import ModelConfig, compile_problem
 from .offline_config import OfflineConfig
 
 __all__ = ["Config", "ModelConfig", "SamplerConfig", "RewardConfig", "TrainConfig", "DataConfig", "LoggingConfig",
            "SECTIONS", "load_config", "load_run_config", "dump_config", "samples_per_prompt"]
-
-
-@dataclass
-class ModelConfig:
-    pipeline: str = _h("a flowrl.pipelines.REGISTRY name, e.g. digits, sd3, flux (an unknown name lists them all)",
-                       "digits")
-    path: Optional[str] = _h("directory or hub id; digits: empty = the cached base, pretrained on first use", None)
-    guidance_scale: float = _h("classifier-free guidance inside the policy (1.0 = none)", 1.0)
-    device: str = _h("'auto' = the accelerator's device, or cpu / cuda:N", "auto")
-    options: dict = _h("the adapter's own options (resolution, dtype, max_sequence_length, ...: each pipeline declares "
-                       "its own, with types and ranges; an unknown key lists the valid ones)", factory=dict)
-    text_embedding_cache: Optional[str] = _h("encode the fixed prompt sets once: 'memory', or a directory of "
-                                             "safetensors shards (reused across runs); empty = encode every batch", None)
-    drop_text_encoders: bool = _h("after caching, remove the text encoders from memory (needs "
-                                  "text_embedding_cache; prompts outside the sets are then an error)", False)
-
-    def __post_init__(self):
-        from flowrl.pipelines import REGISTRY, policy_class
-
-        if self.drop_text_encoders and not self.text_embedding_cache:
-            raise ConfigError("model.drop_text_encoders=true needs model.text_embedding_cache ('memory' or a "
-                              "directory): without cached embeddings the prompts could not be encoded")
-
-        try:
-            REGISTRY.check(self.pipeline)
-        except ValueError as e:
-            raise ConfigError(f"model.pipeline: {e}") from None
-        if not self.guidance_scale >= 1.0:
-            raise ConfigError(f"model.guidance_scale must be >= 1.0 (1.0 = no guidance), got {self.guidance_scale}")
-        adapter = policy_class(self.pipeline)
-        if adapter is not None:  # a registered loader that declares no adapter class: its options unchecked
-            try:
-                adapter.check_options(self.options, self.guidance_scale)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
 
 
 @dataclass
@@ -344,6 +310,7 @@ class Config:
                                  aggregate=self.reward.aggregate, inner_epochs=t.inner_epochs,
                                  alternatives=updates_by_input(), rewards=tuple(self.reward.weights),
                                  flat_groups=self.sampler.flat_groups) or cp_refusal(self.model.pipeline, t)
+        reason = reason or compile_problem(self.model.compile, t.sharding, t.context_parallel)
         if reason:
             raise ConfigError(reason)
         spp = self.sampler.samples_per_prompt
@@ -397,6 +364,8 @@ class Config:
                                       + f" Valid keys: {', '.join(sorted(valid))}")
             if name == "train" and raw.get("mixed_precision") is False:  # YAML reads a bare `no` as False
                 raw = {**raw, "mixed_precision": "no"}
+            if name == "model" and isinstance(raw.get("compile"), bool):  # YAML reads a bare `off` / `on` as a bool
+                raw = {**raw, "compile": "default" if raw["compile"] else "off"}
             _check_types(name, sec_cls, raw)
             kw[name] = sec_cls(**raw)
         return cls(**kw)

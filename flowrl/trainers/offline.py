@@ -38,6 +38,7 @@ from .trainer import Trainer
 
 # keys that may change between a run and its resume without changing its trajectory
 RESUME_FREE = {"train.iterations", "train.checkpoint_every", "train.keep_checkpoints", "logging", "model.device",
+               "model.compile",
                "data.source",
                "model.path", "train.max_consecutive_skips", "offline.epochs", "offline.max_steps",
                "offline.eval_every", "offline.eval_steps", "offline.judge", "offline.judge_range", "sampler",

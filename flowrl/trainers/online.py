@@ -34,6 +34,7 @@ from .trainer import Trainer
 
 # keys that may change between a run and its resume without changing its trajectory
 RESUME_FREE = {"train.iterations", "train.checkpoint_every", "train.keep_checkpoints", "logging", "model.device",
+               "model.compile",  # how the rollout forward runs (like model.device), not what it computes
                "reward.overlap",  # when chunks are scored, not what they score
                "data.source",  # where the prompt files come from, a note
                "model.path", "train.max_consecutive_skips", "model.text_embedding_cache", "model.drop_text_encoders",

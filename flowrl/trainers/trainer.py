@@ -1,25 +1,25 @@
 """The one training loop, shared by online (rollout) and offline (dataset) training.
 
-:class:`Trainer` sets up a run (accelerator and distribution strategy, policy, rewards, the trained
-parameters, reference, optimizer and EMA, resume) and runs it: evaluation before the first unit,
-then per unit (an online iteration, an offline optimizer step) the subclass's :meth:`run_unit`,
-metrics, image grids, evaluation, checkpoints and SIGTERM / Ctrl-C handling; then the report and
-summary. ``--resume`` of a finished run (its last checkpoint at ``total_units()`` and its summary
-written) changes nothing and returns the summary it has.
-:class:`~flowrl.trainers.online.OnlineTrainer` feeds rollouts of a sampler to the update,
-:class:`~flowrl.trainers.offline.OfflineTrainer` steps of a dataset. Everything that differs between
-DDP and FSDP2 is the strategy object's (:mod:`flowrl.distributed.strategy`); the run directory and
-the resume check are :class:`~flowrl.trainers.run_dir.RunDirectory`'s. One update call
-(:meth:`Trainer.train_on`) asks the update what it trains on, then runs the one update loop, epochs,
-minibatches, accumulation, clipping and the optimizer step (:meth:`flowrl.trainers.steps.OptimizerSteps.train`).
+:class:`Trainer` sets up a run (accelerator and distribution strategy, policy, rewards, the trained parameters,
+reference, optimizer and EMA, resume) and runs it: evaluation before the first unit, then per unit (an online
+iteration, an offline optimizer step) the subclass's :meth:`run_unit`, metrics (with ``compile/recompiles``),
+image grids, evaluation, checkpoints and SIGTERM / Ctrl-C handling; then the report and summary. ``--resume`` of
+a finished run (its last checkpoint at ``total_units()`` and its summary written) changes nothing and returns
+the summary it has. :class:`~flowrl.trainers.online.OnlineTrainer` feeds rollouts of a sampler to the update,
+:class:`~flowrl.trainers.offline.OfflineTrainer` steps of a dataset. Everything that differs between DDP and
+FSDP2 is the strategy object's (:mod:`flowrl.distributed.strategy`); the run directory and the resume check are
+:class:`~flowrl.trainers.run_dir.RunDirectory`'s. One update call (:meth:`Trainer.train_on`, every forward
+eager) asks the update what it trains on, then runs the one update loop, epochs, minibatches, accumulation,
+clipping and the optimizer step (:meth:`flowrl.trainers.steps.OptimizerSteps.train`).
 
-A subclass sets ``RESUME_FREE`` (keys a resume may change), ``unit`` (what a checkpoint counts),
-``stop_causes`` (likely causes of non-finite steps), ``progress_desc`` and ``extend_hint`` (how to train
-a finished run further), and implements the hooks in the "hooks" section.
+A subclass sets ``RESUME_FREE`` (keys a resume may change), ``unit`` (what a checkpoint counts), ``stop_causes``
+(likely causes of non-finite steps), ``progress_desc`` and ``extend_hint`` (how to train a finished run
+further), and implements the hooks in the "hooks" section.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -41,6 +41,7 @@ from ..registry import Registry
 from ..rollout.base import Rollout
 from ..scoring import score_images
 from ..trainable import EMA, Reference, set_up_trainable
+from ..utils.compile import compile_log, eager_forwards
 from ..utils.cuda_quirks import apply_cuda_workarounds
 from ..updates import UPDATES
 from ..updates.base import Update, UpdateContext
@@ -236,11 +237,12 @@ class Trainer:
         return self._update
 
     def train_on(self, data, it: int) -> tuple[dict, dict]:
-        """One update call on ``data`` (a rollout, or an offline step's group ids) -> (stats, advantage info):
-        the update says what it trains on (in eval mode, before any step), the update loop trains it."""
+        """One update call on ``data`` (a rollout, or an offline step's group ids) -> (stats, advantage info): the
+        update says what it trains on (in eval mode, before any step), the update loop trains it, all eagerly."""
         update = self.update_object()
-        batch = update.batch(data, it)
-        stats, trained = self.steps.train(update, batch, it)
+        with eager_forwards():
+            batch = update.batch(data, it)
+            stats, trained = self.steps.train(update, batch, it)
         return {**batch.stats, **stats, **update.after_update(batch, trained, self.steps.opt_steps)}, batch.info
 
     def _update_copies(self, extra: dict) -> dict:
@@ -372,6 +374,8 @@ class Trainer:
         last = self.start_iteration
         for i in bar:
             met, shown = self.run_unit(i)
+            met["compile/recompiles"] = compile_log(self.unwrapped).after_unit(self.unit, i, self.start_iteration,
+                                                                               warn=self.acc.is_main_process)
             done = last = i + 1
             if i % lg.log_every == 0 or done == n:
                 self.run.log(met)
@@ -395,10 +399,7 @@ class Trainer:
 
     def _already_finished(self) -> dict:
         """``--resume`` of a finished run: say so, touch nothing, return the summary it has."""
-        import json
-
-        n = self.total_units()
-        summary = {}
+        n, summary = self.total_units(), {}
         if self.acc.is_main_process:
             print(f"[flowrl] the run in {self.run.path} is finished ({self.unit} {self.start_iteration} of {n}): "
                   f"nothing to train and nothing changed; to train it further, {self.extend_hint} with --resume",
@@ -419,8 +420,7 @@ class Trainer:
 
     def _release_signals(self) -> None:
         while self._old_handlers:
-            sig, handler = self._old_handlers.popitem()
-            signal.signal(sig, handler)
+            signal.signal(*self._old_handlers.popitem())  # (signal, its previous handler)
 
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
         name = signal.Signals(signum).name
