@@ -53,7 +53,7 @@ def _train(a) -> Optional[dict]:
         summary = smoke_run(a.config, a.output_dir, a.overrides, resume=a.resume)
     else:
         cfg = _load_config(a.config, a.overrides)
-        if cfg.train.mode == "offline":
+        if cfg.train.mode == "offline":  # (train.mode sft is offline with train.loss sft)
             from flowrl.trainers.offline import train
         summary = train(cfg, a.output_dir, resume=a.resume)
     if summary and summary.get("stopped_by"):
@@ -381,7 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="flowrl", description="RL alignment of flow-matching image models",
                epilog=example("flowrl train --config recipes/digits.yaml --output-dir runs/a", "flowrl VERB --help"))
     sub = p.add_subparsers(dest="command", required=True, metavar="VERB")
-    for add in (_add_train_parser, _add_generate_offline_parser, _add_rescore_offline_parser,
+    from .dataset_cli import add_make_pairs_parser
+
+    for add in (_add_train_parser, _add_generate_offline_parser, _add_rescore_offline_parser, add_make_pairs_parser,
                 _add_pretrain_digits_parser, _add_sample_parser, _add_eval_parser, _add_make_tiny_parser,
                 _add_export_parser, _add_bench_parser, _add_plan_parser, _add_serve_reward_parser):
         add(sub)
@@ -392,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
 # line once it serves, which a client or a launcher script reads from stdout)
 _PRINTS_ITS_OWN = {"plan", "serve-reward"}
 # verbs whose CPU work runs on the threads flowrl.utils.threads chooses (not the benchmarks: they time torch as set)
-_CHOOSES_THREADS = {"train", "generate-offline", "rescore-offline", "pretrain-digits", "sample", "eval"}
+_CHOOSES_THREADS = {"train", "generate-offline", "rescore-offline", "make-pairs", "pretrain-digits", "sample", "eval"}
 # verbs that load diffusers models
 _LOADS_MODELS = {"train", "generate-offline", "rescore-offline", "pretrain-digits", "sample", "eval", "export", "bench"}
 

@@ -19,7 +19,8 @@ targets, sharding) and :func:`smoke_overrides` shrinks everything else:
   rewarded by ``digits_edit``;
   a prompt set or reward given on the command line (``data.*``, ``reward.*``) is kept instead (a prompt
   set without source images then keeps the JPEG reward: ``digits_edit`` scores only edits);
-- offline GDRO recipes (``train.mode: offline``): a dataset of 2 groups x 2 images is generated first.
+- offline recipes (``train.mode: offline`` / ``sft``): a dataset of 2 groups x 2 images is generated first (for
+  ``sft`` / ``dpo_offline``, its images or its pairs become ``data.dataset``).
 
 Before any of that, :func:`check_real_inputs` reads what the real run would read (the recipe's prompt
 files, the files its rewards name) and holds the prompts against the model's and the rewards' need of
@@ -166,7 +167,11 @@ def check_real_inputs(cfg, given: Collection[str] = ()) -> None:
     for section, spec in (("reward.options", cfg.reward.options), ("reward.heldout", cfg.reward.heldout)):
         for name, options in spec.items():
             _check_reward_files(section, name, options or {})
-    dataset = getattr(cfg.offline, "dataset", None) if cfg.train.mode == "offline" else None
+    kind = cfg.train.update_needs.data
+    if kind not in ("", "groups") and cfg.data.dataset not in (None, "digits") and not Path(cfg.data.dataset).exists():
+        _note(f"data.dataset {cfg.data.dataset} does not exist yet; the real run reads its {kind} (the smoke run "
+              f"makes a tiny set of its own)")
+    dataset = getattr(cfg.offline, "dataset", None) if kind == "groups" else None
     if dataset and not Path(dataset).is_dir():
         _note(f"offline.dataset {dataset} does not exist yet; write it with `flowrl generate-offline --config "
               f"RECIPE` before the real run (the smoke run generates a tiny one of its own)")
@@ -270,8 +275,12 @@ def smoke_run(recipe: str, output_dir: str, overrides: Sequence[str] = (), resum
         if cfg.train.mode == "offline":
             from .trainers.offline import generate_offline, train
 
+            from .trainers.offline import image_set_from_groups
+
             generate_offline(cfg, str(scratch / "dataset"), progress=cfg.logging.progress)
-            cfg = load_config(recipe, [*ov, f"offline.dataset={scratch / 'dataset'}"])
+            data = image_set_from_groups(cfg, str(scratch / "dataset"), str(scratch / "data"))  # what the update reads
+            cfg = load_config(recipe, [*ov, f"offline.dataset={scratch / 'dataset'}",
+                                       *([f"data.dataset={data}"] if cfg.train.update_needs.data != "groups" else [])])
         else:
             from .trainers.online import train
         summary = train(cfg, output_dir, resume=resume)

@@ -242,6 +242,14 @@ class DigitsPolicy(SD3TransformerFacts, ModelFacts):
         img = ((latents.float() + 1) / 2).clamp(0, 1)  # [B, 1, 16, 16]
         return img.expand(-1, 3, -1, -1).contiguous()  # [B, 3, 16, 16]
 
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        """Images ``[B, 3, 16, 16]`` in [0, 1] -> latents ``[B, 1, 16, 16]`` in [-1, 1]: the grey level (decode's
+        inverse), for training on image datasets."""
+        if tuple(images.shape[1:]) != (3, IMAGE_SIZE, IMAGE_SIZE):
+            raise ValueError(f"the digits model takes {IMAGE_SIZE} x {IMAGE_SIZE} images [B, 3, {IMAGE_SIZE}, "
+                             f"{IMAGE_SIZE}], got {tuple(images.shape)}; resize the dataset's images")
+        return (images.float().mean(dim=1, keepdim=True) * 2 - 1).to(self.device)  # [B, 1, 16, 16]
+
     def initial_noise(self, seeds: list[int]) -> torch.Tensor:
         return seeded_randn(list(seeds), self.latent_shape, stream=0, device=self.device)
 

@@ -18,7 +18,7 @@ from ..distributed.strategy import SHARDINGS
 from ..errors import ConfigError
 from ..options import check_value, declared
 from ..registry import SAMPLERS
-from ..updates import DEFAULT_LOSS, UPDATES, loss_help, updates_by_input
+from ..updates import DEFAULT_LOSS, MODE_ALIASES, UPDATES, loss_help, updates_by_input
 from ..updates.base import build_options, incompatibility
 from .config_base import SECTION_NAMES, _h
 from .config_text import (_fix_floats, apply_overrides, keep_loss_options_of_new_loss, moved_key_hint, read_recipe,
@@ -132,8 +132,9 @@ class TrainConfig:
     ``update_needs``); the fields are shared by every update, grouped as below."""
 
     # --- what is trained on, and how long
-    mode: str = _h("'online' (rollouts of the sampler section, section sampler) or 'offline' (a dataset from "
-                   "`flowrl generate-offline`, section offline)", "online")
+    mode: str = _h("'online' (rollouts of the sampler section, section sampler), 'offline' (a dataset: from "
+                   "`flowrl generate-offline`, section offline, or data.dataset) or 'sft' (offline with train.loss "
+                   "sft: supervised flow matching on data.dataset)", "online")
     loss: Optional[str] = _h(loss_help(), None)  # every registered update, from its declaration
     loss_options: dict = _h("the update's own options (its Options dataclass in flowrl/updates/): e.g. "
                             "{clip_range: 1.0e-3, beta_kl: 0.04, kl_form: exact} for grpo, {beta: 1.0} for nft, "
@@ -208,7 +209,12 @@ class TrainConfig:
             raise ConfigError("train.sharding=fsdp supports train.mixed_precision 'no' or 'bf16' (fp16 would need a "
                               "sharded GradScaler); use bf16")
         if self.mode not in DEFAULT_LOSS:
-            raise ConfigError(f"train.mode must be 'online' or 'offline', got {self.mode!r}")
+            raise ConfigError(f"train.mode must be one of {', '.join(DEFAULT_LOSS)}, got {self.mode!r}")
+        if self.mode in MODE_ALIASES:  # a shorthand (sft: offline with train.loss sft)
+            if self.loss not in (None, DEFAULT_LOSS[self.mode]):
+                raise ConfigError(f"train.mode={self.mode} trains train.loss={DEFAULT_LOSS[self.mode]}; drop "
+                                  f"train.loss={self.loss}, or set train.mode={MODE_ALIASES[self.mode]}")
+            self.mode, self.loss = MODE_ALIASES[self.mode], DEFAULT_LOSS[self.mode]
         if self.warmup_iterations < 0:
             raise ConfigError(f"train.warmup_iterations must be >= 0, got {self.warmup_iterations}")
         if self.loss is None:
@@ -241,6 +247,9 @@ class DataConfig:
                                       "prompt, caption, text", None)
     prompt_split: Optional[str] = _h("split of a saved Hugging Face DatasetDict for training prompts (default train)", None)
     eval_prompt_split: Optional[str] = _h("split of a saved DatasetDict for evaluation prompts (default train)", None)
+    dataset: Optional[str] = _h("images with prompts (train.loss sft) or preference pairs (dpo_offline): a .jsonl "
+                                "file or a folder (flowrl/data/image_sets.py), or 'digits' (scikit-learn's real "
+                                "digits, training split)", None)
     source: str = _h("where to get the prompt files named here that flowrl cannot ship (free text); a missing "
                      "file's error quotes it, and --smoke notes it and goes on instead of failing", "")
 

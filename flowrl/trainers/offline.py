@@ -27,6 +27,8 @@ import torch
 from ..builders import build_policy_from_config, build_reward, build_rewards
 from ..conditions import check_sources
 from ..data.embeddings import attach_text_cache
+from ..data.group_export import export_images, export_pairs
+from ..data.image_sets import open_image_set
 from ..data.offline import GenerationSettings, add_reward_column, generate_dataset
 from ..data.offline_store import DatasetError, OfflineDataset
 from ..errors import ConfigError
@@ -42,7 +44,7 @@ RESUME_FREE = {"train.iterations", "train.checkpoint_every", "train.keep_checkpo
                "data.source",
                "model.path", "train.max_consecutive_skips", "offline.epochs", "offline.max_steps",
                "offline.eval_every", "offline.eval_steps", "offline.judge", "offline.judge_range", "sampler",
-               "offline.dataset", "offline.generation_batch", "offline.save_png", "offline.score_heldout",
+               "offline.dataset", "data.dataset", "offline.generation_batch", "offline.save_png", "offline.score_heldout",
                "reward.heldout", "data.eval_prompts", "data.eval_seeds_per_prompt", "model.text_embedding_cache",
                "model.drop_text_encoders", "data.eval_prompt_split", "train.cpu_offload",
                "train.offload", "train.context_parallel", "train.context_parallel_attention"}
@@ -108,25 +110,53 @@ def generate_offline(cfg: Config, out: Optional[str] = None, max_new_shards: Opt
     return summary
 
 
+def dataset_policy(dataset: str, cfg: Optional[Config] = None):
+    """The model that decodes a dataset's latents: ``cfg``'s, or without one the model its index names."""
+    from flowrl.pipelines import build_policy
+
+    if cfg is not None:
+        return build_policy_from_config(cfg, _device(cfg))
+    ds = OfflineDataset(dataset)
+    m = ds.spec.get("model") or {}
+    ds.close()
+    if "pipeline" not in m:
+        raise ConfigError(f"{dataset}: the index does not name its model; pass --config RECIPE to decode latents")
+    return build_policy(m["pipeline"], m.get("path"), guidance_scale=m.get("guidance_scale", 1.0),
+                        device=resolve_device("auto"), **(m.get("options") or {}))
+
+
+def make_pairs(dataset: str, out: str, reward: str, cfg: Optional[Config] = None, keep_ties: bool = False) -> dict:
+    """``flowrl make-pairs``: ``out/pairs.jsonl`` for ``train.loss: dpo_offline`` from a ``generate-offline``
+    dataset, each group's best vs worst image by its column ``reward`` (:func:`flowrl.data.group_export.export_pairs`)."""
+    policy = dataset_policy(dataset, cfg)
+    dev = getattr(policy, "device", torch.device("cpu"))
+    with torch.no_grad():
+        return export_pairs(dataset, out, reward, lambda x: policy.decode(x.to(dev)).float().cpu(),
+                            keep_ties=keep_ties)
+
+
+def image_set_from_groups(cfg: Config, dataset: str, out: str) -> str:
+    """What ``cfg``'s update reads (``Needs.data``), made from the ``generate-offline`` dataset ``dataset``: the
+    dataset itself (groups), its pairs by the first reward of ``reward.weights`` (ties kept), or its images,
+    written into ``out``; returns the path to give (``--smoke`` trains on it)."""
+    kind = cfg.train.update_needs.data
+    if kind == "groups":
+        return dataset
+    if kind == "pairs":
+        return make_pairs(dataset, out, next(iter(cfg.reward.weights)), cfg, keep_ties=True)["path"]
+    policy = dataset_policy(dataset, cfg)
+    with torch.no_grad():
+        return export_images(dataset, out, lambda x: policy.decode(x.to(policy.device)).float().cpu())["path"]
+
+
 def rescore_offline(dataset: str, reward_name: str, options: Optional[dict] = None, cfg: Optional[Config] = None,
                     overwrite: bool = False, progress: bool = True) -> dict:
     """``flowrl rescore-offline``: add column ``reward/<reward_name>`` to a dataset without
     regenerating it. Latents are decoded by the model in ``cfg`` or, without one, the model the
     dataset was generated with (its index)."""
-    from flowrl.pipelines import build_policy
     from flowrl.rewards import build
 
-    ds = OfflineDataset(dataset)
-    if cfg is not None:
-        policy = build_policy_from_config(cfg, _device(cfg))
-    else:
-        m = ds.spec.get("model") or {}
-        if "pipeline" not in m:
-            raise ConfigError(f"{dataset}: the index does not name its model; pass --config RECIPE to decode latents")
-        policy = build_policy(m["pipeline"], m.get("path"), guidance_scale=m.get("guidance_scale", 1.0),
-                              device=resolve_device("auto"),
-                              **(m.get("options") or {}))
-    ds.close()
+    policy = dataset_policy(dataset, cfg)
     reward = build(reward_name, **(options or {}))
     dev = getattr(policy, "device", torch.device("cpu"))
     t0 = time.perf_counter()
@@ -171,12 +201,20 @@ class OfflineTrainer(Trainer):
 
     def __init__(self, config: Config, output_dir: str | os.PathLike, resume: bool = False, *, policy=None,
                  reward=None):
-        config.offline.check_for_training()
+        if config.train.update_needs.data == "groups":
+            config.offline.check_for_training()
+        elif not config.data.dataset:
+            raise ConfigError(f"train.loss={config.train.loss} trains on data.dataset, which is not set; give a "
+                              f".jsonl file or a folder ({config.train.update_needs.data}; docs/algorithms.md)")
         super().__init__(config, output_dir, resume, policy=policy, reward=reward)
 
     # ---------------------------------------------------------------- the data
     def _open_data(self) -> None:
         cfg = self.cfg
+        kind = cfg.train.update_needs.data  # what the update declares it reads
+        if kind != "groups":  # images / pairs of data.dataset (flowrl.data.image_sets)
+            self.ds = open_image_set(kind, cfg.data.dataset)
+            return
         ds = OfflineDataset(cfg.offline.dataset)
         missing = [n for n in cfg.reward.weights if n not in ds.reward_names]
         if missing:
@@ -232,12 +270,12 @@ class OfflineTrainer(Trainer):
         self.train_seconds = float(st.get("train_seconds", 0.0))
 
     def report_title(self) -> str:
-        return f"{self.cfg.model.pipeline} / GDRO (offline)"
+        return f"{self.cfg.model.pipeline} / {self.cfg.train.loss} (offline)"
 
     def summary_fields(self, last: int) -> dict:
         gen = self.ds.generation_seconds
         return {"steps_done": last, "total_steps": self.total_steps, "steps_per_epoch": self.steps_per_epoch,
-                "epochs_done": last / self.steps_per_epoch, "dataset": str(self.cfg.offline.dataset),
+                "epochs_done": last / self.steps_per_epoch, "dataset": str(self.ds.root),
                 "dataset_groups": len(self.ds), "generation_seconds": gen, "train_seconds": self.train_seconds,
                 "compute_seconds": gen + self.train_seconds}
 

@@ -21,9 +21,12 @@ UPDATES = Registry("update", {  # in the order users read them (help, bench tabl
     "dpo": "flowrl.updates.preference:DPOUpdate",
     "gdro": "flowrl.updates.preference:GDROUpdate",
     "offline_gdro": "flowrl.updates.offline_gdro:OfflineGDROUpdate",
+    "sft": "flowrl.updates.sft:SFTUpdate",
+    "dpo_offline": "flowrl.updates.dpo_offline:DPOOfflineUpdate",
 })
 
-DEFAULT_LOSS = {"online": "grpo", "offline": "offline_gdro"}  # train.loss when a recipe names none, by train.mode
+DEFAULT_LOSS = {"online": "grpo", "offline": "offline_gdro", "sft": "sft"}  # train.loss a recipe names none, by train.mode
+MODE_ALIASES = {"sft": "offline"}  # train.mode shorthands: the mode they train in, with their DEFAULT_LOSS loss
 MODE_INPUT = {"online": "rollout", "offline": "dataset"}  # what an update must consume in each train.mode
 
 
@@ -75,5 +78,5 @@ def moved_key_table() -> dict[str, tuple[str, list[str]]]:
     return out
 
 
-__all__ = ["UPDATES", "DEFAULT_LOSS", "MODE_INPUT", "default_needs", "describe_updates", "loss_help", "updates_help",
+__all__ = ["UPDATES", "DEFAULT_LOSS", "MODE_ALIASES", "MODE_INPUT", "default_needs", "describe_updates", "loss_help", "updates_help",
            "updates_by_input", "moved_key_table"]

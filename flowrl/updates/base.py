@@ -22,6 +22,7 @@ from typing import Any, Callable, ClassVar, ContextManager, Optional
 import torch
 
 UNITS = ("transition", "sample", "group", "pair")
+DATA_KINDS = {"groups": "offline.dataset", "images": "data.dataset", "pairs": "data.dataset"}  # kind -> its config key
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,18 @@ class Needs:
     models: tuple[str, ...] = ()      # other models it builds and keeps ("module:attr" of classes declaring
     #                                   resident_params, e.g. an image-feature model; plan counts them)
     flat_groups: bool = False         # each stored transition must lead to one finished sample (no tree sampler)
+    data: str = ""                    # consumes "dataset": which one it reads (DATA_KINDS): "groups", a
+    #                                   `flowrl generate-offline` dataset (offline.dataset); "images", images with
+    #                                   prompts, or "pairs", preference pairs (data.dataset, flowrl.data.image_sets)
 
     def __post_init__(self):
         if self.consumes not in ("rollout", "dataset"):
             raise ValueError(f"Needs.consumes must be 'rollout' or 'dataset', got {self.consumes!r}")
         if self.unit not in UNITS:
             raise ValueError(f"Needs.unit must be one of {', '.join(UNITS)}, got {self.unit!r}")
+        if self.consumes == "dataset" and self.data not in DATA_KINDS:
+            raise ValueError(f"Needs.data must be one of {', '.join(DATA_KINDS)} for an update consuming a dataset, "
+                             f"got {self.data!r}")
 
 
 @dataclass

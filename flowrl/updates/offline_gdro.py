@@ -75,7 +75,8 @@ class OfflineGDROUpdate(Update):
     @classmethod
     def needs(cls, options) -> Needs:
         # the implicit reward compares the policy with the reference; per_reward: the ranking value's rule
-        return Needs(consumes="dataset", reference=True, reference_in_graph=True, per_reward=True, unit="group")
+        return Needs(consumes="dataset", data="groups", reference=True, reference_in_graph=True, per_reward=True,
+                     unit="group")
 
     @property
     def ds(self):
