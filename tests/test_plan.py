@@ -53,7 +53,7 @@ def test_the_gdro_recipes_fit_as_their_comments_say():
     for recipe in ("recipes/sd3_gdro_ocr.yaml", "recipes/flux_gdro_ocr.yaml"):
         p = _plan(recipe)
         names = [i.name for i in p.items if i.group in ("train", "kept", "transient")]
-        assert any("(12 rows)" in n for n in names) and any(n.startswith("GDRO pass") for n in names), names
+        assert any("(12 rows)" in n for n in names) and any(n.startswith("offline_gdro pass") for n in names), names
         assert any(n.startswith("generate-offline: denoiser forward") for n in names), names
         assert not any(n.startswith("rollout:") for n in names)  # no online rollout in offline training
         assert p.fits, (recipe, p.peak_bytes / GiB)

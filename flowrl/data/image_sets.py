@@ -4,7 +4,8 @@
 
 - **images** (``train.loss: sft``): a ``.jsonl`` file, one row per image, ``{"prompt": ..., "image": "a.png"}``
   (``caption`` / ``text`` for the prompt, ``file_name`` for the image, as Hugging Face's imagefolder writes
-  it), paths relative to the file's folder; or a folder holding such a ``metadata.jsonl``, or image files each
+  it), paths relative to the file's folder; or a folder holding such a ``metadata.jsonl`` (or ``data.jsonl``,
+  as ``digits`` and ``--smoke`` write it), or image files each
   with a ``.txt`` caption beside it (``a.png`` + ``a.txt``). An editing model's row adds its source image(s):
   ``"source": "src.png"`` (or a list of paths), and trains to turn the source into ``image``.
 - **pairs** (``train.loss: dpo_offline``): a ``.jsonl`` file (or a folder holding ``pairs.jsonl``), one row per
@@ -37,6 +38,7 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 PROMPT_FIELDS = ("prompt", "caption", "text")
 IMAGE_FIELDS = ("image", "file_name")
 SHIPPED = ("digits",)
+INDEX_FILES = ("metadata.jsonl", "data.jsonl")  # what a folder of images may hold instead of .txt captions
 
 __all__ = ["ImageDataset", "PairDataset", "ImageRow", "PairRow", "materialize_digits", "resolve_dataset",
            "open_image_set"]
@@ -126,9 +128,9 @@ def _jsonl(path: Path) -> list[tuple[str, dict]]:
 
 def _image_rows(path: Path) -> list[ImageRow]:
     if path.is_dir():
-        meta = path / "metadata.jsonl"
-        if meta.is_file():
-            return _image_rows(meta)
+        for name in INDEX_FILES:
+            if (path / name).is_file():
+                return _image_rows(path / name)
         rows = []
         for img in sorted(q for q in path.iterdir() if q.suffix.lower() in IMAGE_EXTENSIONS):
             cap = img.with_suffix(".txt")

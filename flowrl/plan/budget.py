@@ -179,8 +179,8 @@ def _working_set(cfg, comp, acts: Activations, samples: int, fwd_rows: int, k: i
 def rollout_items(cfg, comp: MetaComponents, acts: Activations) -> list[Item]:
     """What a rollout keeps (group ``kept``) and its transients (group ``transient``: the largest counts);
     offline, :func:`generation_items`."""
-    if cfg.train.mode == "offline":
-        return generation_items(cfg, comp, acts)
+    if cfg.train.mode == "offline":  # a generated dataset's working set; an image dataset is read, not sampled
+        return generation_items(cfg, comp, acts) if cfg.train.update_needs.data == "groups" else []
     sampler = cfg.sampler.build()
     n = cfg.train.batch_size
     k = cfg_rows(cfg, comp)
@@ -226,12 +226,13 @@ def generation_items(cfg, comp: MetaComponents, acts: Activations) -> list[Item]
 
 
 def pass_rows(cfg) -> int:
-    """Samples in one differentiable training pass: ``offline.batch_groups x offline.k`` for an update on a
-    dataset (GDRO); for one whose minibatch counts groups or pairs (``Needs.unit``), the whole groups (pairs)
-    that fit in ``train.minibatch_size``; else ``train.minibatch_size`` transitions or samples."""
+    """Samples in one differentiable training pass: ``offline.batch_groups`` units of an update on a dataset (GDRO's
+    groups of ``offline.k``, DPO's pairs, SFT's images: ``Needs.unit``); for an online one whose minibatch counts
+    groups or pairs, the whole groups (pairs) that fit in ``train.minibatch_size``; else ``train.minibatch_size``
+    transitions or samples."""
     needs = cfg.train.update_needs
     if needs.consumes == "dataset":
-        return cfg.offline.batch_groups * cfg.offline.k
+        return cfg.offline.batch_groups * {"group": cfg.offline.k, "pair": 2}.get(needs.unit, 1)
     k = {"group": cfg.sampler.samples_per_prompt, "pair": 2}.get(needs.unit, 1)
     return max(1, cfg.train.minibatch_size // k) * k
 
@@ -271,7 +272,7 @@ def train_items(cfg, comp: MetaComponents, acts: Activations, gpus: int = 1) -> 
                       "step", "host" if fsdp and cfg.train.cpu_offload else "gpu",
                       "after backward, activations freed" + (f"; / {n} (FSDP)" if n > 1 else "")))
     if cfg.train.mode == "offline":
-        items.append(Item(f"GDRO pass: dataset latents + shared noise ({pass_rows(cfg)} images, float32)",
+        items.append(Item(f"{cfg.train.loss} pass: dataset latents + noise ({pass_rows(cfg)} images, float32)",
                           2 * pass_rows(cfg) * acts.shapes.latent_bytes, "train"))
     elif cfg.train.update_needs.clean_samples:
         items.append(Item("update: x0 + noise of the batch (float32)",

@@ -69,7 +69,7 @@ class DPOOfflineUpdate(ImageStepUpdate):
         err, err_ref = group_velocity_errors(ctx.policy, ctx.reference, x0, cond, t, eps,
                                              autocast=ctx.autocast)  # [n, 2] each
         loss, s = dpo_offline_loss(err, err_ref, self.opts.beta)
-        s = s.detach()
+        s, e, e_ref = s.detach(), err.detach(), err_ref.detach()
         return loss, {"dpo_loss": loss.detach(), "implicit_accuracy": float((s[:, 0] > s[:, 1]).float().mean()),
                       "reward_margin": float((s[:, 0] - s[:, 1]).mean()),
-                      "fm_win": float(err[:, 0].mean()), "fm_win_ref": float(err_ref[:, 0].mean())}
+                      "fm_win": float(e[:, 0].mean()), "fm_win_ref": float(e_ref[:, 0].mean())}
