@@ -216,3 +216,22 @@ def test_plan_reads_the_declarations():
         names = [i.name for i in p.items]
         assert any(n.startswith(f"activations, without gradient checkpointing ({rows} rows)") for n in names), names
         assert not any(n.startswith(("generate-offline", "rollout:")) for n in names), names
+
+
+def test_bench_methods_rows_of_the_dataset_updates(tiny_digits_dir, tmp_path):
+    """`flowrl bench methods` runs sft (the real digits as they are) and dpo_offline (its generated dataset and
+    pairs made first, their seconds counted) on the online rows' footing; a tiny budget proves the rows."""
+    from flowrl.cli import main
+
+    extra = tiny_train_overrides(tiny_digits_dir, **{"data.eval_prompts": "[a handwritten digit 3]",
+                                                     "offline.groups_per_prompt": 1, "offline.k": 2,
+                                                     "offline.num_steps": 2, "offline.batch_groups": 2})
+    out = tmp_path / "bench"
+    assert main(["bench", "methods", "--methods", "sft,dpo_offline", "--budget", "0.2", "--eval-every", "0.2",
+                 "--out", str(out), *extra]) == 0
+    res = json.loads((out / "methods.json").read_text())
+    assert list(res["variants"]) == ["sft", "dpo_offline"] and not res["failed"] and not res["skipped"]
+    sft, dpo = res["variants"]["sft"], res["variants"]["dpo_offline"]
+    assert sft["dataset_seconds"] == 0 and sft["iterations"] >= 1 and sft["samples_drawn"] == 4 * sft["iterations"]  # 2 images x 2 passes per step
+    assert dpo["dataset_seconds"] > 0 and dpo["samples_drawn"] == 10 * 2  # 10 digits x k = 2 generated
+    assert sft["curve"][0]["eval_reward"] == dpo["curve"][0]["eval_reward"]  # the same base and evaluation

@@ -5,8 +5,9 @@ Each registered update is a row (:func:`all_methods`), made from its declaration
 that declares none, the overrides that put it on ``recipes/digits.yaml`` (10 prompts x 8 samples per
 iteration, the fixed evaluation set): the GRPO family keeps the recipe's group sampler with SDE steps (it
 trains on stored transitions); the updates on finished samples get 8 deterministic ODE samples per prompt,
-DiffusionNFT's digits minibatch and their own default options. An update on an offline dataset is listed
-and skipped (``flowrl bench offline`` compares it). Whatever the recipe, every method gets the bench's footing
+DiffusionNFT's digits minibatch and their own default options. An update on a dataset (offline GDRO, SFT,
+offline Diffusion-DPO) runs on its recipe: its dataset is made first and those seconds count
+(:mod:`flowrl.bench.dataset_methods`). Whatever the recipe, every method gets the bench's footing
 (:data:`FOOTING`: the base model, the training and evaluation prompts, the evaluation seeds, ``train.seed``)
 from ``digits.yaml`` and the shared overrides, and trains for the same budget of training seconds (rollout
 + reward + update, evaluation excluded; :func:`flowrl.bench.training.run_variant`), one after another in
@@ -34,6 +35,7 @@ from ..command_line import positive_float
 from ..errors import BenchError
 from ..trainers.config_text import read_recipe, recipes_dir, resolve_recipe
 from ..utils.io import write_json
+from .dataset_methods import run_dataset_variant
 from .methods_report import add_times_to_baseline, plot, report
 from .training import Variant, run_variant
 
@@ -64,7 +66,7 @@ class Method:
     overrides: Optional[tuple[str, ...]] = ()
     recipe: Optional[str] = None
     note: str = ""
-    offline: bool = False  # trains on a dataset (train.mode offline): listed, compared by `flowrl bench offline`
+    offline: bool = False  # trains on a dataset (train.mode offline): its dataset made first (bench.dataset_methods)
 
     def shipped_recipe(self) -> Optional[Path]:
         """This method's digits recipe when this build ships it (None: it has none here)."""
@@ -88,8 +90,8 @@ class Method:
 def all_methods() -> tuple[Method, ...]:
     """A row per registered update, in the registry's order, from its declaration alone: its ``summary``, its
     ``digits_recipe`` (it runs on that recipe only), else ``recipes/digits.yaml`` with the GRPO family's group
-    sampler kept or, for an update on finished samples, :data:`ON_SAMPLES`. An update on an offline dataset
-    is a row too (skipped: ``flowrl bench offline`` compares it)."""
+    sampler kept or, for an update on finished samples, :data:`ON_SAMPLES`. An update on a dataset runs on its
+    recipe (:mod:`flowrl.bench.dataset_methods`)."""
     from ..updates import UPDATES, default_needs
 
     rows = []
@@ -111,8 +113,6 @@ def _check_names(names, what: str) -> None:
 
 def skip_reason(m: Method, given_recipe: bool = False) -> Optional[str]:
     """Why ``m`` cannot run in this build (None: it can); ``given_recipe``: the user gave it a recipe."""
-    if m.offline:
-        return "trains on an offline dataset (train.mode offline): `flowrl bench offline` compares it"
     if m.overrides is None and not given_recipe and m.shipped_recipe() is None:
         return f"not available in this build (it runs on recipes/{m.recipe}, which this build does not ship)"
     return None
@@ -206,7 +206,8 @@ def bench_methods(pipeline: str = "digits", budget_seconds: float = 120.0, eval_
         try:
             variants[name] = {"note": rows[name].note, "overrides": list(var.overrides),
                               "differs": differs.get(name, {}),
-                              **run_variant(RECIPE, var, budget_seconds, eval_every_seconds, progress=progress)}
+                              **(run_dataset_variant if rows[name].offline else run_variant)(
+                                  RECIPE, var, budget_seconds, eval_every_seconds, progress=progress)}
         except Exception as e:  # noqa: BLE001 (one method's failure is its row; the others still run)
             traceback.print_exc()
             failed[name] = " ".join(f"{type(e).__name__}: {e}".split())
