@@ -38,6 +38,8 @@ DIGITS_RUN = ("train.batch_size=16 train.minibatch_size=16 sampler.num_steps=4 d
 GDRO = ("offline.groups_per_prompt=1 offline.k=2 offline.num_steps=2 offline.batch_groups=5 offline.epochs=1 "
         "offline.eval_steps=2 offline.eval_every=100 data.eval_seeds_per_prompt=2 train.grad_accum=1 "
         "logging.progress=false")
+SFT_DPO = ("offline.max_steps=1 offline.batch_groups=2 offline.eval_steps=2 offline.eval_every=100 "
+           "data.eval_seeds_per_prompt=2 logging.progress=false")
 # flat GRPO and the method only, 16 samples per iteration (tempflow: its recipe's 64, one tree per prompt)
 BENCH_SHRINK = {"branch": "--variants flat_grpo branch train.batch_size=16",
                 "tempflow": "--variants flat_grpo tempflow",
@@ -55,6 +57,8 @@ SUBSTITUTIONS = [
      "the digits demo: 1 iteration (2 when resumed) of 16 samples, 4 steps, a small evaluation"),
     (r"^(flowrl (?:generate-offline|train) (?!.*--smoke).*recipes/digits_gdro\.yaml.*?)(\s+#.*)?$",
      lambda m: f"{m.group(1)} {GDRO}", "the GDRO dataset: 10 groups of 2 images, 2 steps; 2 GDRO steps"),
+    (r"^(flowrl train (?!.*--smoke).*recipes/digits_(?:sft|dpo_offline)\.yaml.*?)(\s+#.*)?$",
+     lambda m: f"{m.group(1)} {SFT_DPO}", "SFT / offline DPO: one step of 2 images (pairs), a small evaluation"),
     (r"^(flowrl eval .*)--per-prompt 32", r"\1--per-prompt 2", "32 samples per prompt: 2"),
     (r"^(flowrl bench precision --pipeline sd3-mid .*?)(\s+#.*)?$", r"\1 --batch 1 --steps 1 --repeats 1",
      "one image, one step, one timed round"),
@@ -284,7 +288,7 @@ def test_readme_writes_only_what_it_says(workdirs):
                 run_commands(block, cmd, todo, workdirs)
     assert sorted(p.name for p in wd.iterdir() if p.name != ".venv") == ["bench", "data", "lora_out", "runs",
                                                                           "three.png"]
-    assert sorted(p.name for p in (wd / "runs").iterdir()) == ["a", "demo", "gdro", "smoke"]
+    assert sorted(p.name for p in (wd / "runs").iterdir()) == ["a", "demo", "dpo", "gdro", "sft", "smoke"]
     assert sorted(p.name for p in (wd / "bench").iterdir()) == sorted(
         [f"{k}.{ext}" for k in ("branch", "tempflow", "sol", "preference", "offline", "methods")
          for ext in ("json", "png")]
