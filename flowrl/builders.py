@@ -59,7 +59,8 @@ def build_policy_from_config(cfg, device, without_text_encoders: bool = False):
     On the CPU, torch's threads are then chosen for its size (:func:`flowrl.utils.threads.use_cpu_threads`,
     under the command line). ``model.compile``: the transformer's rollout forward is compiled here, the one
     place every command builds it (:func:`flowrl.utils.compile.compile_rollouts`; LoRA added later is traced
-    at the first call)."""
+    at the first call). ``model.path`` may be a run directory (:mod:`flowrl.checkpoints.run_base`: RL after SFT)."""
+    from flowrl.checkpoints.run_base import is_run_dir, load_from_run
     from flowrl.pipelines import build_policy, policy_class
     from flowrl.utils.compile import compile_rollouts
     from flowrl.utils.threads import model_params, use_cpu_threads
@@ -67,8 +68,14 @@ def build_policy_from_config(cfg, device, without_text_encoders: bool = False):
     skip = {}
     if without_text_encoders:
         skip = {n: None for n in getattr(policy_class(cfg.model.pipeline), "text_encoder_names", ())}
-    policy = build_policy(cfg.model.pipeline, cfg.model.path, guidance_scale=cfg.model.guidance_scale,
-                          device=device, **cfg.model.options, **skip)
+
+    def load(path):  # model.path a run directory: that run's weights on its own base (checkpoints.run_base)
+        if is_run_dir(path):
+            return load_from_run(path, cfg.model.pipeline, load)
+        return build_policy(cfg.model.pipeline, path, guidance_scale=cfg.model.guidance_scale, device=device,
+                            **cfg.model.options, **skip)
+
+    policy = load(cfg.model.path)
     transformer = getattr(policy, "transformer", None)
     use_cpu_threads(model_params(transformer) if transformer is not None else None, str(device))
     if transformer is not None:

@@ -183,19 +183,21 @@ def test_dpo_offline_trains_and_resumes_exactly(tiny_digits_dir, tiny_pairs, tmp
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_sft_trains_with_ema_and_exports_lora(tiny_digits_dir, tiny_pairs, tmp_path):
-    """SFT on a folder of images (the generated dataset's, as --smoke makes it), with EMA; the run exports."""
+def test_sft_trains_with_ema_exports_and_is_the_base_of_rl(tiny_digits_dir, tiny_pairs, tmp_path):
+    """SFT on a folder of images (the generated dataset's, as --smoke makes it), with EMA; the run exports, and a
+    GRPO run with model.path = the SFT run starts where the SFT run ended."""
     from flowrl.cli import main
     from flowrl.data.group_export import export_images
     from flowrl.trainers.config import load_config
     from flowrl.trainers.offline import dataset_policy, train
+    from flowrl.trainers.online import train as train_online
 
     policy = dataset_policy(str(tiny_pairs / "ds"))
     info = export_images(tiny_pairs / "ds", tmp_path / "images", lambda x: policy.decode(x))
     assert info["images"] == 60
     ov = tiny_train_overrides(tiny_digits_dir, **{"data.dataset": str(tmp_path / "images"), "offline.batch_groups": 8,
                                                   "offline.epochs": 1, "offline.max_steps": 3, "offline.eval_every": 3,
-                                                  "train.ema": "true", "train.lora_rank": 4, "train.lr": 1e-2,
+                                                  "train.ema": "true", "train.lora_rank": 4, "train.lr": 1e-2, "offline.num_steps": 4,
                                                   "data.eval_prompts": "[a handwritten digit 1]"})
     summary = train(load_config("digits_sft.yaml", ov), tmp_path / "run")
     assert summary["steps_done"] == 3
@@ -203,6 +205,12 @@ def test_sft_trains_with_ema_and_exports_lora(tiny_digits_dir, tiny_pairs, tmp_p
     assert [round(r["fm_loss"], 6) > 0 for r in recs if "fm_loss" in r] == [True] * 3
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "lora")]) in (0, None)
     assert any((tmp_path / "lora").iterdir())
+    # RL after SFT: model.path the SFT run directory; its (EMA) weights, LoRA merged, are the new run's base
+    rl = load_config("digits.yaml", tiny_train_overrides(tmp_path / "run", **{
+        "train.iterations": 1, "data.eval_prompts": "[a handwritten digit 1]", "logging.eval_every": 100}))
+    after = train_online(rl, tmp_path / "rl")
+    assert after["eval_reward_before"] == pytest.approx(summary["eval_reward_after"], abs=1e-5)
+    assert after["eval_reward_before"] != pytest.approx(summary["eval_reward_before"], abs=1e-5)
 
 
 def test_plan_reads_the_declarations():
@@ -235,3 +243,41 @@ def test_bench_methods_rows_of_the_dataset_updates(tiny_digits_dir, tmp_path):
     assert sft["dataset_seconds"] == 0 and sft["iterations"] >= 1 and sft["samples_drawn"] == 4 * sft["iterations"]  # 2 images x 2 passes per step
     assert dpo["dataset_seconds"] > 0 and dpo["samples_drawn"] == 10 * 2  # 10 digits x k = 2 generated
     assert sft["curve"][0]["eval_reward"] == dpo["curve"][0]["eval_reward"]  # the same base and evaluation
+
+
+# ---------------------------------------------------------------- the digits recipes (real base, slow)
+def _quiet(**extra) -> list[str]:
+    return [f"{k}={v}" for k, v in {"logging.trackers": "[]", "logging.progress": "false", "reward.heldout": "{}",
+                                   "train.checkpoint_every": 1000, **extra}.items()]
+
+
+def test_digits_dpo_offline_raises_the_reward(pretrained_digits_base, tmp_path):
+    """recipes/digits_dpo_offline.yaml on 80 pairs the digits reward made of the base's own samples (8 groups of 6
+    per digit, each group's best vs worst): 20 steps raise the evaluation reward."""
+    from flowrl.trainers.config import load_config
+    from flowrl.trainers.offline import generate_offline, make_pairs, train
+
+    small = {"offline.groups_per_prompt": 8, "offline.epochs": 4, "offline.eval_every": 20, "logging.eval_every": 20}
+    cfg = load_config("digits_dpo_offline.yaml", _quiet(**small))
+    generate_offline(cfg, str(tmp_path / "data"), progress=False)
+    pairs = make_pairs(str(tmp_path / "data"), str(tmp_path / "pairs"), "digits")
+    assert pairs["pairs"] == 80 and pairs["reward_chosen"] > pairs["reward_rejected"] + 0.2
+    cfg = load_config("digits_dpo_offline.yaml", _quiet(**small, **{"data.dataset": pairs["path"]}))
+    summary = train(cfg, tmp_path / "run")
+    before, after = summary["eval_reward_before"], summary["eval_reward_after"]
+    assert summary["steps_done"] == 20 and after > before + 0.02, (before, after)
+
+
+def test_digits_sft_moves_the_base_toward_the_real_digits(pretrained_digits_base, tmp_path):
+    """recipes/digits_sft.yaml, 220 of its 440 steps: the evaluation reward rises and the high-frequency energy of
+    the samples moves toward the held-out real digits' (the base's samples are smoother than real digits)."""
+    from flowrl.trainers.config import load_config
+    from flowrl.trainers.offline import train
+
+    cfg = load_config("digits_sft.yaml", _quiet(**{"offline.max_steps": 220, "offline.eval_every": 220,
+                                                   "logging.eval_every": 220}))
+    summary = train(cfg, tmp_path / "run")
+    real = summary["real/hf_energy"]
+    assert summary["steps_done"] == 220
+    assert summary["eval_reward_after"] > summary["eval_reward_before"] + 0.015, summary
+    assert abs(summary["hf_energy_after"] - real) < abs(summary["hf_energy_before"] - real) - 2e-4, summary
