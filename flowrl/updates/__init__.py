@@ -25,7 +25,7 @@ UPDATES = Registry("update", {  # in the order users read them (help, bench tabl
     "dpo_offline": "flowrl.updates.dpo_offline:DPOOfflineUpdate",
 })
 
-DEFAULT_LOSS = {"online": "grpo", "offline": "offline_gdro", "sft": "sft"}  # train.loss a recipe names none, by train.mode
+DEFAULT_LOSS = {"online": "grpo", "offline": "offline_gdro", "sft": "sft"}  # train.loss when a recipe names none
 MODE_ALIASES = {"sft": "offline"}  # train.mode shorthands: the mode they train in, with their DEFAULT_LOSS loss
 MODE_INPUT = {"online": "rollout", "offline": "dataset"}  # what an update must consume in each train.mode
 

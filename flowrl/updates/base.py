@@ -248,8 +248,9 @@ def incompatibility(needs: Needs, loss: str, *, mode: str, sampler: str, stores_
     others = lambda kind: ", ".join(n for n in alternatives.get(kind, []) if n != loss)  # noqa: E731
     on_samples = [n for n in alternatives.get("samples", []) if n != loss]
     if needs.consumes == "dataset" and mode != "offline":
-        return (f"train.loss={loss} trains on a dataset from `flowrl generate-offline`: set train.mode=offline "
-                f"(and offline.dataset), or choose an online loss ({others('rollout')})")
+        made = " from `flowrl generate-offline`" if needs.data == "groups" else ""
+        return (f"train.loss={loss} trains on a dataset{made}: set train.mode=offline (and {DATA_KINDS[needs.data]}), "
+                f"or choose an online loss ({others('rollout')})")
     if needs.consumes == "rollout" and mode == "offline":
         return (f"train.mode=offline trains on a dataset, and train.loss={loss} trains on rollouts: use "
                 f"train.loss={others('dataset')} (or train.mode=online)")
