@@ -145,7 +145,8 @@ def test_every_update_declares_what_it_needs():
     by_input = {k: sorted(v) for k, v in updates_by_input().items()}  # (registry order: the suite may re-register)
     assert by_input == {"rollout": sorted(["grpo", "nft", "dpo", "gdro", "grpo_guard", "awm", "dgpo", "dppo",
                                            "gardo_grpo", "gardo_nft"]),
-                        "dataset": ["offline_gdro"], "samples": sorted(["nft", "dpo", "gdro", "awm", "dgpo", "gardo_nft"])}
+                        "dataset": sorted(["offline_gdro", "sft", "dpo_offline"]),
+                        "samples": sorted(["nft", "dpo", "gdro", "awm", "dgpo", "gardo_nft"])}
     needs = {n: default_needs(n) for n in UPDATES.entries}
     assert {n for n, d in needs.items() if d.transitions} == {"grpo", "grpo_guard", "dppo", "gardo_grpo"}
     assert {n for n, d in needs.items() if d.clean_samples} == {"nft", "dpo", "gdro", "awm", "dgpo", "gardo_nft"}
@@ -155,7 +156,8 @@ def test_every_update_declares_what_it_needs():
     assert {n: d.unit for n, d in needs.items()} == {"grpo": "transition", "grpo_guard": "transition", "nft": "sample",
                                                      "dpo": "pair", "gdro": "group", "offline_gdro": "group",
                                                      "awm": "sample", "dgpo": "group", "dppo": "transition",
-                                                     "gardo_grpo": "transition", "gardo_nft": "sample"}
+                                                     "gardo_grpo": "transition", "gardo_nft": "sample",
+                                                     "sft": "sample", "dpo_offline": "pair"}
     refs = {}
     for n in UPDATES.entries:  # the reference follows the KL weight where the update has one
         cls = UPDATES.get(n)
@@ -164,8 +166,12 @@ def test_every_update_declares_what_it_needs():
     assert refs == {"grpo": (True, False), "grpo_guard": (True, False), "nft": (True, False), "dpo": (True, True),
                     "gdro": (True, True), "offline_gdro": (True, True), "awm": (True, False), "dgpo": (True, True),
                     "dppo": (True, False),
-                    "gardo_grpo": (False, False), "gardo_nft": (False, False)}  # GARDO: its own copy, not the frozen one
-    assert {n for n, d in needs.items() if d.reference_in_graph} == {"dpo", "gdro", "offline_gdro"}  # (KL off)
+                    "gardo_grpo": (False, False), "gardo_nft": (False, False),  # GARDO: its own copy, not the frozen one
+                    "sft": (False, False), "dpo_offline": (True, True)}  # SFT: no reference; offline DPO: the base
+    assert {n for n, d in needs.items() if d.reference_in_graph} == {"dpo", "gdro", "offline_gdro",
+                                                                     "dpo_offline"}  # (KL off)
+    assert {n: d.data for n, d in needs.items() if d.consumes == "dataset"} == {
+        "offline_gdro": "groups", "sft": "images", "dpo_offline": "pairs"}
 
 
 def test_options_are_built_once_typed_and_kept(monkeypatch):
