@@ -189,7 +189,8 @@ def _add_train_parser(sub) -> None:
     """`flowrl train`: online or offline RL training from a recipe."""
     from flowrl.updates import updates_help
 
-    t = sub.add_parser("train", help="RL training from a YAML recipe (online, or offline GDRO with train.mode=offline)",
+    t = sub.add_parser("train", help="training from a YAML recipe (online RL; offline GDRO / DPO with "
+                                     "train.mode=offline; SFT with train.mode=sft)",
                        epilog=example("flowrl train --config recipes/digits.yaml --output-dir runs/a train.lr=3e-4",
                                       "flowrl train --config recipes/digits.yaml --output-dir runs/a --resume "
                                       "train.lr=3e-4",

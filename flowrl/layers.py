@@ -38,8 +38,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("rollout", ("flowrl.rollout",)),
     ("builders", ("flowrl.builders", "flowrl.updates")),
     ("trainers", ("flowrl.trainers",)),
-    ("application", ("flowrl.cli", "flowrl.sampling_cli", "flowrl.dataset_cli", "flowrl.export", "flowrl.bench", "flowrl.digits_report",
-                     "flowrl.__main__", "flowrl.plan", "flowrl.smoke", "flowrl.command_line", "flowrl.eval")),
+    ("application", ("flowrl.cli", "flowrl.sampling_cli", "flowrl.dataset_cli", "flowrl.export", "flowrl.bench",
+                     "flowrl.digits_report", "flowrl.__main__", "flowrl.plan", "flowrl.smoke", "flowrl.command_line", "flowrl.eval")),
 ]
 ROOT = "flowrl"  # the bare package (only __version__): importable from every layer
 

@@ -78,5 +78,5 @@ def moved_key_table() -> dict[str, tuple[str, list[str]]]:
     return out
 
 
-__all__ = ["UPDATES", "DEFAULT_LOSS", "MODE_ALIASES", "MODE_INPUT", "default_needs", "describe_updates", "loss_help", "updates_help",
-           "updates_by_input", "moved_key_table"]
+__all__ = ["UPDATES", "DEFAULT_LOSS", "MODE_ALIASES", "MODE_INPUT", "default_needs", "describe_updates", "loss_help",
+           "updates_help", "updates_by_input", "moved_key_table"]
