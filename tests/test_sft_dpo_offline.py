@@ -283,3 +283,30 @@ def test_digits_sft_moves_the_base_toward_the_real_digits(pretrained_digits_base
     assert summary["steps_done"] == 220
     assert summary["eval_reward_after"] > summary["eval_reward_before"] + 0.015, summary
     assert abs(summary["hf_energy_after"] - real) < abs(summary["hf_energy_before"] - real) - 2e-4, summary
+
+
+def test_sft_full_fine_tune_with_ema_resumes_exactly(tiny_digits_dir, tiny_pairs, tmp_path):
+    """A full fine-tune with EMA stopped after 1 step and resumed ends with the uninterrupted run's weights and EMA."""
+    from safetensors.torch import load_file
+
+    from flowrl.checkpoints.common import list_checkpoints
+    from flowrl.data.group_export import export_images
+    from flowrl.trainers.config import load_config
+    from flowrl.trainers.offline import dataset_policy, train
+
+    policy = dataset_policy(str(tiny_pairs / "ds"))
+    export_images(tiny_pairs / "ds", tmp_path / "images", lambda x: policy.decode(x))
+
+    def cfg(**extra):
+        return load_config("digits_sft.yaml", tiny_train_overrides(tiny_digits_dir, **{
+            "data.dataset": str(tmp_path / "images"), "offline.batch_groups": 8, "offline.epochs": 2,
+            "offline.eval_every": 100, "train.ema": "true", "train.lora_rank": 0, "train.lr": 1e-3,
+            "data.eval_prompts": "[a handwritten digit 1]", **extra}))
+
+    train(cfg(), tmp_path / "full")  # 60 images, 16 per step: 3 steps per epoch, 6 steps
+    train(cfg(**{"offline.max_steps": 1}), tmp_path / "part")
+    train(cfg(), tmp_path / "part", resume=True)
+    for group in ("trainable", "ema"):
+        a, b = (load_file(str(list_checkpoints(r / "checkpoints")[-1] / f"{group}.safetensors"))
+                for r in (tmp_path / "full", tmp_path / "part"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), group
