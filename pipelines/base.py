@@ -93,7 +93,7 @@ from flowrl.seeding import seeded_randn
 from flowrl.utils.io import atomic_dir, write_json
 
 from .common import (DECODE_BATCH, DTypeArg, Resolution, cfg_combine, cfg_halves, check_model_path, resolve_dtype,
-                     resolve_resolution, transformer_dtype, vae_decode)
+                     resolve_resolution, transformer_dtype, vae_decode, vae_encode)
 from .facts import ModelFacts
 
 FLOWRL_JSON = "flowrl.json"
@@ -398,6 +398,15 @@ class DiffusersPolicy(ModelFacts):
         ``latents / scaling_factor + shift_factor``, VAE decode, ``x / 2 + 0.5`` clamped. A video model
         overrides it: latents ``[B, C, F', h, w]`` -> videos ``[B, 3, F, H, W]`` (Wan)."""
         return vae_decode(self.vae, latents, self.device, self.decode_batch)  # [B, 3, H, W]
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        """Images ``[B, 3, H, W]`` in [0, 1] -> latents ``[B, C, h, w]``, decode's inverse
+        (``pipelines.common.vae_encode``): what training on an image dataset needs (``train.loss`` sft,
+        dpo_offline). An adapter that decodes its own way (packed or video latents) has none yet."""
+        if type(self).decode is not DiffusersPolicy.decode:
+            raise NotImplementedError(f"{type(self).__name__} decodes its latents its own way and has no encode(images) "
+                                      f"yet")
+        return vae_encode(self.vae, images, self.device, self.decode_batch)  # [B, C, h, w]
 
     def initial_noise(self, seeds: list[int]) -> torch.Tensor:
         """Standard-normal float32 ``[B, *latent_shape]`` (``[B, C, h, w]``, video ``[B, C, F', h, w]``), row

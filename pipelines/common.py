@@ -220,3 +220,21 @@ def vae_decode(vae, latents: torch.Tensor, device, batch: Optional[int] = DECODE
             img = vae.decode(z, return_dict=False)[0]  # [b, 3, H, W] in ~[-1, 1]
         out.append((img.float() / 2 + 0.5).clamp(0, 1))  # [b, 3, H, W]
     return torch.cat(out)  # [B, 3, H, W]
+
+
+def vae_encode(vae, images: torch.Tensor, device, batch: Optional[int] = DECODE_BATCH) -> torch.Tensor:
+    """Images ``[B, 3, H, W]`` in [0, 1] -> float32 latents ``[B, C, h, w]``, the inverse of :func:`vae_decode`: VAE
+    encode of ``2 x - 1`` (the latent distribution's mode; a deterministic encoder's output, e.g. SANA's DC-AE),
+    then ``(z - shift_factor) * scaling_factor``; ``batch`` images per VAE call."""
+    cfg = vae.config
+    shift = getattr(cfg, "shift_factor", None) or 0.0
+    step = batch or max(1, len(images))
+    out = []
+    for i in range(0, len(images), step):
+        x = images[i:i + step].to(device, module_dtype(vae)) * 2 - 1  # [b, 3, H, W] in [-1, 1]
+        with torch.no_grad():
+            enc = vae.encode(x)
+        z = enc.latent_dist.mode() if hasattr(enc, "latent_dist") else enc.latent  # [b, C, h, w]
+        out.append((z.float() - shift) * cfg.scaling_factor)
+    return torch.cat(out)  # [B, C, h, w]
+

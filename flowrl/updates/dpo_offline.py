@@ -61,8 +61,8 @@ class DPOOfflineUpdate(ImageStepUpdate):
         ctx = self.ctx
         prompts, win, lose = ctx.dataset.read(mb.rows.cpu())  # [n], [n, 3, H, W] x 2
         n = len(prompts)
-        x0 = encode_images(ctx.policy, torch.cat([win, lose])).view(2, n, -1, *win.shape[2:])  # [2, n, C, h, w]
-        x0 = x0.transpose(0, 1)  # [n, 2, C, h, w]: preferred, rejected
+        x0 = encode_images(ctx.policy, torch.cat([win, lose]))  # [2n, C, h, w]
+        x0 = x0.view(2, n, *x0.shape[1:]).transpose(0, 1)  # [n, 2, C, h, w]: preferred, rejected
         t, eps = self.noise(batch.data["step"], mb.index, n, tuple(x0.shape[2:]))  # [n], [n, C, h, w]
         with torch.no_grad():
             cond = encode_conditions(ctx.policy, prompts)  # n rows

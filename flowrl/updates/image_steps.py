@@ -46,13 +46,17 @@ class ImageStepOptions(UpdateOptions):
 def encode_images(policy, images: torch.Tensor) -> torch.Tensor:
     """Latents ``x0`` of ``images`` ``[n, 3, H, W]`` in [0, 1] by the policy's ``encode`` (float32, no gradient);
     a clear error for a model without one."""
+    why = ("training on an image dataset (train.loss sft / dpo_offline) needs the model's encode(images) -> latents; "
+           "the digits model and the diffusers image adapters that decode with their VAE alone (sd3, flux, sana, ...) "
+           "have one")
     encode = getattr(policy, "encode", None)
     if encode is None:
-        raise ConfigError(f"{type(policy).__name__} has no encode(images) -> latents, which training on an image "
-                          f"dataset (train.loss sft / dpo_offline) needs; the digits model and the diffusers image "
-                          f"adapters that decode with their VAE alone have one")
-    with torch.no_grad():
-        return encode(images.to(getattr(policy, "device", images.device))).float()
+        raise ConfigError(f"{type(policy).__name__} has no encode(images): {why}")
+    try:
+        with torch.no_grad():
+            return encode(images.to(getattr(policy, "device", images.device))).float()
+    except NotImplementedError as e:
+        raise ConfigError(f"{e}: {why}") from None
 
 
 class ImageStepUpdate(Update):
