@@ -212,8 +212,8 @@ class PairDataset(_RowDataset):
     kind = "pairs"
 
     def __init__(self, source: Union[str, os.PathLike]):
-        self.root = resolve_dataset(source)
-        if self.root.is_dir() or str(source) in SHIPPED:
+        self.root = Path(source) if str(source) in SHIPPED else resolve_dataset(source)
+        if str(source) in SHIPPED or self.root.is_dir():
             raise PromptSetError(f"data.dataset {source}: a pair dataset is a .jsonl file (or a folder holding "
                                  f"pairs.jsonl); make one from a generate-offline dataset with `flowrl make-pairs`")
         rows = [_pair_row(where, row, self.root.parent) for where, row in _jsonl(self.root)]
