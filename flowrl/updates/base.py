@@ -47,6 +47,9 @@ class Needs:
     models: tuple[str, ...] = ()      # other models it builds and keeps ("module:attr" of classes declaring
     #                                   resident_params, e.g. an image-feature model; plan counts them)
     flat_groups: bool = False         # each stored transition must lead to one finished sample (no tree sampler)
+    frozen_models: tuple[tuple[str, Optional[float], bool], ...] = ()  # frozen models it evaluates (on-policy
+    #                                   distillation's teachers): (source, guidance or None, offload) each, loaded
+    #                                   through UpdateContext.load_frozen (flowrl/trainers/frozen.py); plan counts each
 
     def __post_init__(self):
         if self.consumes not in ("rollout", "dataset"):
@@ -111,6 +114,8 @@ class UpdateContext:
     dataset: Any = None                           # the OfflineDataset a dataset-consuming update reads
     optimizer_steps: Callable[[], int] = lambda: 0  # optimizer steps taken so far (restored on --resume): for a
     #                                               schedule read outside after_step (e.g. in sampling_weights)
+    load_frozen: Optional[Callable[[str, Optional[float], bool], Any]] = None  # (source, guidance, offload) -> a
+    #                                               frozen policy on the training device (Needs.frozen_models)
 
 
 @dataclass

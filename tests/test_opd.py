@@ -1,0 +1,125 @@
+"""On-policy distillation (``train.loss: opd``): the closed-form step KL, its teachers' options refused in one line
+when the recipe loads, the teachers declared and planned as frozen models, a teacher from a run directory, exact
+resume with a LoRA export, and the digits recipe (teacher: the base at guidance 3.0; student: guidance 1.0)
+raising the student's guidance-1.0 evaluation reward with no reward in its loss."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_train_overrides
+from flowrl.checkpoints.common import list_checkpoints
+from flowrl.errors import ConfigError
+from flowrl.losses.opd import opd_kl
+from flowrl.sde import sde_step
+from flowrl.trainers.config import load_config
+from flowrl.trainers.online import train
+
+
+def _cfg(model_dir, teachers="[{source: '', guidance: 3.0}]", **extra):
+    return load_config("digits_opd", tiny_train_overrides(model_dir, **{
+        "train.loss_options": f"{{teachers: {teachers}}}", "train.lr": 1e-2, **extra}))
+
+
+def _records(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "reward_mean" in line]
+
+
+def _weights(run):
+    return load_file(str(list_checkpoints(run / "checkpoints")[-1] / "trainable.safetensors"))
+
+
+def test_the_loss_is_the_closed_form_kl_of_the_two_gaussian_steps():
+    g = torch.Generator().manual_seed(0)
+    x, v_s, v_t, v_u = (torch.randn(3, 1, 4, 4, generator=g) for _ in range(4))
+    sig, nxt = torch.tensor([1.0, 0.6, 0.3]), torch.tensor([0.6, 0.3, 0.1])
+    s = sde_step(v_s, x, sig, nxt, noise_level=0.7, prev_sample=x)
+    t = sde_step(v_t, x, sig, nxt, noise_level=0.7, prev_sample=x)
+    u = sde_step(v_u, x, sig, nxt, noise_level=0.7, prev_sample=x)
+    assert torch.allclose(s.std, t.std)  # one scale: the KL is the mean gap over 2 s^2
+    kl, per = opd_kl(s.mean, [t.mean], [1.0], s.std)
+    want = ((s.mean - t.mean) ** 2).flatten(1).mean(1) / (2 * s.std**2)
+    assert torch.allclose(kl, want) and torch.allclose(per[0], want)
+    both, per2 = opd_kl(s.mean, [t.mean, u.mean], [3.0, 1.0], s.std)
+    assert torch.allclose(both, 0.75 * per2[0] + 0.25 * per2[1])
+    assert torch.equal(opd_kl(s.mean, [s.mean], [1.0], s.std)[0], torch.zeros(3))
+    ode, _ = opd_kl(s.mean, [t.mean], [1.0], torch.zeros(3))  # a deterministic step: the mean gap over 2
+    assert torch.allclose(ode, ((s.mean - t.mean) ** 2).flatten(1).mean(1) / 2)
+
+
+@pytest.mark.parametrize("teachers, key", [
+    ("[]", "teachers must be a non-empty list"),
+    ("[{source: '', guidanse: 3.0}]", "teachers[0].guidanse: not a teacher option"),
+    ("[{source: '', guidance: 0.5}]", "teachers[0].guidance must be a number >= 1.0"),
+    ("[{source: ''}, {source: '', weight: 0}]", "teachers[1].weight must be a number > 0"),
+    ("[{source: '', offload: maybe}]", "teachers[0].offload must be true or false"),
+    ("[{source: 3}]", "teachers[0].source must be a string"),
+])
+def test_bad_teachers_are_refused_in_one_line_when_the_recipe_loads(teachers, key):
+    with pytest.raises(ConfigError) as e:
+        load_config("digits_opd", [f"train.loss_options={{teachers: {teachers}}}"])
+    assert key in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_sampler_without_transitions_and_a_teacher_of_another_model_are_refused(tiny_digits_dir, tmp_path):
+    with pytest.raises(ConfigError, match="stores no stochastic transitions"):
+        load_config("digits_opd", ["sampler={name: ode, group_size: 8, num_steps: 10}"])
+    from flowrl.trainers.frozen import frozen_model_config
+
+    with pytest.raises(ConfigError, match="is a sd3 model"):
+        frozen_model_config(load_config("digits_opd"), "sd3_group_pickscore")
+
+
+def test_the_teachers_are_declared_and_planned_as_frozen_models():
+    from flowrl.plan.core import plan_memory
+
+    cfg = load_config("digits_opd", ["train.loss_options={teachers: [{source: '', guidance: 3.0}, "
+                                     "{source: digits, weight: 0.5, offload: true}]}"])
+    assert cfg.train.update_needs.frozen_models == (("", 3.0, False), ("digits", None, True))
+    assert not cfg.train.update_needs.reference
+    items = {i.name: i for i in plan_memory(cfg).items}
+    t0 = items["frozen model 0 (the base model, guidance 3): transformer (float32)"]
+    t1 = items["frozen model 1 (digits, guidance 1): transformer (float32)"]
+    assert t0.bytes == t1.bytes > 0 and (t0.where, t1.where) == ("gpu", "host")
+    assert "frozen model 1 (digits, guidance 1): transformer on the GPU for its forward" in items
+    assert items["frozen model 0 (the base model, guidance 3): step means at the stored transitions "
+                 "(80 x 10 steps, float32)"].bytes == 80 * 10 * 256 * 4
+
+
+def test_distils_a_run_directory_teacher_resumes_exactly_and_exports(tiny_digits_dir, tmp_path):
+    """A teacher equal to the student (the base at the student's guidance) gives a zero KL; a trained run directory
+    as the teacher a positive one that training lowers; an OPD run resumes to the same weights and exports."""
+    same = tmp_path / "same"
+    train(_cfg(tiny_digits_dir, "[{source: '', guidance: 1.0}]", **{"train.iterations": 1}), same)
+    (rec,) = _records(same)
+    assert rec["opd_kl"] == 0.0 and rec["transitions_trained"] == 64
+    teacher = tmp_path / "teacher"  # an OPD run itself: distilled from the base at guidance 3.0
+    train(_cfg(tiny_digits_dir, **{"train.iterations": 2}), teacher)
+    assert all(r["opd_kl"] > 0 and r["skipped_steps"] == 0 for r in _records(teacher))
+    full, part = tmp_path / "full", tmp_path / "part"
+    src = f"[{{source: '{teacher}', weight: 2.0}}, {{source: '', guidance: 2.0, offload: true}}]"
+    train(_cfg(tiny_digits_dir, src, **{"train.iterations": 3}), full)
+    recs = _records(full)
+    assert all(r["opd_kl/teacher0"] > 0 and r["opd_kl/teacher1"] > 0 for r in recs)
+    assert recs[-1]["opd_kl/teacher0"] < recs[0]["opd_kl/teacher0"]
+    train(_cfg(tiny_digits_dir, src, **{"train.iterations": 1}), part)
+    train(_cfg(tiny_digits_dir, src, **{"train.iterations": 3}), part, resume=True)
+    w, w2 = _weights(full), _weights(part)
+    assert all(torch.equal(w[k], w2[k]) for k in w) and any(v.abs().sum() > 0 for k, v in w.items() if "lora_B" in k)
+    from flowrl.export import export_run
+
+    export_run(full, tmp_path / "export", model_path=str(tiny_digits_dir))
+    assert (tmp_path / "export" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_the_digits_recipe_brings_the_student_toward_the_guided_teacher(pretrained_digits_base, tmp_path):
+    """The student (guidance 1.0, ~0.87) distilled from the base at guidance 3.0 (~0.99): its guidance-1.0
+    evaluation reward rises; the rollout's reward is never in the loss."""
+    cfg = load_config("recipes/digits_opd.yaml", [
+        "train.iterations=6", "logging.trackers=[]", "logging.progress=false", "logging.eval_every=6",
+        "reward.heldout={}", "train.checkpoint_every=100"])
+    summary = train(cfg, tmp_path / "run")
+    before, after = summary["eval_reward_before"], summary["eval_reward_after"]
+    assert after > before + 0.03, (before, after)
+    assert summary["skipped_steps"] == 0
