@@ -123,3 +123,30 @@ def test_the_digits_recipe_brings_the_student_toward_the_guided_teacher(pretrain
     before, after = summary["eval_reward_before"], summary["eval_reward_after"]
     assert after > before + 0.03, (before, after)
     assert summary["skipped_steps"] == 0
+
+
+def test_an_opd_run_is_the_model_path_of_a_later_rl_run(tiny_digits_dir, tmp_path):
+    """model.path a run directory: its base with the run's newest LoRA fused in; the later run (GRPO) adds its own
+    LoRA on top, starts from the OPD run's policy, plans from the base's configs and exports with a note."""
+    from flowrl.builders import build_policy_from_config
+    from flowrl.export import export_run
+    from flowrl.plan.core import plan_memory
+    from flowrl.sampling_cli import load_policy
+
+    opd = tmp_path / "opd"
+    train(_cfg(tiny_digits_dir, **{"train.iterations": 1}), opd)
+    rl_cfg = load_config("digits", tiny_train_overrides(opd, **{"train.iterations": 1}))
+    _, trained = load_policy(None, str(opd), ["model.device=cpu"])  # the OPD run: base + its LoRA
+    start = build_policy_from_config(rl_cfg, "cpu")  # the later run's model before its own LoRA
+    assert not any("lora" in n for n, _ in start.transformer.named_parameters())
+    x, sig = torch.randn(4, 1, 16, 16, generator=torch.Generator().manual_seed(0)), torch.full((4,), 0.6)
+    base = build_policy_from_config(load_config("digits", [f"model.path={tiny_digits_dir}"]), "cpu")
+    with torch.no_grad():
+        a, b, c = (p.velocity(x, sig, p.encode_prompts(["a 1", "a 2", "a 3", "a 4"])) for p in (trained, start, base))
+    assert torch.allclose(a, b, atol=1e-5) and not torch.allclose(a, c, atol=1e-3)  # the run's, not the base's
+    rl = tmp_path / "rl"
+    summary = train(rl_cfg, rl)
+    assert summary["skipped_steps"] == 0 and _weights(rl)
+    assert any(i.name.startswith("transformer weights") and i.bytes > 0 for i in plan_memory(rl_cfg).items)
+    info = export_run(rl, tmp_path / "export")
+    assert info["base_model"] == str(tiny_digits_dir) and str(opd) in info["note"]

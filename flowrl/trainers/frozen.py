@@ -4,8 +4,8 @@ teachers), from a source string, loaded once by the trainer through ``UpdateCont
 A source is one of (checked in this order):
 
 * ``""``: the run's own base model (``model.pipeline`` / ``model.path`` / ``model.options``), a second copy of it;
-* a run directory (it holds ``config.yaml``): its saved model section with the trained weights of its newest
-  readable checkpoint applied (LoRA or a full fine-tune, as it trained);
+* a run directory (``config.yaml`` and ``checkpoints/``): its saved model section, with the trained weights of its
+  newest checkpoint fused into its base (LoRA or a full fine-tune, as it trained; :mod:`flowrl.checkpoints.runs`);
 * a recipe (a ``.yaml`` file, or the name of a shipped recipe such as ``digits``): its ``model`` section;
 * anything else: a model path or hub id of the run's ``model.pipeline`` (with the run's ``model.options``).
 
@@ -17,7 +17,6 @@ as to the trained model. ``flowrl plan`` sizes it from :func:`frozen_model_confi
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
@@ -25,23 +24,19 @@ from typing import Optional
 import torch
 
 from ..builders import build_policy_from_config
-from ..checkpoints import checkpoint_tensors
-from ..checkpoints.common import CheckpointError, list_checkpoints
+from ..checkpoints.runs import is_run_directory, run_model
 from ..distributed.offload import Offload, keep_on_host, offload_idle
 from ..errors import ConfigError
-from ..trainable import load_trainable_state, set_up_trainable
 from .config_text import recipes_dir
 
 
 @dataclasses.dataclass(frozen=True)
 class FrozenSource:
-    """What a source string resolves to: the model section to build and, for a run directory, its config and the
-    checkpoint whose trained weights go on top."""
+    """What a source string resolves to: its kind and the model section to build (a run directory's has the run as
+    its ``path``: :func:`flowrl.builders.build_policy_from_config` fuses the run's weights into its base)."""
 
     kind: str  # base | run | recipe | path
     model: object  # a ModelConfig
-    run_config: Optional[object] = None  # a run's Config (its train section sets up LoRA), for kind "run"
-    checkpoint: Optional[Path] = None
 
 
 def _is_recipe(source: str) -> bool:
@@ -52,23 +47,17 @@ def _is_recipe(source: str) -> bool:
 
 
 def frozen_model_config(cfg, source: str, guidance: Optional[float] = None) -> FrozenSource:
-    """The model section (and, for a run directory, the checkpoint) of frozen-model ``source`` for the run ``cfg``
-    (module doc), at ``guidance`` (None: the source's own). A run directory without a checkpoint is a
-    :class:`ConfigError`."""
+    """The model section of frozen-model ``source`` for the run ``cfg`` (module doc), at ``guidance`` (None: the
+    source's own). A run directory without a checkpoint, or a source of another pipeline, is a :class:`ConfigError`."""
     from .config import load_config, load_run_config
 
     src = str(source or "")
-    run_cfg, ck = None, None
     if not src:
         kind, model = "base", cfg.model
-    elif (Path(src) / "config.yaml").is_file():
-        kind, run_cfg = "run", load_run_config(Path(src) / "config.yaml")
-        model = run_cfg.model
-        cks = list_checkpoints(Path(src) / "checkpoints")
-        if not cks:
-            raise ConfigError(f"frozen model {src}: the run has no checkpoint yet (checkpoints/iter_NNNNNN); train it "
-                              f"first, or give its base recipe or model path")
-        ck = cks[-1]
+    elif is_run_directory(src):
+        kind = "run"
+        model = dataclasses.replace(load_run_config(Path(src) / "config.yaml").model, path=src)
+        run_model(src)  # a run without a checkpoint: one line now, not at the first update
     elif _is_recipe(src):
         kind, model = "recipe", load_config(src).model
     else:
@@ -79,7 +68,7 @@ def frozen_model_config(cfg, source: str, guidance: Optional[float] = None) -> F
     if model.pipeline != cfg.model.pipeline:
         raise ConfigError(f"frozen model {src!r} is a {model.pipeline} model and the run trains a {cfg.model.pipeline} "
                           f"one: its steps must be on the student's latents; give a {cfg.model.pipeline} source")
-    return FrozenSource(kind, dataclasses.replace(model, **changes), run_cfg, ck)
+    return FrozenSource(kind, dataclasses.replace(model, **changes))
 
 
 def frozen_loader(cfg, device: torch.device):
@@ -92,17 +81,6 @@ def load_frozen_model(cfg, source: str, guidance: Optional[float], offload: bool
     """The frozen policy of ``source`` (module doc) for the run ``cfg``, on ``device`` (host memory when ``offload``)."""
     src = frozen_model_config(cfg, source, guidance)
     policy = build_policy_from_config(SimpleNamespace(model=src.model), device)  # reads the model section only
-    if src.kind == "run":
-        t = src.run_config.train
-        try:
-            tensors = checkpoint_tensors(src.checkpoint, "trainable")
-        except CheckpointError as e:
-            raise ConfigError(f"frozen model {source}: {e}") from None
-        set_up_trainable(policy.transformer, t.lora_rank, t.lora_alpha, t.lora_targets,
-                         getattr(policy, "lora_target_modules", None), seed=t.seed)
-        load_trainable_state(policy.transformer, tensors)
-        print(f"[flowrl] frozen model {source}: checkpoint {src.checkpoint}, trained weights", file=sys.stderr,
-              flush=True)
     policy.transformer.requires_grad_(False)
     policy.transformer.eval()
     policy.cfg_uncond_grad = False
