@@ -47,6 +47,9 @@ class Needs:
     models: tuple[str, ...] = ()      # other models it builds and keeps ("module:attr" of classes declaring
     #                                   resident_params, e.g. an image-feature model; plan counts them)
     flat_groups: bool = False         # each stored transition must lead to one finished sample (no tree sampler)
+    reward_in_loss: bool = True       # False: the loss reads no reward (on-policy distillation); the rollout is
+    #                                   scored for logging and evaluation only (flowrl eval's hacking verdict then
+    #                                   counts no reward as trained)
     frozen_models: tuple[tuple[str, Optional[float], bool], ...] = ()  # frozen models it evaluates (on-policy
     #                                   distillation's teachers): (source, guidance or None, offload) each, loaded
     #                                   through UpdateContext.load_frozen (flowrl/trainers/frozen.py); plan counts each

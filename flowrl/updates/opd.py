@@ -95,7 +95,7 @@ class OPDUpdate(Update):
 
     @classmethod
     def needs(cls, options) -> Needs:
-        return Needs(transitions=True, unit="transition",
+        return Needs(transitions=True, unit="transition", reward_in_loss=False,
                      frozen_models=tuple((t.source, t.guidance, t.offload) for t in options.specs))
 
     def teachers(self) -> list:
