@@ -46,6 +46,21 @@ def test_the_loss_is_the_closed_form_kl_of_the_two_gaussian_steps():
     assert torch.equal(opd_kl(s.mean, [s.mean], [1.0], s.std)[0], torch.zeros(3))
     ode, _ = opd_kl(s.mean, [t.mean], [1.0], torch.zeros(3))  # a deterministic step: the mean gap over 2
     assert torch.allclose(ode, ((s.mean - t.mean) ** 2).flatten(1).mean(1) / 2)
+    routed, _ = opd_kl(s.mean, [t.mean, u.mean], torch.tensor([[1.0, 0.0, 0.0], [0.0, 2.0, 0.0]]), s.std)
+    assert torch.allclose(routed, torch.stack([per2[0, 0], per2[1, 1], torch.tensor(0.0)]))  # one teacher each, none
+
+
+def test_each_teacher_supervises_the_prompts_it_matches():
+    from types import SimpleNamespace
+
+    from flowrl.updates.opd import OPDOptions, OPDUpdate
+
+    opts = OPDOptions(teachers=[{"source": "", "prompts": "digit [0-4]"}, {"source": "", "weight": 3.0,
+                                                                          "prompts": "digit [4-9]"}])
+    rollout = SimpleNamespace(prompts=["a handwritten digit 1", "a handwritten digit 4", "a cat"],
+                              transitions=SimpleNamespace(prompt_index=torch.tensor([0, 0, 1, 2, 1])))
+    w = OPDUpdate(None, opts).teacher_weights(rollout)
+    assert torch.equal(w, torch.tensor([[1.0, 1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 3.0, 0.0, 3.0]]))
 
 
 @pytest.mark.parametrize("teachers, key", [
@@ -55,6 +70,7 @@ def test_the_loss_is_the_closed_form_kl_of_the_two_gaussian_steps():
     ("[{source: ''}, {source: '', weight: 0}]", "teachers[1].weight must be a number > 0"),
     ("[{source: '', offload: maybe}]", "teachers[0].offload must be true or false"),
     ("[{source: 3}]", "teachers[0].source must be a string"),
+    ("[{source: '', prompts: 'digit [0-'}]", "teachers[0].prompts must be a regular expression"),
 ])
 def test_bad_teachers_are_refused_in_one_line_when_the_recipe_loads(teachers, key):
     with pytest.raises(ConfigError) as e:

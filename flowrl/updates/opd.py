@@ -10,18 +10,21 @@ teachers. It reads no reward and no advantage: the rollout's rewards are scored 
 Teachers (``train.loss_options.teachers``, one or several): each a ``source`` (``""``: the run's own base model, a
 second frozen copy; a run directory: its newest checkpoint's weights; a recipe; a model path or hub id of
 ``model.pipeline``; flowrl/trainers/frozen.py), its ``guidance`` (None: the source's own ``model.guidance_scale``),
-its ``weight`` and whether to ``offload`` it to host memory between forwards. They are loaded once, on the first
-update call, and their step means at every stored transition are computed once per call, before any optimizer
-step (no grad); the minibatch then needs one student forward per transition.
+its ``weight``, whether to ``offload`` it to host memory between forwards, and the ``prompts`` it supervises (a
+regular expression; None: all of them). They are loaded once, on the first update call, and their step means at
+every stored transition they supervise are computed once per call, before any optimizer step (no grad); a
+minibatch then needs one student forward per transition.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from ..conditions import encode_conditions
+from ..data.items import item_texts
 from ..errors import ConfigError
 from ..losses import KL_FORMS, kl_form_for_step
 from ..losses.opd import opd_kl
@@ -29,7 +32,7 @@ from ..sde import get_step
 from ..types import index_cond
 from .base import Batch, Minibatch, Needs, Update, UpdateOptions, check_number
 
-TEACHER_KEYS = ("source", "guidance", "weight", "offload")
+TEACHER_KEYS = ("source", "guidance", "weight", "offload", "prompts")
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,8 @@ class Teacher:
     guidance: Optional[float] = None  # its classifier-free guidance scale (None: the source's own)
     weight: float = 1.0               # its share of the KL (weights are normalised to sum 1)
     offload: bool = False             # keep its transformer in host memory, moved in for each forward
+    prompts: Optional[str] = None     # a regular expression: it supervises the prompts whose text it matches
+    #                                   (re.search; None: every prompt); a prompt no teacher matches is not trained
 
 
 def parse_teacher(i: int, given) -> Teacher:
@@ -63,7 +68,13 @@ def parse_teacher(i: int, given) -> Teacher:
         raise ValueError(f"{where}.weight must be a number > 0, got {t.weight!r}")
     if not isinstance(t.offload, bool):
         raise ValueError(f"{where}.offload must be true or false, got {t.offload!r}")
-    return Teacher(t.source, None if t.guidance is None else float(t.guidance), float(t.weight), t.offload)
+    if t.prompts is not None:
+        try:
+            re.compile(t.prompts)
+        except (re.error, TypeError) as e:
+            raise ValueError(f"{where}.prompts must be a regular expression (or null: every prompt), got "
+                             f"{t.prompts!r} ({e})") from None
+    return Teacher(t.source, None if t.guidance is None else float(t.guidance), float(t.weight), t.offload, t.prompts)
 
 
 @dataclass
@@ -107,13 +118,14 @@ class OPDUpdate(Update):
             self._teachers = [self.ctx.load_frozen(t.source, t.guidance, t.offload) for t in self.opts.specs]
         return self._teachers
 
-    def teacher_means(self, teacher, rollout, trans, step_fn) -> torch.Tensor:
-        """``[M, C, H, W]`` the teacher's step means at every stored transition (no grad, in minibatches)."""
+    def teacher_means(self, teacher, rollout, trans, step_fn, rows: torch.Tensor) -> torch.Tensor:
+        """``[M, C, H, W]`` the teacher's step means at stored transitions ``rows`` (no grad, in minibatches; the
+        other rows stay 0, never read)."""
         ctx = self.ctx
-        out = torch.empty_like(trans.next_latents)  # [M, C, H, W]
+        out = torch.zeros_like(trans.next_latents)  # [M, C, H, W]
         with torch.no_grad():
             cond = encode_conditions(teacher, rollout.prompts)  # its own: its guidance's negative conditioning
-            for mb in torch.arange(len(trans)).split(ctx.train.minibatch_size):
+            for mb in rows.split(ctx.train.minibatch_size):
                 tr = trans.select(mb.to(trans.latents.device))
                 with ctx.autocast():
                     v = teacher.velocity(tr.latents, tr.sigma, index_cond(cond, tr.prompt_index))  # [m, C, H, W]
@@ -121,8 +133,18 @@ class OPDUpdate(Update):
                                                  noise_level=rollout.noise_level, prev_sample=tr.next_latents).mean
         return out
 
+    def teacher_weights(self, rollout) -> torch.Tensor:
+        """``[K, M]`` each teacher's weight on each stored transition: its ``weight`` where its ``prompts`` match the
+        transition's prompt, else 0."""
+        texts = item_texts(rollout.prompts)
+        match = torch.tensor([[t.prompts is None or re.search(t.prompts, x) is not None for x in texts]
+                              for t in self.opts.specs], dtype=torch.float32)  # [K, P]
+        w = torch.tensor([t.weight for t in self.opts.specs])[:, None] * match  # [K, P]
+        return w[:, rollout.transitions.prompt_index.cpu()]  # [K, M]
+
     def batch(self, rollout, it: int) -> Batch:
-        """Every stored transition, with each teacher's step means (computed here, before any step)."""
+        """The stored transitions some teacher supervises, with each teacher's step means (computed here, before
+        any step) and weights."""
         if len(rollout.transitions) == 0:
             raise ConfigError(f"the {self.ctx.sampler_name!r} sampler stored no stochastic transitions, so "
                               f"train.loss=opd has no student step to distil; use a sampler that stores them (group, "
@@ -130,10 +152,15 @@ class OPDUpdate(Update):
         ctx = self.ctx
         step_fn = get_step(rollout.step_type)
         trans = rollout.transitions.to(ctx.device)
-        means = [self.teacher_means(t, rollout, trans, step_fn) for t in self.teachers()]  # K x [M, C, H, W]
+        w = self.teacher_weights(rollout)  # [K, M]
+        means = [self.teacher_means(t, rollout, trans, step_fn, torch.nonzero(w[k] > 0).flatten())
+                 for k, t in enumerate(self.teachers())]  # K x [M, C, H, W]
+        rows = torch.nonzero(w.sum(dim=0) > 0).flatten()
         data = {"rollout": rollout, "cond": rollout.conditioning(ctx.policy), "transitions": trans, "means": means,
-                "step_fn": step_fn, "form": kl_form_for_step(self.opts.kl_form, rollout.step_type)}
-        return Batch(torch.arange(len(trans)), ctx.train.minibatch_size, data=data)
+                "weights": w.to(ctx.device), "step_fn": step_fn,
+                "form": kl_form_for_step(self.opts.kl_form, rollout.step_type)}
+        stats = {"opd_unsupervised_fraction": 1.0 - len(rows) / len(trans)}
+        return Batch(rows, ctx.train.minibatch_size, data=data, stats=stats)
 
     def loss(self, batch: Batch, mb: Minibatch) -> tuple[torch.Tensor, dict]:
         d, ctx = batch.data, self.ctx
@@ -143,12 +170,14 @@ class OPDUpdate(Update):
         out = d["step_fn"](v, tr.latents, tr.sigma, tr.sigma_next, noise_level=d["rollout"].noise_level,
                            prev_sample=tr.next_latents)
         rows = mb.rows.to(d["means"][0].device)
-        kl, per = opd_kl(out.mean, [m[rows] for m in d["means"]], [t.weight for t in self.opts.specs], out.std,
+        kl, per = opd_kl(out.mean, [m[rows] for m in d["means"]], d["weights"][:, rows], out.std,
                          dt=tr.sigma_next - tr.sigma, form=d["form"])  # [m], [K, m]
         loss = (tr.weight * kl).mean()
         stats = {"opd_kl": kl.mean().detach()}
-        if len(per) > 1:
-            stats.update({f"opd_kl/teacher{k}": p.mean().detach() for k, p in enumerate(per)})
+        if len(per) > 1:  # each teacher's KL over the transitions it supervises (NaN-free: 0 when none here)
+            on = d["weights"][:, rows] > 0  # [K, m]
+            stats.update({f"opd_kl/teacher{k}": (p * on[k]).sum().detach() / on[k].sum().clamp(min=1)
+                          for k, p in enumerate(per)})
         return loss, stats
 
     def after_update(self, batch: Batch, trained: int, optimizer_steps: int) -> dict:
