@@ -115,6 +115,10 @@ def test_distils_a_run_directory_teacher_resumes_exactly_and_exports(tiny_digits
     train(_cfg(tiny_digits_dir, "[{source: '', guidance: 1.0}]", **{"train.iterations": 1}), same)
     (rec,) = _records(same)
     assert rec["opd_kl"] == 0.0 and rec["transitions_trained"] == 64
+    none = tmp_path / "none"  # a teacher of no prompt drawn: nothing to train, no step, no error
+    train(_cfg(tiny_digits_dir, "[{source: '', prompts: 'no such prompt'}]", **{"train.iterations": 1}), none)
+    (rec,) = _records(none)
+    assert rec["opd_unsupervised_fraction"] == 1.0 and rec["transitions_trained"] == 0
     teacher = tmp_path / "teacher"  # an OPD run itself: distilled from the base at guidance 3.0
     train(_cfg(tiny_digits_dir, **{"train.iterations": 2}), teacher)
     assert all(r["opd_kl"] > 0 and r["skipped_steps"] == 0 for r in _records(teacher))

@@ -123,6 +123,8 @@ class OPDUpdate(Update):
         other rows stay 0, never read)."""
         ctx = self.ctx
         out = torch.zeros_like(trans.next_latents)  # [M, C, H, W]
+        if not len(rows):  # it supervises none of this rollout's prompts (split would give one empty minibatch)
+            return out
         with torch.no_grad():
             cond = encode_conditions(teacher, rollout.prompts)  # its own: its guidance's negative conditioning
             for mb in rows.split(ctx.train.minibatch_size):
