@@ -70,6 +70,17 @@ def _imagereward(request):
                          vision_config=TINY_BLIP_VISION, batch_size=3)
 
 
+def _hpsv3(request):
+    t = request.getfixturevalue("tiny_hpsv3")
+    return rewards.build("hpsv3", base=t["base"], checkpoint=t["checkpoint"], pixels=56 * 56, batch_size=3)
+
+
+def _videoalign(request):  # takes videos whole; the battery's images are scored as still 2-frame clips
+    t = request.getfixturevalue("tiny_videoalign")
+    return rewards.build("videoalign", base=t["base"], checkpoint=t["checkpoint"], max_pixels=56 * 56,
+                         min_pixels=56 * 56, batch_size=3)
+
+
 def _vlm_judge(request):
     server = request.getfixturevalue("chat_server")
     return rewards.build("vlm_judge", url=f"http://127.0.0.1:{server.server_port}/v1", timeout=5.0, retries=0,
@@ -110,6 +121,8 @@ CASES: dict[str, Case] = {
     "aesthetic": Case(_aesthetic),
     "hps": Case(_hps),
     "imagereward": Case(_imagereward),
+    "hpsv3": Case(_hpsv3),
+    "videoalign": Case(_videoalign),
     "ocr": Case(lambda r: rewards.build("ocr", backend="easyocr"), applies=['a sign that says "hello"', 'the word "FLOW"'],
                 not_applicable=["a photo of a dog", "a sign with no quoted text"], size=48),
     "vlm_judge": Case(_vlm_judge),
