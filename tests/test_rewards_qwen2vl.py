@@ -10,6 +10,8 @@ loaded strictly in their layout (VideoAlign: LoRA unmerged, through peft).
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from PIL import Image
@@ -149,3 +151,46 @@ def test_declared_defaults_are_the_published_ones_and_plan_sizes():
     size, on_gpu, _ = rewards.resident("hpsv3", {"dtype": "bfloat16", "device": "cuda"})
     assert size == 2 * HPSv3.resident_params and on_gpu
     assert rewards.resident("videoalign", {})[0] == 4 * VideoAlign.resident_params
+
+
+def test_sizes_and_frame_counts_follow_qwen_vl_utils(tiny_hpsv3):
+    """smart_resize and HPSv3's image path against ``qwen_vl_utils`` itself (the authors' vendored copies share its
+    smart_resize and fetch_image), when installed (not in flowrl's lock: pip install qwen-vl-utils); the frame
+    counts against VideoAlign's vendored smart_nframes (it rounds to an even count; qwen-vl-utils >= 0.0.11 floors)."""
+    from flowrl.rewards._qwen2vl import smart_nframes, smart_resize
+
+    # VideoAlign's vision_process.smart_nframes: round(clamp(total / video_fps * fps, 4, total), 2)
+    assert [smart_nframes(t, 16.0, 2.0) for t in (5, 33, 81, 121)] == [4, 4, 10, 16]
+    assert smart_nframes(81, 24.0, 2.0) == 6 and smart_nframes(3, 16.0, 2.0) == 2
+    qvu = pytest.importorskip("qwen_vl_utils.vision_process", reason="qwen-vl-utils is not installed (optional: "
+                              "pip install qwen-vl-utils); flowrl's smart_resize is checked against it when it is")
+    for h, w in [(40, 52), (512, 512), (480, 832), (1024, 576), (720, 1280), (33, 700)]:
+        for lo, hi in [(200704, 200704), (100352, 200704), (3136, 3136)]:
+            assert smart_resize(h, w, lo, hi) == qvu.smart_resize(h, w, 28, lo, hi), (h, w, lo, hi)
+    reward = _hpsv3(tiny_hpsv3)
+    x = rand(1, 3, 40, 52, seed=6)
+    pil = Image.fromarray((x[0].permute(1, 2, 0) * 255).round().byte().numpy())
+    ref = qvu.fetch_image({"image": pil, "min_pixels": PX, "max_pixels": PX})
+    ours = reward.batch(x, PROMPTS[:1])
+    proc = tiny_hpsv3["processor"]
+    theirs = proc(text=["<|vision_start|><|image_pad|><|vision_end|>"], images=[ref], return_tensors="pt")
+    torch.testing.assert_close(ours["pixel_values"], theirs["pixel_values"])
+
+
+def test_videoalign_trains_a_video_model_beside_a_per_frame_reward(tiny_model, tiny_videoalign, tmp_path):
+    """End to end: recipes/wan_group_ocr.yaml on the tiny Wan with ``reward.weights`` = videoalign (whole videos
+    ``[B, 3, 5, H, W]``) + jpeg_compressibility (per frame), one GRPO iteration, both components logged."""
+    from flowrl.trainers.config import load_config
+    from flowrl.trainers.online import train
+    from helpers import ROOT, tiny_overrides, train_records
+
+    t = tiny_videoalign
+    opts = f"{{videoalign: {{base: {t['base']}, checkpoint: {t['checkpoint']}, max_pixels: {PX}, min_pixels: {PX}}}}}"
+    cfg = load_config(ROOT / "recipes" / "wan_group_ocr.yaml", tiny_overrides(tiny_model("wan"), "group", **{
+        "model.options.num_frames": 5, "train.iterations": 1, "reward.weights": "{videoalign: 1.0, "
+        "jpeg_compressibility: 0.5}", "reward.options": opts, "reward.heldout": "{}"}))
+    summary = train(cfg, tmp_path / "run")
+    assert summary["iterations_done"] == 1
+    rec = train_records(tmp_path / "run")[0]
+    keys = [k for k in rec if "videoalign" in k]
+    assert keys and all(math.isfinite(rec[k]) for k in keys), rec
