@@ -98,7 +98,8 @@ class VideoAlign:
                     for p in prompts]
         text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.processor(text=text, videos=clips, padding=True, return_tensors="pt",
-                              videos_kwargs={"do_resize": False, "do_sample_frames": False})
+                              videos_kwargs={"do_resize": False, "do_sample_frames": False,
+                                             "cap_pixels_per_frame": False})  # sizes are already the authors'
 
     @torch.no_grad()
     def scores(self, videos: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
