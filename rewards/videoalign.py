@@ -15,8 +15,8 @@ its ``vision_process.py`` does: ``smart_nframes`` at ``fps`` frames per second o
 ``smart_resize(H, W, 28, min_pixels, max_pixels)``, then the base processor's normalisation.
 
 A reward that takes videos whole (``takes_videos``): videos ``[B, 3, F, H, W]`` are scored as videos, not
-frame by frame; an image ``[B, 3, H, W]`` is scored as a still two-frame clip (outside VideoAlign's training
-data: its MQ means little there).
+frame by frame; an image ``[B, 3, H, W]`` (or a one-frame video) is scored as a still two-frame clip
+(outside VideoAlign's training data: its MQ means little there).
 """
 from __future__ import annotations
 
@@ -85,8 +85,8 @@ class VideoAlign:
 
         x = to_uint8(video.cpu()).permute(1, 0, 2, 3)  # [F, 3, H, W]
         total = x.shape[0]
-        n = min(round(self.num_frames / 2) * 2, total) if self.num_frames else \
-            smart_nframes(total, self.video_fps, self.fps)
+        n = min(max(2, round(self.num_frames / 2) * 2), total) if self.num_frames else \
+            smart_nframes(total, self.video_fps, self.fps)  # VideoAlign's nframes / fps modes
         x = x[uniform_indices(total, n)]  # [F', 3, H, W]
         h, w = smart_resize(x.shape[-2], x.shape[-1], self.min_pixels, self.max_pixels)
         return resize(x, [h, w], interpolation=InterpolationMode.BICUBIC, antialias=True).float()  # [F', 3, h, w]
@@ -108,6 +108,8 @@ class VideoAlign:
             check_inputs(videos[:, :, 0], prompts, self.name)  # types, counts: as for images
             frames = videos.shape[2]
             check_inputs(videos.transpose(1, 2).flatten(0, 1), [p for p in prompts for _ in range(frames)], self.name)
+            if frames == 1:
+                videos = videos.expand(-1, -1, 2, -1, -1)  # [B, 3, 2, H, W]: one frame as a still 2-frame clip
         else:
             check_inputs(videos, prompts, self.name)
             videos = videos[:, :, None].expand(-1, -1, 2, -1, -1)  # [B, 3, 2, H, W]: a still image as a 2-frame clip

@@ -117,6 +117,7 @@ def test_videoalign_lora_is_merged_and_images_are_still_clips(tiny_videoalign):
     reward = _videoalign(t)
     torch.testing.assert_close(reward(images, PROMPTS[:2]), reward(images[:, :, None].expand(-1, -1, 2, -1, -1),
                                                                    PROMPTS[:2]))
+    torch.testing.assert_close(reward(images[:, :, None], PROMPTS[:2]), reward(images, PROMPTS[:2]))  # one frame
     with pytest.raises(ValueError, match=r"videoalign reward .*values in"):
         reward(videos * 2, PROMPTS[:2])
 
