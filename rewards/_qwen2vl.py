@@ -85,7 +85,8 @@ def merge_lora(sd: Mapping[str, torch.Tensor], scaling: float) -> dict[str, torc
         if set(ab) != {"A", "B"} or name + ".weight" not in out:
             raise ValueError(f"LoRA weights of {name!r} are incomplete (need base_layer, lora_A and lora_B)")
         w = out[name + ".weight"]
-        out[name + ".weight"] = (w.float() + scaling * (ab["B"].float() @ ab["A"].float())).to(w.dtype)  # [out, in]
+        out[name + ".weight"] = w.float() + scaling * (ab["B"].float() @ ab["A"].float())  # [out, in], float32 until
+        # the reward's dtype is applied: a bf16 checkpoint's merged weight is rounded once, to the dtype asked for
     return out
 
 

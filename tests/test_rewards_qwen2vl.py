@@ -122,6 +122,25 @@ def test_videoalign_lora_is_merged_and_images_are_still_clips(tiny_videoalign):
         reward(videos * 2, PROMPTS[:2])
 
 
+def test_lora_merge_and_peft_key_names():
+    from flowrl.rewards._qwen2vl import merge_lora, split_checkpoint
+
+    w, a, b = rand(4, 3, seed=7), rand(2, 3, seed=8), rand(4, 2, seed=9)
+    sd = {"base_model.model.model.layers.0.mlp.up_proj.base_layer.weight": w.bfloat16(),
+          "base_model.model.model.layers.0.mlp.up_proj.lora_A.default.weight": a,
+          "base_model.model.model.layers.0.mlp.up_proj.lora_B.default.weight": b,
+          "base_model.model.visual.merger.mlp.0.weight": w,
+          "base_model.model.rm_head.original_module.weight": torch.zeros(1, 4),
+          "base_model.model.rm_head.modules_to_save.default.weight": torch.ones(1, 4),
+          "base_model.model.lm_head.weight": w}
+    backbone, head = split_checkpoint(merge_lora(sd, 2.0))
+    torch.testing.assert_close(backbone["language_model.layers.0.mlp.up_proj.weight"], w.bfloat16().float() + 2 * b @ a)
+    assert set(backbone) == {"language_model.layers.0.mlp.up_proj.weight", "visual.merger.mlp.0.weight"}
+    torch.testing.assert_close(head["weight"], torch.ones(1, 4))  # the trained copy, not the original
+    with pytest.raises(ValueError, match="incomplete"):
+        merge_lora({k: v for k, v in sd.items() if "lora_B" not in k}, 2.0)
+
+
 def test_videoalign_takes_whole_videos_inside_a_multireward(tiny_videoalign):
     from flowrl.media import score_per_frame
     from flowrl.scoring import score_images
