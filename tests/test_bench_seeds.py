@@ -3,13 +3,14 @@ grid, the seed-mean crossing of GRPO's seed-mean final reward, its bootstrap ove
 table and picture with intervals, and one tiny run of two methods on two seeds."""
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import flowrl.bench.methods as bm
 from conftest import tiny_train_overrides
-from flowrl.bench.methods_report import report
+from flowrl.bench.methods_report import markdown, report
 from flowrl.bench.seeds import (bootstrap_times, first_reach, mean_intervals, on_grid, outward_interval,
                                 times_to_baseline)
 from flowrl.bench.training import time_to_reach
@@ -144,6 +145,10 @@ def test_seeded_bench_keeps_every_seed_and_reports_intervals(monkeypatch, tmp_pa
         "-", "[-,", "-]", "-", "[-,", "-]", "-", "[0.00,", "0.00]"]
     assert any(ln.startswith("real data") for ln in table)
     assert table[-1].startswith("mean over 2 training seeds (train.seed 0, 1) [95% bootstrap interval")
+    md = markdown(res).splitlines()
+    assert md[0].startswith("| method | recipe |") and len(md) == 2 + 3 + 1  # head, rule, 3 methods, real data
+    assert md[3] == ("| nft | digits.yaml | group | 1.00 | 80 | 0.750 [0.500, 1.000] | 0.200 [0.200, 0.200] | "
+                     "0.0050 [0.0050, 0.0050] | 5.0 [5.0, -] | 80 [80, -] | 2.00 [0.00, 2.00] |")
 
 
 def test_a_method_failing_on_a_later_seed_is_a_failed_row(monkeypatch):
@@ -166,7 +171,7 @@ def test_seeds_from_the_command_line_on_a_tiny_model(tiny_digits_dir, tmp_path, 
     extra = tiny_train_overrides(tiny_digits_dir, **{"data.eval_prompts": "[a handwritten digit 3]"})
     out = tmp_path / "bench"
     assert main(["bench", "methods", "--methods", "grpo,nft", "--seeds", "2", "--budget", "0.1", "--eval-every",
-                 "0.1", "--out", str(out), *extra]) == 0
+                 "0.1", "--out", str(out), "--markdown", *extra]) == 0
     res = json.loads((out / "methods.json").read_text())
     assert res["train_seeds"] == [0, 1] and not res["failed"]
     runs = [run for r in res["variants"].values() for run in r["runs"]]
@@ -175,4 +180,16 @@ def test_seeds_from_the_command_line_on_a_tiny_model(tiny_digits_dir, tmp_path, 
         assert [run["train_seed"] for run in r["runs"]] == [0, 1]
         assert r["samples_drawn"] == np.mean([run["samples_drawn"] for run in r["runs"]])
     printed = capsys.readouterr()
-    assert "seed 1 (2/2), 2/2 nft" in printed.err and "mean over 2 training seeds" in printed.out
+    assert "seed 1 (2/2), 2/2 nft" in printed.err
+    assert printed.out.splitlines()[2].startswith("| grpo | digits.yaml | group |")  # --markdown: the README's table
+
+
+def test_one_seed_markdown_is_the_readme_table():
+    """The shipped single-seed result (docs/bench_methods.json) in markdown: the README's columns and values."""
+    res = json.loads((Path(__file__).resolve().parents[1] / "docs" / "bench_methods.json").read_text())
+    md = markdown(res).splitlines()
+    assert md[0] == ("| method | recipe | sampler | s/iter | samples | final reward | diversity | HF energy | "
+                     "to GRPO's final: s | samples | x fewer samples |")
+    assert "| grpo | digits.yaml | group | 7.40 | 720 | 0.938 | 0.180 | 0.0044 | 66.6 | 720 | 1.00 |" in md
+    assert "| awm | digits_awm.yaml | ode | 5.03 | 960 | 0.963 | 0.145 | 0.0058 | 15.2 | 240 | 3.00 |" in md
+    assert "| dppo | digits_dppo.yaml | group | 7.36 | 720 | 0.918 | 0.184 | 0.0046 | - | - | - |" in md

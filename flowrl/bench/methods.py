@@ -34,7 +34,7 @@ from ..command_line import positive_float, positive_int
 from ..errors import BenchError
 from ..trainers.config_text import read_recipe, recipes_dir, resolve_recipe
 from ..utils.io import write_json
-from .methods_report import add_times_to_baseline, plot, report
+from .methods_report import add_times_to_baseline, markdown, plot, report
 from .methods_seeds import add_intervals, combine
 from .training import Variant, run_variant
 
@@ -268,8 +268,9 @@ def _run(a) -> str:
         overrides.setdefault(name, []).append(o)
     recipes = dict(_pairs(a.method_recipe, "--method-recipe"))
     methods = [m.strip() for m in (a.methods or "").split(",") if m.strip()]
-    return report(bench_methods(a.pipeline, a.budget, a.eval_every, a.out, methods, overrides, recipes,
-                                a.overrides or [], seeds=a.seeds))
+    res = bench_methods(a.pipeline, a.budget, a.eval_every, a.out, methods, overrides, recipes, a.overrides or [],
+                        seeds=a.seeds)
+    return markdown(res) if a.markdown else report(res)
 
 
 def add_methods_parser(subparsers) -> argparse.ArgumentParser:
@@ -291,6 +292,8 @@ def add_methods_parser(subparsers) -> argparse.ArgumentParser:
                    help="a dotted override for one method (repeatable), e.g. nft:train.loss_options.beta=0.5")
     p.add_argument("--method-recipe", action="append", metavar="METHOD:RECIPE",
                    help="run one method on this recipe (a shipped name or a path) instead of its own or digits.yaml")
+    p.add_argument("--markdown", action="store_true",
+                   help="print the table in markdown, the README's columns (default: the text table)")
     p.add_argument("--out", default=None, help="write OUT/methods.json and OUT/methods.png here (default: nothing "
                                                "written, the table only)")
     p.add_argument("overrides", nargs="*", help="dotted overrides applied to every method")

@@ -96,3 +96,36 @@ def report(res: dict) -> str:
     if seeded:
         rows.append(methods_seeds.legend(res))
     return "\n".join(rows)
+
+
+MARKDOWN_HEAD = ("| method | recipe | sampler | s/iter | samples | final reward | diversity | HF energy | "
+                 "to GRPO's final: s | samples | x fewer samples |\n" + "|---" * 11 + "|")
+
+
+def _cells(r: dict, seeded: bool) -> list[str]:
+    """A row's measures for the markdown table: values, ``mean [lo, hi]`` for several seeds."""
+    times = [methods_seeds.cell(r.get(k), r.get(f"{k}_interval"), fmt) for k, fmt in (
+        ("seconds_to_baseline_final_reward", ".1f"), ("samples_to_baseline_final_reward", ".0f"),
+        ("speedup_samples", ".2f"))]
+    if seeded:
+        f = r["final"]
+        ends = [methods_seeds.cell(f[k][0], f[k][1:], fmt) for k, fmt in (
+            ("eval_reward", ".3f"), ("diversity", ".3f"), ("hf_energy", ".4f"))]
+    else:
+        c = r["curve"][-1]
+        ends = [f"{r['final_eval_reward']:.3f}", f"{c['diversity']:.3f}", f"{c['hf_energy']:.4f}"]
+    return [f"{r['seconds_per_iteration']:.2f}", f"{r['samples_drawn']:.0f}", *ends, *times]
+
+
+def markdown(res: dict) -> str:
+    """The table of a bench-methods result in markdown, the README's columns: a row per method that ran
+    (the registry's names), then the real data's reward and watch values."""
+    seeded = _seeded(res)
+    rows = [MARKDOWN_HEAD]
+    for name, r in res["variants"].items():
+        rows.append("| " + " | ".join([name, Path(r["recipe"]).name, r["sampler"]["name"], *_cells(r, seeded)]) + " |")
+    real = res.get("real") or {}
+    if real:
+        rows.append(f"| real data | | | | | {real['reward']:.3f} | {real['diversity']:.3f} | {real['hf_energy']:.4f} "
+                    f"| | | |")
+    return "\n".join(rows)

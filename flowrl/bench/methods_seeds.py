@@ -83,7 +83,7 @@ def add_intervals(res: dict, baseline: str) -> None:
             r[f"speedup_{key}_interval"] = [_finite(s.lo), _finite(s.hi)] if s else None
 
 
-def _cell(mean, interval, fmt: str) -> str:
+def cell(mean, interval, fmt: str) -> str:
     """``mean [lo, hi]`` (``-``: None, never within the budget)."""
     def num(v):
         return "-" if v is None else format(v, fmt)
@@ -98,10 +98,10 @@ def row(name: str, r: dict) -> str:
     """A seeded row of the table: seed means, ``mean [lo, hi]`` where the measure has an interval."""
     f = r["final"]
     return (f"{name:<12}{Path(r['recipe']).name:>20}{r['sampler']['name']:>8}{r['seconds_per_iteration']:>8.2f}"
-            f"{r['samples_drawn']:>9.0f}{_cell(f['eval_reward'][0], f['eval_reward'][1:], '.4f'):>24}"
-            f"{_cell(f['diversity'][0], f['diversity'][1:], '.4f'):>24}"
-            f"{_cell(f['hf_energy'][0], f['hf_energy'][1:], '.5f'):>27}"
-            + "".join(f"{_cell(r.get(k), r.get(f'{k}_interval'), fmt):>{w}}" for k, fmt, w in (
+            f"{r['samples_drawn']:>9.0f}{cell(f['eval_reward'][0], f['eval_reward'][1:], '.4f'):>24}"
+            f"{cell(f['diversity'][0], f['diversity'][1:], '.4f'):>24}"
+            f"{cell(f['hf_energy'][0], f['hf_energy'][1:], '.5f'):>27}"
+            + "".join(f"{cell(r.get(k), r.get(f'{k}_interval'), fmt):>{w}}" for k, fmt, w in (
                 ("seconds_to_baseline_final_reward", ".1f", 21), ("samples_to_baseline_final_reward", ".0f", 23),
                 ("speedup_samples", ".2f", 21))))
 
