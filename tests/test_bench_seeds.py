@@ -145,6 +145,7 @@ def test_seeded_bench_keeps_every_seed_and_reports_intervals(monkeypatch, tmp_pa
         "-", "[-,", "-]", "-", "[-,", "-]", "-", "[0.00,", "0.00]"]
     assert any(ln.startswith("real data") for ln in table)
     assert table[-1].startswith("mean over 2 training seeds (train.seed 0, 1) [95% bootstrap interval")
+    assert table[-1].endswith(f"measured on {saved['machine']['cpu']}, {saved['machine']['cpus']} cores")
     md = markdown(res).splitlines()
     assert md[0].startswith("| method | recipe |") and len(md) == 2 + 3 + 1  # head, rule, 3 methods, real data
     assert md[3] == ("| nft | digits.yaml | group | 1.00 | 80 | 0.750 [0.500, 1.000] | 0.200 [0.200, 0.200] | "

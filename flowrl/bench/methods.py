@@ -36,6 +36,7 @@ from ..trainers.config_text import read_recipe, recipes_dir, resolve_recipe
 from ..utils.io import write_json
 from .methods_report import add_times_to_baseline, markdown, plot, report
 from .methods_seeds import add_intervals, combine
+from .precision_measure import cpu_name
 from .training import Variant, run_variant
 
 RECIPE = "digits.yaml"
@@ -240,7 +241,7 @@ def bench_methods(pipeline: str = "digits", budget_seconds: float = 120.0, eval_
            "eval_every_seconds": eval_every_seconds, "baseline": BASELINE, "train_seeds": train_seeds,
            "variants": variants, "skipped": skipped, "failed": failed,
            "real": next((r["real"] for r in variants.values() if r.get("real")), {}),
-           "machine": {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
+           "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
            "note": "training seconds = rollout + reward + update, evaluation excluded; samples = finished samples "
                    "the rollouts scored"}
     (add_times_to_baseline if seeds == 1 else add_intervals)(res, BASELINE)

@@ -117,10 +117,11 @@ def real_row(real: dict) -> str:
 
 def legend(res: dict) -> str:
     """What the seeded table's numbers are."""
-    n = len(res["train_seeds"])
+    n, m = len(res["train_seeds"]), res.get("machine") or {}
     return (f"mean over {n} training seeds (train.seed {', '.join(map(str, res['train_seeds']))}) [95% bootstrap "
             f"interval over the seeds]; to GRPO s / samples: on the seed-mean curves, interval from the seeds "
-            f"resampled ('-': never within the budget)")
+            f"resampled ('-': never within the budget); measured on {m.get('cpu', 'an unnamed CPU')}, "
+            f"{m.get('cpus')} cores")
 
 
 def plot(res: dict, path: Path, baseline: str) -> None:
