@@ -63,7 +63,7 @@ def _reward_grids(r: dict) -> dict:
 
 
 def add_intervals(res: dict, baseline: str) -> None:
-    """When method ``baseline`` ran, every seeded row's time to its seed-mean final reward with intervals
+    """When method ``baseline`` ran, every seeded row's time to the baseline's seed-mean final reward with intervals
     (:func:`~flowrl.bench.seeds.bootstrap_times`): ``baseline_final_above_base`` and per method
     ``seconds_to_baseline_final_reward`` / ``samples_to_baseline_final_reward`` / ``speedup_seconds`` /
     ``speedup_samples`` (the point estimate; None: never within the budget, or n/a), each with ``<key>_interval``
