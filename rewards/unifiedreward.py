@@ -8,6 +8,13 @@ the caption in ``{prompt}``) through the checkpoint's chat template. The reply's
 ``resize=512`` first resizes every image to 512 x 512, as Flow-GRPO sends them. Rows with a source are NaN
 (pointwise edit judging, UnifiedReward-Edit's two JSON prompts, is not built).
 
+``mode="dimensions"`` (UnifiedReward-2.0, text-to-image): its pointwise prompt (:data:`DIMENSIONS_TEMPLATE`,
+``inference_qwen/UnifiedReward-2.0-inference/point_score_ACS_image_generation.py``) asks for ``Alignment``,
+``Coherence`` and ``Style Score (1-5): s``; read as Pref-GRPO's ``extract_normalized_rewards`` reads them (a
+dimension missing from a reply takes the mean of that dimension over the call's other replies), **reward =
+sum_k w_k s_k / (5 sum_k w_k)** with ``dimensions`` the weights ``w_k`` (default 1 each). Pref-GRPO trains on each
+dimension as a reward of its own (raw 1-5, weighted): ``dimensions: {Alignment: 1.0}`` is its alignment reward / 5.
+
 ``mode="pairwise"``: a per-sample reward from preferences, as Pref-GRPO (arXiv 2508.20751,
 github CodeGoat24/Pref-GRPO) makes one: within a group (the rows of one call with the same prompt and, for an
 edit, the same source), every pair ``i < j`` is judged once with ``i`` as Image 1; the winner gets 1, a tie or an
@@ -34,7 +41,7 @@ from __future__ import annotations
 import itertools
 import logging
 import re
-from typing import Literal, Optional
+from typing import Literal, Mapping, Optional
 
 import torch
 
@@ -84,6 +91,16 @@ EDIT_PAIR_TEMPLATE = (
     "The image should maintain a pleasing visual balance, with careful attention to composition, color harmony, "
     "and overall appeal. The changes should enhance the image rather than detract from it.\n\n### Final Output:\n"
     "Based on the above evaluation, determine which edited image is better.\n\nText instruction - {prompt}\n")
+DIMENSIONS_TEMPLATE = (
+    "You are presented with a generated image and its associated text caption. Your task is to analyze the image "
+    "across multiple dimensions in relation to the caption. Specifically:\nProvide overall assessments for the image "
+    "along the following axes (each rated from 1 to 5):\n- Alignment Score: How well the image matches the caption "
+    "in terms of content.\n- Coherence Score: How logically consistent the image is (absence of visual glitches, "
+    "object distortions, etc.).\n- Style Score: How aesthetically appealing the image looks, regardless of caption "
+    "accuracy.\n\nOutput your evaluation using the format below:\n\nAlignment Score (1-5): X\nCoherence Score (1-5): "
+    "Y\nStyle Score (1-5): Z\n\nYour task is provided as follows:\nText Caption: [{prompt}]")
+DIMENSION_SCORE = re.compile(r"(\w+) Score \(1-5\):\s*([0-5](?:\.\d+)?)")
+DEFAULT_DIMENSIONS = {"Alignment": 1.0, "Coherence": 1.0, "Style": 1.0}
 FINAL_SCORE = re.compile(r"Final Score:\s*([1-5](?:\.\d+)?)")
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 
@@ -92,6 +109,18 @@ def point_score(text: str) -> Optional[float]:
     """The first ``Final Score: s`` (s in [1, 5]) of a reply, / 5; None when there is none."""
     m = FINAL_SCORE.search(text)
     return float(m.group(1)) / 5.0 if m else None
+
+
+def dimension_scores(texts: list[str], names) -> list[dict[str, float]]:
+    """Each reply's ``{dimension: s}`` for ``names``, as Pref-GRPO's ``extract_normalized_rewards`` reads
+    UnifiedReward-2.0's ``NAME Score (1-5): s``: a dimension a reply lacks takes the mean of the replies that
+    have it (0 when none has)."""
+    found = [{k: float(v) for k, v in DIMENSION_SCORE.findall(t or "")} for t in texts]
+    means = {}
+    for k in names:
+        have = [f[k] for f in found if k in f]
+        means[k] = sum(have) / len(have) if have else 0.0
+    return [{k: f.get(k, means[k]) for k in names} for f in found]
 
 
 def verdict(text: str, labels: tuple[str, str]) -> tuple[float, float]:
@@ -135,17 +164,25 @@ class UnifiedReward:
     resident_note = "CodeGoat24/UnifiedReward-qwen-7b = Qwen2.5-VL-7B (8.29B)"
 
     def __init__(self, model: ModelSource = "CodeGoat24/UnifiedReward-qwen-7b", processor: Optional[ModelSource] = None,
-                 mode: Literal["pointwise", "pairwise"] = "pointwise", point_template: str = POINT_TEMPLATE,
-                 pair_template: str = PAIR_TEMPLATE, edit_pair_template: str = EDIT_PAIR_TEMPLATE,
-                 resize: Optional[PositiveInt] = None, device: Device = "cpu", dtype: DTypeLike = "bfloat16",
-                 max_new_tokens: PositiveInt = 512, seed: NonNegativeInt = 0, batch_size: PositiveInt = 8,
+                 mode: Literal["pointwise", "dimensions", "pairwise"] = "pointwise",
+                 point_template: Optional[str] = None, pair_template: str = PAIR_TEMPLATE,
+                 edit_pair_template: str = EDIT_PAIR_TEMPLATE,
+                 dimensions: Mapping[str, float] = DEFAULT_DIMENSIONS, resize: Optional[PositiveInt] = None,
+                 device: Device = "cpu", dtype: DTypeLike = "bfloat16", max_new_tokens: PositiveInt = 512,
+                 seed: NonNegativeInt = 0, batch_size: PositiveInt = 8,
                  on_invalid: Literal["zero", "nan", "raise"] = "zero"):
+        point_template = point_template or (DIMENSIONS_TEMPLATE if mode == "dimensions" else POINT_TEMPLATE)
         for key, text in (("point_template", point_template), ("pair_template", pair_template),
                           ("edit_pair_template", edit_pair_template)):
             if "{prompt}" not in text:
                 raise ValueError(f"unifiedreward: {key} must contain '{{prompt}}', where the caption or instruction "
                                  f"goes")
+        weights = {str(k): float(w) for k, w in dict(dimensions).items()}
+        if not weights or any(w < 0 for w in weights.values()) or not sum(weights.values()) > 0:
+            raise ValueError(f"unifiedreward: dimensions must map dimension names (Alignment, Coherence, Style) to "
+                             f"weights >= 0 with a positive sum, got {dict(dimensions)!r}")
         self.mode, self.resize, self.seed, self.on_invalid = mode, resize, int(seed), on_invalid
+        self.dimensions = weights
         self.templates = {"point": point_template, "pair": pair_template, "edit_pair": edit_pair_template}
         self.generation = {"max_new_tokens": int(max_new_tokens)}
         self.vlm = ChatVLM(model, processor, None, device, dtype, batch_size, setting="reward.options.unifiedreward")
@@ -171,6 +208,16 @@ class UnifiedReward:
             out[i] = s
         return out
 
+    def by_dimension(self, images: torch.Tensor, prompts: list[str], rows: list[tuple]) -> torch.Tensor:
+        """UnifiedReward-2.0's pointwise dimensions: ``sum_k w_k s_k / (5 sum_k w_k)`` per text-to-image row."""
+        out = torch.full((len(prompts),), float("nan"))
+        todo = [i for i, r in enumerate(rows) if not r]
+        answers = self._ask([([images[i]], self.templates["point"].replace("{prompt}", prompts[i])) for i in todo])
+        total = sum(self.dimensions.values())
+        for i, scores in zip(todo, dimension_scores(answers, list(self.dimensions))):
+            out[i] = sum(w * scores[k] for k, w in self.dimensions.items()) / (5.0 * total)
+        return out
+
     def pairwise(self, images: torch.Tensor, prompts: list[str], rows: list[tuple]) -> torch.Tensor:
         out = torch.full((len(prompts),), float("nan"))
         jobs = []  # (group, its local pairs, requests)
@@ -193,4 +240,5 @@ class UnifiedReward:
         if len(rows) != len(prompts):
             raise ValueError(f"unifiedreward got {len(prompts)} images but {len(rows)} sources; pass one source (or "
                              f"None) per image")
-        return (self.pairwise if self.mode == "pairwise" else self.pointwise)(images, prompts, rows)
+        how = {"pointwise": self.pointwise, "dimensions": self.by_dimension, "pairwise": self.pairwise}[self.mode]
+        return how(images, prompts, rows)

@@ -210,6 +210,27 @@ def test_unifiedreward_pointwise_on_the_tiny_model(tiny_vlm, monkeypatch):
     assert math.isnan(r(images(1), ["edit"], sources=[images(1)[0]])[0])  # pointwise edits are not built
 
 
+UR2_DOCUMENTED = ("Alignment Score (1-5): 2.694700002670288\nCoherence Score (1-5): 2.371500015258789\n"
+                  "Style Score (1-5): 2.802500009536743")  # UnifiedReward-2.0's example output
+
+
+def test_unifiedreward_dimensions_read_as_pref_grpo(tiny_vlm, monkeypatch):
+    """UnifiedReward-2.0's per-dimension 1-5 scores: a dimension a reply lacks takes the call's mean of it
+    (Pref-GRPO's extract_normalized_rewards); reward = sum_k w_k s_k / (5 sum_k w_k)."""
+    got = ur.dimension_scores([UR2_DOCUMENTED, "Alignment Score (1-5): 4", "no scores"], ["Alignment", "Style"])
+    assert got[0] == {"Alignment": 2.694700002670288, "Style": 2.802500009536743}
+    assert got[1] == {"Alignment": 4.0, "Style": 2.802500009536743}  # Style missing: the mean of those that have it
+    assert got[2]["Alignment"] == pytest.approx((2.694700002670288 + 4.0) / 2)
+    r = rewards.build("unifiedreward", model=tiny_vlm, mode="dimensions", dimensions={"Alignment": 3.0, "Style": 1.0},
+                      **FAST)
+    assert "Coherence Score (1-5): Y" in r.templates["point"]
+    monkeypatch.setattr(r.vlm, "generate", canned(lambda text, ims: UR2_DOCUMENTED))
+    want = (3 * 2.694700002670288 + 2.802500009536743) / (5 * 4)
+    assert r(images(2), ["a", "b"]).tolist() == pytest.approx([want, want])
+    with pytest.raises(ValueError, match="dimensions must map"):
+        rewards.build("unifiedreward", model=tiny_vlm, mode="dimensions", dimensions={"Style": -1.0}, **FAST)
+
+
 def test_bad_options_are_refused(tiny_vlm):
     with pytest.raises(ValueError, match="point_template must contain"):
         rewards.build("unifiedreward", model=tiny_vlm, point_template="no caption")
