@@ -6,11 +6,13 @@ an optional peft LoRA adapter merged into it (``lora``: EditScore publishes its 
 Qwen2.5-VL-Instruct, merged with ``merge_and_unload`` as its own loader does), and
 ``AutoProcessor.from_pretrained(processor or model)``.
 
-Images (:func:`prepare_image`): ``[3, H, W]`` float in [0, 1] -> uint8 ``round(255 x)`` (how Flow-GRPO hands
-images to its judges) -> PIL -> what qwen-vl-utils' ``fetch_image`` (0.0.14, which both authors' scripts call
-through ``process_vision_info``) does to a PIL image: each side rounded to a multiple of 28 (patch 14 x merge
-2) with the pixel count kept in ``[4, 16384] x 28^2`` (:func:`smart_resize`), then a PIL bicubic resize. The
-checkpoint's processor then rescales, normalises and patchifies.
+Images (:meth:`ChatVLM.image`): ``[3, H, W]`` float in [0, 1] -> uint8 ``round(255 x)`` (how Flow-GRPO hands
+images to its judges) -> PIL; for Qwen2-VL and Qwen2.5-VL checkpoints then what qwen-vl-utils' ``fetch_image``
+(0.0.14, which both authors' Qwen2.5-VL scripts call through ``process_vision_info``) does to a PIL image
+(:func:`prepare_image`): each side rounded to a multiple of 28 (patch 14 x merge 2) with the pixel count kept in
+``[4, 16384] x 28^2`` (:func:`smart_resize`), then a PIL bicubic resize. Other checkpoints (Qwen3-VL: EditScore's
+``qwen3vl`` backend hands the PIL image to the processor) get the PIL image as it is. The checkpoint's processor
+then resizes to its own grid, rescales, normalises and patchifies.
 
 Generation (:meth:`ChatVLM.generate`): requests ``(chat text, [PIL images])`` in batches of ``batch_size``
 (left-padded), one ``model.generate`` each with the checkpoint's generation config plus the caller's overrides
@@ -31,6 +33,7 @@ from ._clip_common import DTypeLike, from_pretrained, require, resolve_dtype
 PATCH_FACTOR = 28  # Qwen2/2.5-VL: 14-pixel patches merged 2 x 2 (qwen-vl-utils: image_patch_size x SPATIAL_MERGE_SIZE)
 MIN_TOKENS, MAX_TOKENS = 4, 16384  # qwen-vl-utils' IMAGE_MIN_TOKEN_NUM / IMAGE_MAX_TOKEN_NUM
 MAX_RATIO = 200
+QWEN_VL_UTILS_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # checkpoints whose authors' scripts prepare images with it
 
 
 def smart_resize(height: int, width: int, factor: int = PATCH_FACTOR, min_pixels: Optional[int] = None,
@@ -89,6 +92,8 @@ class ChatVLM:
             peft = require("peft", "peft")
             net = self._load_lora(peft, net, lora, setting)
         self.model = net.eval().requires_grad_(False).to(self.device)
+        self.family = str(getattr(net.config, "model_type", ""))
+        self.uses_qwen_vl_utils = self.family in QWEN_VL_UTILS_FAMILIES  # module doc
         self.processor = from_pretrained(transformers.AutoProcessor.from_pretrained, processor or model,
                                          "VLM judge's processor", f"{setting}.{'processor' if processor else 'model'}")
         self.processor.tokenizer.padding_side = "left"  # batched generation continues every row at its end
@@ -103,6 +108,14 @@ class ChatVLM:
         except (OSError, ValueError) as e:
             raise OSError(f"could not load the judge's LoRA adapter from {lora!r} ({setting}.lora): pass a peft "
                           f"adapter directory (adapter_config.json + weights) made for this model: {e}") from None
+
+    def image(self, image: torch.Tensor, resize: Optional[int] = None) -> Image.Image:
+        """One ``[3, H, W]`` image as this checkpoint's authors hand it to the processor (module doc); ``resize``:
+        first to ``resize x resize`` (:func:`prepare_image`)."""
+        if self.uses_qwen_vl_utils:
+            return prepare_image(image, resize)
+        pil = to_pil(image)
+        return pil.resize((resize, resize), Image.BICUBIC) if resize else pil
 
     def chat_text(self, n_images: int, text: str) -> str:
         """The checkpoint's chat template over one user turn of ``n_images`` images then ``text``, with the

@@ -11,9 +11,10 @@ asks them (package ``editscore`` 0.2, github VectorSpaceLab/EditScore):
   shows the sources too, as the authors' vLLM ``batch_evaluate`` does) with ``context + PQ rule``;
   ``score: [naturalness, artifacts]``.
 
-Each prompt is wrapped in EditScore's own chat text (:func:`chat_text`: the Qwen system turn, then
-``<img1>: <vision>...<imgN>: <vision>`` and the prompt), images prepared as qwen-vl-utils does
-(:mod:`flowrl.rewards._qwen_vl`), and answered with EditScore's sampling (``temperature`` 0.7, top-p 0.9, top-k
+On Qwen2.5-VL checkpoints each prompt is wrapped in EditScore's own chat text (:func:`chat_text`: the Qwen
+system turn, then ``<img1>: <vision>...<imgN>: <vision>`` and the prompt) and the images prepared as qwen-vl-utils
+does; on Qwen3-VL ones, as its ``qwen3vl`` backend does, the processor's chat template and the images as they are
+(:mod:`flowrl.rewards._qwen_vl`). Answered with EditScore's sampling (``temperature`` 0.7, top-p 0.9, top-k
 20, 512 new tokens, ``torch.manual_seed(seed + pass)`` before each call; ``temperature=0``: greedy).
 
 Scores (per pass ``i`` of ``num_pass``): ``SC = min(SC scores) / (score_range / 10)``, ``PQ = min(PQ scores) /
@@ -43,7 +44,7 @@ from flowrl.data.items import row_sources
 from flowrl.options import Device, Fraction, ModelSource, NonNegativeFloat, NonNegativeInt, PositiveInt
 
 from ._clip_common import DTypeLike, check_inputs
-from ._qwen_vl import ChatVLM, prepare_image
+from ._qwen_vl import ChatVLM
 
 log = logging.getLogger(__name__)
 
@@ -180,10 +181,11 @@ class EditScore:
 
     def requests(self, result: torch.Tensor, sources: Sequence[torch.Tensor], instruction: str) -> list[tuple]:
         """The SC and PQ requests ``(chat text, [PIL images])`` of one edit."""
-        shown = [prepare_image(s) for s in (*sources, result)]
+        shown = [self.vlm.image(s) for s in (*sources, result)]
         quality = shown if self.quality_images == "all" else shown[-1:]
-        return [(chat_text(sc_prompt(instruction, self.score_range), len(shown)), shown),
-                (chat_text(pq_prompt(self.score_range), len(quality)), quality)]
+        chat = chat_text if self.vlm.uses_qwen_vl_utils else lambda text, n: self.vlm.chat_text(n, text)
+        return [(chat(sc_prompt(instruction, self.score_range), len(shown)), shown),
+                (chat(pq_prompt(self.score_range), len(quality)), quality)]
 
     def scale(self, text: str) -> float:
         """``min(scores) / (score_range / 10)`` of one reply, on 0-10 (an invalid reply: ``on_invalid``)."""

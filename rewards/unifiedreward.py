@@ -49,7 +49,7 @@ from flowrl.data.items import row_sources
 from flowrl.options import Device, ModelSource, NonNegativeInt, PositiveInt
 
 from ._clip_common import DTypeLike, check_inputs
-from ._qwen_vl import ChatVLM, prepare_image
+from ._qwen_vl import ChatVLM
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class UnifiedReward:
 
     def _ask(self, requests: list[tuple[list, str]]) -> list[str]:
         """Answers to ``(images [3, H, W] list, text)`` requests."""
-        chats = [(self.vlm.chat_text(len(ims), text), [prepare_image(im, self.resize) for im in ims])
+        chats = [(self.vlm.chat_text(len(ims), text), [self.vlm.image(im, self.resize) for im in ims])
                  for ims, text in requests]
         return self.vlm.generate(chats, seed=self.seed, **self.generation)
 

@@ -42,3 +42,22 @@ def build_tiny_qwen25_vl(out) -> str:
                         tokenizer=tok, video_processor=Qwen2VLVideoProcessor(),
                         chat_template=CHAT_TEMPLATE).save_pretrained(out)
     return str(out)
+
+
+def build_tiny_qwen3_vl(out) -> str:
+    """A tiny Qwen3-VL judge saved in ``out``: Qwen-Image 2.1's tiny Qwen3-VL (``pipelines.qwen_family.tiny_qwen3_vl``:
+    2 layers 16 wide, a 1-block vision tower with patch 16 and 2x2 merge) and its ``Qwen3VLProcessor``."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    from flowrl.pipelines.qwen_family import tiny_qwen3_vl
+    from flowrl.pipelines.qwen_image21 import QWEN3_VL_CHAT_TEMPLATE
+    from flowrl.pipelines.tiny import build_qwen_tokenizer
+
+    tok = build_qwen_tokenizer()
+    torch.manual_seed(0)
+    tiny_qwen3_vl("Qwen3VLForConditionalGeneration", tok, 2, tie_word_embeddings=False).save_pretrained(out)
+    Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2),
+        tokenizer=tok, video_processor=Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2),
+        chat_template=QWEN3_VL_CHAT_TEMPLATE).save_pretrained(out)
+    return str(out)

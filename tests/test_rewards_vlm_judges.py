@@ -329,3 +329,30 @@ def test_unifiedreward_inputs_and_replies_equal_the_authors_steps(tiny_vlm):
     assert chat[0] == text and torch.equal(a["input_ids"], b["input_ids"])
     assert torch.equal(a["pixel_values"], b["pixel_values"])
     assert ours.vlm.generate([chat], **ours.generation) == want
+
+
+def test_editscore_on_qwen3_vl_equals_the_authors(tmp_path, monkeypatch):
+    """EditScore's qwen3vl backend on a tiny Qwen3-VL: the processor's chat template and the images as they are
+    (no qwen-vl-utils), the same token ids, pixels and sampled replies."""
+    _authors("editscore")
+    from editscore.mllm_tools.qwen3vl import Qwen3VL
+    from helpers_vlm import build_tiny_qwen3_vl
+
+    import transformers
+    from flowrl.rewards._qwen_vl import to_pil
+
+    path = build_tiny_qwen3_vl(tmp_path / "tiny-qwen3-vl")
+    to = transformers.BatchFeature.to
+    monkeypatch.setattr(transformers.BatchFeature, "to", lambda self, *a, **k: to(
+        self, *["cpu" if v == "cuda" else v for v in a], **k))  # their prepare_input moves to CUDA
+    theirs = Qwen3VL(path, temperature=0.7, seed=42)
+    ours = rewards.build("editscore", model=path, lora=None, batch_size=1, max_new_tokens=512)
+    assert not ours.vlm.uses_qwen_vl_utils
+    src, result = images(2, size=40, seed=5)
+    instruction = "Adjust the background to a glass wall."
+    (text, shown), _ = ours.requests(result, [src], instruction)
+    a = theirs.prepare_input([to_pil(src), to_pil(result)], es.sc_prompt(instruction))
+    b = ours.vlm.inputs([text], [shown])
+    assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["pixel_values"], b["pixel_values"])
+    got = ours.vlm.generate([(text, shown)], seed=42, **ours.generation)
+    assert [g.strip() for g in got] == [theirs.inference(a, seed=42)]
