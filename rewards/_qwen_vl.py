@@ -16,7 +16,8 @@ then resizes to its own grid, rescales, normalises and patchifies.
 
 Generation (:meth:`ChatVLM.generate`): requests ``(chat text, [PIL images])`` in batches of ``batch_size``
 (left-padded), one ``model.generate`` each with the checkpoint's generation config plus the caller's overrides
-(what the authors pass), ``torch.manual_seed(seed)`` before every call; the new tokens decoded with
+(what the authors pass), ``torch.manual_seed(seed)`` before every call (inside ``torch.random.fork_rng``: the
+process's random state is restored after it); the new tokens decoded with
 ``skip_special_tokens=True``. ``batch_size=1`` is the authors' one-request-per-call loop token for token (a
 sampled batch draws from one random stream instead of one per request).
 """
@@ -139,8 +140,9 @@ class ChatVLM:
             batch = self.inputs([t for t, _ in part], [ims for _, ims in part]).to(self.device)
             if "pixel_values" in batch:
                 batch["pixel_values"] = batch["pixel_values"].to(self.dtype)
-            torch.manual_seed(seed)
-            ids = self.model.generate(**batch, **overrides)  # [b, prompt + new]
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                torch.manual_seed(seed)  # sampled replies: the authors' seeding; the caller's random state is kept
+                ids = self.model.generate(**batch, **overrides)  # [b, prompt + new]
             new = ids[:, batch["input_ids"].shape[1]:]  # [b, new]
             out += self.processor.batch_decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         return out

@@ -56,6 +56,11 @@ def test_batched_generation_equals_one_request_at_a_time(tiny_vlm):
     texts = one.vlm.generate(reqs, max_new_tokens=6, do_sample=False)
     assert texts == four.vlm.generate(reqs, max_new_tokens=6, do_sample=False)  # left padding changes nothing
     assert all(isinstance(t, str) and t for t in texts)
+    torch.manual_seed(123)
+    before = torch.rand(3)
+    torch.manual_seed(123)
+    one.vlm.generate(reqs[:1], seed=7, max_new_tokens=3, do_sample=True)
+    assert torch.equal(torch.rand(3), before)  # the judge's seeding leaves the process's random state alone
 
 
 def test_lora_is_merged(tiny_vlm, tmp_path):
