@@ -108,7 +108,8 @@ class ChatVLM:
             return peft.PeftModel.from_pretrained(net, lora).merge_and_unload()
         except (OSError, ValueError) as e:
             raise OSError(f"could not load the judge's LoRA adapter from {lora!r} ({setting}.lora): pass a peft "
-                          f"adapter directory (adapter_config.json + weights) made for this model: {e}") from None
+                          f"adapter directory (adapter_config.json + weights) made for this model "
+                          f"({(str(e).splitlines() or [type(e).__name__])[0]})") from None
 
     def image(self, image: torch.Tensor, resize: Optional[int] = None) -> Image.Image:
         """One ``[3, H, W]`` image as this checkpoint's authors hand it to the processor (module doc); ``resize``:
