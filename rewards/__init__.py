@@ -27,6 +27,8 @@ REGISTRY = Registry("reward", {
     "ocr": "flowrl.rewards.ocr:OCRReward",
     "geneval": "flowrl.rewards.geneval:GenEval",  # GenEval's rules on a detector (docs/rewards.md)
     "vlm_judge": "flowrl.rewards.vlm:VLMJudge",
+    "editscore": "flowrl.rewards.editscore:EditScore",  # in-process Qwen-VL judge of edits (docs/rewards.md)
+    "unifiedreward": "flowrl.rewards.unifiedreward:UnifiedReward",  # pointwise or pairwise Qwen-VL judge
     "videoalign": "flowrl.rewards.videoalign:VideoAlign",  # VideoReward: Qwen2-VL-2B, VQ / MQ / TA (takes videos)
     "remote": "flowrl.rewards.remote:RemoteReward",  # served by `flowrl serve-reward`
 })

@@ -28,8 +28,9 @@ from torch import nn
 from flowrl.options import Device, ModelSource, PositiveFloat, PositiveInt, WeightsFile
 
 from ._clip_common import DTypeLike, check_inputs, chunks, require, resolve_dtype
-from ._qwen2vl import QwenVLReward, build_backbone, load_checkpoint, load_processor, smart_nframes, smart_resize, \
-    to_uint8, uniform_indices
+from ._qwen2vl_rm import QwenVLReward, build_backbone, load_checkpoint, load_processor, smart_nframes, to_uint8, \
+    uniform_indices
+from ._qwen_vl import smart_resize
 from .videoalign_prompt import DIMENSIONS, REWARD_TOKENS, videoalign_text
 
 HUB_CHECKPOINT = "hf://KlingTeam/VideoReward/checkpoint-11352/model.pth"
@@ -88,7 +89,7 @@ class VideoAlign:
         n = min(max(2, round(self.num_frames / 2) * 2), total) if self.num_frames else \
             smart_nframes(total, self.video_fps, self.fps)  # VideoAlign's nframes / fps modes
         x = x[uniform_indices(total, n)]  # [F', 3, H, W]
-        h, w = smart_resize(x.shape[-2], x.shape[-1], self.min_pixels, self.max_pixels)
+        h, w = smart_resize(x.shape[-2], x.shape[-1], min_pixels=self.min_pixels, max_pixels=self.max_pixels)
         return resize(x, [h, w], interpolation=InterpolationMode.BICUBIC, antialias=True).float()  # [F', 3, h, w]
 
     def batch(self, videos: torch.Tensor, prompts: list[str]) -> dict:

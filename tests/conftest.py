@@ -120,6 +120,14 @@ def pretrained_digits_base():
 
 # ---------------------------------------------------------------- tiny reward models, built once per session
 @pytest.fixture(scope="session")
+def tiny_qwen_vl_dir(tmp_path_factory) -> str:
+    """A tiny random Qwen2.5-VL judge (model + processor, saved with save_pretrained) for editscore / unifiedreward."""
+    from helpers_vlm import build_tiny_qwen25_vl
+
+    return build_tiny_qwen25_vl(tmp_path_factory.mktemp("tiny-qwen25-vl"))
+
+
+@pytest.fixture(scope="session")
 def tiny_clip_dir(tmp_path_factory):
     """A random CLIP (toy size, real vocabulary) saved with save_pretrained: model + processor."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor

@@ -135,6 +135,12 @@ CASES: dict[str, Case] = {
     # an editing reward: each row's source image comes as metadata (here the row's own image)
     "digits_edit": Case(lambda r: rewards.build("digits_edit"), applies=["turn this 3 into a 7", "make the strokes thicker"],
                         not_applicable=["a photo of a dog"], size=16, meta=lambda x, p: {"sources": list(x)}),
+    # the in-process VLM judges on a tiny Qwen2.5-VL (greedy, a few tokens; batch_size < B: batches too)
+    "editscore": Case(lambda r: rewards.build("editscore", model=r.getfixturevalue("tiny_qwen_vl_dir"), lora=None,
+                                              dtype="float32", temperature=0.0, max_new_tokens=4, batch_size=3),
+                      size=16, meta=lambda x, p: {"sources": list(x)}),
+    "unifiedreward": Case(lambda r: rewards.build("unifiedreward", model=r.getfixturevalue("tiny_qwen_vl_dir"),
+                                                  dtype="float32", max_new_tokens=4, batch_size=3), size=16),
 }
 
 NAMES = rewards.available()

@@ -123,7 +123,7 @@ def test_videoalign_lora_is_merged_and_images_are_still_clips(tiny_videoalign):
 
 
 def test_lora_merge_and_peft_key_names():
-    from flowrl.rewards._qwen2vl import merge_lora, split_checkpoint
+    from flowrl.rewards._qwen2vl_rm import merge_lora, split_checkpoint
 
     w, a, b = rand(4, 3, seed=7), rand(2, 3, seed=8), rand(4, 2, seed=9)
     sd = {"base_model.model.model.layers.0.mlp.up_proj.base_layer.weight": w.bfloat16(),
@@ -177,7 +177,8 @@ def test_sizes_and_frame_counts_follow_qwen_vl_utils(tiny_hpsv3):
     """smart_resize and HPSv3's image path against ``qwen_vl_utils`` itself (the authors' vendored copies share its
     smart_resize and fetch_image), when installed (not in flowrl's lock: pip install qwen-vl-utils); the frame
     counts against VideoAlign's vendored smart_nframes (it rounds to an even count; qwen-vl-utils >= 0.0.11 floors)."""
-    from flowrl.rewards._qwen2vl import smart_nframes, smart_resize
+    from flowrl.rewards._qwen2vl_rm import smart_nframes
+    from flowrl.rewards._qwen_vl import smart_resize
 
     # VideoAlign's vision_process.smart_nframes: round(clamp(total / video_fps * fps, 4, total), 2)
     assert [smart_nframes(t, 16.0, 2.0) for t in (5, 33, 81, 121)] == [4, 4, 10, 16]
@@ -186,7 +187,7 @@ def test_sizes_and_frame_counts_follow_qwen_vl_utils(tiny_hpsv3):
                               "pip install qwen-vl-utils); flowrl's smart_resize is checked against it when it is")
     for h, w in [(40, 52), (512, 512), (480, 832), (1024, 576), (720, 1280), (33, 700)]:
         for lo, hi in [(200704, 200704), (100352, 200704), (3136, 3136)]:
-            assert smart_resize(h, w, lo, hi) == qvu.smart_resize(h, w, 28, lo, hi), (h, w, lo, hi)
+            assert smart_resize(h, w, 28, lo, hi) == qvu.smart_resize(h, w, 28, lo, hi), (h, w, lo, hi)
     reward = _hpsv3(tiny_hpsv3)
     x = rand(1, 3, 40, 52, seed=6)
     pil = Image.fromarray((x[0].permute(1, 2, 0) * 255).round().byte().numpy())

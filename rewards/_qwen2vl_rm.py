@@ -6,7 +6,7 @@ Both authors' models (HPSv3, arXiv 2508.03789; VideoAlign, arXiv 2501.13918) sub
 merged patch features scattered into the image / video pad tokens, then the language model called with
 ``inputs_embeds`` and no position ids, so positions are the plain sequential ones (``0..L-1`` on all three
 M-RoPE axes), not the 3-D M-RoPE of Qwen2-VL's generation. :class:`QwenVLReward` does the same; the LM head
-is not built (unused for scoring). Pixels follow ``qwen-vl-utils`` (``smart_resize``, ``smart_nframes``),
+is not built (unused for scoring). Pixels follow ``qwen-vl-utils`` (``_qwen_vl.smart_resize``, ``smart_nframes``),
 then the base model's processor normalises and patchifies them (its own resize off: the sizes are already
 multiples of 28).
 """
@@ -21,25 +21,7 @@ from torch import nn
 
 from ._clip_common import from_pretrained, load_weights, require
 
-FACTOR = 28  # patch 14 x spatial merge 2: qwen-vl-utils' IMAGE_FACTOR
 FRAME_FACTOR = 2  # Qwen2-VL's temporal patch: frame counts are even
-MAX_RATIO = 200
-
-
-def smart_resize(height: int, width: int, min_pixels: int, max_pixels: int, factor: int = FACTOR) -> tuple[int, int]:
-    """``qwen-vl-utils``' ``smart_resize``: the (height, width) nearest the input with both sides multiples of
-    ``factor``, its area within ``[min_pixels, max_pixels]``, the aspect ratio kept as far as rounding allows."""
-    if max(height, width) / min(height, width) > MAX_RATIO:
-        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.0f} is over Qwen2-VL's {MAX_RATIO}")
-    h = max(factor, round(height / factor) * factor)
-    w = max(factor, round(width / factor) * factor)
-    if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h, w = math.floor(height / beta / factor) * factor, math.floor(width / beta / factor) * factor
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    return h, w
 
 
 def smart_nframes(total: int, video_fps: float, fps: float, min_frames: int = 4, max_frames: int = 768) -> int:
