@@ -159,7 +159,7 @@ class QwenVLReward(nn.Module):
             at |= input_ids == t
         counts = at.sum(1)
         if not bool((counts == len(self.token_ids)).all()):
-            raise ValueError(f"each row must hold its {len(self.token_ids)} reward tokens once, found {counts.tolist()}: "
-                             "a prompt may not contain the reward tokens' text")
+            raise ValueError(f"each row must hold its {len(self.token_ids)} reward tokens once, found "
+                             f"{counts.tolist()}: a prompt may not contain the reward tokens' text")
         out = self.head.float()(hidden[at].float())  # [B * T, O]
         return out.view(b, len(self.token_ids), -1)  # [B, T, O]

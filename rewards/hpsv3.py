@@ -4,7 +4,7 @@ uncertainty-aware ranking loss on HPDv3.
 reward = ``mu``, the first of the head's two outputs ``(mu, log sigma)`` at the ``<|Reward|>`` token: the
 score HPSv3's ``HPSv3RewardInferencer.reward`` reports ("we select miu as the final output"); ``sigma =
 exp(log sigma)`` is its uncertainty (:meth:`HPSv3.mu_sigma`; the training loss compares two images through
-``N(mu_A - mu_B, sigma_A^2 + sigma_B^2)``). Typical ``mu``: about 0-15, higher is preferred.
+``N(mu_A - mu_B, sigma_A^2 + sigma_B^2)``). Unnormalised; higher is preferred.
 
 Model: ``Qwen2VLForConditionalGeneration`` (config of ``Qwen/Qwen2-VL-7B-Instruct``) with ``<|Reward|>`` added
 to the tokenizer (embeddings grown to match) and the "ranknet" head ``Linear(D, 1024) - ReLU - Dropout -
