@@ -46,6 +46,14 @@ def to_uint8(x: torch.Tensor) -> torch.Tensor:
     return (x.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
 
 
+def check_prompts(prompts: Sequence[str], tokens: Sequence[str], name: str) -> None:
+    """A one-line ValueError when a prompt holds a reward token's text (the head reads it where it occurs)."""
+    bad = next((t for p in prompts for t in tokens if t in p), None)
+    if bad is not None:
+        raise ValueError(f"{name} reward: a prompt contains {bad!r}, the reward token the model is read at; "
+                         "remove it from the prompt")
+
+
 # ---------------------------------------------------------------- checkpoints in the authors' layouts
 _PEFT = "base_model.model."
 

@@ -24,7 +24,7 @@ from torch import nn
 from flowrl.options import Device, ModelSource, PositiveInt, WeightsFile
 
 from ._clip_common import DTypeLike, check_inputs, chunks, resolve_dtype
-from ._qwen2vl_rm import QwenVLReward, build_backbone, load_checkpoint, load_processor, to_uint8
+from ._qwen2vl_rm import QwenVLReward, build_backbone, check_prompts, load_checkpoint, load_processor, to_uint8
 from ._qwen_vl import smart_resize
 
 HUB_CHECKPOINT = "hf://MizzenAI/HPSv3/HPSv3.safetensors"
@@ -107,6 +107,7 @@ class HPSv3:
     def mu_sigma(self, images: torch.Tensor, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """HPSv3's ``(mu, sigma)`` per pair, float32 [B] each on CPU."""
         check_inputs(images, prompts, self.name)
+        check_prompts(prompts, [REWARD_TOKEN], self.name)
         out = []
         for s in chunks(images.shape[0], self.batch_size):
             inputs = self.batch(images[s], list(prompts[s])).to(self.device)

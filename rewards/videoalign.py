@@ -28,8 +28,8 @@ from torch import nn
 from flowrl.options import Device, ModelSource, PositiveFloat, PositiveInt, WeightsFile
 
 from ._clip_common import DTypeLike, check_inputs, chunks, require, resolve_dtype
-from ._qwen2vl_rm import QwenVLReward, build_backbone, load_checkpoint, load_processor, smart_nframes, to_uint8, \
-    uniform_indices
+from ._qwen2vl_rm import QwenVLReward, build_backbone, check_prompts, load_checkpoint, load_processor, smart_nframes, \
+    to_uint8, uniform_indices
 from ._qwen_vl import smart_resize
 from .videoalign_prompt import DIMENSIONS, REWARD_TOKENS, videoalign_text
 
@@ -114,6 +114,7 @@ class VideoAlign:
         else:
             check_inputs(videos, prompts, self.name)
             videos = videos[:, :, None].expand(-1, -1, 2, -1, -1)  # [B, 3, 2, H, W]: a still image as a 2-frame clip
+        check_prompts(prompts, REWARD_TOKENS, self.name)
         out = []
         for s in chunks(videos.shape[0], self.batch_size):
             inputs = self.batch(videos[s], list(prompts[s])).to(self.device)

@@ -74,6 +74,8 @@ def test_hpsv3_loads_the_older_key_layout_and_refuses_other_checkpoints(tiny_hps
     save_file({k: v for k, v in sd.items() if "layers.1." not in k}, tmp_path / "short.safetensors")
     with pytest.raises(ValueError, match="does not fit"):
         rewards.build("hpsv3", base=t["base"], checkpoint=str(tmp_path / "short.safetensors"))
+    with pytest.raises(ValueError, match=r"^hpsv3 reward: a prompt contains '<\|Reward\|>'"):
+        _hpsv3(t)(x, ["a <|Reward|> sign", "a dog"])
     with pytest.raises(FileNotFoundError, match="HPSv3.safetensors"):
         rewards.build("hpsv3", base=t["base"], checkpoint=str(tmp_path / "missing.safetensors"))
 
