@@ -177,7 +177,7 @@ def test_declared_defaults_are_the_published_ones_and_plan_sizes():
 
 def test_sizes_and_frame_counts_follow_qwen_vl_utils(tiny_hpsv3):
     """smart_resize and HPSv3's image path against ``qwen_vl_utils`` itself (the authors' vendored copies share its
-    smart_resize and fetch_image), when installed (not in flowrl's lock: pip install qwen-vl-utils); the frame
+    smart_resize and fetch_image), when installed (in flowrl's lock and test extra); the frame
     counts against VideoAlign's vendored smart_nframes (it rounds to an even count; qwen-vl-utils >= 0.0.11 floors)."""
     from flowrl.rewards._qwen2vl_rm import smart_nframes
     from flowrl.rewards._qwen_vl import smart_resize
@@ -185,7 +185,7 @@ def test_sizes_and_frame_counts_follow_qwen_vl_utils(tiny_hpsv3):
     # VideoAlign's vision_process.smart_nframes: round(clamp(total / video_fps * fps, 4, total), 2)
     assert [smart_nframes(t, 16.0, 2.0) for t in (5, 33, 81, 121)] == [4, 4, 10, 16]
     assert smart_nframes(81, 24.0, 2.0) == 6 and smart_nframes(3, 16.0, 2.0) == 2
-    qvu = pytest.importorskip("qwen_vl_utils.vision_process", reason="qwen-vl-utils is not installed (optional: "
+    qvu = pytest.importorskip("qwen_vl_utils.vision_process", reason="qwen-vl-utils is not installed (flowrl's test extra: "
                               "pip install qwen-vl-utils); flowrl's smart_resize is checked against it when it is")
     for h, w in [(40, 52), (512, 512), (480, 832), (1024, 576), (720, 1280), (33, 700)]:
         for lo, hi in [(200704, 200704), (100352, 200704), (3136, 3136)]:

@@ -5,8 +5,8 @@ vision tower with the real patch 14 and 2x2 merge), saved and loaded with ``from
 What is checked: loading (model, processor, a peft LoRA merged), the image preparation (qwen-vl-utils'
 ``smart_resize``), batched generation equal to one request at a time, the parsing of the authors' documented
 reply formats and the score each gives, the pairwise win rate within groups, edits' sources (locally and through
-``serve-reward``). Against the authors' own code (the ``editscore`` 0.2 package and ``qwen-vl-utils`` 0.0.14, not in
-requirements.lock: those tests skip with the reason when they are missing): EditScore's prompts, model inputs,
+``serve-reward``). Against the authors' own code (the ``editscore`` 0.2 package and ``qwen-vl-utils`` 0.0.14, in
+requirements.lock and the test extra; those tests skip with the reason where they are missing): EditScore's prompts, model inputs,
 sampled replies and parser, and UnifiedReward's documented inference steps (``apply_chat_template`` +
 ``process_vision_info`` + the processor + ``generate(max_new_tokens=512)``).
 """
