@@ -1,5 +1,5 @@
 """On-policy distillation (``train.loss: opd``): Diffusion-OPD (Li et al., arXiv 2605.15055; DanceOPD,
-arXiv 2606.27377, is a variant; docs/algorithms.md §15).
+arXiv 2606.27377, is a variant; docs/algorithms.md §17).
 
 The student samples its own trajectories with any sampler that stores transitions (group, branch, tempflow, sol
 with regen: group); at every state it visited, frozen teachers give their step at that state, and the loss is the
