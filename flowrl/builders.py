@@ -10,7 +10,9 @@ from typing import Optional
 
 import torch
 
+from .checkpoints.runs import apply_run_weights, is_run_directory, run_model
 from .diagnostics import watch
+from .errors import ConfigError
 from .rollout.ode import ode_generate
 from .scoring import score_images
 from .seeding import derive_seeds
@@ -54,13 +56,13 @@ def check_run_sources(cfg, prompts: list, eval_prompts: list, policy=None, rewar
 
 
 def build_policy_from_config(cfg, device, without_text_encoders: bool = False):
-    """The policy ``cfg.model`` names, on ``device``; ``without_text_encoders``: its pipeline's text encoders
+    """The policy ``cfg.model`` names, on ``device`` (``model.path`` a run directory: its base with the run's newest
+    trained weights fused in, :mod:`flowrl.checkpoints.runs`); ``without_text_encoders``: its pipeline's text encoders
     are not loaded (a text-embedding cache serves every prompt; diffusers loads a component passed as None).
     On the CPU, torch's threads are then chosen for its size (:func:`flowrl.utils.threads.use_cpu_threads`,
     under the command line). ``model.compile``: the transformer's rollout forward is compiled here, the one
     place every command builds it (:func:`flowrl.utils.compile.compile_rollouts`; LoRA added later is traced
-    at the first call). ``model.path`` may be a run directory (:mod:`flowrl.checkpoints.run_base`: RL after SFT)."""
-    from flowrl.checkpoints.run_base import is_run_dir, load_from_run
+    at the first call)."""
     from flowrl.pipelines import build_policy, policy_class
     from flowrl.utils.compile import compile_rollouts
     from flowrl.utils.threads import model_params, use_cpu_threads
@@ -68,14 +70,17 @@ def build_policy_from_config(cfg, device, without_text_encoders: bool = False):
     skip = {}
     if without_text_encoders:
         skip = {n: None for n in getattr(policy_class(cfg.model.pipeline), "text_encoder_names", ())}
-
-    def load(path):  # model.path a run directory: that run's weights on its own base (checkpoints.run_base)
-        if is_run_dir(path):
-            return load_from_run(path, cfg.model.pipeline, load)
-        return build_policy(cfg.model.pipeline, path, guidance_scale=cfg.model.guidance_scale, device=device,
-                            **cfg.model.options, **skip)
-
-    policy = load(cfg.model.path)
+    path, runs = cfg.model.path, []
+    while is_run_directory(path):  # model.path a run directory: its base, then its trained weights (fused)
+        runs.append(run_model(path))
+        if runs[-1].pipeline != cfg.model.pipeline:
+            raise ConfigError(f"model.path {path} is a {runs[-1].pipeline} run and model.pipeline is "
+                              f"{cfg.model.pipeline}; set model.pipeline={runs[-1].pipeline}")
+        path = runs[-1].base
+    policy = build_policy(cfg.model.pipeline, path, guidance_scale=cfg.model.guidance_scale,
+                          device=device, **cfg.model.options, **skip)
+    for rm in reversed(runs):  # the deepest run first
+        apply_run_weights(policy.transformer, rm, getattr(policy, "lora_target_modules", None))
     transformer = getattr(policy, "transformer", None)
     use_cpu_threads(model_params(transformer) if transformer is not None else None, str(device))
     if transformer is not None:

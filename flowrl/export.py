@@ -44,6 +44,7 @@ import torch
 
 from .checkpoints import checkpoint_tensors, format_of
 from .checkpoints.common import CheckpointError, list_checkpoints
+from .checkpoints.runs import base_model_path as runs_base_path
 from .trainers.config import Config, load_run_config
 from .errors import ConfigError
 from .utils.io import atomic_dir, write_json
@@ -114,7 +115,7 @@ def base_model_path(cfg: Config, model_path: Optional[str] = None) -> str:
     (digits: the cached base when empty)."""
     if model_path:
         return str(model_path)
-    path = cfg.model.path
+    path = runs_base_path(cfg.model.path)  # model.path a run directory: the base of its chain of runs
     if cfg.model.pipeline == "digits" and path in (None, "", "digits"):
         from flowrl.pipelines.digits import default_base_path
 
@@ -323,6 +324,9 @@ def export_run(run_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike
         info.update({**done, "pipeline": cfg.model.pipeline, "base_model": base, "run_dir": str(run.resolve()),
                      "checkpoint": ck.name, "iteration": state.get("iteration"), "weights": "ema" if ema else "trained",
                      "load": done["load"].replace("BASE", repr(base)).replace("OUT", repr(str(out)))})
+        if cfg.train.lora_rank > 0 and runs_base_path(cfg.model.path) != cfg.model.path:  # trained on a run
+            info["note"] = (f"the LoRA applies to {base} with the run {cfg.model.path}'s trained weights fused in (its "
+                            f"model.path); export that run and fuse it first, or load both in order")
         write_json(info, tmp / EXPORT_JSON)
 
     atomic_dir(out, write)

@@ -65,7 +65,8 @@ def score_images(reward: Optional[RewardFn], images: torch.Tensor, prompts: list
     are reduced: every ``frame_stride``-th frame of every video in one image batch, NaN-aware mean
     per video (per component for a ``MultiReward``, before ``combine``). ``frame_stride`` None: the
     stride the reward declares (``MultiReward`` is built with ``reward.frame_stride``), else 1. A
-    reward that declares ``takes_videos = True`` gets the videos whole.
+    reward that declares ``takes_videos = True`` gets the videos whole, also inside a ``MultiReward``
+    (its ``video_components``).
     """
     n = images.shape[0]
     if reward is None:
@@ -76,6 +77,7 @@ def score_images(reward: Optional[RewardFn], images: torch.Tensor, prompts: list
     comps: dict[str, torch.Tensor] = {}
     if hasattr(reward, "components"):
         parts = reward.components(images, prompts, **meta) if whole else \
+            reward.video_components(images, prompts, stride, **meta) if hasattr(reward, "video_components") else \
             score_per_frame(reward.components, images, prompts, stride, **meta)
         comps = {k: _check_reward(v, n, k) for k, v in parts.items()}
         total = reward.combine(comps)

@@ -169,6 +169,7 @@ class DiffusersPolicy(ModelFacts):
     text_encoder_names: ClassVar[tuple[str, ...]] = ("text_encoder",)
     tiny_kinds: ClassVar[tuple[str, ...]] = ()
     example_hub_id: ClassVar[str] = ""  # named in the missing-path error
+    tiny_num_frames: ClassVar[Optional[int]] = None  # video adapters: the tiny model's default length (flowrl.json)
     # with CFG in a differentiable forward: gradient through the unconditional half too (True), or that
     # half without gradient (False, Flow-GRPO's training forward); the trainer sets train.loss_options.cfg_uncond_grad
     cfg_uncond_grad: bool = True
@@ -293,13 +294,15 @@ class DiffusersPolicy(ModelFacts):
 
     def saved_options(self) -> dict:
         """Adapter arguments ``save_pretrained`` records in ``flowrl.json`` besides the resolution: the
-        defaults when the model is loaded back (none by default; Wan: ``num_frames``)."""
-        return {}
+        defaults when the model is loaded back (video adapters, those declaring ``tiny_num_frames``:
+        ``num_frames``; none otherwise)."""
+        return {} if self.tiny_num_frames is None else {"num_frames": self.num_frames}
 
     @classmethod
     def tiny_options(cls, kind: str) -> dict:
-        """Adapter arguments ``make_tiny`` records in ``flowrl.json`` besides the resolution (none by default)."""
-        return {}
+        """Adapter arguments ``make_tiny`` records in ``flowrl.json`` besides the resolution (video adapters:
+        their ``tiny_num_frames``; none otherwise)."""
+        return {} if cls.tiny_num_frames is None else {"num_frames": cls.tiny_num_frames}
 
     def save_pretrained(self, path: Union[str, os.PathLike]) -> None:
         """Save the whole pipeline (with the current ``self.transformer``) as a diffusers directory, and

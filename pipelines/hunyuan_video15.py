@@ -251,6 +251,7 @@ class HunyuanVideo15Policy(DiffusersPolicy):
     lora_target_modules = HUNYUAN_VIDEO15_LORA_TARGET_MODULES
     text_encoder_names = ("text_encoder", "text_encoder_2")
     tiny_kinds = ("hunyuan-video-1.5",)
+    tiny_num_frames = TINY_NUM_FRAMES
     example_hub_id = "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v"
     cond_keys = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
     published = {m.source: m for m in (
@@ -413,13 +414,6 @@ class HunyuanVideo15Policy(DiffusersPolicy):
         return dict(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
                     text_encoder=text_encoder, tokenizer=tok, text_encoder_2=text_encoder_2, tokenizer_2=tok_2,
                     guider=ClassifierFreeGuidance(guidance_scale=6.0))
-
-    @classmethod
-    def tiny_options(cls, kind: str) -> dict:
-        return {"num_frames": TINY_NUM_FRAMES}  # the tiny model's default video length (flowrl.json)
-
-    def saved_options(self) -> dict:
-        return {"num_frames": self.num_frames}  # the default when loaded back
 
     # --- FlowPolicy ----------------------------------------------------------------------
     def _encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:

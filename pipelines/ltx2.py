@@ -108,6 +108,7 @@ class LTX2Policy(DiffusersPolicy):
     lora_target_modules = LTX2_LORA_TARGET_MODULES
     text_encoder_names = ("text_encoder", "connectors")
     tiny_kinds = ("ltx2",)
+    tiny_num_frames = TINY_NUM_FRAMES
     example_hub_id = "Lightricks/LTX-2"
     cond_keys = ("prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask")
     published = {example_hub_id: ModelConfigs(
@@ -260,13 +261,6 @@ class LTX2Policy(DiffusersPolicy):
         """A tiny ``LTX2Pipeline`` of the published layout at toy widths (``ltx2_components.tiny_ltx2_components``):
         the transformer is the published config shrunk (:meth:`shrink_config`) on the tiny VAE's factors."""
         return tiny_ltx2_components({**cls.shrink_config(LTX2_19B), "vae_scale_factors": (4, 8, 8)}, seed)
-
-    @classmethod
-    def tiny_options(cls, kind: str) -> dict:
-        return {"num_frames": TINY_NUM_FRAMES}  # the tiny model's default video length (flowrl.json)
-
-    def saved_options(self) -> dict:
-        return {"num_frames": self.num_frames}  # the default when loaded back
 
     # --- FlowPolicy ----------------------------------------------------------------------
     def _encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:

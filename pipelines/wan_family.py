@@ -105,6 +105,7 @@ class WanFamilyPolicy(DiffusersPolicy):
     pipeline_class = "WanPipeline"
     transformer_class = "WanTransformer3DModel"
     lora_target_modules = WAN_LORA_TARGET_MODULES
+    tiny_num_frames = TINY_NUM_FRAMES
     text_encoder_names = ("text_encoder",)
     cond_keys = ("prompt_embeds",)  # _forward(x, sigma, *these) (base velocity, on [B, C, F', h, w])
 
@@ -253,13 +254,6 @@ class WanFamilyPolicy(DiffusersPolicy):
         scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
         return dict(tokenizer=tok, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer,
                     transformer_2=None)
-
-    @classmethod
-    def tiny_options(cls, kind: str) -> dict:
-        return {"num_frames": TINY_NUM_FRAMES}  # the tiny model's default video length (flowrl.json)
-
-    def saved_options(self) -> dict:
-        return {"num_frames": self.num_frames}  # the default when loaded back
 
     # --- FlowPolicy ----------------------------------------------------------------------
     def _encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:

@@ -22,10 +22,14 @@ REGISTRY = Registry("reward", {
     "clipscore": "flowrl.rewards.clip:CLIPScore",
     "aesthetic": "flowrl.rewards.aesthetic:LaionAesthetic",
     "hps": "flowrl.rewards.hps:HPSv21",
+    "hpsv3": "flowrl.rewards.hpsv3:HPSv3",  # HPSv3: Qwen2-VL-7B + head (docs/rewards.md)
     "imagereward": "flowrl.rewards.imagereward:ImageReward",
     "ocr": "flowrl.rewards.ocr:OCRReward",
     "geneval": "flowrl.rewards.geneval:GenEval",  # GenEval's rules on a detector (docs/rewards.md)
     "vlm_judge": "flowrl.rewards.vlm:VLMJudge",
+    "editscore": "flowrl.rewards.editscore:EditScore",  # in-process Qwen-VL judge of edits (docs/rewards.md)
+    "unifiedreward": "flowrl.rewards.unifiedreward:UnifiedReward",  # pointwise or pairwise Qwen-VL judge
+    "videoalign": "flowrl.rewards.videoalign:VideoAlign",  # VideoReward: Qwen2-VL-2B, VQ / MQ / TA (takes videos)
     "remote": "flowrl.rewards.remote:RemoteReward",  # served by `flowrl serve-reward`
 })
 
@@ -111,7 +115,8 @@ class MultiReward:
     path; ``flowrl.scoring``). ``frame_stride``: the stride ``flowrl.scoring.score_images`` scores
     videos ``[B, 3, F, H, W]`` with when its caller gives none (``reward.frame_stride``): every image
     reward on every n-th frame, averaged per video per component (:func:`flowrl.media.score_per_frame`,
-    the one place frames are reduced), then combined.
+    the one place frames are reduced), then combined; a reward that declares ``takes_videos`` gets the videos
+    whole (:meth:`video_components`).
     """
 
     def __init__(self, rewards: Mapping[str, Callable], weights: Mapping[str, float], overlap: bool = True,
@@ -136,15 +141,26 @@ class MultiReward:
         ``flowrl.scoring.score_images``, which scores their frames with this)."""
         return {k: torch.as_tensor(r(images, prompts, **meta)).float().cpu() for k, r in self.rewards.items()}
 
+    def video_components(self, images: torch.Tensor, prompts: list[str], frame_stride: int,
+                         **meta) -> dict[str, torch.Tensor]:
+        """Each reward's scores float32 ``[B]`` of images, or of videos ``[B, 3, F, H, W]``: a reward that takes
+        videos whole (``takes_videos``, e.g. ``videoalign``) gets them as they are, the others every
+        ``frame_stride``-th frame through :func:`flowrl.media.score_per_frame` (``flowrl.scoring`` calls this)."""
+        from flowrl.media import is_video, score_per_frame
+
+        whole = {k for k, r in self.rewards.items() if getattr(r, "takes_videos", False)} if is_video(images) else set()
+        if not whole:
+            return score_per_frame(self.components, images, prompts, frame_stride, **meta)
+        return {k: torch.as_tensor(r(images, prompts, **meta)).float().cpu() if k in whole
+                else score_per_frame(r, images, prompts, frame_stride, **meta) for k, r in self.rewards.items()}
+
     def combine(self, comps: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return sum(self.weights[k] * comps[k] for k in self.weights if self.weights[k] != 0) \
             if any(self.weights.values()) else torch.zeros_like(next(iter(comps.values())))
 
     def __call__(self, images: torch.Tensor, prompts: list[str], **meta) -> torch.Tensor:
         """The weighted total ``[B]`` of images, or of videos scored every ``frame_stride``-th frame."""
-        from flowrl.media import score_per_frame
-
-        return self.combine(score_per_frame(self.components, images, prompts, self.frame_stride, **meta))
+        return self.combine(self.video_components(images, prompts, self.frame_stride, **meta))
 
 
 def build_multi(weights: Mapping[str, float], kwargs: Optional[Mapping[str, dict]] = None,

@@ -120,6 +120,14 @@ def pretrained_digits_base():
 
 # ---------------------------------------------------------------- tiny reward models, built once per session
 @pytest.fixture(scope="session")
+def tiny_qwen_vl_dir(tmp_path_factory) -> str:
+    """A tiny random Qwen2.5-VL judge (model + processor, saved with save_pretrained) for editscore / unifiedreward."""
+    from helpers_vlm import build_tiny_qwen25_vl
+
+    return build_tiny_qwen25_vl(tmp_path_factory.mktemp("tiny-qwen25-vl"))
+
+
+@pytest.fixture(scope="session")
 def tiny_clip_dir(tmp_path_factory):
     """A random CLIP (toy size, real vocabulary) saved with save_pretrained: model + processor."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
@@ -216,6 +224,47 @@ def tiny_imagereward(tmp_path_factory):
     torch.save(sd, d / "ImageReward.pt")
     return dict(ckpt=str(d / "ImageReward.pt"), tokenizer=str(d / "tokenizer"), vit=vit.eval(),
                 text_sd=text.state_dict(), head=head.eval())
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2vl_base(tmp_path_factory):
+    """A tiny Qwen2-VL base directory (config + processor with Qwen2-VL's chat template): helpers_qwen2vl."""
+    from helpers_qwen2vl import save_tiny_base
+
+    return str(save_tiny_base(tmp_path_factory.mktemp("qwen2vl-base")))
+
+
+@pytest.fixture(scope="session")
+def tiny_hpsv3(tiny_qwen2vl_base, tmp_path_factory):
+    """An HPSv3.safetensors of the authors' model on the tiny base (transformers >= 4.52 keys, as published),
+    with the authors' model, processor and reward token ids for the reference."""
+    from safetensors.torch import save_file
+    from torch import nn
+
+    from helpers_qwen2vl import authors_model
+
+    head = nn.Sequential(nn.Linear(32, 1024), nn.ReLU(), nn.Dropout(0.05), nn.Linear(1024, 16), nn.ReLU(),
+                         nn.Linear(16, 2))  # HPSv3's "ranknet" rm_head
+    model, processor, ids = authors_model(tiny_qwen2vl_base, ["<|Reward|>"], head)
+    path = tmp_path_factory.mktemp("hpsv3") / "HPSv3.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+    return dict(base=tiny_qwen2vl_base, checkpoint=str(path), model=model, processor=processor, ids=ids)
+
+
+@pytest.fixture(scope="session")
+def tiny_videoalign(tiny_qwen2vl_base, tmp_path_factory):
+    """A VideoReward ``model.pth`` of the authors' model on the tiny base: the PEFT model's state dict (LoRA r 4,
+    alpha 8: scaling 2 as the published r 64, alpha 128) in the transformers < 4.52 layout, as published."""
+    from torch import nn
+
+    from flowrl.rewards.videoalign_prompt import REWARD_TOKENS
+    from helpers_qwen2vl import authors_model, old_layout, with_lora
+
+    model, processor, ids = authors_model(tiny_qwen2vl_base, list(REWARD_TOKENS), nn.Linear(32, 1, bias=False))
+    peft = with_lora(model)
+    path = tmp_path_factory.mktemp("videoalign") / "model.pth"
+    torch.save(old_layout(peft.state_dict(), "base_model.model."), path)
+    return dict(base=tiny_qwen2vl_base, checkpoint=str(path), model=peft.base_model.model, processor=processor, ids=ids)
 
 
 @pytest.fixture

@@ -67,9 +67,9 @@ SUBSTITUTIONS = [
                 f"{BENCH_SHRINK[m.group(1)]} data.eval_seeds_per_prompt=2"),
      "1 training second per variant (one iteration), flat GRPO and the method only, a small evaluation"),
     (r"^flowrl bench methods (.*?)--budget \d+(.*?)(\s+#.*)?$",
-     lambda m: (f"flowrl bench methods {m.group(1)}--budget 1 --eval-every 1{m.group(2)} --methods grpo,nft "
-                f"train.batch_size=16 data.eval_seeds_per_prompt=2"),
-     "1 training second per method (one iteration), GRPO and DiffusionNFT only, a small evaluation"),
+     lambda m: re.sub(r"--seeds \d+", "--seeds 2", f"flowrl bench methods {m.group(1)}--budget 1 --eval-every 1"
+                      f"{m.group(2)} --methods grpo,nft train.batch_size=16 data.eval_seeds_per_prompt=2"),
+     "1 training second per method (one iteration), GRPO and DiffusionNFT only, a small evaluation, 2 seeds at most"),
     (r"^flowrl bench aggregate (.*?)--budget \d+(.*?)(\s+#.*)?$",
      lambda m: (f"flowrl bench aggregate {m.group(1)}--budget 1 --eval-every 1{m.group(2)} train.batch_size=16 "
                 f"data.eval_seeds_per_prompt=2"),

@@ -70,6 +70,17 @@ def _imagereward(request):
                          vision_config=TINY_BLIP_VISION, batch_size=3)
 
 
+def _hpsv3(request):
+    t = request.getfixturevalue("tiny_hpsv3")
+    return rewards.build("hpsv3", base=t["base"], checkpoint=t["checkpoint"], pixels=56 * 56, batch_size=3)
+
+
+def _videoalign(request):  # takes videos whole; the battery's images are scored as still 2-frame clips
+    t = request.getfixturevalue("tiny_videoalign")
+    return rewards.build("videoalign", base=t["base"], checkpoint=t["checkpoint"], max_pixels=56 * 56,
+                         min_pixels=56 * 56, batch_size=3)
+
+
 def _vlm_judge(request):
     server = request.getfixturevalue("chat_server")
     return rewards.build("vlm_judge", url=f"http://127.0.0.1:{server.server_port}/v1", timeout=5.0, retries=0,
@@ -110,6 +121,8 @@ CASES: dict[str, Case] = {
     "aesthetic": Case(_aesthetic),
     "hps": Case(_hps),
     "imagereward": Case(_imagereward),
+    "hpsv3": Case(_hpsv3),
+    "videoalign": Case(_videoalign),
     "ocr": Case(lambda r: rewards.build("ocr", backend="easyocr"), applies=['a sign that says "hello"', 'the word "FLOW"'],
                 not_applicable=["a photo of a dog", "a sign with no quoted text"], size=48),
     "vlm_judge": Case(_vlm_judge),
@@ -122,6 +135,12 @@ CASES: dict[str, Case] = {
     # an editing reward: each row's source image comes as metadata (here the row's own image)
     "digits_edit": Case(lambda r: rewards.build("digits_edit"), applies=["turn this 3 into a 7", "make the strokes thicker"],
                         not_applicable=["a photo of a dog"], size=16, meta=lambda x, p: {"sources": list(x)}),
+    # the in-process VLM judges on a tiny Qwen2.5-VL (greedy, a few tokens; batch_size < B: batches too)
+    "editscore": Case(lambda r: rewards.build("editscore", model=r.getfixturevalue("tiny_qwen_vl_dir"), lora=None,
+                                              dtype="float32", temperature=0.0, max_new_tokens=4, batch_size=3),
+                      size=16, meta=lambda x, p: {"sources": list(x)}),
+    "unifiedreward": Case(lambda r: rewards.build("unifiedreward", model=r.getfixturevalue("tiny_qwen_vl_dir"),
+                                                  dtype="float32", max_new_tokens=4, batch_size=3), size=16),
 }
 
 NAMES = rewards.available()

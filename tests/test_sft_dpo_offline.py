@@ -183,9 +183,9 @@ def test_dpo_offline_trains_and_resumes_exactly(tiny_digits_dir, tiny_pairs, tmp
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_sft_trains_with_ema_exports_and_is_the_base_of_rl(tiny_digits_dir, tiny_pairs, tmp_path):
-    """SFT on a folder of images (the generated dataset's, as --smoke makes it), with EMA; the run exports, and a
-    GRPO run with model.path = the SFT run starts where the SFT run ended."""
+def test_sft_trains_exports_and_is_the_base_of_rl(tiny_digits_dir, tiny_pairs, tmp_path):
+    """SFT on a folder of images (the generated dataset's, as --smoke makes it); the run exports, and a GRPO run with
+    model.path = the SFT run starts where the SFT run ended (its trained weights, the LoRA fused)."""
     from flowrl.cli import main
     from flowrl.data.group_export import export_images
     from flowrl.trainers.config import load_config
@@ -197,7 +197,7 @@ def test_sft_trains_with_ema_exports_and_is_the_base_of_rl(tiny_digits_dir, tiny
     assert info["images"] == 60
     ov = tiny_train_overrides(tiny_digits_dir, **{"data.dataset": str(tmp_path / "images"), "offline.batch_groups": 8,
                                                   "offline.epochs": 1, "offline.max_steps": 3, "offline.eval_every": 3,
-                                                  "train.ema": "true", "train.lora_rank": 4, "train.lr": 1e-2,
+                                                  "train.lora_rank": 4, "train.lr": 1e-2,
                                                   "offline.num_steps": 4,
                                                   "data.eval_prompts": "[a handwritten digit 1]"})
     summary = train(load_config("digits_sft.yaml", ov), tmp_path / "run")
@@ -206,7 +206,7 @@ def test_sft_trains_with_ema_exports_and_is_the_base_of_rl(tiny_digits_dir, tiny
     assert [round(r["fm_loss"], 6) > 0 for r in recs if "fm_loss" in r] == [True] * 3
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "lora")]) in (0, None)
     assert any((tmp_path / "lora").iterdir())
-    # RL after SFT: model.path the SFT run directory; its (EMA) weights, LoRA merged, are the new run's base
+    # RL after SFT: model.path the SFT run directory (flowrl.checkpoints.runs): its weights, LoRA fused, are the base
     rl = load_config("digits.yaml", tiny_train_overrides(tmp_path / "run", **{
         "train.iterations": 1, "data.eval_prompts": "[a handwritten digit 1]", "logging.eval_every": 100}))
     after = train_online(rl, tmp_path / "rl")

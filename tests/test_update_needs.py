@@ -135,6 +135,8 @@ def test_impossible_combinations_fail_at_config_time(case):
     ("digits_gardo", ["train.loss=gardo_nft", ODE]),  # GARDO on NFT: GRPO's clip_range dropped with a notice
     ("digits_gardo", ["train.loss=gardo_nft", SOL_ODE]),  # ... on Sol regenerating by ODE
     ("digits_dppo", ["sampler={name: branch, num_steps: 4, split_steps: [0, 1], window: 2}", "train.batch_size=40"]),
+    ("digits_opd", ["sampler={name: branch, num_steps: 4, split_steps: [0, 1], window: 2}", "train.batch_size=40"]),
+    ("digits_opd", ["sampler.sde_window=2"]),  # OPD on the window's steps only (DanceOPD-style fewer queries)
 ])
 def test_possible_combinations_load(recipe, overrides):
     cfg = load_config(recipe, overrides)
@@ -144,11 +146,12 @@ def test_possible_combinations_load(recipe, overrides):
 def test_every_update_declares_what_it_needs():
     by_input = {k: sorted(v) for k, v in updates_by_input().items()}  # (registry order: the suite may re-register)
     assert by_input == {"rollout": sorted(["grpo", "nft", "dpo", "gdro", "grpo_guard", "awm", "dgpo", "dppo",
-                                           "gardo_grpo", "gardo_nft"]),
+                                           "gardo_grpo", "gardo_nft", "opd"]),
                         "dataset": sorted(["offline_gdro", "sft", "dpo_offline"]),
                         "samples": sorted(["nft", "dpo", "gdro", "awm", "dgpo", "gardo_nft"])}
     needs = {n: default_needs(n) for n in UPDATES.entries}
-    assert {n for n, d in needs.items() if d.transitions} == {"grpo", "grpo_guard", "dppo", "gardo_grpo"}
+    assert {n for n, d in needs.items() if d.transitions} == {"grpo", "grpo_guard", "dppo", "gardo_grpo", "opd"}
+    assert {n: d.frozen_models for n, d in needs.items() if d.frozen_models} == {"opd": (("", 3.0, False),)}
     assert {n for n, d in needs.items() if d.clean_samples} == {"nft", "dpo", "gdro", "awm", "dgpo", "gardo_nft"}
     assert {n: d.copies for n, d in needs.items() if d.copies} == {  # GARDO's adaptive reference (KL on by default)
         "nft": ("old_policy",), "dgpo": ("old_policy",), "gardo_grpo": ("gardo_reference",),
@@ -157,7 +160,7 @@ def test_every_update_declares_what_it_needs():
                                                      "dpo": "pair", "gdro": "group", "offline_gdro": "group",
                                                      "awm": "sample", "dgpo": "group", "dppo": "transition",
                                                      "gardo_grpo": "transition", "gardo_nft": "sample",
-                                                     "sft": "sample", "dpo_offline": "pair"}
+                                                     "opd": "transition", "sft": "sample", "dpo_offline": "pair"}
     refs = {}
     for n in UPDATES.entries:  # the reference follows the KL weight where the update has one
         cls = UPDATES.get(n)
@@ -165,7 +168,7 @@ def test_every_update_declares_what_it_needs():
         refs[n] = (cls.needs(cls.Options(**on)).reference, cls.needs(cls.Options()).reference)
     assert refs == {"grpo": (True, False), "grpo_guard": (True, False), "nft": (True, False), "dpo": (True, True),
                     "gdro": (True, True), "offline_gdro": (True, True), "awm": (True, False), "dgpo": (True, True),
-                    "dppo": (True, False),
+                    "dppo": (True, False), "opd": (False, False),  # OPD: frozen teachers (frozen_models), no reference
                     "gardo_grpo": (False, False), "gardo_nft": (False, False),  # GARDO: its own copy, not the frozen one
                     "sft": (False, False), "dpo_offline": (True, True)}  # SFT: no reference; offline DPO: the base
     assert {n for n, d in needs.items() if d.reference_in_graph} == {"dpo", "gdro", "offline_gdro",

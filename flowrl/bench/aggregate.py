@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -24,6 +23,7 @@ from ..errors import BenchError
 from ..trainers.config_text import recipes_dir
 from ..utils.io import save_figure, write_json
 from .training import Variant, run_variant
+from .precision_measure import cpu_name
 
 RECIPE = "digits_two_rewards.yaml"
 RULES = ("sum", "per_reward")
@@ -47,7 +47,7 @@ def bench_aggregate(pipeline: str = "digits", budget_seconds: float = 60.0, eval
     res = {"pipeline": pipeline, "recipe": RECIPE, "budget_seconds": budget_seconds,
            "eval_every_seconds": eval_every_seconds, "rewards": sorted(variants[RULES[0]]["curve"][0]["rewards"]),
            "variants": variants, "movement": movement(variants),
-           "machine": {"cpu": _cpu_name(), "cpus": os.cpu_count(),
+           "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(),
                        "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
            "note": "training seconds = rollout + reward + update, evaluation excluded; eval = the fixed prompts and "
                    "seeds, deterministic ODE; adv_share = a reward's share of the variance of the advantages trained "
@@ -72,17 +72,6 @@ def movement(variants: dict) -> dict:
             out[rule][name] = {"base": first[name], "final": last[name], "change": last[name] - first[name],
                                "adv_share": float(np.nanmean(shares)) if shares else None}
     return out
-
-
-def _cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``, as ``lscpu`` shows it), else the platform's processor."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def report(res: dict) -> str:

@@ -31,12 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..command_line import positive_float
+from ..command_line import positive_float, positive_int
 from ..errors import BenchError
 from ..trainers.config_text import read_recipe, recipes_dir, resolve_recipe
 from ..utils.io import write_json
 from .dataset_methods import run_dataset_variant
-from .methods_report import add_times_to_baseline, plot, report
+from .methods_report import add_times_to_baseline, markdown, plot, report
+from .methods_seeds import add_intervals, combine
+from .precision_measure import cpu_name
 from .training import Variant, run_variant
 
 RECIPE = "digits.yaml"
@@ -181,13 +183,44 @@ def _differences(runs: dict, extra: Sequence[str]) -> dict:
     return out
 
 
+def _train_all(runs: dict, train_seeds: list, budget_seconds: float, eval_every_seconds: float,
+               progress: bool) -> tuple[dict, dict]:
+    """Every method on every training seed, seed by seed (each seed's methods one after another, so a drift of
+    the machine's load touches every method alike) -> (``{name: [result per seed]}``, ``{name: failure}``). With
+    one seed, the footing's ``train.seed`` as is; else ``train.seed`` of each. A method that fails on a seed is
+    dropped from the later seeds."""
+    results, failed, rows = {name: [] for name in runs}, {}, {m.name: m for m in all_methods()}
+    many = len(train_seeds) > 1
+    for k, seed in enumerate(train_seeds, 1):
+        todo = [name for name in runs if name not in failed]
+        for i, name in enumerate(todo, 1):
+            var = runs[name]
+            if many:
+                var = Variant(overrides=[*var.overrides, f"train.seed={seed}"], sampler=var.sampler, recipe=var.recipe)
+            if progress:
+                at = f"seed {seed} ({k}/{len(train_seeds)}), " if many else ""
+                print(f"[bench methods] {at}{i}/{len(todo)} {name}: {Path(var.recipe or RECIPE).name} "
+                      f"train.loss={rows[name].loss} ({budget_seconds:g} training s)", flush=True)
+            try:
+                run = run_dataset_variant if rows[name].offline else run_variant  # a dataset made first, counted
+                results[name].append(run(RECIPE, var, budget_seconds, eval_every_seconds, progress=progress))
+            except Exception as e:  # noqa: BLE001 (one method's failure is its row; the others still run)
+                traceback.print_exc()
+                failed[name] = (f"train.seed {seed}: " if many else "") + " ".join(f"{type(e).__name__}: {e}".split())
+                print(f"[bench methods] {name}: FAILED: {failed[name]}", flush=True)
+    return {name: r for name, r in results.items() if name not in failed}, failed
+
+
 def bench_methods(pipeline: str = "digits", budget_seconds: float = 120.0, eval_every_seconds: float = 20.0,
                   out_dir: Optional[str] = None, methods: Optional[Sequence[str]] = None,
                   method_overrides: Optional[dict] = None, method_recipes: Optional[dict] = None,
-                  extra: Sequence[str] = (), progress: bool = True) -> dict:
-    """Train every chosen method for ``budget_seconds`` of training time each -> the result dict
+                  extra: Sequence[str] = (), progress: bool = True, seeds: int = 1) -> dict:
+    """Train every chosen method for ``budget_seconds`` of training time each, on ``seeds`` training seeds
+    (``train.seed`` of digits.yaml with the shared overrides, and the next ``seeds - 1``) -> the result dict
     (:func:`~flowrl.bench.methods_report.report` formats it); written as ``out_dir/methods.json`` and
-    ``methods.png`` when ``out_dir`` is given, nothing written otherwise. Arguments as :func:`chosen_runs`."""
+    ``methods.png`` when ``out_dir`` is given, nothing written otherwise. Arguments as :func:`chosen_runs`.
+    With one seed a row is that run; with more, the seed means with 95% intervals
+    (:mod:`flowrl.bench.methods_seeds`), every seed's run kept in the row's ``runs``."""
     if pipeline != "digits":
         raise BenchError(f"bench methods runs on the offline digits pipeline only (got {pipeline!r}); for SD3/FLUX "
                          f"run each method's recipe with `flowrl train` on a GPU machine")
@@ -198,28 +231,21 @@ def bench_methods(pipeline: str = "digits", budget_seconds: float = 120.0, eval_
     for name, diff in differs.items():
         print(f"[bench methods] {name}: its recipe evaluates differently: "
               + "; ".join(f"{k} {a} (digits.yaml: {b})" for k, (a, b) in diff.items()), flush=True)
-    variants, failed, rows = {}, {}, {m.name: m for m in all_methods()}
-    for i, (name, var) in enumerate(runs.items(), 1):
-        if progress:
-            print(f"[bench methods] {i}/{len(runs)} {name}: {Path(var.recipe or RECIPE).name} "
-                  f"train.loss={rows[name].loss} ({budget_seconds:g} training s)", flush=True)
-        try:
-            variants[name] = {"note": rows[name].note, "overrides": list(var.overrides),
-                              "differs": differs.get(name, {}),
-                              **(run_dataset_variant if rows[name].offline else run_variant)(
-                                  RECIPE, var, budget_seconds, eval_every_seconds, progress=progress)}
-        except Exception as e:  # noqa: BLE001 (one method's failure is its row; the others still run)
-            traceback.print_exc()
-            failed[name] = " ".join(f"{type(e).__name__}: {e}".split())
-            print(f"[bench methods] {name}: FAILED: {failed[name]}", flush=True)
+    first = Variant().config(RECIPE, list(extra)).train.seed
+    train_seeds = [first + k for k in range(seeds)]
+    results, failed = _train_all(runs, train_seeds, budget_seconds, eval_every_seconds, progress)
+    rows = {m.name: m for m in all_methods()}
+    variants = {name: {"note": rows[name].note, "overrides": list(runs[name].overrides),
+                       "differs": differs.get(name, {}),
+                       **(r[0] if seeds == 1 else combine(r, train_seeds))} for name, r in results.items()}
     res = {"pipeline": pipeline, "recipe": RECIPE, "budget_seconds": budget_seconds,
-           "eval_every_seconds": eval_every_seconds, "baseline": BASELINE, "variants": variants,
-           "skipped": skipped, "failed": failed,
+           "eval_every_seconds": eval_every_seconds, "baseline": BASELINE, "train_seeds": train_seeds,
+           "variants": variants, "skipped": skipped, "failed": failed,
            "real": next((r["real"] for r in variants.values() if r.get("real")), {}),
-           "machine": {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
+           "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
            "note": "training seconds = rollout + reward + update, evaluation excluded; samples = finished samples "
                    "the rollouts scored"}
-    add_times_to_baseline(res, BASELINE)
+    (add_times_to_baseline if seeds == 1 else add_intervals)(res, BASELINE)
     if out_dir:
         out = Path(out_dir)
         write_json(res, out / "methods.json")
@@ -244,8 +270,9 @@ def _run(a) -> str:
         overrides.setdefault(name, []).append(o)
     recipes = dict(_pairs(a.method_recipe, "--method-recipe"))
     methods = [m.strip() for m in (a.methods or "").split(",") if m.strip()]
-    return report(bench_methods(a.pipeline, a.budget, a.eval_every, a.out, methods, overrides, recipes,
-                                a.overrides or []))
+    res = bench_methods(a.pipeline, a.budget, a.eval_every, a.out, methods, overrides, recipes, a.overrides or [],
+                        seeds=a.seeds)
+    return markdown(res) if a.markdown else report(res)
 
 
 def add_methods_parser(subparsers) -> argparse.ArgumentParser:
@@ -253,16 +280,22 @@ def add_methods_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("methods", help="every update on the same prompts, seeds and budget: reward vs "
                                               "seconds and samples, the hacking watch (table; JSON + PNG with --out)",
                               epilog="example:\n  flowrl bench methods --pipeline digits --budget 60 --out bench\n"
-                                     "  flowrl bench methods --methods grpo,nft,dpo --budget 60")
+                                     "  flowrl bench methods --methods grpo,nft,dpo --budget 60\n"
+                                     "  flowrl bench methods --seeds 3 --budget 60 --out bench")
     p.add_argument("--pipeline", choices=["digits"], default="digits", help="the model (digits only)")
     p.add_argument("--budget", type=positive_float, default=120.0, help="training seconds per method")
     p.add_argument("--eval-every", type=positive_float, default=20.0, help="evaluate every N training seconds")
+    p.add_argument("--seeds", type=positive_int, default=1,
+                   help="training seeds per method (train.seed and the next ones; the same prompts and evaluation "
+                        "seeds): with more than one, the seed means with 95%% intervals over the seeds")
     p.add_argument("--methods", default=None, help="comma-separated subset of the registered updates (default: all; "
                                                    "`flowrl train --help` lists them)")
     p.add_argument("--method-override", action="append", metavar="METHOD:KEY=VALUE",
                    help="a dotted override for one method (repeatable), e.g. nft:train.loss_options.beta=0.5")
     p.add_argument("--method-recipe", action="append", metavar="METHOD:RECIPE",
                    help="run one method on this recipe (a shipped name or a path) instead of its own or digits.yaml")
+    p.add_argument("--markdown", action="store_true",
+                   help="print the table in markdown, the README's columns (default: the text table)")
     p.add_argument("--out", default=None, help="write OUT/methods.json and OUT/methods.png here (default: nothing "
                                                "written, the table only)")
     p.add_argument("overrides", nargs="*", help="dotted overrides applied to every method")

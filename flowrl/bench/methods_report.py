@@ -1,10 +1,17 @@
 """The results of ``flowrl bench methods`` (:mod:`flowrl.bench.methods`): time to the baseline's final
-reward, the table and the picture."""
+reward, the table and the picture; a result of several training seeds is shown with its intervals
+(:mod:`flowrl.bench.methods_seeds`)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from .training import SECONDS, WATCH, plot_panels, time_to_reach
+from . import methods_seeds
+from .training import plot_panels, time_to_reach
+
+
+def _seeded(res: dict) -> bool:
+    """Whether ``res`` holds several training seeds per method (rows of seed means with intervals)."""
+    return len(res.get("train_seeds") or ()) > 1
 
 
 def add_times_to_baseline(res: dict, baseline: str) -> None:
@@ -28,11 +35,12 @@ def add_times_to_baseline(res: dict, baseline: str) -> None:
 
 
 def plot(res: dict, path: Path, baseline: str) -> None:
-    """Reward vs training seconds, reward vs samples drawn, diversity and HF energy vs seconds (2 x 2)."""
-    reward = ("eval_reward", "eval reward (fixed prompts and seeds)")
-    samples = ("samples", "samples drawn (scored by the reward)")
-    plot_panels(res, path, [(SECONDS, reward), (samples, reward), *((SECONDS, w) for w in WATCH)],
-                f"every update on digits, {res['budget_seconds']:g} training s each", baseline=baseline, shape=(2, 2))
+    """Reward vs training seconds, reward vs samples drawn, diversity and HF energy vs seconds (2 x 2); with
+    several seeds, their mean curves and shaded intervals (:func:`~flowrl.bench.methods_seeds.plot`)."""
+    if _seeded(res):
+        return methods_seeds.plot(res, path, baseline)
+    plot_panels(res, path, methods_seeds.PANELS, f"every update on digits, {res['budget_seconds']:g} training s each",
+                baseline=baseline, shape=(2, 2))
 
 
 def _num(v, fmt: str) -> str:
@@ -56,9 +64,13 @@ def _baseline_line(res: dict) -> str:
     base = res["variants"].get(name)
     if base is None:
         return f"time to GRPO's final eval reward: n/a ({name} was not among the methods run)"
+    first = (base["mean_curves"]["train_seconds"] if _seeded(res) else base["curve"])[0]["eval_reward"]
     if not res["baseline_final_above_base"]:
         return (f"time to GRPO's final eval reward: n/a ({base['final_eval_reward']:.4f} is not above the base "
-                f"model's {base['curve'][0]['eval_reward']:.4f}: the base already reaches it; raise --budget)")
+                f"model's {first:.4f}: the base already reaches it; raise --budget)")
+    if _seeded(res):
+        return (f"to GRPO s / samples: first point of the seed-mean curve at or above GRPO's seed-mean final eval "
+                f"reward {base['final_eval_reward']:.4f}; x fewer samples: GRPO's samples to it over the method's")
     return (f"to GRPO s / samples: first evaluation at or above GRPO's final eval reward {base['final_eval_reward']:.4f}"
             f" ('-': never within the budget); x fewer samples: GRPO's samples to it over the method's")
 
@@ -66,16 +78,54 @@ def _baseline_line(res: dict) -> str:
 def report(res: dict) -> str:
     """The table of a bench-methods result: a row per method (unavailable and failed ones say why), the real
     data's watch values, how a recipe's different evaluation reads, and the time to GRPO's final reward."""
-    rows = [HEAD, *(_row(name, r) for name, r in res["variants"].items())]
+    seeded = _seeded(res)
+    head, row = (methods_seeds.HEAD, methods_seeds.row) if seeded else (HEAD, _row)
+    rows = [head, *(row(name, r) for name, r in res["variants"].items())]
     rows += [f"{name:<12}{why}" for name, why in res["skipped"].items()]
     rows += [f"{name:<12}FAILED: {why}" for name, why in res["failed"].items()]
     real = res.get("real") or {}
     if real:
-        rows.append(f"{'real data':<12}{'':>20}{'':>8}{'':>8}{'':>7}{'':>9}{real.get('reward', float('nan')):>14.4f}"
+        rows.append(methods_seeds.real_row(real) if seeded else
+                    f"{'real data':<12}{'':>20}{'':>8}{'':>8}{'':>7}{'':>9}{real.get('reward', float('nan')):>14.4f}"
                     f"{real.get('diversity', float('nan')):>11.4f}{real.get('hf_energy', float('nan')):>11.5f}")
     for name, r in res["variants"].items():
         if r.get("differs"):
             rows.append(f"{name}: its recipe evaluates differently: "
                         + "; ".join(f"{k} {a} (digits.yaml: {b})" for k, (a, b) in r["differs"].items()))
     rows.append(_baseline_line(res))
+    if seeded:
+        rows.append(methods_seeds.legend(res))
+    return "\n".join(rows)
+
+
+MARKDOWN_HEAD = ("| method | recipe | sampler | s/iter | samples | final reward | diversity | HF energy | "
+                 "to GRPO's final: s | samples | x fewer samples |\n" + "|---" * 11 + "|")
+
+
+def _cells(r: dict, seeded: bool) -> list[str]:
+    """A row's measures for the markdown table: values, ``mean [lo, hi]`` for several seeds."""
+    times = [methods_seeds.cell(r.get(k), r.get(f"{k}_interval"), fmt) for k, fmt in (
+        ("seconds_to_baseline_final_reward", ".1f"), ("samples_to_baseline_final_reward", ".0f"),
+        ("speedup_samples", ".2f"))]
+    if seeded:
+        f = r["final"]
+        ends = [methods_seeds.cell(f[k][0], f[k][1:], fmt) for k, fmt in (
+            ("eval_reward", ".3f"), ("diversity", ".3f"), ("hf_energy", ".4f"))]
+    else:
+        c = r["curve"][-1]
+        ends = [f"{r['final_eval_reward']:.3f}", f"{c['diversity']:.3f}", f"{c['hf_energy']:.4f}"]
+    return [f"{r['seconds_per_iteration']:.2f}", f"{r['samples_drawn']:.0f}", *ends, *times]
+
+
+def markdown(res: dict) -> str:
+    """The table of a bench-methods result in markdown, the README's columns: a row per method that ran
+    (the registry's names), then the real data's reward and watch values."""
+    seeded = _seeded(res)
+    rows = [MARKDOWN_HEAD]
+    for name, r in res["variants"].items():
+        rows.append("| " + " | ".join([name, Path(r["recipe"]).name, r["sampler"]["name"], *_cells(r, seeded)]) + " |")
+    real = res.get("real") or {}
+    if real:
+        rows.append(f"| real data | | | | | {real['reward']:.3f} | {real['diversity']:.3f} | {real['hf_energy']:.4f} "
+                    f"| | | |")
     return "\n".join(rows)

@@ -96,17 +96,21 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def machine_info() -> dict:
-    """torch / CUDA versions, CPU and GPU names, threads, load, nvidia-modelopt version."""
-    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "threads": torch.get_num_threads(),
-            "python": platform.python_version(), "cpu": platform.processor() or platform.machine()}
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``, as ``lscpu`` shows it), else the platform's processor."""
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict:
+    """torch / CUDA versions, CPU and GPU names, threads, load, nvidia-modelopt version."""
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "threads": torch.get_num_threads(),
+            "python": platform.python_version(), "cpu": cpu_name()}
     try:
         info["load_average"] = list(os.getloadavg())
     except OSError:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -33,20 +32,11 @@ import numpy as np
 
 from ..errors import BenchError
 from ..utils.io import write_json
+from .precision_measure import cpu_name
 
 VARIANTS = ("ocr_serial", "ocr_overlap", "ocr_served", "judge_serial", "judge_overlap")
 OCR_PROMPTS = ['a shop sign that says "OPEN"', 'a poster with the word "HELLO"', 'a mug printed with "CAFE"',
                'a street sign reading "STOP"']
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _overrides(model_dir: Path, a) -> list[str]:
@@ -177,7 +167,7 @@ def bench_reward(a) -> dict:
     out = {"settings": {**{k: getattr(a, k) for k in ("resolution", "prompts", "group_size", "num_steps", "max_batch",
                                                       "iterations", "ocr_backend", "judge_concurrency")},
                         "judge_delay_seconds": stub.delay, "tie_breaker": tie},
-           "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+           "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
            "variants": {}, "checks": {}}
     for name in chosen:
         mean = {k: float(np.mean([r[k] for r in rows[name]])) for k in rows[name][0]}

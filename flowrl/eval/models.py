@@ -87,7 +87,9 @@ def checkpoint_of(spec: ModelSpec, checkpoint: Optional[str]) -> Optional[str]:
 
 
 def trained_rewards(spec: ModelSpec, cfg) -> list[str]:
-    """The rewards a run trained on (its ``reward.weights`` with a non-zero weight); none for a base model."""
-    if spec.kind != "run":
+    """The rewards a run trained on (its ``reward.weights`` with a non-zero weight); none for a base model, nor for
+    a run whose update reads no reward (``Needs.reward_in_loss`` false: on-policy distillation scores its rollouts
+    for logging only)."""
+    if spec.kind != "run" or not cfg.train.update_needs.reward_in_loss:
         return []
     return [k for k, w in cfg.reward.weights.items() if w]

@@ -14,6 +14,7 @@ from ..distributed.mesh import ParallelLayout
 from ..errors import ConfigError
 from .activations import Activations, recipe_geometry
 from .budget import Item, model_items, rollout_items, train_items
+from .frozen import frozen_items
 from .models import meta_components, model_configs, num_params
 from .placement import place
 
@@ -79,6 +80,7 @@ def plan_memory(cfg, gpus: int = 1, gpu_memory: int = 80 * GiB, recipe: str = ""
     cp = layout.cp
     acts = acts.degree(cp)
     items = model_items(cfg, comp, gpus) + rollout_items(cfg, comp, acts) + train_items(cfg, comp, acts, gpus)
+    items += frozen_items(cfg, acts)  # the update's teachers (Needs.frozen_models)
     items = place(items, cfg.train.offload)
     gpu = [i for i in items if i.where == "gpu"]
     resident = sum(i.bytes for i in gpu if i.group == "resident")

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from ..checkpoints.runs import base_model_path
 from ..pipelines.facts import ModelConfigs, build_component
 from ..errors import ConfigError
 
@@ -75,7 +76,7 @@ def model_configs(cfg) -> tuple[type, ModelConfigs]:
 
     try:
         adapter = policy_class(cfg.model.pipeline)
-        return adapter, adapter.model_configs(cfg.model.path)
+        return adapter, adapter.model_configs(base_model_path(cfg.model.path))  # a run directory: its base's
     except (ValueError, NotImplementedError) as e:
         raise ConfigError(str(e)) from None
 

@@ -16,7 +16,9 @@ from .config_base import _h
 class ModelConfig:
     pipeline: str = _h("a flowrl.pipelines.REGISTRY name, e.g. digits, sd3, flux (an unknown name lists them all)",
                        "digits")
-    path: Optional[str] = _h("directory or hub id; digits: empty = the cached base, pretrained on first use", None)
+    path: Optional[str] = _h("directory or hub id; digits: empty = the cached base, pretrained on first use; or a "
+                             "flowrl run directory: its base with its newest checkpoint's trained weights fused in",
+                             None)
     guidance_scale: float = _h("classifier-free guidance inside the policy (1.0 = none)", 1.0)
     device: str = _h("'auto' = the accelerator's device, or cpu / cuda:N", "auto")
     options: dict = _h("the adapter's own options (resolution, dtype, max_sequence_length, ...: each pipeline declares "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,8 +28,9 @@ from ..faults import maybe_fault
 from ..rollout.base import Rollout
 from ..seeding import stream_seed, stream_sequence
 from ..updates import updates_by_input
-from ..updates.base import incompatibility
+from ..updates.base import UpdateContext, incompatibility
 from .config import Config
+from .frozen import frozen_loader
 from .steps import TrainingStopped
 from .trainer import Trainer
 
@@ -133,6 +135,11 @@ class OnlineTrainer(Trainer):
 
     def _rollout_seed(self, it: int) -> int:
         return stream_seed("rollout", self.cfg.train.seed, it, self.strategy.layout.dp_rank, self.strategy.layout.dp_size)
+
+    def update_context(self) -> UpdateContext:
+        """The trainer's context, plus the loader of the frozen models an update declares (``Needs.frozen_models``:
+        on-policy distillation's teachers; :mod:`flowrl.trainers.frozen`)."""
+        return dataclasses.replace(super().update_context(), load_frozen=frozen_loader(self.cfg, self.acc.device))
 
     def run_unit(self, i: int) -> tuple[dict, Optional[Rollout]]:
         res = self.run_iteration(i)

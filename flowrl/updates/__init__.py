@@ -14,6 +14,7 @@ UPDATES = Registry("update", {  # in the order users read them (help, bench tabl
     "grpo_guard": "flowrl.updates.grpo_guard:GRPOGuardUpdate",
     "dppo": "flowrl.updates.dppo:DPPOUpdate",
     "gardo_grpo": "flowrl.updates.gardo:GARDOGRPOUpdate",
+    "opd": "flowrl.updates.opd:OPDUpdate",
     "nft": "flowrl.updates.nft:NFTUpdate",
     "awm": "flowrl.updates.awm:AWMUpdate",
     "dgpo": "flowrl.updates.dgpo:DGPOUpdate",

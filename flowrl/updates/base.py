@@ -51,6 +51,12 @@ class Needs:
     data: str = ""                    # consumes "dataset": which one it reads (DATA_KINDS): "groups", a
     #                                   `flowrl generate-offline` dataset (offline.dataset); "images", images with
     #                                   prompts, or "pairs", preference pairs (data.dataset, flowrl.data.image_sets)
+    reward_in_loss: bool = True       # False: the loss reads no reward (on-policy distillation); the rollout is
+    #                                   scored for logging and evaluation only (flowrl eval's hacking verdict then
+    #                                   counts no reward as trained)
+    frozen_models: tuple[tuple[str, Optional[float], bool], ...] = ()  # frozen models it evaluates (on-policy
+    #                                   distillation's teachers): (source, guidance or None, offload) each, loaded
+    #                                   through UpdateContext.load_frozen (flowrl/trainers/frozen.py); plan counts each
 
     def __post_init__(self):
         if self.consumes not in ("rollout", "dataset"):
@@ -118,6 +124,8 @@ class UpdateContext:
     dataset: Any = None                           # the OfflineDataset a dataset-consuming update reads
     optimizer_steps: Callable[[], int] = lambda: 0  # optimizer steps taken so far (restored on --resume): for a
     #                                               schedule read outside after_step (e.g. in sampling_weights)
+    load_frozen: Optional[Callable[[str, Optional[float], bool], Any]] = None  # (source, guidance, offload) -> a
+    #                                               frozen policy on the training device (Needs.frozen_models)
 
 
 @dataclass
