@@ -197,7 +197,7 @@ def test_sft_trains_exports_and_is_the_base_of_rl(tiny_digits_dir, tiny_pairs, t
     assert info["images"] == 60
     ov = tiny_train_overrides(tiny_digits_dir, **{"data.dataset": str(tmp_path / "images"), "offline.batch_groups": 8,
                                                   "offline.epochs": 1, "offline.max_steps": 3, "offline.eval_every": 3,
-                                                  "train.lora_rank": 4, "train.lr": 1e-2,
+                                                  "train.ema": "false", "train.lora_rank": 4, "train.lr": 1e-2,
                                                   "offline.num_steps": 4,
                                                   "data.eval_prompts": "[a handwritten digit 1]"})
     summary = train(load_config("digits_sft.yaml", ov), tmp_path / "run")
