@@ -147,6 +147,13 @@ CASES = [
      ["--options '[1]'", "expected key=value, a YAML (or JSON) mapping"], []),
     ("no such dataset", "rescore-offline", lambda e: ["rescore-offline", "--dataset", str(e["root"] / "nope"),
                                                       "--reward", "pickscore"], ["no such directory"], []),
+    # --- make-pairs
+    ("pairs from no dataset", "make-pairs", lambda e: ["make-pairs", "--dataset", str(e["root"] / "nope"), "--reward", "digits",
+                                                 "--out", str(e["root"] / "pairs")],
+     ["--dataset", "no such directory", "generate-offline"], ["pairs"]),
+    ("pairs from a non-dataset folder", "make-pairs", lambda e: ["make-pairs", "--dataset", str(e["root"]), "--reward", "digits",
+                                               "--out", str(e["root"] / "pairs")],
+     ["not a flowrl offline dataset", "flowrl generate-offline"], ["pairs"]),
     # --- pretrain-digits
     ("zero pretraining steps", "pretrain-digits", lambda e: ["pretrain-digits", "--out", str(e["root"] / "base"),
                                                              "--steps", "0"], ["--steps", "positive integer"], ["base"]),
@@ -397,7 +404,7 @@ def test_no_prefix_abbreviations_anywhere():
 
 
 @pytest.mark.parametrize("verb", ["train", "generate-offline", "rescore-offline", "pretrain-digits", "sample", "eval",
-                                  "make-tiny", "export", "plan", "bench branch", "bench offline", "bench precision",
+                                  "make-tiny", "make-pairs", "export", "plan", "bench branch", "bench offline", "bench precision",
                                   "bench host"])
 def test_help_has_defaults_and_an_example(verb, capsys):
     with pytest.raises(SystemExit) as e:
