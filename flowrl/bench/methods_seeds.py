@@ -9,7 +9,7 @@ import numpy as np
 
 from ..utils.io import save_figure
 from .seeds import AXES, bootstrap_times, mean_intervals, on_grid
-from .training import SECONDS, WATCH
+from .training import SECONDS, WATCH, reference_lines
 
 KEYS = ("eval_reward", "diversity", "hf_energy")  # the curve measures averaged over the seeds
 REWARD = ("eval_reward", "eval reward (fixed prompts and seeds)")
@@ -144,11 +144,7 @@ def plot(res: dict, path: Path, baseline: str) -> None:
             ax.fill_between(x, lo, hi, step="post", alpha=0.2, color=line.get_color(), lw=0)
             ax.errorbar(x[-1:], y[-1:], yerr=[[y[-1] - lo[-1]], [hi[-1] - y[-1]]], fmt="o", ms=3, capsize=3,
                         color=line.get_color())  # the final point's interval (a step has no width there)
-        ref = real.get("reward" if yk == "eval_reward" else yk)
-        if ref is not None:
-            ax.axhline(ref, color="k", ls="--", lw=1, label="real data")
-        if base is not None and yk == "eval_reward":
-            ax.axhline(base["final_eval_reward"], color="gray", ls="--", lw=1, label=f"{baseline} final (mean)")
+        reference_lines(ax, yk, real, base, f"{baseline} final (mean)")
         ax.set_xlabel(xl)
         ax.set_ylabel(yl)
     axes.flat[0].legend(fontsize=8)

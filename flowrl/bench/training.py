@@ -140,6 +140,16 @@ def plot_compare(out: dict, path: Path, title: str = "") -> None:
                             *((SECONDS, w) for w in WATCH)], title, baseline="flat_grpo", shape=(1, 3))
 
 
+def reference_lines(ax, yk: str, real: dict, base: Optional[dict], base_label: str) -> None:
+    """The dashed lines a panel of ``yk`` compares with: the real data's value and, on the reward panel, the
+    baseline's final evaluation reward (``base``: its result, None: not run)."""
+    ref = real.get("reward" if yk == "eval_reward" else yk)
+    if ref is not None:
+        ax.axhline(ref, color="k", ls="--", lw=1, label="real data")
+    if base is not None and yk == "eval_reward":
+        ax.axhline(base["final_eval_reward"], color="gray", ls="--", lw=1, label=base_label)
+
+
 def plot_panels(out: dict, path: Path, panels: list, title: str = "", baseline: str = "flat_grpo",
                 shape: tuple = (1, 3)) -> None:
     """One subplot per ``((x_key, x_label), (y_key, y_label))`` of ``panels``, one line per variant of
@@ -158,11 +168,7 @@ def plot_panels(out: dict, path: Path, panels: list, title: str = "", baseline: 
         for name, r in out["variants"].items():
             c = r["curve"]
             ax.plot([p[xk] for p in c], [p[yk] for p in c], "o-", ms=3, label=name)
-        ref = real.get("reward" if yk == "eval_reward" else yk)
-        if ref is not None:
-            ax.axhline(ref, color="k", ls="--", lw=1, label="real data")
-        if base is not None and yk == "eval_reward":
-            ax.axhline(base["final_eval_reward"], color="gray", ls="--", lw=1, label=f"{baseline} final")
+        reference_lines(ax, yk, real, base, f"{baseline} final")
         ax.set_xlabel(xl)
         ax.set_ylabel(yl)
     axes.flat[0].legend(fontsize=8)
