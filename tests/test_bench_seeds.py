@@ -185,9 +185,10 @@ def test_seeds_from_the_command_line_on_a_tiny_model(tiny_digits_dir, tmp_path, 
     assert printed.out.splitlines()[2].startswith("| grpo | digits.yaml | group |")  # --markdown: the README's table
 
 
-def test_one_seed_markdown_is_the_readme_table():
-    """The shipped single-seed result (docs/bench_methods.json) in markdown: the README's columns and values."""
-    res = json.loads((Path(__file__).resolve().parents[1] / "docs" / "bench_methods.json").read_text())
+def test_one_seed_markdown_is_the_readme_table_before_seeds():
+    """The shipped single-seed result (docs/bench_methods_one_seed.json, the README's table before --seeds) in
+    markdown: the README's columns and values."""
+    res = json.loads((Path(__file__).resolve().parents[1] / "docs" / "bench_methods_one_seed.json").read_text())
     md = markdown(res).splitlines()
     assert md[0] == ("| method | recipe | sampler | s/iter | samples | final reward | diversity | HF energy | "
                      "to GRPO's final: s | samples | x fewer samples |")
