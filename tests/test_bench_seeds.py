@@ -195,3 +195,17 @@ def test_one_seed_markdown_is_the_readme_table_before_seeds():
     assert "| grpo | digits.yaml | group | 7.40 | 720 | 0.938 | 0.180 | 0.0044 | 66.6 | 720 | 1.00 |" in md
     assert "| awm | digits_awm.yaml | ode | 5.03 | 960 | 0.963 | 0.145 | 0.0058 | 15.2 | 240 | 3.00 |" in md
     assert "| dppo | digits_dppo.yaml | group | 7.36 | 720 | 0.918 | 0.184 | 0.0046 | - | - | - |" in md
+
+
+@pytest.mark.parametrize("name", ["bench_methods.json", "bench_methods_trainers.json"])
+def test_the_readme_tables_are_the_shipped_results(name):
+    """Every row of the README's seeded methods tables is the markdown of the JSON it links (the method's display
+    name aside): no number typed by hand."""
+    root = Path(__file__).resolve().parents[1]
+    res = json.loads((root / "docs" / name).read_text())
+    readme = {ln.split(" | ", 1)[1] for ln in (root / "README.md").read_text().splitlines() if ln.startswith("| ")
+              and " | " in ln}
+    rows = [ln.split(" | ", 1)[1] for ln in markdown(res).splitlines()[2:]]
+    assert len(res["train_seeds"]) == 3 and len(rows) == len(res["variants"]) + 1  # + the real data
+    missing = [r for r in rows if r not in readme]
+    assert not missing, missing
