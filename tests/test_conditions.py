@@ -249,7 +249,9 @@ def test_frames_are_reduced_in_one_place_with_the_stride_as_an_argument(monkeypa
         return images.flatten(1).mean(1)
 
     real = flowrl.media.score_per_frame
-    monkeypatch.setattr("flowrl.scoring.score_per_frame", lambda *a, **k: reductions.append(a[3]) or real(*a, **k))
+    counted = lambda *a, **k: reductions.append(a[3]) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr("flowrl.scoring.score_per_frame", counted)  # plain rewards: flowrl.scoring calls it
+    monkeypatch.setattr("flowrl.media.score_per_frame", counted)  # MultiReward.video_components calls it there
     monkeypatch.setattr(flowrl.rewards, "build", lambda name, **kw: frame_mean)
     got = build_rewards({"frame_mean_test": {}})["frame_mean_test"]
     assert got is frame_mean and not hasattr(got, "frame_stride")
