@@ -127,7 +127,7 @@ def build_copies(policy, quantizers: dict[str, Any], calibrate, device: torch.de
 def time_interleaved(policy, modules: dict, results: dict, prompts, seeds, steps: int, batch: int, repeats: int,
                      device: torch.device, log) -> None:
     """Timed sampling rounds, backends interleaved (round 0 is the warm-up); fills ``results``. A key
-    ``"SPEC compiled"`` of ``modules`` and ``results`` runs ``SPEC``'s module compiled."""
+    ``"<backend> compiled"`` of ``modules`` and ``results`` runs that backend's module compiled."""
     specs = list(modules)
     times: dict[str, list[float]] = {s: [] for s in specs}
     peaks: dict[str, list[Optional[int]]] = {s: [] for s in specs}

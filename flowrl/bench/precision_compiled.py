@@ -70,7 +70,7 @@ def compiled_speedups(results: dict, sizes: Iterable[Optional[str]] = (None,)) -
 # ---------------------------------------------------------------- the one-size benchmark (digits, sd3-mid, sd3, flux)
 def add_compiled(policy, modules: dict, results: dict, mode: str, sample, log, quantizers: dict) -> dict:
     """Compile every backend's module in place (role: its spec), compile it by one sampling call
-    (``sample(module, compiled=True)``), and add ``"SPEC compiled"`` to ``modules`` and ``results`` for the
+    (``sample(module, compiled=True)``), and add ``"<backend> compiled"`` to ``modules`` and ``results`` for the
     interleaved timing -> ``spec -> (log, compiles after that call)``; nothing when ``mode`` is ``off``. A backend
     whose quantizer declares ``compilable = False`` (as ``model.compile`` leaves it eager) is said and skipped."""
     out = {}
@@ -103,7 +103,7 @@ def _forward(policy, module, inputs, compiled: bool, device, repeats: int = 5) -
 
 def finish_compiled(policy, modules: dict, results: dict, compiled: dict, mode: str, inputs, device) -> None:
     """After the interleaved timing: every backend's bare forward and velocity eager and compiled (``inputs``:
-    :func:`velocity_input`), each ``"SPEC compiled"`` result folded into ``results[SPEC]["compiled"]``, the
+    :func:`velocity_input`), each ``"<backend> compiled"`` result folded into ``results[<backend>]["compiled"]``, the
     speed-ups filled, and the compiled forwards removed (what follows runs eagerly)."""
     if not compiled:
         return
