@@ -53,7 +53,7 @@ from .base import IMAGE_SIZE, DiffusersPolicy
 from .common import Resolution, Schedule, Shift, TextTokens, check_scheduler, resolve_resolution, scheduler_sigmas
 from .facts import Component, ModelConfigs
 from .mmdit import DoubleSingleStreamFacts
-from .qwen_family import QWEN25_VL_7B
+from .qwen_family import QWEN25_VL_7B, tiny_qwen25_vl
 
 # No peer publishes LoRA targets for HunyuanImage 2.1: Flow-GRPO's FLUX.1 targets (the same double-stream MMDiT
 # layout: both streams' attention projections and feed-forwards), plus the single-stream blocks' attention and MLP
@@ -286,25 +286,12 @@ class HunyuanImagePolicy(DoubleSingleStreamFacts, DiffusersPolicy):
         guider starting APG at step 38."""
         from diffusers import (AdaptiveProjectedMixGuidance, AutoencoderKLHunyuanImage, FlowMatchEulerDiscreteScheduler,
                                HunyuanImageTransformer2DModel)
-        from transformers import (ByT5Tokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, T5Config,
-                                  T5EncoderModel)
+        from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
 
         from .tiny import build_qwen_tokenizer
 
         tok = build_qwen_tokenizer()
-        ids = {name: tok.convert_tokens_to_ids(f"<|{name}|>") for name in
-               ("image_pad", "video_pad", "vision_start", "vision_end", "endoftext", "im_end")}
-        torch.manual_seed(seed)
-        text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-            text_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 3, "num_attention_heads": 2,
-                         "num_key_value_heads": 2, "vocab_size": len(tok), "rope_theta": 1e6,
-                         "bos_token_id": ids["endoftext"], "eos_token_id": ids["im_end"],
-                         "pad_token_id": ids["endoftext"],
-                         "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"}},
-            vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
-                           "out_hidden_size": 16},
-            vocab_size=len(tok), image_token_id=ids["image_pad"], video_token_id=ids["video_pad"],
-            vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"])).eval()
+        text_encoder = tiny_qwen25_vl(tok, num_layers=3, seed=seed)
         tok2 = ByT5Tokenizer()
         torch.manual_seed(seed + 1)
         text_encoder_2 = T5EncoderModel(T5Config(

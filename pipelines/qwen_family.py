@@ -98,6 +98,29 @@ def live_lora_targets(num_blocks: int, targets) -> list[str]:
     return out
 
 
+def tiny_qwen25_vl(tok, num_layers: int, seed: int = 0):
+    """A random ``Qwen2_5_VLForConditionalGeneration`` with ``num_layers`` language layers 16 wide and a 1-block
+    vision tower (patch 14, 2x2 merge, as the real one) over the offline tokenizer ``tok``
+    (``pipelines.tiny.build_qwen_tokenizer``), its special tokens' ids from ``tok``; drawn after
+    ``torch.manual_seed(seed)``. Sizes as diffusers' Qwen-Image fast tests."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = {name: tok.convert_tokens_to_ids(f"<|{name}|>") for name in
+           ("image_pad", "video_pad", "vision_start", "vision_end", "endoftext", "im_end")}
+    torch.manual_seed(seed)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": num_layers,
+                     "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": len(tok), "rope_theta": 1e6,
+                     "bos_token_id": ids["endoftext"], "eos_token_id": ids["im_end"],
+                     "pad_token_id": ids["endoftext"],
+                     "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"}},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
+                       "out_hidden_size": 16},
+        vocab_size=len(tok), image_token_id=ids["image_pad"], video_token_id=ids["video_pad"],
+        vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"])).eval()
+    return text_encoder
+
+
 def tiny_qwen_components(tok, seed: int = 0, **transformer_options) -> dict:
     """Tiny random Qwen-Image components over the offline tokenizer ``tok`` (``pipelines.tiny.
     build_qwen_tokenizer``): a 2-layer ``QwenImageTransformer2DModel`` (patch 2, 64 packed channels, as
@@ -108,21 +131,8 @@ def tiny_qwen_components(tok, seed: int = 0, **transformer_options) -> dict:
     config (dynamic exponential shift 0.5 -> 0.9 over 256 -> 8192 tokens, shift_terminal 0.02).
     Transformer and text encoder sizes as diffusers' Qwen-Image fast tests."""
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    ids = {name: tok.convert_tokens_to_ids(f"<|{name}|>") for name in
-           ("image_pad", "video_pad", "vision_start", "vision_end", "endoftext", "im_end")}
-    torch.manual_seed(seed)
-    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-        text_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
-                     "num_key_value_heads": 2, "vocab_size": len(tok), "rope_theta": 1e6,
-                     "bos_token_id": ids["endoftext"], "eos_token_id": ids["im_end"],
-                     "pad_token_id": ids["endoftext"],
-                     "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"}},
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
-                       "out_hidden_size": 16},
-        vocab_size=len(tok), image_token_id=ids["image_pad"], video_token_id=ids["video_pad"],
-        vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"])).eval()
+    text_encoder = tiny_qwen25_vl(tok, num_layers=2, seed=seed)
     torch.manual_seed(seed + 1)
     vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                  temperal_downsample=[False, True, True])  # default latents_mean / std
@@ -336,4 +346,4 @@ class QwenFamilyPolicy(QwenVideoVaeFacts, PackedLatents, DiffusersPolicy):
 
 __all__ = ["LAST_BLOCK_UNUSED", "QwenTextTokens", "QWEN25_VL_7B", "QWEN_IMAGE_20B", "QWEN_IMAGE_LORA_TARGET_MODULES", "QWEN_IMAGE_VAE",
            "QWEN_TEXT_ENCODERS", "QwenFamilyPolicy", "QwenVideoVaeFacts", "live_lora_targets", "pad_text",
-           "qwen_pipeline_sigmas", "tiny_qwen3_vl", "tiny_qwen_components"]
+           "qwen_pipeline_sigmas", "tiny_qwen25_vl", "tiny_qwen3_vl", "tiny_qwen_components"]
