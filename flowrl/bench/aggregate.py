@@ -23,6 +23,7 @@ from ..errors import BenchError
 from ..trainers.config_text import recipes_dir
 from ..utils.io import save_figure, write_json
 from .training import Variant, run_variant
+from .methods_seeds import num
 from .precision_measure import cpu_name
 
 RECIPE = "digits_two_rewards.yaml"
@@ -81,17 +82,13 @@ def report(res: dict) -> str:
                                                            for n in names)
     rows = [head]
     for rule, per in res["movement"].items():
-        cells = "".join(f"{_move(per[n]):>46}{_num(per[n]['adv_share'], '.3f'):>11}" for n in names)
+        cells = "".join(f"{_move(per[n]):>46}{num(per[n]['adv_share'], '.3f'):>11}" for n in names)
         rows.append(f"{rule:<18}{res['variants'][rule]['iterations']:>6}{cells}")
     return "\n".join(rows)
 
 
 def _move(m: dict) -> str:
     return f"{m['base']:.4f} -> {m['final']:.4f} ({m['change']:+.4f})"
-
-
-def _num(v, fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
 
 
 def plot(res: dict, path: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import methods_seeds
+from .methods_seeds import num
 from .training import plot_panels, time_to_reach
 
 
@@ -43,10 +44,6 @@ def plot(res: dict, path: Path, baseline: str) -> None:
                 baseline=baseline, shape=(2, 2))
 
 
-def _num(v, fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
-
-
 HEAD = (f"{'method':<12}{'recipe':>20}{'sampler':>8}{'s/iter':>8}{'iters':>7}{'samples':>9}{'final reward':>14}"
         f"{'diversity':>11}{'HF energy':>11}{'to GRPO s':>11}{'to GRPO samples':>17}{'x fewer samples':>17}")
 
@@ -55,8 +52,8 @@ def _row(name: str, r: dict) -> str:
     c = r["curve"][-1]
     return (f"{name:<12}{Path(r['recipe']).name:>20}{r['sampler']['name']:>8}{r['seconds_per_iteration']:>8.2f}"
             f"{r['iterations']:>7d}{r['samples_drawn']:>9d}{r['final_eval_reward']:>14.4f}{c['diversity']:>11.4f}"
-            f"{c['hf_energy']:>11.5f}{_num(r.get('seconds_to_baseline_final_reward'), '.1f'):>11}"
-            f"{_num(r.get('samples_to_baseline_final_reward'), 'd'):>17}{_num(r.get('speedup_samples'), '.2f'):>17}")
+            f"{c['hf_energy']:>11.5f}{num(r.get('seconds_to_baseline_final_reward'), '.1f'):>11}"
+            f"{num(r.get('samples_to_baseline_final_reward'), 'd'):>17}{num(r.get('speedup_samples'), '.2f'):>17}")
 
 
 def _baseline_line(res: dict) -> str:

@@ -83,11 +83,14 @@ def add_intervals(res: dict, baseline: str) -> None:
             r[f"speedup_{key}_interval"] = [_finite(s.lo), _finite(s.hi)] if s else None
 
 
+def num(v, fmt: str) -> str:
+    """``v`` formatted by ``fmt``; ``-`` for None (never within the budget, or not measured)."""
+    return "-" if v is None else format(v, fmt)
+
+
 def cell(mean, interval, fmt: str) -> str:
     """``mean [lo, hi]`` (``-``: None, never within the budget)."""
-    def num(v):
-        return "-" if v is None else format(v, fmt)
-    return f"{num(mean)} [{num(interval[0])}, {num(interval[1])}]" if interval else num(mean)
+    return f"{num(mean, fmt)} [{num(interval[0], fmt)}, {num(interval[1], fmt)}]" if interval else num(mean, fmt)
 
 
 HEAD = (f"{'method':<12}{'recipe':>20}{'sampler':>8}{'s/iter':>8}{'samples':>9}{'final reward':>24}"

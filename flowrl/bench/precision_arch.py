@@ -47,7 +47,7 @@ from .precision_arch_report import plot_arch
 from .precision_measure import PeakMemory, machine_info, sync_device, timed, write_outputs
 from ..utils.compile import check_mode, compile_rollouts, eager_forwards
 from ..utils.paths import resolve_device
-from .precision_compiled import compiled_entry, compiled_speedups, velocity_input
+from .precision_compiled import compiled_entry, compiled_speedups, rel_error, velocity_input
 
 PROMPTS = ["a photo of a cat on a sofa", "a red bicycle leaning on a brick wall"]
 ARCH_SEED = 20260410
@@ -113,10 +113,6 @@ def build_copy(policy: ArchPolicy, q, calibrate, device: torch.device) -> tuple[
     return module, time.perf_counter() - t0
 
 
-def _rel_error(v: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((v - ref).norm() / ref.norm().clamp_min(1e-12))
-
-
 def measure_backend(policy: ArchPolicy, spec: str, module, resolutions, settings: dict, reference: dict,
                     log) -> tuple[dict, Optional[dict]]:
     """Every resolution of one backend, eager, then compiled when ``settings["compile"]`` is not ``off`` ->
@@ -128,7 +124,7 @@ def measure_backend(policy: ArchPolicy, spec: str, module, resolutions, settings
         if spec == "full":
             reference[px] = v
         eager_v[px] = v
-        row["velocity_rel_error"] = _rel_error(v, reference[px])
+        row["velocity_rel_error"] = rel_error(v, reference[px])
         out[str(px)] = row
         log(f"[bench precision] {spec} @ {px}px: {row['images_per_second']:.3f} img/s, forward "
             f"{row['forward_ms']:.1f} ms, rel. error {row['velocity_rel_error']:.2e}", flush=True)
@@ -141,8 +137,8 @@ def measure_backend(policy: ArchPolicy, spec: str, module, resolutions, settings
             policy.set_resolution(px)
             row, v = time_resolution(policy, module, settings["batch"], settings["steps"], settings["repeats"], 2,
                                      compiled=clog)
-            row.update({"velocity_rel_error": _rel_error(v, reference[px]),
-                        "velocity_rel_error_vs_eager": _rel_error(v, eager_v[px])})
+            row.update({"velocity_rel_error": rel_error(v, reference[px]),
+                        "velocity_rel_error_vs_eager": rel_error(v, eager_v[px])})
             rows[str(px)] = row
             log(f"[bench precision] {spec} compiled ({settings['compile']}) @ {px}px: {row['images_per_second']:.3f} "
                 f"img/s, forward {row['forward_ms']:.1f} ms, compile {row['compile_seconds']:.1f}s, "

@@ -117,15 +117,16 @@ def finish_compiled(policy, modules: dict, results: dict, compiled: dict, mode: 
         row = results.pop(f"{spec} compiled")
         modules.pop(f"{spec} compiled")
         compile_rollouts(modules[spec], "off")
-        results[spec]["velocity_rel_error"] = _rel(velocity[spec, False], ref)
-        row.update({"velocity_rel_error": _rel(velocity[spec, True], ref), "recompiles_timed":
+        results[spec]["velocity_rel_error"] = rel_error(velocity[spec, False], ref)
+        row.update({"velocity_rel_error": rel_error(velocity[spec, True], ref), "recompiles_timed":
                     clog.compiles + clog.recompiles - warm,
-                    "velocity_rel_error_vs_eager": _rel(velocity[spec, True], velocity[spec, False])})
+                    "velocity_rel_error_vs_eager": rel_error(velocity[spec, True], velocity[spec, False])})
         row.pop("speedup_vs_full_best", None)
         results[spec]["compiled"] = {**compiled_entry(mode, clog, {}), **row}
         results[spec]["compiled"].pop("resolutions")
     compiled_speedups(results)
 
 
-def _rel(v: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_error(v: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||v - ref|| / ||ref||`` (Frobenius norms over every element; ``ref``'s norm floored at 1e-12)."""
     return float((v - ref).norm() / ref.norm().clamp_min(1e-12))
