@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from .checkpoints.runs import apply_run_weights, is_run_directory, run_model
+from .checkpoints.runs import apply_run_weights, run_chain
 from .diagnostics import watch
 from .errors import ConfigError
 from .rollout.ode import ode_generate
@@ -70,13 +70,11 @@ def build_policy_from_config(cfg, device, without_text_encoders: bool = False):
     skip = {}
     if without_text_encoders:
         skip = {n: None for n in getattr(policy_class(cfg.model.pipeline), "text_encoder_names", ())}
-    path, runs = cfg.model.path, []
-    while is_run_directory(path):  # model.path a run directory: its base, then its trained weights (fused)
-        runs.append(run_model(path))
-        if runs[-1].pipeline != cfg.model.pipeline:
-            raise ConfigError(f"model.path {path} is a {runs[-1].pipeline} run and model.pipeline is "
-                              f"{cfg.model.pipeline}; set model.pipeline={runs[-1].pipeline}")
-        path = runs[-1].base
+    path, runs = run_chain(cfg.model.path)  # model.path a run directory: its base, then its trained weights (fused)
+    for rm in runs:
+        if rm.pipeline != cfg.model.pipeline:
+            raise ConfigError(f"model.path {rm.run} is a {rm.pipeline} run and model.pipeline is "
+                              f"{cfg.model.pipeline}; set model.pipeline={rm.pipeline}")
     policy = build_policy(cfg.model.pipeline, path, guidance_scale=cfg.model.guidance_scale,
                           device=device, **cfg.model.options, **skip)
     for rm in reversed(runs):  # the deepest run first

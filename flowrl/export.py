@@ -44,7 +44,7 @@ import torch
 
 from .checkpoints import checkpoint_tensors, format_of
 from .checkpoints.common import CheckpointError, list_checkpoints
-from .checkpoints.runs import base_model_path as runs_base_path
+from .checkpoints.runs import base_model_path as runs_base_path, is_run_directory
 from .trainers.config import Config, load_run_config
 from .errors import ConfigError
 from .utils.io import atomic_dir, write_json
@@ -324,7 +324,7 @@ def export_run(run_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike
         info.update({**done, "pipeline": cfg.model.pipeline, "base_model": base, "run_dir": str(run.resolve()),
                      "checkpoint": ck.name, "iteration": state.get("iteration"), "weights": "ema" if ema else "trained",
                      "load": done["load"].replace("BASE", repr(base)).replace("OUT", repr(str(out)))})
-        if cfg.train.lora_rank > 0 and runs_base_path(cfg.model.path) != cfg.model.path:  # trained on a run
+        if cfg.train.lora_rank > 0 and is_run_directory(cfg.model.path):  # trained on a run
             info["note"] = (f"the LoRA applies to {base} with the run {cfg.model.path}'s trained weights fused in (its "
                             f"model.path); export that run and fuse it first, or load both in order")
         write_json(info, tmp / EXPORT_JSON)

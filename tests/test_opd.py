@@ -185,3 +185,18 @@ def test_an_opd_run_is_the_model_path_of_a_later_rl_run(tiny_digits_dir, tmp_pat
     assert any(i.name.startswith("transformer weights") and i.bytes > 0 for i in plan_memory(rl_cfg).items)
     info = export_run(rl, tmp_path / "export")
     assert info["base_model"] == str(tiny_digits_dir) and str(opd) in info["note"]
+
+
+def test_a_loop_of_runs_is_one_error_for_every_reader(tmp_path):
+    """Two runs naming each other as model.path: plan / export (base_model_path) and the builder (run_chain) stop
+    with one ConfigError instead of following them forever."""
+    from flowrl.checkpoints.runs import base_model_path, run_chain
+    from flowrl.errors import ConfigError
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for run, other in ((a, b), (b, a)):
+        (run / "checkpoints" / "iter_000001").mkdir(parents=True)
+        (run / "config.yaml").write_text(f"model: {{pipeline: digits, path: {other}}}\n")
+    for read in (base_model_path, run_chain):
+        with pytest.raises(ConfigError, match="form a loop"):
+            read(str(a))

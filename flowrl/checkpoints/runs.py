@@ -59,15 +59,21 @@ def run_model(path) -> RunModel:
                     cks[-1])
 
 
+def run_chain(path) -> tuple[Optional[str], list[RunModel]]:
+    """``(base, runs)``: the run directories ``path`` leads through (``path``'s own first, each the next one's
+    ``model.path``) and the model directory, hub id or None they end at; a loop of runs is a :class:`ConfigError`."""
+    runs: list[RunModel] = []
+    while is_run_directory(path):
+        if any(str(path) == str(rm.run) for rm in runs):
+            raise ConfigError(f"model {path}: its runs' model.path form a loop")
+        runs.append(run_model(path))
+        path = runs[-1].base
+    return path, runs
+
+
 def base_model_path(path) -> Optional[str]:
     """``path`` with every run directory in the chain replaced by its base (a model directory, hub id or None)."""
-    seen = set()
-    while is_run_directory(path):
-        if str(path) in seen:
-            raise ConfigError(f"model {path}: its runs' model.path form a loop")
-        seen.add(str(path))
-        path = run_model(path).base
-    return path
+    return run_chain(path)[0]
 
 
 def apply_run_weights(transformer: nn.Module, rm: RunModel, default_targets=None) -> nn.Module:

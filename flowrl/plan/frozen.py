@@ -22,6 +22,8 @@ def frozen_items(cfg, acts) -> list[Item]:
 
     out: list[Item] = []
     needs = cfg.train.update_needs
+    if not needs.frozen_models:  # (no sampler built for a plan that has none)
+        return out
     sampler = cfg.sampler.build().trained_sampler
     steps = len(sampler.trained_steps()) if hasattr(sampler, "trained_steps") else 0
     for k, (source, guidance, offload) in enumerate(needs.frozen_models):
