@@ -13,9 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from ..seeding import stream_seed
 from .base import Batch, Update, UpdateOptions, check_number
-from .offline_gdro import T_SAMPLING, sample_t
+from .offline_gdro import check_times, pass_noise, step_batch
 
 
 @dataclass
@@ -31,16 +30,11 @@ class ImageStepOptions(UpdateOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.t_sampling not in T_SAMPLING:
-            raise ValueError(f"train.loss_options.t_sampling must be one of {', '.join(T_SAMPLING)}, "
-                             f"got {self.t_sampling!r}")
         check_number(self, "t_std", strict=True)
         check_number(self, "t_mean", minimum=-float("inf"))
         for name in ("t_min", "t_max"):
             check_number(self, name)
-        if not 0 < self.t_min < self.t_max < 1:
-            raise ValueError(f"train.loss_options.t_min / t_max must satisfy 0 < t_min < t_max < 1, got "
-                             f"{self.t_min}, {self.t_max}")
+        check_times(self)
 
 
 def encode_images(policy, images: torch.Tensor) -> torch.Tensor:
@@ -63,13 +57,9 @@ class ImageStepUpdate(Update):
     """Base of the updates on ``data.dataset``: the step's passes in the trainer's order, and their noise."""
 
     def batch(self, passes: list, step: int) -> Batch:
-        """The step's passes, in their order (no shuffle: the trainer's dataset order decides)."""
-        return Batch(torch.cat(list(passes)), len(passes[0]), shuffle=None, data={"step": step})
+        return step_batch(passes, step)
 
     def noise(self, step: int, micro: int, n: int, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """``(t [n], eps [n, *shape])`` of pass ``micro`` of ``step`` on this process, float32 on the device."""
-        seed = stream_seed("offline.noise", self.ctx.train.seed, step, micro, self.ctx.process_index)
-        gen = torch.Generator().manual_seed(seed)
-        t = sample_t(gen, n, self.opts)  # [n]
-        eps = torch.randn((n, *shape), generator=gen)  # [n, C, H, W]
+        t, eps = pass_noise(self.ctx, self.opts, step, micro, n, shape)  # [n], [n, C, H, W]
         return t.to(self.ctx.device), eps.to(self.ctx.device)

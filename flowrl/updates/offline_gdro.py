@@ -56,12 +56,34 @@ class OfflineGDROOptions(UpdateOptions):
                 raise ValueError(f"train.loss_options.{name} must be a number >= 0, got {v!r}")
         if not self.beta > 0:
             raise ValueError(f"train.loss_options.beta must be > 0 (it scales the implicit rewards), got {self.beta}")
-        if self.t_sampling not in T_SAMPLING:
-            raise ValueError(f"train.loss_options.t_sampling must be one of {', '.join(T_SAMPLING)}, "
-                             f"got {self.t_sampling!r}")
-        if not 0 < self.t_min < self.t_max < 1:
-            raise ValueError(f"train.loss_options.t_min / t_max must satisfy 0 < t_min < t_max < 1, got "
-                             f"{self.t_min}, {self.t_max}")
+        check_times(self)
+
+
+def check_times(opts) -> None:
+    """The training-time options of a dataset update (``t_sampling``, ``t_min``, ``t_max``), one line each."""
+    if opts.t_sampling not in T_SAMPLING:
+        raise ValueError(f"train.loss_options.t_sampling must be one of {', '.join(T_SAMPLING)}, "
+                         f"got {opts.t_sampling!r}")
+    if not 0 < opts.t_min < opts.t_max < 1:
+        raise ValueError(f"train.loss_options.t_min / t_max must satisfy 0 < t_min < t_max < 1, got "
+                         f"{opts.t_min}, {opts.t_max}")
+
+
+def step_batch(passes: list, step: int) -> Batch:
+    """A dataset update's optimizer step: its passes in their order (no shuffle: the trainer's dataset order
+    decides), the step number kept for the passes' noise."""
+    return Batch(torch.cat(list(passes)), len(passes[0]), shuffle=None, data={"step": step})
+
+
+def pass_noise(ctx, opts, step: int, micro: int, n: int, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(t [n], eps [n, *shape])`` of pass ``micro`` of optimizer step ``step`` on this process, float32 on the
+    CPU, from ``(train.seed, step, pass, rank)`` only (seed purpose ``offline.noise``): a resumed run continues
+    exactly."""
+    seed = stream_seed("offline.noise", ctx.train.seed, step, micro, ctx.process_index)
+    gen = torch.Generator().manual_seed(seed)
+    t = sample_t(gen, n, opts)  # [n]
+    eps = torch.randn((n, *shape), generator=gen)  # [n, *shape]
+    return t, eps
 
 
 class OfflineGDROUpdate(Update):
@@ -83,19 +105,14 @@ class OfflineGDROUpdate(Update):
         return self.ctx.dataset
 
     def batch(self, passes: list, step: int) -> Batch:
-        """The step's passes, in their order (no shuffle: the trainer's dataset order decides)."""
-        return Batch(torch.cat(list(passes)), len(passes[0]), shuffle=None, data={"step": step})
+        return step_batch(passes, step)
 
     def loss(self, batch: Batch, mb: Minibatch) -> tuple[torch.Tensor, dict]:
         return self.pass_loss(mb.rows, batch.data["step"], mb.index)
 
     def noise(self, step: int, micro: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Shared ``(t [g], eps [g, C, H, W])`` per group, from (seed, step, pass, rank) only."""
-        seed = stream_seed("offline.noise", self.ctx.train.seed, step, micro, self.ctx.process_index)
-        gen = torch.Generator().manual_seed(seed)
-        t = sample_t(gen, g, self.opts)  # [g]
-        eps = torch.randn((g, *self.ds.latent_shape), generator=gen)  # [g, C, H, W]
-        return t, eps
+        return pass_noise(self.ctx, self.opts, step, micro, g, self.ds.latent_shape)
 
     def pass_loss(self, groups: torch.Tensor, step: int, micro: int) -> tuple[torch.Tensor, dict]:
         """GDRO loss of one pass over ``groups`` [G] ids -> (loss scalar, stats)."""
