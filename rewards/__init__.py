@@ -10,6 +10,7 @@ from typing import Callable, Mapping, Optional, Union
 
 import torch
 
+from flowrl.advantages.aggregate import RULES
 from flowrl.registry import Registry
 
 # name -> "module:attribute" (lazy: importing flowrl.rewards loads no reward model library), or a callable
@@ -125,7 +126,7 @@ class MultiReward:
             raise ValueError(f"rewards {sorted(rewards)} and weights {sorted(weights)} must name the same rewards")
         if not rewards:
             raise ValueError("MultiReward needs at least one reward")
-        if aggregate not in ("sum", "per_reward"):
+        if aggregate not in RULES:
             raise ValueError(f"aggregate must be 'sum' or 'per_reward', got {aggregate!r}")
         self.aggregate = aggregate
         self.rewards, self.weights = dict(rewards), {k: float(v) for k, v in weights.items()}

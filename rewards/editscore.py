@@ -40,7 +40,7 @@ from typing import Literal, Optional, Sequence
 
 import torch
 
-from flowrl.data.items import row_sources
+from flowrl.data.items import sources_per_row
 from flowrl.options import Device, Fraction, ModelSource, NonNegativeFloat, NonNegativeInt, PositiveInt
 
 from ._clip_common import DTypeLike, check_inputs
@@ -206,10 +206,7 @@ class EditScore:
 
     def __call__(self, images: torch.Tensor, prompts: list[str], *, sources=None, **meta) -> torch.Tensor:
         check_inputs(images, prompts, self.name)
-        rows = [()] * len(prompts) if sources is None else [row_sources(s) for s in sources]
-        if len(rows) != len(prompts):
-            raise ValueError(f"editscore got {len(prompts)} images but {len(rows)} sources; pass one source (or "
-                             f"None) per image")
+        rows = sources_per_row(sources, len(prompts), "editscore")
         todo = [i for i, r in enumerate(rows) if r]
         out = torch.full((len(prompts),), float("nan"))
         if not todo:

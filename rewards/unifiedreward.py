@@ -45,7 +45,7 @@ from typing import Literal, Mapping, Optional
 
 import torch
 
-from flowrl.data.items import row_sources
+from flowrl.data.items import sources_per_row
 from flowrl.options import Device, ModelSource, NonNegativeInt, PositiveInt
 
 from ._clip_common import DTypeLike, check_inputs
@@ -236,9 +236,6 @@ class UnifiedReward:
 
     def __call__(self, images: torch.Tensor, prompts: list[str], *, sources=None, **meta) -> torch.Tensor:
         check_inputs(images, prompts, self.name)
-        rows = [()] * len(prompts) if sources is None else [tuple(row_sources(s)) for s in sources]
-        if len(rows) != len(prompts):
-            raise ValueError(f"unifiedreward got {len(prompts)} images but {len(rows)} sources; pass one source (or "
-                             f"None) per image")
+        rows = sources_per_row(sources, len(prompts), "unifiedreward")
         how = {"pointwise": self.pointwise, "dimensions": self.by_dimension, "pairwise": self.pairwise}[self.mode]
         return how(images, prompts, rows)

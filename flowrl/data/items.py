@@ -42,8 +42,8 @@ IMAGE_FIELD = "image"
 KEY_SEPARATOR = "\x1f"  # ASCII unit separator: never typed in a prompt
 
 __all__ = ["PromptItem", "Source", "as_items", "load_edit_set", "load_image", "item_texts", "item_sources",
-           "item_record", "item_from_record", "is_edit_row", "row_sources", "INSTRUCTION_FIELDS", "IMAGE_FIELD",
-           "MAX_SOURCES"]
+           "item_record", "item_from_record", "is_edit_row", "row_sources", "sources_per_row", "INSTRUCTION_FIELDS",
+           "IMAGE_FIELD", "MAX_SOURCES"]
 
 
 def load_image(path: Union[str, os.PathLike]) -> torch.Tensor:
@@ -180,6 +180,15 @@ class PromptItem:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+
+
+def sources_per_row(sources, n: int, who: str) -> list[tuple[torch.Tensor, ...]]:
+    """The ``sources=`` of ``n`` rows as :func:`row_sources` tuples (all ``()`` for None); a count other than ``n``
+    is one ``ValueError`` naming ``who`` (the reward)."""
+    rows = [()] * n if sources is None else [row_sources(s) for s in sources]
+    if len(rows) != n:
+        raise ValueError(f"{who} got {n} images but {len(rows)} sources; pass one source (or None) per image")
+    return rows
 
 
 def row_sources(entry) -> tuple[torch.Tensor, ...]:
