@@ -159,6 +159,32 @@ def _diffusers_loading(*, revision: Optional[str] = None, variant: Optional[str]
     ``loading_options``): a hub revision, a weights variant (``fp16``), a cache directory, ..."""
 
 
+class TransformerLoraExport:
+    """For an adapter whose diffusers pipeline has no LoRA loader (diffusers 0.42.1: HunyuanImage, HunyuanVideo
+    1.5): the export is written in diffusers' LoRA format (keys ``transformer.*``, the ``LoraConfig`` as metadata)
+    by the Hunyuan video pipeline's mixin, and loads into the pipeline's transformer (``load_lora_adapter``). Put
+    it before :class:`DiffusersPolicy` in the adapter's bases."""
+
+    pipeline_class: ClassVar[str] = ""
+
+    @classmethod
+    def lora_writer(cls):
+        from diffusers.loaders import HunyuanVideoLoraLoaderMixin
+
+        return HunyuanVideoLoraLoaderMixin
+
+    @classmethod
+    def lora_load_hint(cls, components=None) -> str:
+        return (f"{cls.pipeline_class}.from_pretrained(BASE).transformer.load_lora_adapter(OUT, "
+                f"weight_name='pytorch_lora_weights.safetensors', prefix='transformer')")
+
+    @classmethod
+    def load_exported_lora(cls, pipe, out_dir, weight_name: str = "pytorch_lora_weights.safetensors",
+                           component: str = "transformer") -> None:
+        """``load_lora_adapter`` on the pipeline's transformer (the pipeline has no ``load_lora_weights``)."""
+        getattr(pipe, component).load_lora_adapter(str(out_dir), weight_name=weight_name, prefix="transformer")
+
+
 class DiffusersPolicy(ModelFacts):
     """Base ``FlowPolicy`` over a diffusers pipeline; see the module doc for what a subclass declares."""
 

@@ -49,7 +49,7 @@ import torch
 
 from flowrl.options import AtLeast, Guidance
 
-from .base import IMAGE_SIZE, DiffusersPolicy
+from .base import IMAGE_SIZE, DiffusersPolicy, TransformerLoraExport
 from .common import Resolution, Schedule, Shift, TextTokens, check_scheduler, resolve_resolution, scheduler_sigmas
 from .facts import Component, ModelConfigs
 from .mmdit import DoubleSingleStreamFacts
@@ -144,7 +144,7 @@ def meanflow_end(sigma: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
     return lo - frac * (lo - below)  # [B]
 
 
-class HunyuanImagePolicy(DoubleSingleStreamFacts, DiffusersPolicy):
+class HunyuanImagePolicy(DoubleSingleStreamFacts, TransformerLoraExport, DiffusersPolicy):
     """``FlowPolicy`` for HunyuanImage 2.1 and its distilled model (see module doc).
 
     Args:
@@ -315,26 +315,6 @@ class HunyuanImagePolicy(DoubleSingleStreamFacts, DiffusersPolicy):
                                **{**GUIDER, "adaptive_projected_guidance_start_step": OCR_GUIDER_START_STEP}))
         return dict(transformer=transformer, vae=vae, scheduler=scheduler, text_encoder=text_encoder, tokenizer=tok,
                     text_encoder_2=text_encoder_2, tokenizer_2=tok2, **guiders)
-
-    @classmethod
-    def lora_writer(cls):
-        """``HunyuanImagePipeline`` has no LoRA loader in diffusers 0.42.1: the export is written in diffusers' LoRA
-        format (keys ``transformer.*``, the ``LoraConfig`` as metadata) by the Hunyuan video pipeline's mixin, and
-        loads into the pipeline's transformer (:meth:`load_exported_lora`)."""
-        from diffusers.loaders import HunyuanVideoLoraLoaderMixin
-
-        return HunyuanVideoLoraLoaderMixin
-
-    @classmethod
-    def lora_load_hint(cls, components=None) -> str:
-        return ("HunyuanImagePipeline.from_pretrained(BASE).transformer.load_lora_adapter(OUT, "
-                "weight_name='pytorch_lora_weights.safetensors', prefix='transformer')")
-
-    @classmethod
-    def load_exported_lora(cls, pipe, out_dir, weight_name: str = "pytorch_lora_weights.safetensors",
-                           component: str = "transformer") -> None:
-        """``load_lora_adapter`` on the pipeline's transformer (the pipeline itself has no ``load_lora_weights``)."""
-        getattr(pipe, component).load_lora_adapter(str(out_dir), weight_name=weight_name, prefix="transformer")
 
     # --- FlowPolicy ----------------------------------------------------------------------
     @property

@@ -49,7 +49,7 @@ from torch.overrides import TorchFunctionMode
 
 from flowrl.options import Guidance, PositiveInt
 
-from .base import IMAGE_SIZE, DiffusersPolicy
+from .base import IMAGE_SIZE, DiffusersPolicy, TransformerLoraExport
 from .common import (Resolution, Schedule, Shift, TextTokens, check_scheduler, resolve_resolution, scheduler_sigmas,
                      vae_decode)
 from .facts import Component, Geometry, ModelConfigs
@@ -228,7 +228,7 @@ def planned_transformer(**config):
     return model
 
 
-class HunyuanVideo15Policy(DiffusersPolicy):
+class HunyuanVideo15Policy(TransformerLoraExport, DiffusersPolicy):
     """``FlowPolicy`` for HunyuanVideo 1.5 text-to-video (module doc).
 
     Args:
@@ -281,24 +281,6 @@ class HunyuanVideo15Policy(DiffusersPolicy):
         self.height, self.width = resolve_resolution(resolution, default_size(cfg.target_size), f * cfg.patch_size)
         self.latent_shape = (int(cfg.out_channels), (num_frames - 1) // ft + 1, self.height // f,
                              self.width // f)  # (C, F', h, w)
-
-    @classmethod
-    def lora_writer(cls):
-        """The export's writer (``transformer.*`` keys; the pipeline has no LoRA loader: :meth:`load_exported_lora`)."""
-        from diffusers.loaders import HunyuanVideoLoraLoaderMixin
-
-        return HunyuanVideoLoraLoaderMixin
-
-    @classmethod
-    def lora_load_hint(cls, components=None) -> str:
-        return (f"{cls.pipeline_class}.from_pretrained(BASE).transformer.load_lora_adapter(OUT, "
-                f"weight_name='pytorch_lora_weights.safetensors', prefix='transformer')")
-
-    @classmethod
-    def load_exported_lora(cls, pipe, out_dir, weight_name: str = "pytorch_lora_weights.safetensors",
-                           component: str = "transformer") -> None:
-        """``load_lora_adapter`` on the pipeline's transformer (the pipeline has no ``load_lora_weights``)."""
-        getattr(pipe, component).load_lora_adapter(str(out_dir), weight_name=weight_name, prefix="transformer")
 
     @staticmethod
     def _check_guider(guider) -> None:
