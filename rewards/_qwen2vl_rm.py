@@ -41,11 +41,6 @@ def uniform_indices(total: int, n: int) -> list[int]:
     return torch.linspace(0, total - 1, n).round().long().tolist()
 
 
-def to_uint8(x: torch.Tensor) -> torch.Tensor:
-    """[0, 1] floats -> uint8, as the references read images and videos from 8-bit files."""
-    return (x.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
-
-
 def check_prompts(prompts: Sequence[str], tokens: Sequence[str], name: str) -> None:
     """A one-line ValueError when a prompt holds a reward token's text (the head reads it where it occurs)."""
     bad = next((t for p in prompts for t in tokens if t in p), None)

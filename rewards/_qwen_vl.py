@@ -56,19 +56,25 @@ def smart_resize(height: int, width: int, factor: int = PATCH_FACTOR, min_pixels
     return h, w
 
 
+def to_uint8(x: torch.Tensor) -> torch.Tensor:
+    """[0, 1] floats -> uint8, as the references read images and videos from 8-bit files."""
+    return (x.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
+
+
 def to_pil(image: torch.Tensor) -> Image.Image:
     """``[3, H, W]`` float in [0, 1] -> RGB PIL image of ``round(255 x)``."""
-    arr = (image.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
-    return Image.fromarray(arr)
+    return Image.fromarray(to_uint8(image).permute(1, 2, 0).cpu().numpy())
 
 
-def prepare_image(image: torch.Tensor, resize: Optional[int] = None) -> Image.Image:
+def prepare_image(image: torch.Tensor, resize: Optional[int] = None, min_pixels: Optional[int] = None,
+                  max_pixels: Optional[int] = None) -> Image.Image:
     """One image as the judge sees it (module doc); ``resize``: first to ``resize x resize`` (PIL bicubic, as
-    Flow-GRPO's UnifiedReward scorer sends 512 x 512)."""
+    Flow-GRPO's UnifiedReward scorer sends 512 x 512); ``min_pixels`` / ``max_pixels``: :func:`smart_resize`'s
+    bounds (None: its defaults)."""
     pil = to_pil(image)
     if resize:
         pil = pil.resize((resize, resize), Image.BICUBIC)
-    h, w = smart_resize(pil.height, pil.width)
+    h, w = smart_resize(pil.height, pil.width, min_pixels=min_pixels, max_pixels=max_pixels)
     return pil.resize((w, h), Image.BICUBIC)
 
 

@@ -18,14 +18,13 @@ ratings of this image: <|Reward|>"), Qwen2-VL's chat template with the generatio
 from __future__ import annotations
 
 import torch
-from PIL import Image
 from torch import nn
 
 from flowrl.options import Device, ModelSource, PositiveInt, WeightsFile
 
 from ._clip_common import DTypeLike, check_inputs, chunks, resolve_dtype
-from ._qwen2vl_rm import QwenVLReward, build_backbone, check_prompts, load_checkpoint, load_processor, to_uint8
-from ._qwen_vl import smart_resize
+from ._qwen2vl_rm import QwenVLReward, build_backbone, check_prompts, load_checkpoint, load_processor
+from ._qwen_vl import prepare_image
 
 HUB_CHECKPOINT = "hf://MizzenAI/HPSv3/HPSv3.safetensors"
 CHECKPOINT_HINT = (f"Pass checkpoint={HUB_CHECKPOINT} (the MizzenAI/HPSv3 Hugging Face repository; cached or "
@@ -94,9 +93,8 @@ class HPSv3:
 
     def batch(self, images: torch.Tensor, prompts: list[str]) -> dict:
         """The processor's inputs for images [b, 3, H, W] in [0, 1] (on CPU)."""
-        h, w = smart_resize(images.shape[-2], images.shape[-1], min_pixels=self.pixels, max_pixels=self.pixels)
-        pil = [Image.fromarray(x.permute(1, 2, 0).numpy()).resize((w, h), Image.BICUBIC)
-               for x in to_uint8(images.cpu())]  # fetch_image: PIL's bicubic resize of the 8-bit image
+        pil = [prepare_image(x, min_pixels=self.pixels, max_pixels=self.pixels)  # fetch_image: PIL's bicubic
+               for x in images.cpu()]  # resize of the 8-bit image
         messages = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": hpsv3_text(p)}]}]
                     for p in prompts]
         text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -29,8 +29,8 @@ from flowrl.options import Device, ModelSource, PositiveFloat, PositiveInt, Weig
 
 from ._clip_common import DTypeLike, check_inputs, chunks, require, resolve_dtype
 from ._qwen2vl_rm import QwenVLReward, build_backbone, check_prompts, load_checkpoint, load_processor, smart_nframes, \
-    to_uint8, uniform_indices
-from ._qwen_vl import smart_resize
+    uniform_indices
+from ._qwen_vl import smart_resize, to_uint8
 from .videoalign_prompt import DIMENSIONS, REWARD_TOKENS, videoalign_text
 
 HUB_CHECKPOINT = "hf://KlingTeam/VideoReward/checkpoint-11352/model.pth"
