@@ -19,9 +19,8 @@ from typing import Optional
 import numpy as np
 
 from ..trainers.offline import OfflineTrainer, generate_offline, make_pairs
+from .offline import QUIET
 from .training import Variant, _point
-
-QUIET = ["logging.trackers=[]", "logging.progress=false"]
 
 
 def _dataset(cfg, variant: Variant, recipe: str, workdir: Path, progress: bool) -> tuple:
