@@ -36,7 +36,8 @@ from typing import Annotated, Literal, Optional, Sequence, Union
 import torch
 
 from flowrl.errors import ConfigError
-from flowrl.options import Device, Fraction, ModelSource, NonNegativeFloat, PositiveInt, Reads
+from flowrl.options import (Device, Fraction, ModelSource, NonNegativeFloat, PositiveInt, Reads, check_options,
+                            declared)
 
 from ._clip_common import check_inputs, chunks
 from .geneval_rules import Rules, check_metadata, evaluate, evaluate_partial, has_clauses, select_objects
@@ -115,6 +116,12 @@ def build_detector(spec: str, options: dict, device: str):
                 if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if not inspect.isclass(target) and not options and required:
         return target  # a function of the images: the detector itself
+    declared_opts, is_open = declared(target)
+    try:  # the detector's typed options: an unknown key or a value out of range is one line
+        check_options("reward.options.geneval.detector_options", f"the detector {spec}", declared_opts, options,
+                      open=is_open)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     opts = dict(options)
     if "device" in params:
         opts.setdefault("device", device)

@@ -133,6 +133,15 @@ def test_colours_option_builds_what_it_names():
         build("geneval", detector=DETECTOR, colors="palette")
 
 
+def test_detector_options_are_typed():
+    assert build("geneval", detector=DETECTOR, detector_options={"min_area": 4}).detector.min_area == 4
+    with pytest.raises(ConfigError, match=r"detector_options.max_distanc: not an option .* Did you mean "
+                                          r"reward.options.geneval.detector_options.max_distance\?"):
+        build("geneval", detector=DETECTOR, detector_options={"max_distanc": 3})
+    with pytest.raises(ConfigError, match=r"detector_options.min_area must be an integer >= 1, got 0"):
+        build("geneval", detector=DETECTOR, detector_options={"min_area": 0})
+
+
 def always_red(image, class_name, detections):
     return ["red"] * len(detections)
 
