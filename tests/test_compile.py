@@ -210,6 +210,7 @@ def test_model_compile_key():
 
     assert load_config("recipes/digits.yaml").model.compile == "off"
     assert load_config("recipes/digits.yaml", ["model.compile=off"]).model.compile == "off"  # YAML: a bare off
+    assert load_config("recipes/digits.yaml", ["model.compile=on"]).model.compile == "default"  # a bare on
     assert load_config("recipes/digits.yaml", ["model.compile=reduce-overhead"]).model.compile == "reduce-overhead"
     with pytest.raises(ConfigError, match=r"^model.compile must be one of off, default, .*, got 'fast'$"):
         load_config("recipes/digits.yaml", ["model.compile=fast"])
