@@ -26,11 +26,12 @@ import torch
 from torch import nn
 
 from flowrl.options import Device, ModelSource, PositiveFloat, PositiveInt, WeightsFile
+from flowrl.utils.images import to_uint8
 
 from ._clip_common import DTypeLike, check_inputs, chunks, require, resolve_dtype
 from ._qwen2vl_rm import QwenVLReward, build_backbone, check_prompts, load_checkpoint, load_processor, smart_nframes, \
     uniform_indices
-from ._qwen_vl import smart_resize, to_uint8
+from ._qwen_vl import smart_resize
 from .videoalign_prompt import DIMENSIONS, REWARD_TOKENS, videoalign_text
 
 HUB_CHECKPOINT = "hf://KlingTeam/VideoReward/checkpoint-11352/model.pth"
