@@ -31,5 +31,5 @@ class PretrainConfig:
 class ShapesPretrainConfig(PretrainConfig):
     """The shapes base's pretraining (docs/models.md: what it measures)."""
 
-    steps: int = 2500
+    steps: int = 1500
     batch_size: int = 32

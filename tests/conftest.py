@@ -118,6 +118,25 @@ def pretrained_digits_base():
     return path
 
 
+@pytest.fixture(scope="session")
+def pretrained_shapes_base():
+    """A shapes base in $FLOWRL_HOME, pretrained SHORT (``SHAPES_TEST_STEPS``) once per session under the
+    base's lock (every xdist worker shares it; reused when FLOWRL_HOME already has a base): the end-to-end
+    GRPO test needs a base that draws the world's colours, not the full one (``flowrl pretrain-shapes``)."""
+    from flowrl.pipelines.pixel_flow import base_lock
+    from flowrl.pipelines.pretrain_config import ShapesPretrainConfig
+    from flowrl.pipelines.shapes import ShapesPolicy
+
+    path = ShapesPolicy.default_base_path()
+    with base_lock(path, "shapes"):
+        if not (path / "transformer").is_dir():
+            ShapesPolicy.pretrain(path, ShapesPretrainConfig(steps=SHAPES_TEST_STEPS), progress=False)
+    return path
+
+
+SHAPES_TEST_STEPS = 300  # about a minute on one core of a 2-core AMD EPYC
+
+
 # ---------------------------------------------------------------- tiny reward models, built once per session
 @pytest.fixture(scope="session")
 def tiny_qwen_vl_dir(tmp_path_factory) -> str:
