@@ -112,14 +112,15 @@ def read_run_weights(run_dir: Path, checkpoint: Optional[Union[str, os.PathLike]
 
 def base_model_path(cfg: Config, model_path: Optional[str] = None) -> str:
     """Where the run's base model lives: ``model_path`` if given, else the config's ``model.path``
-    (digits: the cached base when empty)."""
+    (an embedded world, digits or shapes: its cached base when empty)."""
     if model_path:
         return str(model_path)
     path = runs_base_path(cfg.model.path)  # model.path a run directory: the base of its chain of runs
-    if cfg.model.pipeline == "digits" and path in (None, "", "digits"):
-        from flowrl.pipelines.digits import default_base_path
+    from flowrl.pipelines import policy_class
 
-        return str(default_base_path())
+    cached = getattr(policy_class(cfg.model.pipeline), "default_base_path", None)  # an embedded world's cached base
+    if cached is not None and path in (None, "", cfg.model.pipeline):
+        return str(cached())
     if not path:
         raise ExportError(f"the run's config has no model.path for pipeline {cfg.model.pipeline!r}; pass --model-path")
     return str(path)
