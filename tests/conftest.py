@@ -128,9 +128,14 @@ def pretrained_shapes_base():
     from flowrl.pipelines.shapes import ShapesPolicy
 
     path = ShapesPolicy.default_base_path()
+    threads = torch.get_num_threads()
     with base_lock(path, "shapes"):
         if not (path / "transformer").is_dir():
-            ShapesPolicy.pretrain(path, ShapesPretrainConfig(steps=SHAPES_TEST_STEPS), progress=False)
+            torch.set_num_threads(1)  # (a session fixture runs before the one_thread of a module)
+            try:
+                ShapesPolicy.pretrain(path, ShapesPretrainConfig(steps=SHAPES_TEST_STEPS), progress=False)
+            finally:
+                torch.set_num_threads(threads)
     return path
 
 
