@@ -94,7 +94,7 @@ def plot_tags(ax, res: dict) -> None:
         got = res["variants"][name].get("final_tags") or {}
         parts = np.array([_parts(got.get(t)) for t in tags])  # [T, 3] mean, lo, hi (NaN: none)
         mean = parts[:, 0]
-        err = np.nan_to_num(np.abs(parts[:, 1:] - mean[:, None])).T  # [2, T] (0: no interval)
+        err = np.nan_to_num(np.abs(parts[:, 1:] - mean[:, None])).T if np.isfinite(parts[:, 1:]).any() else None  # [2, T]
         ax.bar(x + (i - (len(names) - 1) / 2) * width, mean, width, yerr=err, capsize=2, label=name)
     real = (res.get("real") or {}).get("tags") or {}
     if real:
@@ -102,3 +102,4 @@ def plot_tags(ax, res: dict) -> None:
     ax.set_xticks(x)
     ax.set_xticklabels(tags, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("final eval reward per tag")
+    ax.set_title("per tag (colours as the curves; black: real data)", fontsize=9)
