@@ -132,9 +132,11 @@ class Reads(Constraint):
     """The option names something read from disk or a hub: ``"file"`` a weights or settings file (a local path,
     or a hub file ``hf://ORG/NAME/FILE``), ``"model"`` what ``from_pretrained`` loads (a local directory, or a hub
     id ``org/name``). Any string fits; ``flowrl train --smoke`` checks that a local one is there (the real run
-    reads it), so no part's option is taken for a path by its name or suffix."""
+    reads it), so no part's option is taken for a path by its name or suffix. ``names``: values the part
+    resolves itself (a built-in set's name), not looked for on disk."""
 
     kind: str = "file"
+    names: tuple = ()
 
     def ok(self, value) -> bool:
         return True
@@ -143,13 +145,23 @@ class Reads(Constraint):
         return "a path or hf://ORG/NAME/FILE" if self.kind == "file" else "a local directory or a hub id"
 
 
-def reads(option: Option) -> Optional[str]:
-    """The :class:`Reads` kind an option declares (on itself or on a member of its Optional / Union), or None."""
-    found = [c.kind for c in option.constraints if isinstance(c, Reads)]
+def _reads_constraints(option: Option) -> list:
+    found = [c for c in option.constraints if isinstance(c, Reads)]
     tp = option.type
     for a in typing.get_args(tp) if typing.get_origin(tp) in _UNIONS else ():
-        found += [c.kind for c in _split_annotated(a)[1] if isinstance(c, Reads)]
-    return found[0] if found else None
+        found += [c for c in _split_annotated(a)[1] if isinstance(c, Reads)]
+    return found
+
+
+def reads(option: Option) -> Optional[str]:
+    """The :class:`Reads` kind an option declares (on itself or on a member of its Optional / Union), or None."""
+    found = _reads_constraints(option)
+    return found[0].kind if found else None
+
+
+def reads_names(option: Option) -> tuple:
+    """The built-in names (:class:`Reads` ``names``) an option that reads from disk also takes."""
+    return tuple(n for c in _reads_constraints(option) for n in c.names)
 
 
 PositiveInt = typing.Annotated[int, AtLeast(1)]

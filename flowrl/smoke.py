@@ -206,14 +206,15 @@ def _check_reward_files(section: str, reward: str, options: dict) -> None:
     """The options reward ``reward`` declares as read from disk or a hub (:class:`flowrl.options.Reads`), as
     ``options`` give them: a local file or directory must be there, a hub file (``hf://...``) well formed (a note
     when it is not cached and downloads are off); a hub id (``org/name``) is left to the real run."""
-    from .options import reads
+    from .options import reads, reads_names
     from .rewards import declared_options
 
     declared, _ = declared_options(reward)
     for key, value in options.items():
         kind = reads(declared[key]) if key in declared else None
+        names = reads_names(declared[key]) if kind else ()
         for v in (value if isinstance(value, (list, tuple)) else [value]):
-            if kind and isinstance(v, str):
+            if kind and isinstance(v, str) and v not in names:
                 _check_read(f"{section}.{reward}.{key}", v, kind, reward)
 
 

@@ -42,6 +42,7 @@ import torch
 
 from .base import IMAGE_SIZE
 from flowrl.options import AtLeast, Guidance
+from flowrl.utils.images import to_pil
 
 from .common import Resolution, Schedule, Shift, module_dtype, transformer_dtype
 from .facts import ModelConfigs
@@ -59,15 +60,6 @@ MAX_SOURCES = 3  # Qwen-Image-Edit-2509 / 2511 are trained and documented with o
 QWEN_IMAGE_EDIT_2511 = dict(QWEN_IMAGE_20B, zero_cond_t=True)
 # the tiny processor's image sizes: 56 x 56 to 112 x 112 pixels (Qwen2.5-VL's: 3136 to 12845056), its patch and merge
 TINY_SIZE = {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}
-
-
-def _pil(image: torch.Tensor):
-    """A float ``[3, H, W]`` in [0, 1] as the 8-bit RGB PIL image the pipeline takes (exact for sources read
-    from 8-bit files: ``flowrl.data.items.load_image`` gives ``uint8 / 255``)."""
-    from PIL import Image
-
-    arr = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
-    return Image.fromarray(arr)  # [H, W, 3]
 
 
 class QwenImageEditPolicy(QwenFamilyPolicy):
@@ -163,7 +155,7 @@ class QwenImageEditPolicy(QwenFamilyPolicy):
 
         conditions, vae_images = [], []
         for image in sources:
-            pil = _pil(image)
+            pil = to_pil(image)  # the 8-bit RGB image the pipeline takes (exact for sources read from 8-bit files)
             ratio = pil.size[0] / pil.size[1]
             cw, ch = calculate_dimensions(self.condition_area, ratio)
             vw, vh = calculate_dimensions(self.source_area, ratio)

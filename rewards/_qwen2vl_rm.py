@@ -54,11 +54,11 @@ _PEFT = "base_model.model."
 
 
 def merge_lora(sd: Mapping[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
-    """A PEFT state dict (``base_model.model.*``, ``*.base_layer.weight`` + ``*.lora_A/B.default.weight``) ->
-    plain keys with ``W = W0 + scaling * B @ A`` (``scaling = lora_alpha / r``); ``modules_to_save`` copies win."""
+    """A PEFT state dict (``*.base_layer.weight`` + ``*.lora_A/B.default.weight``) -> plain ``*.weight`` keys with
+    ``W = W0 + scaling * B @ A`` (``scaling = lora_alpha / r``); ``modules_to_save`` copies win. A ``base_model.model.``
+    prefix stays (:func:`split_checkpoint` removes it)."""
     out, lora = {}, {}
     for k, v in sd.items():
-        k = k[len(_PEFT):] if k.startswith(_PEFT) else k
         m = re.match(r"(.*)\.lora_([AB])\.default\.weight$", k)
         if m:
             lora.setdefault(m.group(1), {})[m.group(2)] = v
@@ -77,9 +77,11 @@ def merge_lora(sd: Mapping[str, torch.Tensor], scaling: float) -> dict[str, torc
 
 def split_checkpoint(sd: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
     """A reward checkpoint (transformers < 4.52 keys ``model.*`` / ``visual.*``, or newer ``model.language_model.*``
-    / ``model.visual.*``) -> (``Qwen2VLModel`` state dict, head state dict); the LM head is dropped."""
+    / ``model.visual.*``; each maybe under PEFT's ``base_model.model.``) -> (``Qwen2VLModel`` state dict, head state
+    dict); the LM head is dropped."""
     backbone, head = {}, {}
     for k, v in sd.items():
+        k = k[len(_PEFT):] if k.startswith(_PEFT) else k
         if k.startswith("rm_head."):
             head[k[len("rm_head."):]] = v
         elif k.startswith("lm_head."):
@@ -133,7 +135,7 @@ def load_checkpoint(checkpoint: str, what: str, hint: str, setting: str, lora_sc
     sd = load_weights(checkpoint, what, hint, setting)
     if any(".lora_A." in k for k in sd):
         sd = merge_lora(sd, lora_scaling)
-    return split_checkpoint({k[len(_PEFT):] if k.startswith(_PEFT) else k: v for k, v in sd.items()})
+    return split_checkpoint(sd)
 
 
 class QwenVLReward(nn.Module):

@@ -29,6 +29,8 @@ from typing import Optional, Sequence
 import torch
 from PIL import Image
 
+from flowrl.utils.images import to_pil
+
 from ._clip_common import DTypeLike, from_pretrained, require, resolve_dtype
 
 PATCH_FACTOR = 28  # Qwen2/2.5-VL: 14-pixel patches merged 2 x 2 (qwen-vl-utils: image_patch_size x SPATIAL_MERGE_SIZE)
@@ -54,16 +56,6 @@ def smart_resize(height: int, width: int, factor: int = PATCH_FACTOR, min_pixels
         beta = math.sqrt(min_pixels / (height * width))
         h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
     return h, w
-
-
-def to_uint8(x: torch.Tensor) -> torch.Tensor:
-    """[0, 1] floats -> uint8, as the references read images and videos from 8-bit files."""
-    return (x.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
-
-
-def to_pil(image: torch.Tensor) -> Image.Image:
-    """``[3, H, W]`` float in [0, 1] -> RGB PIL image of ``round(255 x)``."""
-    return Image.fromarray(to_uint8(image).permute(1, 2, 0).cpu().numpy())
 
 
 def prepare_image(image: torch.Tensor, resize: Optional[int] = None, min_pixels: Optional[int] = None,

@@ -36,6 +36,8 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
+from flowrl.utils.images import to_uint8
+
 PROTOCOL = 1
 ENCODINGS = ("uint8", "png", "float32")
 CONTENT_TYPE = "application/octet-stream"
@@ -79,7 +81,7 @@ class WireError(ValueError):
 # ---------------------------------------------------------------- images <-> tensors
 def _to_uint8_hwc(images: torch.Tensor) -> torch.Tensor:
     """``[B, 3, H, W]`` in [0, 1] -> uint8 ``[B, H, W, 3]``, rounded (as the references' PIL conversion)."""
-    return (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+    return to_uint8(images).permute(0, 2, 3, 1).contiguous()
 
 
 def _png_bytes(hwc: np.ndarray) -> bytes:

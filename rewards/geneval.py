@@ -9,14 +9,20 @@ Clauses: the ``metadata=`` keyword (one GenEval metadata row or None per image: 
 ``include``, ``exclude``, as ``flowrl eval`` passes a ``.jsonl`` suite's rows); else the prompt
 text's row in the shipped ``geneval`` set (GenEval's 553 evaluation prompts) or in the ``metadata``
 files given (``.jsonl`` rows with a ``prompt``, e.g. Flow-GRPO's ``train_metadata.jsonl``), by exact
-match. A row that claims clauses but lacks or garbles them is an error naming it.
+match. A ``metadata`` entry may also name a built-in set (:data:`METADATA_SETS`): ``shapes``, the
+230 rows of the shapes world (:mod:`flowrl.data.shapes`, train and held out). A row that claims
+clauses but lacks or garbles them is an error naming it.
 
 ``detector``: ``"module:callable"`` (default flowrl's transformers Mask2Former,
 :class:`flowrl.rewards.geneval_detectors.Mask2FormerDetector`); a class or factory is called with
 ``detector_options`` (and ``device`` when it takes one), a function of the images is the detector.
-Its contract: :func:`flowrl.rewards.geneval_detectors.check_detections`. Colours: CLIP zero-shot
-on the masked crop (:class:`flowrl.rewards.geneval_colors.ClipColors`, ``clip_model``), built only
-when a clause names a colour.
+Its contract: :func:`flowrl.rewards.geneval_detectors.check_detections`. ``colors``: the colour
+classifier, ``"module:callable"`` (default CLIP zero-shot on the masked crop,
+:class:`flowrl.rewards.geneval_colors.ClipColors` on ``clip_model``), built only when a clause names
+a colour: a class or factory is called with those of ``clip_model`` (also offered as ``model``),
+``device`` and ``bgcolor`` it takes; a function ``(image uint8 [H, W, 3], class name, detections)
+-> [colour name per detection]`` is the classifier. For the shapes world:
+``flowrl.rewards.shapes_detector:ShapesDetector`` and ``:PaletteColors`` (docs/rewards.md).
 """
 from __future__ import annotations
 
@@ -25,18 +31,23 @@ import os
 import sys
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal, Optional, Sequence, Union
+from typing import Annotated, Literal, Optional, Sequence, Union
 
 import torch
 
 from flowrl.errors import ConfigError
-from flowrl.options import Device, Fraction, ModelSource, NonNegativeFloat, PositiveInt, WeightsFile
+from flowrl.options import (Device, Fraction, ModelSource, NonNegativeFloat, PositiveInt, Reads, check_options,
+                            declared)
 
 from ._clip_common import check_inputs, chunks
 from .geneval_rules import Rules, check_metadata, evaluate, evaluate_partial, has_clauses, select_objects
 from .ocr import to_uint8_hwc
 
 DEFAULT_DETECTOR = "flowrl.rewards.geneval_detectors:Mask2FormerDetector"
+DEFAULT_COLORS = "flowrl.rewards.geneval_colors:ClipColors"
+# built-in metadata names -> the shipped prompt set holding their rows (flowrl.data.prompts.NAMED)
+METADATA_SETS = {"shapes": "shapes-geneval"}  # the shapes world, all 230 rows (train and held out)
+MetadataFile = Annotated[str, Reads("file", names=tuple(METADATA_SETS))]
 SCORES = ("official", "partial", "strict")
 
 
@@ -45,6 +56,16 @@ def shipped_metadata_path() -> Path:
     from flowrl.data.prompts import NAMED, SETS_DIR
 
     return SETS_DIR / NAMED["geneval"]
+
+
+def metadata_file(spec: str) -> str:
+    """The file of a ``metadata`` entry: a built-in name's shipped set (:data:`METADATA_SETS`), else the
+    path, resolved."""
+    if spec in METADATA_SETS:
+        from flowrl.data.prompts import NAMED, SETS_DIR
+
+        return str(SETS_DIR / NAMED[METADATA_SETS[spec]])
+    return str(Path(spec).expanduser().resolve())
 
 
 @lru_cache(maxsize=8)
@@ -95,10 +116,31 @@ def build_detector(spec: str, options: dict, device: str):
                 if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if not inspect.isclass(target) and not options and required:
         return target  # a function of the images: the detector itself
+    declared_opts, is_open = declared(target)
+    try:  # the detector's typed options: an unknown key or a value out of range is one line
+        check_options("reward.options.geneval.detector_options", f"the detector {spec}", declared_opts, options,
+                      open=is_open)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     opts = dict(options)
     if "device" in params:
         opts.setdefault("device", device)
     return target(**opts)
+
+
+def build_colors(target, offered: dict):
+    """The colour classifier from a loaded ``colors`` target (module doc): a class or factory gets the
+    ``offered`` keywords it names; a function (required positional parameters, not a class) is the
+    classifier itself."""
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: the classifier itself
+        return target
+    required = [p for p in params.values()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if required and not inspect.isclass(target):
+        return target
+    return target(**{k: v for k, v in offered.items() if k in params})
 
 
 class GenEval:
@@ -111,10 +153,10 @@ class GenEval:
 
     def __init__(self, detector: str = DEFAULT_DETECTOR, detector_options: Optional[dict] = None,
                  clip_model: ModelSource = "openai/clip-vit-large-patch14", device: Device = "cpu",
-                 score: Literal[SCORES] = "official", metadata: Union[None, WeightsFile, Sequence[WeightsFile]] = None,
+                 score: Literal[SCORES] = "official", metadata: Union[None, MetadataFile, Sequence[MetadataFile]] = None,
                  threshold: Fraction = 0.3, counting_threshold: Fraction = 0.9, max_objects: PositiveInt = 16,
                  max_overlap: Fraction = 1.0, position_threshold: NonNegativeFloat = 0.1, bgcolor: str = "#999",
-                 batch_size: PositiveInt = 8):
+                 batch_size: PositiveInt = 8, colors: str = DEFAULT_COLORS):
         if score not in SCORES:
             raise ConfigError(f"geneval score must be one of {', '.join(SCORES)}, got {score!r}")
         self.score, self.device, self.batch_size = score, device, int(batch_size)
@@ -122,10 +164,11 @@ class GenEval:
         self.detector_name = detector
         self.detector = build_detector(detector, dict(detector_options or {}), device)
         self.clip_model, self.bgcolor, self._colors = clip_model, bgcolor, None
+        self.colors_target = load_target(colors, "reward.options.geneval.colors")  # built on first use
         files = [str(shipped_metadata_path())] + ([metadata] if isinstance(metadata, str) else list(metadata or []))
         self.table: dict[str, dict] = {}
         for f in files:
-            for k, v in metadata_table(str(Path(f).expanduser().resolve())).items():
+            for k, v in metadata_table(metadata_file(str(f))).items():
                 self.table.setdefault(k, v)
 
     def clauses(self, prompts: Sequence[str], metadata: Optional[Sequence] = None) -> list[Optional[dict]]:
@@ -142,12 +185,12 @@ class GenEval:
         return out
 
     def colors_of(self, image):
-        """The colour callback of one uint8 image ``[H, W, 3]`` (the CLIP is loaded on first use)."""
+        """The colour callback of one uint8 image ``[H, W, 3]`` (the classifier is built on first use)."""
         def colors(class_name, detections):
             if self._colors is None:
-                from .geneval_colors import ClipColors
-
-                self._colors = ClipColors(self.clip_model, device=self.device, bgcolor=self.bgcolor)
+                offered = {"clip_model": self.clip_model, "model": self.clip_model, "device": self.device,
+                           "bgcolor": self.bgcolor}
+                self._colors = build_colors(self.colors_target, offered)
             return self._colors(image, class_name, detections)
         return colors
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from flowrl.options import Device, Fraction, ModelSource, PositiveInt
+from flowrl.utils.images import to_uint8
 
 from ._clip_common import check_inputs, chunks, require
 
@@ -98,7 +99,7 @@ def reading_order(boxes: Sequence[Sequence[Sequence[float]]]) -> list[int]:
 
 def to_uint8_hwc(images: torch.Tensor) -> np.ndarray:
     """``[B, 3, H, W]`` in [0, 1] -> ``[B, H, W, 3]`` uint8 (rounded, as the peers do)."""
-    return (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    return to_uint8(images).permute(0, 2, 3, 1).cpu().numpy()
 
 
 # ---------------------------------------------------------------- backends: uint8 images -> text

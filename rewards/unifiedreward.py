@@ -193,10 +193,14 @@ class UnifiedReward:
                  for ims, text in requests]
         return self.vlm.generate(chats, seed=self.seed, **self.generation)
 
-    def pointwise(self, images: torch.Tensor, prompts: list[str], rows: list[tuple]) -> torch.Tensor:
-        out = torch.full((len(prompts),), float("nan"))
+    def _ask_points(self, images: torch.Tensor, prompts: list[str], rows: list[tuple]) -> tuple[list[int], list[str]]:
+        """The text-to-image rows (no source) and the judge's reply to each, asked with the point template."""
         todo = [i for i, r in enumerate(rows) if not r]
-        answers = self._ask([([images[i]], self.templates["point"].replace("{prompt}", prompts[i])) for i in todo])
+        return todo, self._ask([([images[i]], self.templates["point"].replace("{prompt}", prompts[i])) for i in todo])
+
+    def pointwise(self, images: torch.Tensor, prompts: list[str], rows: list[tuple]) -> torch.Tensor:
+        out = torch.full((len(prompts),), float("nan"))  # [B]: NaN for rows with a source
+        todo, answers = self._ask_points(images, prompts, rows)
         for i, text in zip(todo, answers):
             s = point_score(text)
             if s is None:
@@ -210,9 +214,8 @@ class UnifiedReward:
 
     def by_dimension(self, images: torch.Tensor, prompts: list[str], rows: list[tuple]) -> torch.Tensor:
         """UnifiedReward-2.0's pointwise dimensions: ``sum_k w_k s_k / (5 sum_k w_k)`` per text-to-image row."""
-        out = torch.full((len(prompts),), float("nan"))
-        todo = [i for i, r in enumerate(rows) if not r]
-        answers = self._ask([([images[i]], self.templates["point"].replace("{prompt}", prompts[i])) for i in todo])
+        out = torch.full((len(prompts),), float("nan"))  # [B]: NaN for rows with a source
+        todo, answers = self._ask_points(images, prompts, rows)
         total = sum(self.dimensions.values())
         for i, scores in zip(todo, dimension_scores(answers, list(self.dimensions))):
             out[i] = sum(w * scores[k] for k, w in self.dimensions.items()) / (5.0 * total)

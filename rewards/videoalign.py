@@ -26,11 +26,12 @@ import torch
 from torch import nn
 
 from flowrl.options import Device, ModelSource, PositiveFloat, PositiveInt, WeightsFile
+from flowrl.utils.images import to_uint8
 
 from ._clip_common import DTypeLike, check_inputs, chunks, require, resolve_dtype
 from ._qwen2vl_rm import QwenVLReward, build_backbone, check_prompts, load_checkpoint, load_processor, smart_nframes, \
     uniform_indices
-from ._qwen_vl import smart_resize, to_uint8
+from ._qwen_vl import smart_resize
 from .videoalign_prompt import DIMENSIONS, REWARD_TOKENS, videoalign_text
 
 HUB_CHECKPOINT = "hf://KlingTeam/VideoReward/checkpoint-11352/model.pth"
@@ -106,10 +107,8 @@ class VideoAlign:
     def scores(self, videos: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
         """``{"VQ", "MQ", "TA", "overall"}`` float32 [B] each on CPU (normalised when ``normalize``)."""
         if isinstance(videos, torch.Tensor) and videos.ndim == 5 and videos.shape[1] == 3 and videos.shape[2] > 0:
-            check_inputs(videos[:, :, 0], prompts, self.name)  # types, counts: as for images
-            frames = videos.shape[2]
-            check_inputs(videos.transpose(1, 2).flatten(0, 1), [p for p in prompts for _ in range(frames)], self.name)
-            if frames == 1:
+            check_inputs(videos.flatten(2, 3), prompts, self.name)  # [B, 3, F H, W]: every frame's values, one pass
+            if videos.shape[2] == 1:
                 videos = videos.expand(-1, -1, 2, -1, -1)  # [B, 3, 2, H, W]: one frame as a still 2-frame clip
         else:
             check_inputs(videos, prompts, self.name)

@@ -42,6 +42,7 @@ from PIL import Image
 
 from flowrl.data.items import row_sources
 from flowrl.options import URL, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from flowrl.utils.images import to_pil
 
 from . import RewardUnavailable
 from ._clip_common import check_inputs
@@ -84,8 +85,7 @@ class VLMReplyError(VLMJudgeError, ValueError):
 
 def png_data_url(image: torch.Tensor, max_side: Optional[int] = None) -> str:
     """``[3, H, W]`` in [0, 1] -> ``data:image/png;base64,...`` (longer side resized to ``max_side``)."""
-    arr = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
-    pil = Image.fromarray(arr)
+    pil = to_pil(image)
     if max_side and max(pil.size) != max_side:
         scale = max_side / max(pil.size)
         pil = pil.resize((max(1, round(pil.width * scale)), max(1, round(pil.height * scale))), Image.BICUBIC)

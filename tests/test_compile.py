@@ -70,6 +70,11 @@ def test_compiled_forward_runs_rollouts_only_and_counts_recompiles(aot_eager):
     with torch.no_grad():
         m(torch.randn(2, 8))
     assert log.recompiles == 1 and "size mismatch" in log.events[0][1]  # a new batch: one more graph, its cause
+    with torch.no_grad(), eager_forwards(False):  # off: the compiled forward runs (a third batch size, a graph)
+        m(torch.randn(3, 8))
+    with torch.no_grad(), eager_forwards(True):  # on: eager (a fourth size, no graph)
+        m(torch.randn(5, 8))
+    assert log.recompiles == 2
     assert compiled_forward(copy.deepcopy(m)) is None  # a copy of other weights is eager
     compile_rollouts(m, "off")
     assert compiled_forward(m) is None
@@ -210,6 +215,7 @@ def test_model_compile_key():
 
     assert load_config("recipes/digits.yaml").model.compile == "off"
     assert load_config("recipes/digits.yaml", ["model.compile=off"]).model.compile == "off"  # YAML: a bare off
+    assert load_config("recipes/digits.yaml", ["model.compile=on"]).model.compile == "default"  # a bare on
     assert load_config("recipes/digits.yaml", ["model.compile=reduce-overhead"]).model.compile == "reduce-overhead"
     with pytest.raises(ConfigError, match=r"^model.compile must be one of off, default, .*, got 'fast'$"):
         load_config("recipes/digits.yaml", ["model.compile=fast"])

@@ -16,22 +16,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_train_in_sync(tiny_digits_dir, tmp_path):
-    run = tmp_path / "run"
+def _train_two(recipe: str, run, overrides: list[str]) -> list[dict]:
+    """``flowrl train`` on two processes (gloo); checks it ended with both ranks in sync -> its iteration records."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), "-m", "flowrl", "train", "--config", "recipes/digits.yaml",
-           "--output-dir", str(run), *tiny_train_overrides(tiny_digits_dir, **{"train.lr": 1e-2, "train.iterations": 2})]
+           "--master_port", str(_free_port()), "-m", "flowrl", "train", "--config", recipe, "--output-dir", str(run),
+           *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["num_processes"] == 2 and summary["ranks_in_sync"] is True
-    recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if "reward_mean" in l]
+    return [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if "reward_mean" in l]
+
+
+def test_two_processes_train_in_sync(tiny_digits_dir, tmp_path):
+    run = tmp_path / "run"
+    recs = _train_two("recipes/digits.yaml", run,
+                      tiny_train_overrides(tiny_digits_dir, **{"train.lr": 1e-2, "train.iterations": 2}))
     assert [x["iteration"] for x in recs] == [0, 1]  # written once, by the main process
     for x in recs:
         assert x["samples_gathered"] == 2 * 16  # statistics over both ranks' samples
         assert x["distinct_seeds_gathered"] == 2 * 16  # every rank samples different seeds
     assert len(list((run / "checkpoints").iterdir())) == 2  # checkpoint_every=1, keep 2, written once
+
+
+def test_gardo_two_processes_train_in_sync(tiny_digits_dir, tmp_path):
+    """GARDO's collectives (the gate's gathered rewards, the shares summed over processes, the step KL) in the
+    same order on both ranks: the run ends, in sync, with the shares and the gate over both ranks' samples."""
+    recs = _train_two("recipes/digits_gardo.yaml", tmp_path / "run",
+                      tiny_train_overrides(tiny_digits_dir, **{"train.iterations": 2}))
+    assert [x["iteration"] for x in recs] == [0, 1]
+    for x in recs:
+        assert x["samples_gathered"] == 2 * 16 and x["reward/digits/adv_share"] == 1.0  # one reward: all of it
+        assert 0 < x["gardo/gated_share"] < 1
 
 
 def test_offline_gdro_sharded_matches_ddp(tiny_digits_dir, tmp_path):

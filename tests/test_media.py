@@ -150,3 +150,16 @@ def test_trained_reward_path_scores_videos_per_frame_with_sources():
         torch.testing.assert_close(comps["digits_edit"][b], want_edit, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(comps["jpeg_compressibility"][b], want_jpeg, rtol=1e-6, atol=1e-6)
     assert torch.isfinite(total).all()
+
+
+def test_to_uint8_and_to_pil_hold_what_an_8_bit_file_would():
+    """The one float -> 8-bit conversion (rewards' PIL inputs, the wire format, OCR, the edit pipeline's sources):
+    clamped to [0, 1], then round(255 x)."""
+    from flowrl.utils.images import to_pil, to_uint8
+
+    x = torch.tensor([-0.5, 0.4 / 255, 1.6 / 255, 0.25, 1.0, 2.0])
+    assert to_uint8(x).tolist() == [0, 0, 2, 64, 255, 255]
+    image = torch.rand(3, 4, 6, generator=torch.Generator().manual_seed(0), requires_grad=True)  # [3, H, W]
+    pil = to_pil(image)
+    assert pil.mode == "RGB" and pil.size == (6, 4)
+    assert np.array_equal(np.asarray(pil), to_uint8(image).permute(1, 2, 0).numpy())  # [H, W, 3]

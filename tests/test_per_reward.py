@@ -269,6 +269,19 @@ def _batch(loss: str, case: str, policy, rollout, weights: dict, aggregate: str)
     return b, upd, shares
 
 
+@pytest.mark.parametrize("loss", ["gardo_grpo", "gardo_nft"])
+def test_gardo_sums_the_shares_once(rollouts, loss, monkeypatch):
+    """GARDO's shares are those of its diversity-weighted advantages: summed (and, over processes, gathered) once
+    per batch, not a second time for the plain advantages it reshapes."""
+    from flowrl.updates import rewards as reward_rules
+
+    calls, real = [], reward_rules.share_sums
+    monkeypatch.setattr(reward_rules, "share_sums", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    policy, ros = rollouts
+    _, _, shares = _batch(loss, "group", policy, ros["group"], BOTH, "per_reward")
+    assert len(calls) == 1 and set(shares) == {A, B}
+
+
 @pytest.mark.parametrize("loss, case", _pairs())
 def test_per_reward_for_every_update_and_sampler(rollouts, loss, case):
     policy, ros = rollouts

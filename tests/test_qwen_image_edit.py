@@ -14,7 +14,8 @@ from flowrl.conditions import encode_conditions
 from flowrl.data import load_prompts
 from flowrl.data.items import PromptItem, row_sources
 from flowrl.pipelines.packing import pack_latents, unpack_latents
-from flowrl.pipelines.qwen_image_edit import QwenImageEditPolicy, _pil
+from flowrl.pipelines.qwen_image_edit import QwenImageEditPolicy
+from flowrl.utils.images import to_pil
 from helpers import ode_loop
 from model_parity import exported_lora
 
@@ -49,7 +50,7 @@ def _policy(path, **kw) -> QwenImageEditPolicy:
 
 def _pipeline(pipe, policy, item, output_type="latent") -> torch.Tensor:
     """The pipeline's own loop (one prompt: the pipeline takes one per call) from flowrl's initial noise."""
-    out = pipe(image=[_pil(im) for im in item.images], prompt=item.prompt, negative_prompt=policy.negative_prompt,
+    out = pipe(image=[to_pil(im) for im in item.images], prompt=item.prompt, negative_prompt=policy.negative_prompt,
                true_cfg_scale=policy.guidance_scale, height=SIZE, width=SIZE, num_inference_steps=STEPS,
                latents=pack_latents(policy.initial_noise([SEED])), output_type=output_type).images
     return unpack_latents(out.float(), 4, 4) if output_type == "latent" else out.float()

@@ -122,6 +122,12 @@ def test_videoalign_lora_is_merged_and_images_are_still_clips(tiny_videoalign):
     torch.testing.assert_close(reward(images[:, :, None], PROMPTS[:2]), reward(images, PROMPTS[:2]))  # one frame
     with pytest.raises(ValueError, match=r"videoalign reward .*values in"):
         reward(videos * 2, PROMPTS[:2])
+    late = videos.clone()
+    late[1, :, 4] = 1.5  # one frame of one video out of range: every frame is checked
+    with pytest.raises(ValueError, match=r"videoalign reward .*values in \[.*, 1\.5\]"):
+        reward(late, PROMPTS[:2])
+    with pytest.raises(ValueError, match="got 2 images but 1 prompts"):  # counted per video, not per frame
+        reward(videos, PROMPTS[:1])
 
 
 def test_lora_merge_and_peft_key_names():

@@ -232,6 +232,7 @@ def test_unifiedreward_dimensions_read_as_pref_grpo(tiny_vlm, monkeypatch):
     monkeypatch.setattr(r.vlm, "generate", canned(lambda text, ims: UR2_DOCUMENTED))
     want = (3 * 2.694700002670288 + 2.802500009536743) / (5 * 4)
     assert r(images(2), ["a", "b"]).tolist() == pytest.approx([want, want])
+    assert math.isnan(r(images(1), ["edit"], sources=[images(1)[0]])[0])  # as pointwise: edits are not built
     with pytest.raises(ValueError, match="dimensions must map"):
         rewards.build("unifiedreward", model=tiny_vlm, mode="dimensions", dimensions={"Style": -1.0}, **FAST)
 

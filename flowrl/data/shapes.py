@@ -36,7 +36,7 @@ GAP = 2  # pixels between any two objects' boxes
 HELDOUT_EVERY = 4  # every 4th prompt of each tag (in a fixed shuffle) is held out of training
 
 __all__ = ["IMAGE_SIZE", "SHAPES", "PLURALS", "PALETTE", "BACKGROUND", "COUNT_WORDS", "Shape", "Scene",
-           "shape_mask", "shapes_rows", "scene_for", "render", "shapes_batch"]
+           "shape_mask", "shapes_rows", "scene_for", "render", "shapes_batch", "SET_FILES", "write_shapes_sets"]
 
 
 @dataclass(frozen=True)
@@ -155,14 +155,23 @@ def _place(rng: np.random.Generator, size: float, placed: list[Shape], image_siz
     return None
 
 
-def _holds(obj: Shape, target: Shape, relation: str) -> bool:
-    return relation in relative_position(((*obj.box, 1.0),), ((*target.box, 1.0),), POSITION_THRESHOLD)
+def _pixel_box(obj: Shape, image_size: int) -> tuple[int, int, int, int]:
+    """The extent of the object's pixels, ``(x0, y0, x_last + 1, y_last + 1)``: the box a detector sees."""
+    ys, xs = np.nonzero(shape_mask(obj.kind, obj.cx, obj.cy, obj.size, image_size))
+    return int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1
+
+
+def _holds(obj: Shape, target: Shape, relation: str, image_size: int) -> bool:
+    """Whether ``relation`` holds on the objects' pixel boxes (and so for any detector that finds them)."""
+    a, b = _pixel_box(obj, image_size), _pixel_box(target, image_size)
+    return relation in relative_position(((*a, 1.0),), ((*b, 1.0),), POSITION_THRESHOLD)
 
 
 def scene_for(row: dict, rng: np.random.Generator, image_size: int = IMAGE_SIZE) -> Scene:
     """A random scene that satisfies ``row``'s clauses exactly: each include clause's ``count``
     objects of its class (its colour, else a random one), in its position relation to the clause it
-    names (GenEval's :func:`~flowrl.rewards.geneval_rules.relative_position`), and nothing else."""
+    names (GenEval's :func:`~flowrl.rewards.geneval_rules.relative_position` on the pixels' boxes,
+    what a detector sees), and nothing else."""
     lo, hi = SIZE_RANGE
     for _ in range(200):
         placed: list[Shape] = []
@@ -178,7 +187,7 @@ def scene_for(row: dict, rng: np.random.Generator, image_size: int = IMAGE_SIZE)
                 obj = Shape(clause["class"], color, at[0], at[1], size)
                 if "position" in clause:
                     relation, target = clause["position"]
-                    if not all(_holds(obj, t, relation) for t in clause_objects[target]):
+                    if not all(_holds(obj, t, relation, image_size) for t in clause_objects[target]):
                         break
                 mine.append(obj)
                 placed.append(obj)
@@ -201,3 +210,22 @@ def shapes_batch(n: int, generator: np.random.Generator, split: str = "train", i
     picked = [rs[generator.integers(len(rs))] for rs in picked]
     scenes = [scene_for(r, generator, image_size) for r in picked]
     return render(scenes, image_size), [r["prompt"] for r in picked]
+
+
+# ---------------------------------------------------------------- the shipped prompt sets
+SET_FILES = {"train": "shapes_train.jsonl", "heldout": "shapes_heldout.jsonl", "all": "shapes_geneval.jsonl"}
+
+
+def write_shapes_sets(directory) -> list:
+    """Write :func:`shapes_rows` of each split as GenEval metadata ``.jsonl`` (one row a line) under
+    ``directory``: the shipped ``shapes-train``, ``shapes`` and ``shapes-geneval`` prompt sets
+    (``flowrl/data/prompt_sets``; a test checks they equal the rows). Returns the paths written."""
+    import json
+    from pathlib import Path
+
+    out = []
+    for split, name in SET_FILES.items():
+        p = Path(directory) / name
+        p.write_text("".join(json.dumps(r) + "\n" for r in shapes_rows(split)), encoding="utf-8")
+        out.append(p)
+    return out

@@ -33,7 +33,6 @@ sequences or heads) have no backward and are not used.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -205,10 +204,10 @@ def _check_backend(processors: list, ring: int) -> None:
 
 
 def enable_context_parallel(model: nn.Module, layout: ParallelLayout, device: torch.device,
-                            attention: str = "auto", mesh=None) -> Optional[object]:
+                            mesh=None) -> Optional[object]:
     """Split ``model``'s forwards over ``layout``'s context-parallel group (collective: every process
     calls it, in the same order for every model) with the layout's Ulysses and ring degrees (chosen from the
-    model's heads and ``attention`` where the layout has none yet). Returns the device mesh (None when
+    model's heads and the layout's ``attention`` where the layout has none yet). Returns the device mesh (None when
     ``layout.cp == 1``: nothing is done); pass it back as ``mesh`` for a second model of the same run."""
     if layout.cp == 1:
         return None
@@ -216,7 +215,7 @@ def enable_context_parallel(model: nn.Module, layout: ParallelLayout, device: to
 
     cp_plan(model)  # (a clear error before any collective)
     if not layout.ulysses:
-        layout = dataclasses.replace(layout, attention=attention).with_attention(attention_heads(model))
+        layout = layout.with_attention(attention_heads(model))
     ulysses, ring = layout.ulysses, layout.ring
     mesh = mesh if mesh is not None else device_mesh(layout, device, ulysses, ring)
     config = ParallelConfig(context_parallel_config=ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses,

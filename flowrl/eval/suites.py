@@ -31,7 +31,11 @@ SUITES = {
     "geneval": ("geneval", "GenEval's 553 prompts with their clauses (tags: single_object ... color_attr)"),
     "ocr": ("flowgrpo-ocr-test", "Flow-GRPO's 1,018 OCR test prompts (quoted text to render)"),
     "digits": ("digits", "the 10 digits prompts"),
-    **{name: (name, f"shipped sample {file}") for name, file in NAMED.items() if name not in ("geneval",)},
+    "shapes": ("shapes", "the shapes world's 58 held-out prompts with their GenEval clauses (flowrl.data.shapes)"),
+    "shapes-geneval": ("shapes-geneval", "all 230 prompts of the shapes world with their GenEval clauses"),
+    "shapes-train": ("shapes-train", "the shapes world's 172 training prompts with their GenEval clauses"),
+    **{name: (name, f"shipped sample {file}") for name, file in NAMED.items()
+       if name not in ("geneval", "shapes", "shapes-geneval", "shapes-train")},
 }
 NOT_SHIPPED = {
     "drawbench": "DrawBench is not shipped (its prompts are published without a licence); export its sheet as CSV "

@@ -36,9 +36,7 @@ class ModelConfig:
     def __post_init__(self):
         from flowrl.pipelines import REGISTRY, policy_class
 
-        if isinstance(self.compile, bool):  # YAML's bare `off` / `on`
-            self.compile = "default" if self.compile else "off"
-        try:
+        try:  # (YAML's bare `off` / `on` became a mode when the recipe loaded: Config.from_dict)
             check_mode(self.compile)
         except ValueError as e:
             raise ConfigError(str(e)) from None

@@ -47,8 +47,7 @@ from ..utils.hub import looks_like_hub_id
 from .base import Batch, Needs, UpdateOptions, check_number
 from .grpo import GRPOOptions, GRPOUpdate
 from .nft import NFTOptions, NFTUpdate
-from .rewards import rule, share_stats
-from .rewards import sample_advantages as aggregated_advantages
+from .rewards import aggregated_advantages, rule, share_stats
 
 PAPER_FEATURES = {"path": "facebook/dinov3-vitl16-pretrain-lvd1689m"}  # DINOv3 ViT-L/16, as GARDO's code
 

@@ -19,7 +19,7 @@ from ..sde import flow_interpolate
 from ..trainable import EMA
 from ..types import index_cond
 from .base import Batch, Minibatch, Needs, Update, UpdateOptions, check_number
-from .rewards import sample_advantages as aggregated_advantages
+from .rewards import sample_advantages as reward_advantages
 
 T_MIN = 0.02
 
@@ -105,7 +105,7 @@ class NFTUpdate(Update):
         """``(A [N], zero_var [N] bool, stats)``: group-normalised rewards under ``reward.aggregate``, unclipped
         (``nft_loss`` clips to ``+-adv_clip_max`` and scales by it), and each reward's share; zero-variance groups
         train nothing."""
-        return aggregated_advantages(self.ctx, rollout, global_std=self.opts.global_std)
+        return reward_advantages(self.ctx, rollout, global_std=self.opts.global_std)
 
     def loss(self, batch: Batch, mb: Minibatch) -> tuple[torch.Tensor, dict]:
         ctx, opts, d = self.ctx, self.opts, batch.data

@@ -39,11 +39,12 @@ def share_stats(ctx, contributions: Mapping[str, torch.Tensor], mask: Optional[t
     return {f"reward/{k}/adv_share": v for k, v in shares_from_sums(list(contributions), sums).items()}
 
 
-def sample_advantages(ctx, rollout, *, global_std: bool = False, clip: Optional[float] = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def aggregated_advantages(ctx, rollout, *, global_std: bool = False, clip: Optional[float] = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Group advantages of the rollout's finished samples under ``reward.aggregate`` -> ``(A [N], zero_var [N]
-    bool, stats)`` (Flow-GRPO's normalisation, population std + 1e-4: :func:`flowrl.advantages.group_advantages`,
-    clipped to ``+-clip``; None: not clipped, for a loss that clips) and each reward's share (``stats``).
+    bool, contributions)`` (Flow-GRPO's normalisation, population std + 1e-4:
+    :func:`flowrl.advantages.group_advantages`, clipped to ``+-clip``; None: not clipped, for a loss that clips;
+    ``contributions``: each reward's part of ``A``, name -> ``[N]``). No collective unless ``global_std``.
 
     Groups stay on their process; with ``global_std`` and several processes the std is that of every process's
     rewards (gathered)."""
@@ -59,6 +60,14 @@ def sample_advantages(ctx, rollout, *, global_std: bool = False, clip: Optional[
     if gathered:
         mine = slice(rank * n, (rank + 1) * n)
         adv, zero, contrib = adv[mine], zero[mine], {k: v[mine] for k, v in contrib.items()}
+    return adv, zero, contrib
+
+
+def sample_advantages(ctx, rollout, *, global_std: bool = False, clip: Optional[float] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """:func:`aggregated_advantages` with each reward's share of the samples that train as ``stats``
+    (:func:`share_stats`: collective) -> ``(A [N], zero_var [N] bool, stats)``."""
+    adv, zero, contrib = aggregated_advantages(ctx, rollout, global_std=global_std, clip=clip)
     return adv, zero, share_stats(ctx, contrib, ~zero)
 
 

@@ -62,8 +62,12 @@ def compile_backend() -> str:
 
 
 @contextlib.contextmanager
-def eager_forwards() -> Iterator[None]:
-    """Inside (this thread), compiled forwards run eagerly (the trainer's update)."""
+def eager_forwards(on: bool = True) -> Iterator[None]:
+    """Inside (this thread), compiled forwards run eagerly (the trainer's update); ``on=False`` changes nothing
+    (a caller told whether to run compiled: ``eager_forwards(not compiled)``)."""
+    if not on:
+        yield
+        return
     depth = getattr(_eager, "depth", 0)
     _eager.depth = depth + 1
     try:

@@ -12,6 +12,19 @@ import torch
 from .io import save_png
 
 
+def to_uint8(images: torch.Tensor) -> torch.Tensor:
+    """Floats in [0, 1], any shape -> uint8 ``round(255 x)`` (clamped, detached; the device kept): what an 8-bit
+    file holds of them, as the references' PIL conversion rounds."""
+    return (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+def to_pil(image: torch.Tensor):
+    """``[3, H, W]`` float in [0, 1] -> RGB PIL image of ``round(255 x)`` (:func:`to_uint8`)."""
+    from PIL import Image
+
+    return Image.fromarray(to_uint8(image).permute(1, 2, 0).cpu().numpy())  # [H, W, 3]
+
+
 def image_grid(images: torch.Tensor, nrow: int, pad: int = 1, scale: int = 1, background: float = 0.5) -> np.ndarray:
     """``[N, 3, H, W]`` in [0, 1] -> ``[rows*(H+pad)+pad, nrow*(W+pad)+pad, 3]`` uint8 (``scale``x
     nearest upsampling, padding of grey level ``background``)."""
