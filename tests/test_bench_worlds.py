@@ -177,3 +177,22 @@ def test_bench_methods_on_a_tagged_evaluation_set(tiny_digits_dir, tmp_path):
         assert (2 * p["tags"]["odd"] + p["tags"]["even"]) / 3 == pytest.approx(p["eval_reward"], rel=1e-5)
     assert res["variants"]["grpo"]["final_tags"] == res["variants"]["grpo"]["curve"][-1]["tags"]
     assert set(res["real"]["tags"]) == {"odd", "even"}
+
+
+def test_the_shapes_world_runs_on_its_recipes_with_geneval_tags():
+    """The shipped shapes world: recipes/shapes.yaml is every method's footing (its prompts, its held-out
+    evaluation set of 58 tagged prompts), a method with a shapes recipe runs on it, sft (its digits recipe only,
+    no shapes image set) is "not available in this build"."""
+    runs, skipped = bm.chosen_runs(pipeline="shapes")
+    for name, var in runs.items():
+        cfg = var.config("shapes.yaml", [])
+        assert (cfg.model.pipeline, cfg.data.prompts, cfg.data.eval_prompts, cfg.data.eval_seeds_per_prompt) == (
+            "shapes", "shapes-train", "shapes", 4), name
+        declared = bm.BY_NAME[name].recipe
+        assert var.recipe == (str(recipes_dir() / declared.replace("digits_", "shapes_")) if declared else None)
+    assert {"grpo", "nft", "dppo", "gardo_grpo", "opd"} <= set(runs)
+    assert skipped == {"sft": "not available in this build (it runs on recipes/shapes_sft.yaml, which this build "
+                              "does not ship)"}
+    tags = load_prompt_tags("shapes")
+    assert len(tags) == 58 and set(tags) == {"single_object", "two_object", "counting", "colors", "position",
+                                             "color_attr"}
