@@ -24,6 +24,7 @@ from typing import Optional
 
 from .command_line import (OPTIONS_HELP, Parser, emit, example, positive_float, positive_int, require_device,
                            reward_options, split_overrides, user_message, verb_parser)
+from .pretrain_cli import VERBS as PRETRAIN_VERBS
 from .utils.threads import chosen_threads
 
 
@@ -96,23 +97,6 @@ def _rescore_offline(a) -> dict:
     if not Path(a.dataset).is_dir():
         raise ConfigError(f"--dataset {a.dataset}: no such directory; give a dataset written by flowrl generate-offline")
     return rescore_offline(a.dataset, a.reward, options, cfg=cfg, overwrite=a.overwrite)
-
-
-def _pretrain(a) -> dict:
-    from flowrl.digits_report import cached_report
-    from flowrl.pipelines.digits import PretrainConfig, base_lock, default_base_path, pretrain_digits
-
-    out = Path(a.out) if a.out else default_base_path()
-    with base_lock(out):  # a second command started at the same time waits, then finds the base
-        if (out / "transformer").is_dir() and not a.force:
-            print(f"[flowrl] digits base already at {out} (use --force to retrain)")
-        else:
-            given = {k: getattr(a, k) for k in ("steps", "batch_size", "lr", "seed", "max_seconds")
-                     if getattr(a, k) is not None}
-            pretrain_digits(out, PretrainConfig(**given))
-        report = cached_report(out, force=a.force)
-    pretrained = json.loads((out / "pretrain.json").read_text()) if (out / "pretrain.json").is_file() else None
-    return {**report, "model": str(out), "pretrain": pretrained}
 
 
 def _sample(a) -> dict:
@@ -231,21 +215,6 @@ def _add_rescore_offline_parser(sub) -> None:
     rs.add_argument("--overwrite", action="store_true", help="rescore a column that already exists")
     rs.add_argument("overrides", nargs="*", help="dotted overrides of --config")
     rs.set_defaults(fn=_rescore_offline)
-
-
-def _add_pretrain_digits_parser(sub) -> None:
-    """`flowrl pretrain-digits`: pretrain the tiny digits base model."""
-    pt = sub.add_parser("pretrain-digits", help="pretrain (and cache) the tiny offline digits base model",
-                        epilog=example("flowrl pretrain-digits", "flowrl pretrain-digits --out /tmp/digits --steps 100"))
-    pt.add_argument("--out", default=None, help="directory (default: $FLOWRL_HOME/digits-base-v1)")
-    pt.add_argument("--steps", type=positive_int, default=None, help="training steps (default: 600)")
-    pt.add_argument("--batch-size", type=positive_int, default=None, help="images per step (default: 64)")
-    pt.add_argument("--lr", type=positive_float, default=None, help="AdamW learning rate (default: 1e-3)")
-    pt.add_argument("--seed", type=int, default=0)
-    pt.add_argument("--max-seconds", type=positive_float, default=None, help="stop training after this long")
-    pt.add_argument("--force", action="store_true",
-                    help="retrain (and re-measure the sample report) even if the directory holds a model")
-    pt.set_defaults(fn=_pretrain)
 
 
 def _add_sample_parser(sub) -> None:
@@ -383,9 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
                epilog=example("flowrl train --config recipes/digits.yaml --output-dir runs/a", "flowrl VERB --help"))
     sub = p.add_subparsers(dest="command", required=True, metavar="VERB")
     from .dataset_cli import add_make_pairs_parser
+    from .pretrain_cli import add_pretrain_parsers
 
     for add in (_add_train_parser, _add_generate_offline_parser, _add_rescore_offline_parser, add_make_pairs_parser,
-                _add_pretrain_digits_parser, _add_sample_parser, _add_eval_parser, _add_make_tiny_parser,
+                add_pretrain_parsers, _add_sample_parser, _add_eval_parser, _add_make_tiny_parser,
                 _add_export_parser, _add_bench_parser, _add_plan_parser, _add_serve_reward_parser):
         add(sub)
     return p
@@ -395,9 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
 # line once it serves, which a client or a launcher script reads from stdout)
 _PRINTS_ITS_OWN = {"plan", "serve-reward"}
 # verbs whose CPU work runs on the threads flowrl.utils.threads chooses (not the benchmarks: they time torch as set)
-_CHOOSES_THREADS = {"train", "generate-offline", "rescore-offline", "make-pairs", "pretrain-digits", "sample", "eval"}
+_CHOOSES_THREADS = {"train", "generate-offline", "rescore-offline", "make-pairs", *PRETRAIN_VERBS, "sample", "eval"}
 # verbs that load diffusers models
-_LOADS_MODELS = {"train", "generate-offline", "rescore-offline", "pretrain-digits", "sample", "eval", "export", "bench"}
+_LOADS_MODELS = {"train", "generate-offline", "rescore-offline", *PRETRAIN_VERBS, "sample", "eval", "export", "bench"}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

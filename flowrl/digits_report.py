@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -28,21 +29,19 @@ PER_DIGIT, NUM_STEPS = 16, 20  # the report's samples per digit and ODE steps
 
 
 @torch.no_grad()
-def sample_grid_report(path: str | os.PathLike, grid_png: str | os.PathLike, per_digit: int = PER_DIGIT,
-                       num_steps: int = NUM_STEPS, guidances: tuple[float, ...] = (1.0, 3.0)) -> dict:
-    """Sample every digit at each guidance scale (ODE, fixed seeds), save one grid PNG (a block
-    per guidance, a row per digit) and return the digit classifier's accuracy and mean reward."""
-    reward = DigitsReward()
-    prompts = [digit_prompt(d) for d in range(10) for _ in range(per_digit)]
-    labels = torch.tensor([d for d in range(10) for _ in range(per_digit)])  # [10 * per_digit]
+def guidance_grid_report(policy_class, path: str | os.PathLike, grid_png: str | os.PathLike, prompts: list[str],
+                         per_row: int, num_steps: int, guidances: tuple[float, ...],
+                         score: Callable[[torch.Tensor], dict], scale: int = 3) -> dict:
+    """Sample ``prompts`` from the base at ``path`` (``policy_class.from_pretrained``) at each guidance scale
+    (ODE, fixed seeds), save one grid PNG (a block per guidance, ``per_row`` samples a row) and return
+    ``score(images [N, 3, H, W])`` per guidance (``guidance_<g>``), the grid's path and the sample counts."""
     seeds = derive_seeds(777, len(prompts))
     report, blocks = {}, []
     for g in guidances:
-        pol = DigitsPolicy.from_pretrained(path, guidance_scale=g)
-        _, images = ode_sample(pol, prompts, seeds, num_steps)  # [10 * per_digit, 3, 16, 16]
-        acc = (reward.probs(images).argmax(1) == labels).float().mean().item()
-        report[f"guidance_{g:g}"] = {"accuracy": acc, "reward": reward(images, prompts).mean().item()}
-        blocks.append(image_grid(images, nrow=per_digit, scale=3))
+        pol = policy_class.from_pretrained(path, guidance_scale=g)
+        _, images = ode_sample(pol, prompts, seeds, num_steps)  # [N, 3, H, W]
+        report[f"guidance_{g:g}"] = score(images)
+        blocks.append(image_grid(images, nrow=per_row, scale=scale))
         blocks.append(np.full((blocks[-1].shape[0], 12, 3), 255, np.uint8))  # white gap between blocks
     save_png(np.concatenate(blocks[:-1], axis=1), Path(grid_png))
     report["grid"] = str(grid_png)
@@ -50,10 +49,26 @@ def sample_grid_report(path: str | os.PathLike, grid_png: str | os.PathLike, per
     return report
 
 
-def cached_report(model_dir: str | os.PathLike, force: bool = False) -> dict:
-    """:func:`sample_grid_report` of the digits base in ``model_dir`` (grid ``model_dir/samples.png``),
-    read from ``model_dir/report.json`` when that was measured on this very model (the same
-    ``pretrain.json``) and ``force`` is off; otherwise measured and cached there."""
+def sample_grid_report(path: str | os.PathLike, grid_png: str | os.PathLike, per_digit: int = PER_DIGIT,
+                       num_steps: int = NUM_STEPS, guidances: tuple[float, ...] = (1.0, 3.0)) -> dict:
+    """Sample every digit at each guidance scale (ODE, fixed seeds), save one grid PNG (a block
+    per guidance, a row per digit) and return the digit classifier's accuracy and mean reward."""
+    reward = DigitsReward()
+    prompts = [digit_prompt(d) for d in range(10) for _ in range(per_digit)]
+    labels = torch.tensor([d for d in range(10) for _ in range(per_digit)])  # [10 * per_digit]
+
+    def score(images: torch.Tensor) -> dict:  # [10 * per_digit, 3, 16, 16]
+        acc = (reward.probs(images).argmax(1) == labels).float().mean().item()
+        return {"accuracy": acc, "reward": reward(images, prompts).mean().item()}
+    return guidance_grid_report(DigitsPolicy, path, grid_png, prompts, per_digit, num_steps, guidances, score)
+
+
+def cached_report(model_dir: str | os.PathLike, force: bool = False,
+                  measure: Optional[Callable[[Path, Path], dict]] = None) -> dict:
+    """``measure(model_dir, grid)`` (default :func:`sample_grid_report`: the digits base) of the base in
+    ``model_dir`` (grid ``model_dir/samples.png``), read from ``model_dir/report.json`` when that was
+    measured on this very model (the same ``pretrain.json``) and ``force`` is off; otherwise measured
+    and cached there."""
     d = Path(model_dir)
     trained = (d / "pretrain.json").read_text() if (d / "pretrain.json").is_file() else None
     cache = d / REPORT_JSON
@@ -62,7 +77,7 @@ def cached_report(model_dir: str | os.PathLike, force: bool = False) -> dict:
         if rec.get("pretrain") == trained and Path(rec["report"]["grid"]).is_file():
             print(f"[flowrl] sample report of {d}: cached in {cache} (--force retrains and re-measures)")
             return rec["report"]
-    report = sample_grid_report(d, d / "samples.png")
+    report = (measure or sample_grid_report)(d, d / "samples.png")
     write_json({"pretrain": trained, "report": report}, cache)
     return report
 

@@ -39,7 +39,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("builders", ("flowrl.builders", "flowrl.updates")),
     ("trainers", ("flowrl.trainers",)),
     ("application", ("flowrl.cli", "flowrl.sampling_cli", "flowrl.dataset_cli", "flowrl.export", "flowrl.bench",
-                     "flowrl.digits_report", "flowrl.__main__", "flowrl.plan", "flowrl.smoke", "flowrl.command_line", "flowrl.eval")),
+                     "flowrl.digits_report", "flowrl.shapes_report", "flowrl.pretrain_cli", "flowrl.__main__",
+                     "flowrl.plan", "flowrl.smoke", "flowrl.command_line", "flowrl.eval")),
 ]
 ROOT = "flowrl"  # the bare package (only __version__): importable from every layer
 

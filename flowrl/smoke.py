@@ -43,7 +43,8 @@ from typing import Collection, Sequence
 from .utils.hub import is_hub_file
 
 SMOKE_PIXELS = 32  # tiny diffusers models: 16 x 4 x 4 latents
-PROMPTS = {"digits": ["a handwritten digit 3", "a handwritten digit 7"]}
+PROMPTS = {"digits": ["a handwritten digit 3", "a handwritten digit 7"],
+           "shapes": ["a photo of a red circle and a blue square", "a photo of two triangles"]}
 DEFAULT_PROMPTS = ["a photo of a cat", "a red apple on a table"]
 # recipe model.options -> its smoke value (only keys the recipe sets are changed; an adapter's own values of these
 # keys: its smoke_model_options, e.g. FLUX.2 [dev]'s 48 text tokens)

@@ -15,6 +15,7 @@ from flowrl.registry import Registry
 # name -> "module:callable(path, **kwargs) -> FlowPolicy" (or the callable itself)
 REGISTRY = Registry("pipeline", {
     "digits": "flowrl.pipelines.digits:load_digits_policy",
+    "shapes": "flowrl.pipelines.shapes:load_shapes_policy",
     "sd3": "flowrl.pipelines.sd3:SD3Policy.from_pretrained",
     "flux": "flowrl.pipelines.flux:FluxPolicy.from_pretrained",
     "sana": "flowrl.pipelines.sana:SanaPolicy.from_pretrained",

@@ -234,7 +234,7 @@ def test_trainer_passes_kl_form_dt_and_cfg_setting(tiny_digits_dir, tmp_path, mo
         uncond.append((uncond_grad, torch.is_grad_enabled()))
         return real_cfg(u, c, s, uncond_grad=uncond_grad)
 
-    monkeypatch.setattr("flowrl.pipelines.digits.cfg_combine", spy)
+    monkeypatch.setattr("flowrl.pipelines.pixel_flow.cfg_combine", spy)  # (the digits policy's velocity)
     cfg = load_config("recipes/digits.yaml", tiny_train_overrides(tiny_digits_dir, **{
         "train.iterations": 1, "train.loss_options.beta_kl": 0.04, "train.loss_options.kl_form": "flow_grpo",
         "model.guidance_scale": 2.0}))

@@ -1,0 +1,35 @@
+"""The embedded worlds' pretraining settings (``flowrl pretrain-digits`` / ``pretrain-shapes``): plain
+dataclasses, importable without torch (the command line prints their defaults in ``--help``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["PretrainConfig", "ShapesPretrainConfig"]
+
+
+@dataclass
+class PretrainConfig:
+    """The digits base's pretraining (and every world's fields): AdamW steps of ``batch_size`` images,
+    100 warm-up steps then cosine decay from ``lr``, the prompt dropped with ``cond_dropout`` (for CFG)."""
+
+    steps: int = 600
+    batch_size: int = 64
+    lr: float = 1e-3
+    cond_dropout: float = 0.1
+    seed: int = 0
+    max_seconds: Optional[float] = None  # stop early after this wall time (a budget, not a target)
+
+    def __post_init__(self):
+        if self.steps < 1 or self.batch_size < 1 or not self.lr > 0:
+            raise ValueError(f"steps, batch_size and lr must be positive, got {self}")
+        if not 0 <= self.cond_dropout < 1:
+            raise ValueError(f"cond_dropout must be in [0, 1), got {self.cond_dropout}")
+
+
+@dataclass
+class ShapesPretrainConfig(PretrainConfig):
+    """The shapes base's pretraining (docs/models.md: what it measures)."""
+
+    steps: int = 2500
+    batch_size: int = 32
