@@ -6,7 +6,7 @@ The config's sampler is built by ``cfg.sampler.build()`` (the same call validate
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -97,15 +97,42 @@ def _with_heldout(reward, heldout: dict, frame_stride: int):
 
 
 @torch.no_grad()
+def tag_means(rewards: torch.Tensor, tags: Sequence[str], seeds_per_prompt: int) -> dict[str, float]:
+    """``rewards`` ``[P * k]`` (prompt-major, ``k = seeds_per_prompt`` per prompt) and ``tags`` ``[P]`` (each
+    prompt's) -> ``{tag: mean of its prompts' finite rewards}`` (NaN: none finite), tags in first-seen order."""
+    per_sample = [t for t in tags for _ in range(seeds_per_prompt)]  # [P * k]
+    out = {}
+    for tag in dict.fromkeys(tags):
+        v = rewards[torch.tensor([t == tag for t in per_sample])]  # [n_tag * k]
+        v = v[torch.isfinite(v)]
+        out[tag] = float(v.mean()) if v.numel() else float("nan")
+    return out
+
+
+def reference_metrics(reward, images: torch.Tensor, eval_prompts: list, seeds_per_prompt: int,
+                      frame_stride: Optional[int] = None, tags: Optional[Sequence[str]] = None) -> dict:
+    """The evaluation's measures of given images (``[len(eval_prompts) * k, 3, (F,) H, W]``, prompt-major; real
+    data): ``real/reward`` (finite mean), ``real/<watch>`` (:func:`flowrl.diagnostics.watch`) and, with ``tags``
+    (one per prompt), ``real/tag/<tag>`` (:func:`tag_means`)."""
+    k = seeds_per_prompt
+    groups = torch.arange(len(eval_prompts)).repeat_interleave(k)  # [P * k]
+    prompts = [p for p in eval_prompts for _ in range(k)]
+    r, _ = score_images(reward, images, prompts, frame_stride=frame_stride)
+    per_tag = tag_means(r, tags, k) if tags is not None else {}
+    return {"real/reward": float(r[torch.isfinite(r)].mean()), **{f"real/{n}": v for n, v in watch(images, groups).items()},
+            **{f"real/tag/{t}": v for t, v in per_tag.items()}}
+
+
 def evaluate_policy(policy, reward, heldout: dict, eval_prompts: list[str], seeds_per_prompt: int, num_steps: int,
-                    it: int, max_batch: Optional[int] = None, frame_stride: Optional[int] = None
-                    ) -> tuple[dict, torch.Tensor]:
+                    it: int, max_batch: Optional[int] = None, frame_stride: Optional[int] = None,
+                    tags: Optional[Sequence[str]] = None) -> tuple[dict, torch.Tensor]:
     """Fixed prompts x fixed seeds (``EVAL_SEED``), deterministic ODE: trained reward, held-out
     rewards, within-prompt diversity and high-frequency energy, for videos temporal consistency
     (reward-hacking watch, :func:`flowrl.diagnostics.watch`).
     Shared by the online and offline (GDRO) trainers, so their curves compare point for point.
     ``max_batch`` samples at a time, each chunk scored while the next samples (``reward.overlap``);
-    videos are scored every ``frame_stride``-th frame (None: the trained reward's, else 1).
+    videos are scored every ``frame_stride``-th frame (None: the trained reward's, else 1); ``tags`` (one per
+    evaluation prompt, e.g. GenEval's): the trained reward's mean per tag too, ``eval/tag/<tag>`` (:func:`tag_means`).
     Returns (metrics, images [len(eval_prompts) * seeds_per_prompt, 3, (F,) H, W])."""
     k = seeds_per_prompt
     prompts = [p for p in eval_prompts for _ in range(k)]
@@ -124,4 +151,6 @@ def evaluate_policy(policy, reward, heldout: dict, eval_prompts: list[str], seed
     for name in heldout:
         hv = scores.components[f"heldout/{name}"]
         met[f"eval/heldout/{name}"] = float(hv[torch.isfinite(hv)].mean())
+    if tags is not None:
+        met.update({f"eval/tag/{t}": v for t, v in tag_means(r, tags, k).items()})
     return met, images

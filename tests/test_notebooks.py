@@ -18,5 +18,6 @@ def test_notebook_executes(path, pretrained_digits_base):
     assert any(c.get("outputs") for c in nb.cells if c.cell_type == "code")
 
 
-def test_there_are_three_notebooks():
-    assert [p.name for p in NOTEBOOKS] == ["01_quick_tour.ipynb", "02_sampler_explorer.ipynb", "03_precision.ipynb"]
+def test_there_are_four_notebooks():
+    assert [p.name for p in NOTEBOOKS] == ["01_quick_tour.ipynb", "02_sampler_explorer.ipynb", "03_precision.ipynb",
+                                          "04_methods.ipynb"]

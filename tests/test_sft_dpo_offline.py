@@ -271,18 +271,20 @@ def test_digits_dpo_offline_raises_the_reward(pretrained_digits_base, tmp_path):
 
 
 def test_digits_sft_moves_the_base_toward_the_real_digits(pretrained_digits_base, tmp_path):
-    """recipes/digits_sft.yaml, 220 of its 440 steps: the evaluation reward rises and the high-frequency energy of
-    the samples moves toward the held-out real digits' (the base's samples are smoother than real digits)."""
+    """recipes/digits_sft.yaml as shipped: the evaluation reward rises, and the samples' high-frequency energy and
+    within-prompt diversity both move toward the held-out real digits' (the base's samples are smoother and less
+    varied than real digits; docs/algorithms.md §15: logit-normal(0, 1) times raised the reward but lowered the
+    diversity). Margins: train.seed 0 and 1 measured +0.028 to +0.036 reward, +0.0067 diversity."""
     from flowrl.trainers.config import load_config
     from flowrl.trainers.offline import train
 
-    cfg = load_config("digits_sft.yaml", _quiet(**{"offline.max_steps": 220, "offline.eval_every": 220,
-                                                   "logging.eval_every": 220}))
+    cfg = load_config("digits_sft.yaml", _quiet())
     summary = train(cfg, tmp_path / "run")
-    real = summary["real/hf_energy"]
-    assert summary["steps_done"] == 220
+    assert summary["steps_done"] == 660
     assert summary["eval_reward_after"] > summary["eval_reward_before"] + 0.015, summary
-    assert abs(summary["hf_energy_after"] - real) < abs(summary["hf_energy_before"] - real) - 2e-4, summary
+    for key, margin in (("hf_energy", 2e-4), ("diversity", 3e-3)):
+        real, before, after = summary[f"real/{key}"], summary[f"{key}_before"], summary[f"{key}_after"]
+        assert abs(after - real) < abs(before - real) - margin, (key, summary)
 
 
 def test_sft_full_fine_tune_with_ema_resumes_exactly(tiny_digits_dir, tiny_pairs, tmp_path):

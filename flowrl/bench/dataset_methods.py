@@ -20,7 +20,7 @@ import numpy as np
 
 from ..trainers.offline import OfflineTrainer, generate_offline, make_pairs
 from .offline import QUIET
-from .training import Variant, _point
+from .training import Variant, _point, real_reference
 
 
 def _dataset(cfg, variant: Variant, recipe: str, workdir: Path, progress: bool) -> tuple:
@@ -48,7 +48,7 @@ def run_dataset_variant(recipe: str, variant: Variant, budget_seconds: float, ev
     cfg, data_s, generated = _dataset(variant.config(recipe, QUIET), variant, recipe, work, progress)
     tr = OfflineTrainer(cfg, work / "run")
     tr.setup()
-    real = {k.removeprefix("real/"): v for k, v in tr.real_data_reference().items()}
+    real = real_reference(tr)
     per_step = cfg.offline.batch_groups * cfg.train.grad_accum  # units a step reads
     read = per_step * {"images": 1}.get(cfg.train.update_needs.data, 0)  # images read per step (sft)
     ev0, _ = tr.evaluate(0)

@@ -1,5 +1,9 @@
 """``flowrl bench methods``: every update on the same prompts, seeds and wall budget, in one run.
 
+On the digits world by default; ``--pipeline shapes`` runs the same bench on the shapes world: a world is one
+entry of :data:`flowrl.bench.worlds.WORLDS` (its base recipe, and ``<world>_<x>.yaml`` for a method whose digits
+recipe is ``digits_<x>.yaml``); what follows says "digits" for the default world's files.
+
 Each registered update is a row (:func:`all_methods`), made from its declaration alone: its one-line
 ``summary``, its own digits recipe (``digits_recipe``, used as is when this build ships it) and, for an update
 that declares none, the overrides that put it on ``recipes/digits.yaml`` (10 prompts x 8 samples per
@@ -27,7 +31,7 @@ import argparse
 import json
 import os
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -37,9 +41,11 @@ from ..trainers.config_text import read_recipe, recipes_dir, resolve_recipe
 from ..utils.io import write_json
 from .dataset_methods import run_dataset_variant
 from .methods_report import add_times_to_baseline, markdown, plot, report
+from .methods_tags import add_tags
 from .methods_seeds import add_intervals, combine
 from .precision_measure import cpu_name
 from .training import Variant, run_variant
+from .worlds import WORLDS, World, world
 
 RECIPE = "digits.yaml"
 BASELINE = "grpo"  # the method the "time to reach" columns measure against
@@ -69,6 +75,10 @@ class Method:
     recipe: Optional[str] = None
     note: str = ""
     offline: bool = False  # trains on a dataset (train.mode offline): its dataset made first (bench.dataset_methods)
+
+    def in_world(self, w: World) -> "Method":
+        """This row in world ``w``: its recipe the world's (``digits_<x>.yaml`` -> ``<world>_<x>.yaml``)."""
+        return replace(self, recipe=w.method_recipe(self.recipe))
 
     def shipped_recipe(self) -> Optional[Path]:
         """This method's digits recipe when this build ships it (None: it has none here)."""
@@ -140,20 +150,24 @@ def _evaluation(cfg) -> dict:
 
 
 def chosen_runs(methods: Optional[Sequence[str]] = None, method_overrides: Optional[dict] = None,
-                method_recipes: Optional[dict] = None, extra: Sequence[str] = ()) -> tuple[dict, dict]:
+                method_recipes: Optional[dict] = None, extra: Sequence[str] = (),
+                pipeline: str = "digits") -> tuple[dict, dict]:
     """The chosen methods (all when ``methods`` is empty), in the table's order -> (``{name: Variant}`` of those
     that run, every config validated, ``{name: reason}`` of those skipped). ``method_overrides`` /
     ``method_recipes``: ``{name: [overrides]}`` / ``{name: recipe}`` for single methods; ``extra``: overrides
-    for every method (after a method's own declaration, before its ``method_overrides``); the footing last."""
+    for every method (after a method's own declaration, before its ``method_overrides``); the footing last
+    (from world ``pipeline``'s base recipe, :mod:`flowrl.bench.worlds`)."""
+    w = world(pipeline)
+    w.check_shipped()
     method_overrides, method_recipes = dict(method_overrides or {}), dict(method_recipes or {})
     _check_names(list(methods or ()), "")
     _check_names([*method_overrides, *method_recipes], " in --method-override / --method-recipe")
     try:
-        footing = _footing(Variant().config(RECIPE, list(extra)))
+        footing = _footing(Variant().config(w.recipe, list(extra)))
     except ValueError as e:
         raise BenchError(f"the shared overrides: {e}") from None
     runs, skipped = {}, {}
-    for m in (m for m in all_methods() if not methods or m.name in methods):
+    for m in (m.in_world(w) for m in all_methods() if not methods or m.name in methods):
         reason = skip_reason(m, m.name in method_recipes)
         if reason is not None:
             skipped[m.name] = reason
@@ -162,7 +176,7 @@ def chosen_runs(methods: Optional[Sequence[str]] = None, method_overrides: Optio
             recipe = method_recipes.get(m.name)
             var = m.variant([*extra, *method_overrides.get(m.name, ()), *footing],
                             str(resolve_recipe(recipe).resolve()) if recipe else None)
-            var.config(RECIPE, [])  # validated before any model loads
+            var.config(w.recipe, [])  # validated before any model loads
         except BenchError:
             raise
         except ValueError as e:
@@ -171,12 +185,13 @@ def chosen_runs(methods: Optional[Sequence[str]] = None, method_overrides: Optio
     return runs, skipped
 
 
-def _differences(runs: dict, extra: Sequence[str]) -> dict:
-    """``{name: {key: [method's, digits.yaml's]}}`` of the :data:`EVALUATION` keys a method's recipe changes."""
-    base = _evaluation(Variant().config(RECIPE, list(extra)))
+def _differences(runs: dict, extra: Sequence[str], recipe: str = RECIPE) -> dict:
+    """``{name: {key: [method's, the base recipe's]}}`` of the :data:`EVALUATION` keys a method's recipe changes
+    (``recipe``: the world's base recipe)."""
+    base = _evaluation(Variant().config(recipe, list(extra)))
     out = {}
     for name, var in runs.items():
-        mine = _evaluation(var.config(RECIPE, []))
+        mine = _evaluation(var.config(recipe, []))
         diff = {k: [mine[k], base[k]] for k in EVALUATION if mine[k] != base[k]}
         if diff:
             out[name] = diff
@@ -184,11 +199,11 @@ def _differences(runs: dict, extra: Sequence[str]) -> dict:
 
 
 def _train_all(runs: dict, train_seeds: list, budget_seconds: float, eval_every_seconds: float,
-               progress: bool) -> tuple[dict, dict]:
+               progress: bool, recipe: str = RECIPE) -> tuple[dict, dict]:
     """Every method on every training seed, seed by seed (each seed's methods one after another, so a drift of
     the machine's load touches every method alike) -> (``{name: [result per seed]}``, ``{name: failure}``). With
     one seed, the footing's ``train.seed`` as is; else ``train.seed`` of each. A method that fails on a seed is
-    dropped from the later seeds."""
+    dropped from the later seeds. ``recipe``: the world's base recipe."""
     results, failed, rows = {name: [] for name in runs}, {}, {m.name: m for m in all_methods()}
     many = len(train_seeds) > 1
     for k, seed in enumerate(train_seeds, 1):
@@ -199,11 +214,11 @@ def _train_all(runs: dict, train_seeds: list, budget_seconds: float, eval_every_
                 var = Variant(overrides=[*var.overrides, f"train.seed={seed}"], sampler=var.sampler, recipe=var.recipe)
             if progress:
                 at = f"seed {seed} ({k}/{len(train_seeds)}), " if many else ""
-                print(f"[bench methods] {at}{i}/{len(todo)} {name}: {Path(var.recipe or RECIPE).name} "
+                print(f"[bench methods] {at}{i}/{len(todo)} {name}: {Path(var.recipe or recipe).name} "
                       f"train.loss={rows[name].loss} ({budget_seconds:g} training s)", flush=True)
             try:
                 run = run_dataset_variant if rows[name].offline else run_variant  # a dataset made first, counted
-                results[name].append(run(RECIPE, var, budget_seconds, eval_every_seconds, progress=progress))
+                results[name].append(run(recipe, var, budget_seconds, eval_every_seconds, progress=progress))
             except Exception as e:  # noqa: BLE001 (one method's failure is its row; the others still run)
                 traceback.print_exc()
                 failed[name] = (f"train.seed {seed}: " if many else "") + " ".join(f"{type(e).__name__}: {e}".split())
@@ -216,29 +231,29 @@ def bench_methods(pipeline: str = "digits", budget_seconds: float = 120.0, eval_
                   method_overrides: Optional[dict] = None, method_recipes: Optional[dict] = None,
                   extra: Sequence[str] = (), progress: bool = True, seeds: int = 1) -> dict:
     """Train every chosen method for ``budget_seconds`` of training time each, on ``seeds`` training seeds
-    (``train.seed`` of digits.yaml with the shared overrides, and the next ``seeds - 1``) -> the result dict
+    (``train.seed`` of the world's base recipe with the shared overrides, and the next ``seeds - 1``; world
+    ``pipeline``: :mod:`flowrl.bench.worlds`) -> the result dict
     (:func:`~flowrl.bench.methods_report.report` formats it); written as ``out_dir/methods.json`` and
     ``methods.png`` when ``out_dir`` is given, nothing written otherwise. Arguments as :func:`chosen_runs`.
     With one seed a row is that run; with more, the seed means with 95% intervals
-    (:mod:`flowrl.bench.methods_seeds`), every seed's run kept in the row's ``runs``."""
-    if pipeline != "digits":
-        raise BenchError(f"bench methods runs on the offline digits pipeline only (got {pipeline!r}); for SD3/FLUX "
-                         f"run each method's recipe with `flowrl train` on a GPU machine")
-    runs, skipped = chosen_runs(methods, method_overrides, method_recipes, extra)
-    differs = _differences(runs, extra)
+    (:mod:`flowrl.bench.methods_seeds`), every seed's run kept in the row's ``runs``. When the evaluation prompts
+    carry tags, each row also has its final evaluation reward per tag (``final_tags``; ``tags``: the tags)."""
+    runs, skipped = chosen_runs(methods, method_overrides, method_recipes, extra, pipeline)
+    recipe = world(pipeline).recipe
+    differs = _differences(runs, extra, recipe)
     for name, reason in skipped.items():
         print(f"[bench methods] {name}: {reason}", flush=True)
     for name, diff in differs.items():
         print(f"[bench methods] {name}: its recipe evaluates differently: "
-              + "; ".join(f"{k} {a} (digits.yaml: {b})" for k, (a, b) in diff.items()), flush=True)
-    first = Variant().config(RECIPE, list(extra)).train.seed
+              + "; ".join(f"{k} {a} ({recipe}: {b})" for k, (a, b) in diff.items()), flush=True)
+    first = Variant().config(recipe, list(extra)).train.seed
     train_seeds = [first + k for k in range(seeds)]
-    results, failed = _train_all(runs, train_seeds, budget_seconds, eval_every_seconds, progress)
+    results, failed = _train_all(runs, train_seeds, budget_seconds, eval_every_seconds, progress, recipe)
     rows = {m.name: m for m in all_methods()}
     variants = {name: {"note": rows[name].note, "overrides": list(runs[name].overrides),
                        "differs": differs.get(name, {}),
                        **(r[0] if seeds == 1 else combine(r, train_seeds))} for name, r in results.items()}
-    res = {"pipeline": pipeline, "recipe": RECIPE, "budget_seconds": budget_seconds,
+    res = {"pipeline": pipeline, "recipe": recipe, "budget_seconds": budget_seconds,
            "eval_every_seconds": eval_every_seconds, "baseline": BASELINE, "train_seeds": train_seeds,
            "variants": variants, "skipped": skipped, "failed": failed,
            "real": next((r["real"] for r in variants.values() if r.get("real")), {}),
@@ -246,6 +261,7 @@ def bench_methods(pipeline: str = "digits", budget_seconds: float = 120.0, eval_
            "note": "training seconds = rollout + reward + update, evaluation excluded; samples = finished samples "
                    "the rollouts scored"}
     (add_times_to_baseline if seeds == 1 else add_intervals)(res, BASELINE)
+    add_tags(res)
     if out_dir:
         out = Path(out_dir)
         write_json(res, out / "methods.json")
@@ -281,8 +297,10 @@ def add_methods_parser(subparsers) -> argparse.ArgumentParser:
                                               "seconds and samples, the hacking watch (table; JSON + PNG with --out)",
                               epilog="example:\n  flowrl bench methods --pipeline digits --budget 60 --out bench\n"
                                      "  flowrl bench methods --methods grpo,nft,dpo --budget 60\n"
-                                     "  flowrl bench methods --seeds 3 --budget 60 --out bench")
-    p.add_argument("--pipeline", choices=["digits"], default="digits", help="the model (digits only)")
+                                     "  flowrl bench methods --seeds 3 --budget 60 --out bench\n"
+                                     "  flowrl bench methods --pipeline shapes --seeds 3 --budget 60 --out bench")
+    p.add_argument("--pipeline", choices=list(WORLDS), default="digits",
+                   help="the world: " + "; ".join(f"{w.name}: {w.about}" for w in WORLDS.values()))
     p.add_argument("--budget", type=positive_float, default=120.0, help="training seconds per method")
     p.add_argument("--eval-every", type=positive_float, default=20.0, help="evaluate every N training seconds")
     p.add_argument("--seeds", type=positive_int, default=1,

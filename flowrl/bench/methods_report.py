@@ -7,6 +7,7 @@ from pathlib import Path
 
 from . import methods_seeds
 from .methods_seeds import num
+from .methods_tags import plot_tags, tag_markdown, tag_table
 from .training import plot_panels, time_to_reach
 
 
@@ -37,11 +38,14 @@ def add_times_to_baseline(res: dict, baseline: str) -> None:
 
 def plot(res: dict, path: Path, baseline: str) -> None:
     """Reward vs training seconds, reward vs samples drawn, diversity and HF energy vs seconds (2 x 2); with
-    several seeds, their mean curves and shaded intervals (:func:`~flowrl.bench.methods_seeds.plot`)."""
+    several seeds, their mean curves and shaded intervals (:func:`~flowrl.bench.methods_seeds.plot`); with tags,
+    a fifth panel of the final reward per tag (:func:`~flowrl.bench.methods_tags.plot_tags`)."""
+    more = (lambda ax: plot_tags(ax, res)) if res.get("tags") else None
     if _seeded(res):
-        return methods_seeds.plot(res, path, baseline)
-    plot_panels(res, path, methods_seeds.PANELS, f"every update on digits, {res['budget_seconds']:g} training s each",
-                baseline=baseline, shape=(2, 2))
+        return methods_seeds.plot(res, path, baseline, more)
+    plot_panels(res, path, methods_seeds.PANELS, f"every update on {res.get('pipeline', 'digits')}, "
+                f"{res['budget_seconds']:g} training s each", baseline=baseline, shape=(2, 2 if more is None else 3),
+                more=more)
 
 
 HEAD = (f"{'method':<12}{'recipe':>20}{'sampler':>8}{'s/iter':>8}{'iters':>7}{'samples':>9}{'final reward':>14}"
@@ -88,11 +92,12 @@ def report(res: dict) -> str:
     for name, r in res["variants"].items():
         if r.get("differs"):
             rows.append(f"{name}: its recipe evaluates differently: "
-                        + "; ".join(f"{k} {a} (digits.yaml: {b})" for k, (a, b) in r["differs"].items()))
+                        + "; ".join(f"{k} {a} ({res.get('recipe', 'digits.yaml')}: {b})"
+                                    for k, (a, b) in r["differs"].items()))
     rows.append(_baseline_line(res))
     if seeded:
         rows.append(methods_seeds.legend(res))
-    return "\n".join(rows)
+    return "\n".join([*rows, *tag_table(res)])
 
 
 MARKDOWN_HEAD = ("| method | recipe | sampler | s/iter | samples | final reward | diversity | HF energy | "
@@ -116,7 +121,7 @@ def _cells(r: dict, seeded: bool) -> list[str]:
 
 def markdown(res: dict) -> str:
     """The table of a bench-methods result in markdown, the README's columns: a row per method that ran
-    (the registry's names), then the real data's reward and watch values."""
+    (the registry's names), then the real data's reward and watch values; with tags, the table per tag after it."""
     seeded = _seeded(res)
     rows = [MARKDOWN_HEAD]
     for name, r in res["variants"].items():
@@ -125,4 +130,5 @@ def markdown(res: dict) -> str:
     if real:
         rows.append(f"| real data | | | | | {real['reward']:.3f} | {real['diversity']:.3f} | {real['hf_energy']:.4f} "
                     f"| | | |")
-    return "\n".join(rows)
+    tags = tag_markdown(res)
+    return "\n".join([*rows, *(["", "Final evaluation reward per tag:", "", *tags] if tags else [])])

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 
 from ..utils.io import save_figure
 from .seeds import AXES, bootstrap_times, mean_intervals, on_grid
-from .training import SECONDS, WATCH, reference_lines
+from .training import SECONDS, WATCH, finish_extra_panels, reference_lines
 
 KEYS = ("eval_reward", "diversity", "hf_energy")  # the curve measures averaged over the seeds
 REWARD = ("eval_reward", "eval reward (fixed prompts and seeds)")
@@ -127,16 +128,16 @@ def legend(res: dict) -> str:
             f"{m.get('cpus')} cores")
 
 
-def plot(res: dict, path: Path, baseline: str) -> None:
+def plot(res: dict, path: Path, baseline: str, more: Optional[Callable] = None) -> None:
     """The 2 x 2 picture of :data:`PANELS`: per method its seed-mean curve (steps) and the 95% interval shaded
-    (the final point's as an error bar);
+    (the final point's as an error bar); ``more(ax)``: a fifth panel (the final reward per tag);
     dashed: the real data (black) and the baseline's seed-mean final reward (grey)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(10, 8), squeeze=False)
+    fig, axes = plt.subplots(2, 2 if more is None else 3, figsize=(10 if more is None else 15, 8), squeeze=False)
     real, base = res.get("real") or {}, res["variants"].get(baseline)
     for ax, ((xk, xl), (yk, yl)) in zip(axes.flat, PANELS):
         for name, r in res["variants"].items():
@@ -151,6 +152,7 @@ def plot(res: dict, path: Path, baseline: str) -> None:
         ax.set_xlabel(xl)
         ax.set_ylabel(yl)
     axes.flat[0].legend(fontsize=8)
-    fig.suptitle(f"every update on digits, {res['budget_seconds']:g} training s each, mean of "
+    finish_extra_panels(axes, len(PANELS), more)
+    fig.suptitle(f"every update on {res.get('pipeline', 'digits')}, {res['budget_seconds']:g} training s each, mean of "
                  f"{len(res['train_seeds'])} seeds (shaded: 95% interval)")
     save_figure(fig, path)

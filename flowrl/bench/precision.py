@@ -28,7 +28,6 @@ diffusers directory). Full-size architectures without weights (``sd35m-arch``, `
 """
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -86,7 +85,7 @@ def _sample(policy, module, prompts: list[str], seeds: list[int], steps: int, ma
             compiled: bool = False):
     """ODE samples of ``module`` in ``policy``: eager unless ``compiled`` (its compiled forward then runs)."""
     with torch.no_grad(), swapped_transformer(policy, module), \
-            (contextlib.nullcontext() if compiled else eager_forwards()):
+            eager_forwards(not compiled):
         return ode_sample(policy, prompts, seeds, steps, max_batch)
 
 

@@ -28,7 +28,6 @@ Sol-RL and one flat-GRPO iteration (:mod:`flowrl.bench.precision_iteration`), co
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import statistics
 import time
@@ -77,7 +76,7 @@ def time_resolution(policy: ArchPolicy, module, batch: int, steps: int, repeats:
     done = (lambda: compiled.compiles + compiled.recompiles) if compiled is not None else (lambda: 0)
     spent = compiled.compile_seconds if compiled is not None else 0.0
     with torch.no_grad(), swapped_transformer(policy, module), \
-            (contextlib.nullcontext() if compiled is not None else eager_forwards()):
+            eager_forwards(compiled is None):
         for _ in range(warmups):
             ode_sample(policy, prompts, seeds, steps, batch)
             policy.velocity(x, sigma, cond)

@@ -18,7 +18,6 @@ Each backend is measured eagerly (its usual fields), then compiled as ``model.co
 """
 from __future__ import annotations
 
-import contextlib
 import statistics
 from typing import Iterable, Optional
 
@@ -95,7 +94,7 @@ def _forward(policy, module, inputs, compiled: bool, device, repeats: int = 5) -
     """(median ms of ``repeats`` bare forwards after one warm-up, velocity ``[B, ...]`` float32 on the CPU)."""
     x, sigma, cond = inputs
     with torch.no_grad(), swapped_transformer(policy, module), \
-            (contextlib.nullcontext() if compiled else eager_forwards()):
+            eager_forwards(not compiled):
         policy.velocity(x, sigma, cond)
         ms = [1000.0 * timed(lambda: policy.velocity(x, sigma, cond), device) for _ in range(repeats)]
         return statistics.median(ms), policy.velocity(x, sigma, cond).float().cpu()

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -50,7 +50,9 @@ def run_variant(recipe: str, variant: Variant, budget_seconds: float, eval_every
     Each curve point: ``train_seconds`` (rollout + reward + update so far, evaluation excluded),
     ``iteration``, ``samples`` (finished samples the rollouts scored so far), the evaluation's
     ``eval_reward``, ``diversity`` and ``hf_energy``; ``real`` holds the same measures of real data
-    (held-out digits for the evaluation prompts; empty when the model has none). ``each_reward``: each curve
+    (held-out digits for the evaluation prompts; empty when the model has none). When the evaluation prompts
+    carry tags (``data.eval_prompts`` with GenEval's ``tag``), each point and ``real`` also hold ``tags``, the
+    evaluation reward per tag (``{tag: mean}``). ``each_reward``: each curve
     point also holds ``rewards`` (each trained reward's evaluation mean, name -> value), and ``iterations_log``
     each iteration's ``train_seconds`` and ``reward/<name>/...`` metrics (its mean, its advantage share)."""
     cfg = variant.config(recipe, list(extra or []) + ["logging.trackers=[]", "logging.progress=false",
@@ -58,7 +60,7 @@ def run_variant(recipe: str, variant: Variant, budget_seconds: float, eval_every
     run_dir = Path(tempfile.mkdtemp(prefix="flowrl-bench-", dir=workdir))
     tr = OnlineTrainer(cfg, run_dir)
     tr.setup()
-    real = {k.removeprefix("real/"): v for k, v in tr.real_data_reference().items()}
+    real = real_reference(tr)
     ev0, _ = tr.evaluate(0)
     curve = [_point(0.0, 0, 0, ev0, each_reward)]
     spent, next_eval, it, samples = 0.0, eval_every_seconds, 0, 0
@@ -93,9 +95,22 @@ def run_variant(recipe: str, variant: Variant, budget_seconds: float, eval_every
             **({"iterations_log": log} if each_reward else {})}
 
 
+def _tags(metrics: dict, prefix: str) -> dict:
+    """``{"tags": {tag: value}}`` of the ``<prefix>tag/<tag>`` metrics (the reward per tag), ``{}`` when none."""
+    tags = {k.removeprefix(f"{prefix}tag/"): v for k, v in metrics.items() if k.startswith(f"{prefix}tag/")}
+    return {"tags": tags} if tags else {}
+
+
+def real_reference(tr) -> dict:
+    """Trainer ``tr``'s real-data reference (:meth:`~flowrl.trainers.trainer.Trainer.real_data_reference`) as the
+    bench keeps it: ``reward``, ``diversity``, ``hf_energy`` (and ``tags``, the reward per tag), ``{}`` for none."""
+    got = tr.real_data_reference()
+    return {**{k.removeprefix("real/"): v for k, v in got.items() if not k.startswith("real/tag/")}, **_tags(got, "real/")}
+
+
 def _point(seconds: float, it: int, samples: int, ev: dict, each_reward: bool = False) -> dict:
     point = {"train_seconds": seconds, "iteration": it, "samples": samples, "eval_reward": ev["eval/reward"],
-             "diversity": ev["eval/diversity"], "hf_energy": ev["eval/hf_energy"]}
+             "diversity": ev["eval/diversity"], "hf_energy": ev["eval/hf_energy"], **_tags(ev, "eval/")}
     if each_reward:  # the trained rewards' evaluation means (eval/reward/NAME; held-out ones are eval/heldout/NAME)
         point["rewards"] = {k.removeprefix("eval/reward/"): v for k, v in ev.items() if k.startswith("eval/reward/")}
     return point
@@ -151,11 +166,11 @@ def reference_lines(ax, yk: str, real: dict, base: Optional[dict], base_label: s
 
 
 def plot_panels(out: dict, path: Path, panels: list, title: str = "", baseline: str = "flat_grpo",
-                shape: tuple = (1, 3)) -> None:
+                shape: tuple = (1, 3), more: Optional[Callable] = None) -> None:
     """One subplot per ``((x_key, x_label), (y_key, y_label))`` of ``panels``, one line per variant of
     ``out["variants"]`` through its curve points. Dashed lines: the real data's value of ``y_key`` (black,
     from a variant's ``real``, when it has one) and, on eval-reward panels, the ``baseline`` variant's final
-    eval reward (grey)."""
+    eval reward (grey). ``more(ax)``: draws the subplot after the panels' (the rest of ``shape`` left empty)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -172,9 +187,19 @@ def plot_panels(out: dict, path: Path, panels: list, title: str = "", baseline: 
         ax.set_xlabel(xl)
         ax.set_ylabel(yl)
     axes.flat[0].legend(fontsize=8)
+    finish_extra_panels(axes, len(panels), more)
     fig.suptitle(title)
     fig.tight_layout()
     save_figure(fig, path)
+
+
+def finish_extra_panels(axes, used: int, more: Optional[Callable] = None) -> None:
+    """After ``used`` panels of ``axes``: ``more(ax)`` on the next one, when given; the ones left switched off."""
+    rest = list(axes.flat[used:])
+    if more is not None and rest:
+        more(rest.pop(0))
+    for ax in rest:
+        ax.set_axis_off()
 
 
 def table(out: dict) -> str:

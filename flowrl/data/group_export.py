@@ -18,6 +18,7 @@ from typing import Callable, Optional, Union
 import numpy as np
 import torch
 
+from ..utils.images import to_uint8
 from ..utils.io import save_png, write_text
 from .items import PromptItem
 from .offline_store import DatasetError, OfflineDataset
@@ -28,8 +29,7 @@ Decode = Callable[[torch.Tensor], torch.Tensor]  # latents [n, C, h, w] -> image
 
 
 def _png(image: torch.Tensor, path: Path) -> str:
-    arr = (image.clamp(0, 1).permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8)  # [H, W, 3]
-    save_png(arr, path)
+    save_png(to_uint8(image).permute(1, 2, 0).cpu().numpy(), path)  # [H, W, 3]
     return path.name
 
 

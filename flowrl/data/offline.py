@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from ..utils.images import to_uint8
 from ..utils.io import atomic_write, save_png, write_text
 from .items import item_record
 from .offline_store import DTYPES, EXTENSIBLE, FORMAT, INDEX, VERSION, DatasetError, OfflineDataset, read_index
@@ -276,8 +277,7 @@ def generate_dataset(out: str | os.PathLike, policy, prompts: Sequence, rewards:
 def _save_pngs(root: Path, names: list[tuple[int, int]], images: torch.Tensor) -> None:
     """``png/g{group}_s{sample}.png`` for each (group, sample) in ``names`` and image [3, H, W]."""
     for (g, j), im in zip(names, images):
-        arr = (im.clamp(0, 1).permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
-        save_png(arr, root / "png" / f"g{g:06d}_s{j}.png")
+        save_png(to_uint8(im).permute(1, 2, 0).cpu().numpy(), root / "png" / f"g{g:06d}_s{j}.png")  # [H, W, 3]
 
 
 def add_reward_column(path: str | os.PathLike, name: str, reward: Callable, decode: Callable[[torch.Tensor], torch.Tensor],

@@ -40,6 +40,9 @@ NAMED = {
 }
 # columns tried, in order, when a dataset's prompt column is not named
 PROMPT_COLUMNS = ("prompt", "caption", "text")
+# a row's tag (GenEval's ``tag``, DrawBench's ``Category``): the first of these present
+TAG_FIELDS = ("tag", "category", "Category")
+UNTAGGED = "all"  # the tag of a row without one, in a set where other rows have one
 
 
 class PromptSetError(ValueError):
@@ -117,6 +120,23 @@ def _load_file(p: Path, column: Optional[str]) -> list:
                              f"(found {sorted(rec)}); name the field with data.prompt_column")
         prompts.append(rec[key])
     return prompts
+
+
+def load_prompt_tags(source: Union[str, list, tuple]) -> Optional[list[str]]:
+    """The tag of each prompt of ``source`` (a shipped name or a ``.jsonl`` file whose rows carry a
+    :data:`TAG_FIELDS` field, e.g. GenEval's ``tag``), in :func:`load_prompts`' order; :data:`UNTAGGED` for a
+    row without one. None when the set carries no tags (a list, a built-in or ``.txt`` set, a dataset
+    directory, an editing set, a ``.jsonl`` without tags): nothing is read for those but the file's rows."""
+    if isinstance(source, (list, tuple)) or source in BUILTIN:
+        return None
+    p = SETS_DIR / NAMED[source] if source in NAMED else Path(str(source)).expanduser()
+    if p.suffix.lower() != JSONL_SUFFIX or not p.is_file():
+        return None
+    rows = [rec for _, rec in jsonl_rows(p.read_text(encoding="utf-8"), p)]
+    if not rows or is_edit_row(rows[0]):
+        return None
+    tags = [next((str(r[k]) for k in TAG_FIELDS if r.get(k)), None) if isinstance(r, dict) else None for r in rows]
+    return None if all(t is None for t in tags) else [t or UNTAGGED for t in tags]
 
 
 def jsonl_rows(text: str, where) -> Iterator[tuple[int, Any]]:

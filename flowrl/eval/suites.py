@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from flowrl.data.items import PromptItem, is_edit_row, load_edit_set
-from flowrl.data.prompts import BUILTIN, NAMED, SETS_DIR, PromptSetError, jsonl_rows, load_prompts
+from flowrl.data.prompts import BUILTIN, NAMED, SETS_DIR, TAG_FIELDS, PromptSetError, jsonl_rows, load_prompts
 from flowrl.errors import ConfigError
 from flowrl.rewards.geneval_rules import check_metadata, has_clauses
 
@@ -41,7 +41,6 @@ NOT_SHIPPED = {
     "drawbench": "DrawBench is not shipped (its prompts are published without a licence); export its sheet as CSV "
                  "and pass the file: --suite DrawBench.csv (columns Prompts and Category)",
 }
-TAG_FIELDS = ("tag", "category", "Category")
 PROMPT_FIELDS = ("prompt", "Prompts", "Prompt", "caption", "text")
 
 

@@ -265,6 +265,14 @@ class DataConfig:
         """The evaluation prompt set (``data.eval_prompts``)."""
         return self._read(self.eval_prompts, self.eval_prompt_split)
 
+    def eval_prompt_tags(self) -> Optional[list[str]]:
+        """Each evaluation prompt's tag, in :meth:`eval_prompt_set`'s order (the same rows), when
+        ``data.eval_prompts`` carries tags (a ``.jsonl`` set with a ``tag`` field, e.g. GenEval's), else None
+        (:func:`flowrl.data.prompts.load_prompt_tags`)."""
+        from flowrl.data.prompts import load_prompt_tags
+
+        return None if self.eval_prompt_split else load_prompt_tags(self.eval_prompts)
+
     def _read(self, prompts, split) -> list[str]:
         from flowrl.data import load_prompts
 

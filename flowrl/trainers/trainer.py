@@ -27,11 +27,11 @@ from typing import Optional
 
 import torch
 
-from ..builders import build_policy_from_config, build_reward, build_rewards, check_run_sources, evaluate_policy
+from ..builders import (build_policy_from_config, build_reward, build_rewards, check_run_sources, evaluate_policy,
+                        reference_metrics)
 from ..checkpoints.common import CheckpointError, list_checkpoints
 from ..data.embeddings import attach_text_cache, text_cache_covers
 from ..data.items import item_sources, item_texts
-from ..diagnostics import watch
 from ..distributed.accelerate_state import forget_stale_accelerate_settings
 from ..distributed.fsdp import check_launcher
 from ..distributed.offload import Offload, offload_idle
@@ -39,7 +39,6 @@ from ..distributed.strategy import evaluation_weights, strategy_for
 from ..media import save_samples
 from ..registry import Registry
 from ..rollout.base import Rollout
-from ..scoring import score_images
 from ..trainable import EMA, Reference, set_up_trainable
 from ..utils.compile import compile_log, eager_forwards
 from ..utils.cuda_quirks import apply_cuda_workarounds
@@ -141,6 +140,7 @@ class Trainer:
         apply_cuda_workarounds(device)  # known CUDA library faults (flowrl.utils.cuda_quirks)
         prompts = self._setup_data()
         self.eval_prompts = cfg.data.eval_prompt_set()
+        self.eval_tags = cfg.data.eval_prompt_tags()  # each evaluation prompt's tag (None: an untagged set)
         check_run_sources(cfg, prompts, self.eval_prompts, self._given_policy, self._given_reward, self.acc)
         # the rewards before the model: a reward server that does not answer fails before minutes of loading
         self.reward = self._given_reward if self._given_reward is not None else build_reward(cfg)
@@ -306,7 +306,8 @@ class Trainer:
         with evaluation_weights(self.strategy, self.policy, self.unwrapped, self.ema), self.reward_available(i):
             met, images = evaluate_policy(self.policy, self.reward, self.heldout, self.eval_prompts,
                                           self.cfg.data.eval_seeds_per_prompt, self.eval_steps, i,
-                                          max_batch=self.eval_max_batch, frame_stride=self.cfg.reward.frame_stride)
+                                          max_batch=self.eval_max_batch, frame_stride=self.cfg.reward.frame_stride,
+                                          tags=self.eval_tags)
         self.extend_evaluation(met, images)
         return met, images
 
@@ -343,10 +344,7 @@ class Trainer:
         images = ref(item_texts(self.eval_prompts), k)  # real data of the prompts' texts
         if images is None:
             return {}
-        groups = torch.arange(len(self.eval_prompts)).repeat_interleave(k)
-        prompts = [p for p in self.eval_prompts for _ in range(k)]
-        r, _ = score_images(self.reward, images, prompts, frame_stride=self.cfg.reward.frame_stride)
-        return {"real/reward": float(r[torch.isfinite(r)].mean()), **{f"real/{k}": v for k, v in watch(images, groups).items()}}
+        return reference_metrics(self.reward, images, self.eval_prompts, k, self.cfg.reward.frame_stride, self.eval_tags)
 
     # ---------------------------------------------------------------- the loop
     def train(self) -> dict:
