@@ -159,6 +159,11 @@ CASES = [
                                                              "--steps", "0"], ["--steps", "positive integer"], ["base"]),
     ("negative learning rate", "pretrain-digits", lambda e: ["pretrain-digits", "--out", str(e["root"] / "base"),
                                                              "--lr", "-1"], ["--lr", "> 0"], ["base"]),
+    # --- pretrain-shapes (the same flags, its own base)
+    ("zero shapes pretraining steps", "pretrain-shapes", lambda e: ["pretrain-shapes", "--out", str(e["root"] / "sbase"),
+                                                                    "--steps", "0"], ["--steps", "positive integer"], ["sbase"]),
+    ("zero shapes batch", "pretrain-shapes", lambda e: ["pretrain-shapes", "--out", str(e["root"] / "sbase"),
+                                                        "--batch-size", "0"], ["--batch-size", "positive integer"], ["sbase"]),
     # --- sample / eval
     ("negative per-prompt", "sample", lambda e: sample_args(e, "--per-prompt", "-1"), ["--per-prompt", "got -1"],
      ["new.png"]),
@@ -403,7 +408,8 @@ def test_no_prefix_abbreviations_anywhere():
     assert all(not p.allow_abbrev for p in parsers(build_parser()))
 
 
-@pytest.mark.parametrize("verb", ["train", "generate-offline", "rescore-offline", "pretrain-digits", "sample", "eval",
+@pytest.mark.parametrize("verb", ["train", "generate-offline", "rescore-offline", "pretrain-digits", "pretrain-shapes",
+                                  "sample", "eval",
                                   "make-tiny", "make-pairs", "export", "plan", "bench branch", "bench offline", "bench precision",
                                   "bench host"])
 def test_help_has_defaults_and_an_example(verb, capsys):
