@@ -304,9 +304,14 @@ def test_fsdp_plan_matches_two_sharded_processes_measured(check_model, tmp_path)
     plan = plan_memory(load_config(str(check_model), ov), 2, 80 * GiB)
     single = plan_memory(load_config(str(check_model), TRAINER_OVERRIDES + overrides), 1, 80 * GiB)
     assert plan.resident_bytes < 0.6 * single.resident_bytes  # the transformer's weights are halved
-    for rank in (0, 1):
-        print(rank, _check_against_plan(plan, json.loads((tmp_path / f"measured_rank{rank}.json").read_text()),
-                                        overrides))
+    ranks = [json.loads((tmp_path / f"measured_rank{rank}.json").read_text()) for rank in (0, 1)]
+    # The two ranks do the same work; the profiler's level is an upper bound (frees on gloo's threads can go
+    # unrecorded: flowrl.plan.measure.recorded_levels), which once put one rank's rollout 9 MiB above the other's
+    # (55.2 against 46.0 MiB). So the plan is checked against the lower of the two, and neither rank may be below it.
+    low = {k: min(m[k] for m in ranks) for k in ("rollout", "train", "resident")}
+    print(ranks, _check_against_plan(plan, low, overrides))
+    for m in ranks:
+        assert all(m[k] > 0.85 * getattr(plan, f"{k}_bytes") for k in ("resident", "rollout", "train")), (m, plan)
 
 
 def test_video_and_editing_recipes_plan_their_media(tmp_path):
