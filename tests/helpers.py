@@ -206,3 +206,17 @@ def chat_stub_server():
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+def write_recipe(path, base: str, **changes):
+    """Shipped recipe ``base`` with ``{section.key: value}`` changes, written to ``path`` (returned)."""
+    import yaml
+
+    from flowrl.trainers.config_text import read_recipe, recipes_dir
+
+    d = read_recipe(recipes_dir() / base)
+    for key, v in changes.items():
+        sec, k = key.split(".")
+        d[sec][k] = v
+    path.write_text(yaml.safe_dump(d))
+    return path

@@ -4,14 +4,14 @@ not registered is a line, a failing method is a row, nothing is written without 
 import json
 
 import pytest
-import yaml
 
 import flowrl.bench.methods as bm
 from conftest import tiny_train_overrides
+from helpers import write_recipe
 from flowrl.bench.methods_report import report
 from flowrl.cli import main
 from flowrl.errors import BenchError
-from flowrl.trainers.config_text import read_recipe, recipes_dir
+from flowrl.trainers.config_text import read_recipe
 from flowrl.updates import UPDATES, default_needs
 
 POINT_KEYS = {"train_seconds", "iteration", "samples", "eval_reward", "diversity", "hf_energy"}
@@ -77,16 +77,6 @@ def test_a_method_not_in_this_build_is_one_line(monkeypatch, capsys, tmp_path):
     assert list(tmp_path.iterdir()) == []  # no --out: nothing written
 
 
-def _recipe(path, **changes):
-    """digits.yaml with ``{section.key: value}`` changes, written to ``path``."""
-    d = read_recipe(recipes_dir() / "digits.yaml")
-    for key, v in changes.items():
-        sec, k = key.split(".")
-        d[sec][k] = v
-    path.write_text(yaml.safe_dump(d))
-    return path
-
-
 def test_a_shipped_method_recipe_is_used_with_the_bench_footing(monkeypatch, tmp_path):
     """When a method's update declares a digits recipe (here awm as DiffusionNFT's class with a recipe of its
     own), its row runs that recipe as is, with the shared footing forced and a different evaluation reported;
@@ -97,7 +87,7 @@ def test_a_shipped_method_recipe_is_used_with_the_bench_footing(monkeypatch, tmp
     monkeypatch.setattr(bm, "recipes_dir", lambda: tmp_path)
     runs, skipped = bm.chosen_runs(["awm"])
     assert not runs and skipped["awm"].startswith("not available in this build (it runs on recipes/digits_awm.yaml")
-    _recipe(tmp_path / "digits_awm.yaml", **{"train.loss": "awm", "train.loss_options": {}, "train.seed": 5, "train.lr": 2e-3,
+    write_recipe(tmp_path / "digits_awm.yaml", "digits.yaml", **{"train.loss": "awm", "train.loss_options": {}, "train.seed": 5, "train.lr": 2e-3,
                                              "data.eval_seeds_per_prompt": 3, "sampler.num_steps": 6,
                                              "sampler.group_size": 4})
     runs, skipped = bm.chosen_runs(["awm"])
@@ -106,7 +96,7 @@ def test_a_shipped_method_recipe_is_used_with_the_bench_footing(monkeypatch, tmp
     assert (cfg.train.lr, cfg.sampler.name, cfg.sampler.samples_per_prompt) == (2e-3, "group", 4)  # its own
     assert (cfg.train.seed, cfg.data.eval_seeds_per_prompt) == (0, 8)  # the footing
     assert bm._differences(runs, []) == {"awm": {"sampler.num_steps": [6, 10]}}
-    _recipe(tmp_path / "digits_awm.yaml", **{"train.loss": "nft", "train.loss_options": {}})
+    write_recipe(tmp_path / "digits_awm.yaml", "digits.yaml", **{"train.loss": "nft", "train.loss_options": {}})
     with pytest.raises(BenchError, match=r"^method awm: recipes/digits_awm.yaml trains train.loss=nft, not awm; fix "):
         bm.chosen_runs(["awm"])
 

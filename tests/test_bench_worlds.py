@@ -6,17 +6,17 @@ import math
 
 import pytest
 import torch
-import yaml
 
 import flowrl.bench.methods as bm
 import flowrl.bench.worlds as bw
 from conftest import tiny_train_overrides
+from helpers import write_recipe
 from flowrl.bench.methods_report import markdown, report
 from flowrl.builders import tag_means
 from flowrl.cli import main
 from flowrl.data.prompts import load_prompt_tags
 from flowrl.errors import BenchError
-from flowrl.trainers.config_text import read_recipe, recipes_dir
+from flowrl.trainers.config_text import recipes_dir
 
 
 def test_the_worlds_are_declarations_and_a_method_recipe_follows_its_digits_one():
@@ -44,25 +44,15 @@ def test_a_world_whose_base_recipe_is_not_shipped_is_one_line(monkeypatch, tmp_p
     assert len(err) == 1 and "does not ship recipes/shapes.yaml" in err[0]
 
 
-def _write(path, base: str, **changes):
-    """Shipped recipe ``base`` with ``{section.key: value}`` changes, written to ``path``."""
-    d = read_recipe(recipes_dir() / base)
-    for key, v in changes.items():
-        sec, k = key.split(".")
-        d[sec][k] = v
-    path.write_text(yaml.safe_dump(d))
-    return path
-
-
 def test_a_world_resolves_its_own_recipes_and_falls_back_as_on_digits(monkeypatch, tmp_path):
     """A stub world "stub" (one entry): its base recipe is every method's footing; dppo runs on stub_dppo.yaml,
     a method without its world's recipe falls back to the base recipe with its overrides (nft: ON_SAMPLES), one
     that runs only on its recipe (gardo_grpo) is "not available in this build"."""
-    base = _write(tmp_path / "stub.yaml", "digits.yaml", **{"train.seed": 7, "data.eval_seeds_per_prompt": 4,
+    base = write_recipe(tmp_path / "stub.yaml", "digits.yaml", **{"train.seed": 7, "data.eval_seeds_per_prompt": 4,
                                                             "train.lr": 5e-4})
     monkeypatch.setitem(bw.WORLDS, "stub", bw.World("stub", str(base)))
     monkeypatch.setattr(bm, "recipes_dir", lambda: tmp_path)
-    _write(tmp_path / "stub_dppo.yaml", "digits_dppo.yaml", **{"train.seed": 1, "train.lr": 2e-3,
+    write_recipe(tmp_path / "stub_dppo.yaml", "digits_dppo.yaml", **{"train.seed": 1, "train.lr": 2e-3,
                                                                 "sampler.num_steps": 6})
     runs, skipped = bm.chosen_runs(["grpo", "dppo", "nft", "gardo_grpo"], pipeline="stub")
     assert list(runs) == ["grpo", "dppo", "nft"]
