@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from flowrl.data.items import PromptItem, is_edit_row, load_edit_set
-from flowrl.data.prompts import BUILTIN, NAMED, SETS_DIR, TAG_FIELDS, PromptSetError, jsonl_rows, load_prompts
+from flowrl.data.prompts import BUILTIN, NAMED, SETS_DIR, TAG_FIELDS, UNTAGGED, PromptSetError, jsonl_rows, load_prompts
 from flowrl.errors import ConfigError
 from flowrl.rewards.geneval_rules import check_metadata, has_clauses
 
@@ -67,7 +67,7 @@ class Suite:
     @property
     def tags(self) -> list[str]:
         """Each prompt's tag (``"all"`` for an untagged one)."""
-        return [it.tag or "all" for it in self.items]
+        return [it.tag or UNTAGGED for it in self.items]
 
     def fingerprint(self) -> str:
         """A hash of the prompts, tags and metadata (a resumed evaluation must see the same suite)."""
