@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from flowrl.data.shapes import BACKGROUND, PALETTE, SHAPES, shape_mask
+from flowrl.data.shapes import BACKGROUND, PALETTE, SHAPES, extent, shape_mask
 from flowrl.options import NonNegativeFloat, PositiveInt
 
 COLOR_NAMES = tuple(PALETTE)
@@ -50,12 +50,6 @@ def palette_labels(pixels: np.ndarray, max_distance: float) -> np.ndarray:
     labels = d.argmin(axis=-1)
     labels[d[..., 1:].min(axis=-1) > max_distance] = 0
     return labels
-
-
-def extent(mask: np.ndarray) -> tuple[int, int, int, int]:
-    """``(x0, y0, x1, y1)`` of a non-empty bool ``[H, W]`` mask, ``x1`` = last column + 1."""
-    ys, xs = np.nonzero(mask)
-    return int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1
 
 
 def fit_shape(mask: np.ndarray) -> tuple[str, float]:

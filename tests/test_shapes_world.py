@@ -5,7 +5,7 @@ import collections
 import numpy as np
 import pytest
 
-from flowrl.data.shapes import (BACKGROUND, PALETTE, IMAGE_SIZE, Scene, render, scene_for, shapes_batch,
+from flowrl.data.shapes import (BACKGROUND, PALETTE, IMAGE_SIZE, Scene, extent, render, scene_for, shapes_batch,
                                 shapes_rows)
 from flowrl.rewards.geneval_rules import TAGS, check_metadata, evaluate, select_objects
 
@@ -28,8 +28,7 @@ def _truth(scene: Scene) -> tuple[dict, dict]:
     """GenEval detections from the scene's own boxes and masks (score 1), and each mask's colour."""
     dets, colors = collections.defaultdict(list), {}
     for o, m in zip(scene.objects, scene.masks()):
-        ys, xs = np.nonzero(m)
-        box = np.array([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1, 1.0])
+        box = np.array([*extent(m), 1.0])
         dets[o.kind].append((box, m))
         colors[id(m)] = o.color
     return dets, colors

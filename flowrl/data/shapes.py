@@ -36,7 +36,7 @@ GAP = 2  # pixels between any two objects' boxes
 HELDOUT_EVERY = 4  # every 4th prompt of each tag (in a fixed shuffle) is held out of training
 
 __all__ = ["IMAGE_SIZE", "SHAPES", "PLURALS", "PALETTE", "BACKGROUND", "COUNT_WORDS", "Shape", "Scene",
-           "shape_mask", "shapes_rows", "scene_for", "render", "shapes_batch", "SET_FILES", "write_shapes_sets"]
+           "shape_mask", "extent", "shapes_rows", "scene_for", "render", "shapes_batch", "SET_FILES", "write_shapes_sets"]
 
 
 @dataclass(frozen=True)
@@ -155,10 +155,16 @@ def _place(rng: np.random.Generator, size: float, placed: list[Shape], image_siz
     return None
 
 
-def _pixel_box(obj: Shape, image_size: int) -> tuple[int, int, int, int]:
-    """The extent of the object's pixels, ``(x0, y0, x_last + 1, y_last + 1)``: the box a detector sees."""
-    ys, xs = np.nonzero(shape_mask(obj.kind, obj.cx, obj.cy, obj.size, image_size))
+def extent(mask: np.ndarray) -> tuple[int, int, int, int]:
+    """``(x0, y0, x1, y1)`` of a non-empty bool ``[H, W]`` mask, ``x1`` = last column + 1: the box a
+    detector reports for those pixels."""
+    ys, xs = np.nonzero(mask)
     return int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1
+
+
+def _pixel_box(obj: Shape, image_size: int) -> tuple[int, int, int, int]:
+    """The extent of the object's pixels: the box a detector sees."""
+    return extent(shape_mask(obj.kind, obj.cx, obj.cy, obj.size, image_size))
 
 
 def _holds(obj: Shape, target: Shape, relation: str, image_size: int) -> bool:
