@@ -182,7 +182,10 @@ def _set_up(cfg, comp, device: torch.device, weights: str):
 
 def measure_split_recipe(cfg) -> dict:
     """:func:`measure_recipe` in ``train.context_parallel`` CPU processes (``torch.distributed.run``, one
-    context-parallel group), each measuring its own peaks: the largest over the ranks."""
+    context-parallel group), each measuring its own peaks. The ranks of one group do the same work on equal
+    shards, and each rank's reading is an upper bound of that same peak (:func:`recorded_levels`: a free on
+    gloo's threads counts only once its address is reused, which varies with the threads' timing): per pass
+    the smallest reading is the tightest bound. Every rank's reading is kept under ``per_rank``."""
     import socket
     import subprocess
     import sys
@@ -201,7 +204,10 @@ def measure_split_recipe(cfg) -> dict:
         if r.returncode != 0:
             raise RuntimeError(f"--measure in {cfg.train.context_parallel} processes failed:\n{r.stderr[-2000:]}")
         ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("passes_rank*.json"))]
-    out = max(ranks, key=lambda m: m["train"]["measured_bytes"])
+    out = dict(ranks[0])
+    for k in ("train", "infer"):
+        out[k] = min((m[k] for m in ranks), key=lambda r: r["measured_bytes"])
+    out["per_rank"] = {k: [m[k]["measured_bytes"] for m in ranks] for k in ("train", "infer")}
     out["ranks"] = len(ranks)
     return out
 

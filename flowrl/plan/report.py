@@ -97,6 +97,11 @@ def format_measure(m: dict) -> str:
         r = m[k]
         lines.append(f"  {title:<{width}}{m['rows'][k]:>6}{r['measured_bytes'] / 2**20:>15.1f}"
                      f"{r['planned_bytes'] / 2**20:>14.1f}{100 * r['relative_error']:>+8.1f}%")
+    if m.get("per_rank"):  # a context-parallel measurement: the smallest of the ranks' upper bounds is shown
+        each = "; ".join(f"{MEASURED_PASSES[k]} " + " / ".join(f"{b / 2**20:.1f}" for b in v)
+                         for k, v in m["per_rank"].items())
+        lines.append(f"  (the smallest of {m['ranks']} ranks' readings, each an upper bound of the same peak; "
+                     f"per rank, MiB: {each})")
     return "\n".join(lines)
 
 
