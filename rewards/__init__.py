@@ -49,8 +49,27 @@ def available() -> list[str]:
     return REGISTRY.names()
 
 
+LABEL_MARK = "@"  # "geneval@official": the geneval reward again, under its own label (and options)
+
+
+def registered_name(key: str) -> str:
+    """The registered reward a configuration key names: ``NAME``, or ``NAME@LABEL`` for the same reward a
+    second time under its own label and options (``reward.heldout: {geneval@official: {score: official}}``
+    beside a trained ``geneval`` partial score; logged as ``eval/heldout/geneval@official``)."""
+    return str(key).split(LABEL_MARK, 1)[0]
+
+
+def check_name(key: str) -> None:
+    """A ``ValueError`` naming the valid rewards when ``key`` (``NAME`` or ``NAME@LABEL``) names none, or when
+    its label is empty."""
+    name, mark, label = str(key).partition(LABEL_MARK)
+    if mark and not label:
+        raise ValueError(f"reward {key!r}: the label after {LABEL_MARK!r} is empty (write e.g. {name}@official)")
+    REGISTRY.check(name)
+
+
 def _resolve(name: str) -> Callable:
-    return REGISTRY.get(name)
+    return REGISTRY.get(registered_name(name))
 
 
 def declared_options(name: str) -> tuple[dict, bool]:

@@ -82,13 +82,14 @@ class RewardConfig:
     aggregate: str = _h("'sum': advantages (and rankings) of the weighted sum; 'per_reward': normalise each "
                         "reward within its group, then weight (MixGRPO advantage_aggr; every update and sampler, "
                         "docs/algorithms.md section 9)", "sum")
-    heldout: dict = _h("{reward name: {kwargs}} logged on the evaluation set, never trained on", factory=dict)
+    heldout: dict = _h("{reward name: {kwargs}} logged on the evaluation set, never trained on; NAME@LABEL takes a "
+                       "reward a second time with other options (geneval@official)", factory=dict)
     overlap: bool = _h("score each finished chunk of samples (sampler.max_batch) while the next one samples; "
                        "false: score after sampling, on the training thread (same rewards either way)", True)
     frame_stride: int = _h("videos: every image reward scores every n-th frame and averages per video", 1)
 
     def __post_init__(self):
-        from flowrl.rewards import REGISTRY
+        from flowrl.rewards import check_name
         from flowrl.rewards import check_options as check_reward_options
 
         if not isinstance(self.frame_stride, int) or isinstance(self.frame_stride, bool) or self.frame_stride < 1:
@@ -103,7 +104,7 @@ class RewardConfig:
                              ("reward.options", self.options)):
             for n in names:
                 try:
-                    REGISTRY.check(n)
+                    check_name(n)
                 except ValueError as e:
                     raise ConfigError(f"{where}: {e}") from None
         for n, w in self.weights.items():
