@@ -109,18 +109,28 @@ def tag_means(rewards: torch.Tensor, tags: Sequence[str], seeds_per_prompt: int)
     return out
 
 
+def _finite_mean(v: torch.Tensor) -> float:
+    """The mean of ``v``'s finite values (NaN: none)."""
+    v = v[torch.isfinite(v)]
+    return float(v.mean()) if v.numel() else float("nan")
+
+
 def reference_metrics(reward, images: torch.Tensor, eval_prompts: list, seeds_per_prompt: int,
-                      frame_stride: Optional[int] = None, tags: Optional[Sequence[str]] = None) -> dict:
+                      frame_stride: Optional[int] = None, tags: Optional[Sequence[str]] = None,
+                      heldout: Optional[dict] = None) -> dict:
     """The evaluation's measures of given images (``[len(eval_prompts) * k, 3, (F,) H, W]``, prompt-major; real
-    data): ``real/reward`` (finite mean), ``real/<watch>`` (:func:`flowrl.diagnostics.watch`) and, with ``tags``
-    (one per prompt), ``real/tag/<tag>`` (:func:`tag_means`)."""
+    data): ``real/reward`` (finite mean), ``real/<watch>`` (:func:`flowrl.diagnostics.watch`), each ``heldout``
+    reward's ``real/heldout/<name>`` and, with ``tags`` (one per prompt), ``real/tag/<tag>`` and
+    ``real/heldout/<name>/tag/<tag>`` (:func:`tag_means`)."""
     k = seeds_per_prompt
     groups = torch.arange(len(eval_prompts)).repeat_interleave(k)  # [P * k]
     prompts = [p for p in eval_prompts for _ in range(k)]
-    r, _ = score_images(reward, images, prompts, frame_stride=frame_stride)
-    per_tag = tag_means(r, tags, k) if tags is not None else {}
-    return {"real/reward": float(r[torch.isfinite(r)].mean()), **{f"real/{n}": v for n, v in watch(images, groups).items()},
-            **{f"real/tag/{t}": v for t, v in per_tag.items()}}
+    out = {}
+    for prefix, rew in (("real", reward), *((f"real/heldout/{n}", h) for n, h in (heldout or {}).items())):
+        r, _ = score_images(rew, images, prompts, frame_stride=frame_stride)  # [P * k]
+        out[f"{prefix}/reward" if prefix == "real" else prefix] = _finite_mean(r)
+        out.update({f"{prefix}/tag/{t}": v for t, v in (tag_means(r, tags, k) if tags is not None else {}).items()})
+    return {**out, **{f"real/{n}": v for n, v in watch(images, groups).items()}}
 
 
 def evaluate_policy(policy, reward, heldout: dict, eval_prompts: list[str], seeds_per_prompt: int, num_steps: int,
@@ -132,7 +142,8 @@ def evaluate_policy(policy, reward, heldout: dict, eval_prompts: list[str], seed
     Shared by the online and offline (GDRO) trainers, so their curves compare point for point.
     ``max_batch`` samples at a time, each chunk scored while the next samples (``reward.overlap``);
     videos are scored every ``frame_stride``-th frame (None: the trained reward's, else 1); ``tags`` (one per
-    evaluation prompt, e.g. GenEval's): the trained reward's mean per tag too, ``eval/tag/<tag>`` (:func:`tag_means`).
+    evaluation prompt, e.g. GenEval's): the trained reward's mean per tag too, ``eval/tag/<tag>`` (:func:`tag_means`),
+    and each held-out reward's, ``eval/heldout/<name>/tag/<tag>``.
     Returns (metrics, images [len(eval_prompts) * seeds_per_prompt, 3, (F,) H, W])."""
     k = seeds_per_prompt
     prompts = [p for p in eval_prompts for _ in range(k)]
@@ -149,8 +160,10 @@ def evaluate_policy(policy, reward, heldout: dict, eval_prompts: list[str], seed
     for name, v in comps.items():
         met[f"eval/reward/{name}"] = float(v[torch.isfinite(v)].mean())
     for name in heldout:
-        hv = scores.components[f"heldout/{name}"]
-        met[f"eval/heldout/{name}"] = float(hv[torch.isfinite(hv)].mean())
+        hv = scores.components[f"heldout/{name}"]  # [P * k]
+        met[f"eval/heldout/{name}"] = _finite_mean(hv)
+        if tags is not None:
+            met.update({f"eval/heldout/{name}/tag/{t}": v for t, v in tag_means(hv, tags, k).items()})
     if tags is not None:
         met.update({f"eval/tag/{t}": v for t, v in tag_means(r, tags, k).items()})
     return met, images

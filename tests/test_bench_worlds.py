@@ -150,39 +150,78 @@ def test_a_result_without_tags_is_unchanged(monkeypatch):
     assert "per tag" not in report(res) and "per tag" not in markdown(res)
 
 
-def test_bench_methods_on_a_tagged_evaluation_set(tiny_digits_dir, tmp_path):
-    """One tiny run on digits with a tagged evaluation set: each evaluation holds the reward per tag, the mean of
-    the tags' rewards weighted by their prompts is the evaluation reward, the real data has its per-tag values."""
+def test_bench_methods_on_a_tagged_evaluation_set_ranked_by_a_heldout_reward(tiny_digits_dir, tmp_path, monkeypatch):
+    """One tiny run on digits with a tagged evaluation set, the world ranking by a held-out reward (its
+    ``headline``, as the shapes world ranks by GenEval's official verdict): each evaluation holds that reward and
+    its value per tag, the mean of the tags' values weighted by their prompts is the evaluation reward, the
+    trained reward is kept beside it, the real data has both, and the table says what the evaluation reward is."""
+    from dataclasses import replace
+
+    monkeypatch.setitem(bw.WORLDS, "digits", replace(bw.WORLDS["digits"], headline="jpeg_compressibility",
+                                                     headline_about="eval reward = JPEG compressibility"))
     suite = tmp_path / "tagged.jsonl"
     suite.write_text("\n".join(json.dumps({"prompt": f"a handwritten digit {d}", "tag": "odd" if d % 2 else "even"})
                                for d in (3, 4, 7)))
-    extra = tiny_train_overrides(tiny_digits_dir, **{"data.eval_prompts": str(suite)})
+    extra = tiny_train_overrides(tiny_digits_dir, **{"data.eval_prompts": str(suite),
+                                                     "reward.heldout": "{jpeg_compressibility: {}}"})
     out = tmp_path / "bench"
     assert main(["bench", "methods", "--methods", "grpo", "--budget", "0.2", "--eval-every", "0.2",
                  "--out", str(out), *extra]) == 0
     res = json.loads((out / "methods.json").read_text())
-    assert res["tags"] == ["odd", "even"]
+    assert res["tags"] == ["odd", "even"] and res["headline"] == "jpeg_compressibility"
     for p in res["variants"]["grpo"]["curve"]:
-        assert set(p["tags"]) == {"odd", "even"}
+        assert set(p["tags"]) == set(p["trained_tags"]) == {"odd", "even"}
         assert (2 * p["tags"]["odd"] + p["tags"]["even"]) / 3 == pytest.approx(p["eval_reward"], rel=1e-5)
+        assert (2 * p["trained_tags"]["odd"] + p["trained_tags"]["even"]) / 3 == pytest.approx(p["trained_reward"],
+                                                                                           rel=1e-5)
+        assert abs(p["eval_reward"] - p["trained_reward"]) > 1e-3  # two rewards, not one twice
     assert res["variants"]["grpo"]["final_tags"] == res["variants"]["grpo"]["curve"][-1]["tags"]
-    assert set(res["real"]["tags"]) == {"odd", "even"}
+    assert set(res["real"]["tags"]) == {"odd", "even"} and 0 < res["real"]["trained_reward"] <= 1
+    assert res["real"]["reward"] != res["real"]["trained_reward"]
+    trained = res["variants"]["grpo"]["curve"][-1]["trained_reward"]
+    for text in (report(res), markdown(res)):
+        assert "eval reward = JPEG compressibility." in text and f"final trained reward: grpo {trained:.3f}" in text
 
 
 def test_the_shapes_world_runs_on_its_recipes_with_geneval_tags():
     """The shipped shapes world: recipes/shapes.yaml is every method's footing (its prompts, its held-out
-    evaluation set of 58 tagged prompts), a method with a shapes recipe runs on it, sft (its digits recipe only,
-    no shapes image set) is "not available in this build"."""
+    evaluation set of 21 tagged prompts, its held-out rewards: the bench ranks by GenEval's official verdict), a
+    method with a shapes recipe runs on it, sft (its digits recipe only, no shapes image set) is "not available
+    in this build"."""
     runs, skipped = bm.chosen_runs(pipeline="shapes")
+    headline = bw.world("shapes").headline
     for name, var in runs.items():
         cfg = var.config("shapes.yaml", [])
         assert (cfg.model.pipeline, cfg.data.prompts, cfg.data.eval_prompts, cfg.data.eval_seeds_per_prompt) == (
-            "shapes", "shapes-train", "shapes", 4), name
+            "shapes", "shapes-train", "shapes", 16), name
+        assert cfg.reward.heldout[headline]["score"] == "official", name
         declared = bm.BY_NAME[name].recipe
         assert var.recipe == (str(recipes_dir() / declared.replace("digits_", "shapes_")) if declared else None)
     assert {"grpo", "nft", "dppo", "gardo_grpo", "opd"} <= set(runs)
     assert skipped == {"sft": "not available in this build (it runs on recipes/shapes_sft.yaml, which this build "
                               "does not ship)"}
     tags = load_prompt_tags("shapes")
-    assert len(tags) == 58 and set(tags) == {"single_object", "two_object", "counting", "colors", "position",
+    assert len(tags) == 21 and set(tags) == {"single_object", "two_object", "counting", "colors", "position",
                                              "color_attr"}
+
+
+def test_several_seeds_keep_the_trained_reward_beside_a_headline(monkeypatch):
+    """With a headline the seeded rows also average the trained reward (``final.trained_reward``: mean with its
+    interval over the seeds) and the table prints it; without one nothing is added."""
+    def run(recipe, var, *a, **k):
+        seed = int([o.split("=")[1] for o in var.overrides if o.startswith("train.seed=")][-1])
+        rec = _record([(0, 0.1), (10, 0.2 + 0.1 * seed)], lambda i: {})
+        for p in rec["curve"] if k["headline"] else ():  # the world's headline reaches the run
+            p["trained_reward"] = 0.5 + 0.1 * seed * p["iteration"]
+        return rec
+    monkeypatch.setattr(bm, "run_variant", run)
+    monkeypatch.setitem(bw.WORLDS, "digits", bw.World("digits", "digits.yaml", headline="jpeg_compressibility",
+                                                      headline_about="eval reward = a held-out reward"))
+    res = bm.bench_methods(budget_seconds=10, methods=["grpo"], seeds=2, progress=False)
+    f = res["variants"]["grpo"]["final"]
+    assert f["eval_reward"][0] == pytest.approx(0.25) and f["trained_reward"][0] == pytest.approx(0.55)
+    assert f["trained_reward"][1] < f["trained_reward"][2]
+    assert f"final trained reward: grpo 0.550 [{f['trained_reward'][1]:.3f}, " in report(res)
+    monkeypatch.setitem(bw.WORLDS, "digits", bw.World("digits", "digits.yaml"))
+    res = bm.bench_methods(budget_seconds=10, methods=["grpo"], seeds=2, progress=False)
+    assert "trained_reward" not in res["variants"]["grpo"]["final"] and "trained reward" not in report(res)

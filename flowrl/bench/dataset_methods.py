@@ -41,18 +41,19 @@ def _dataset(cfg, variant: Variant, recipe: str, workdir: Path, progress: bool) 
 
 
 def run_dataset_variant(recipe: str, variant: Variant, budget_seconds: float, eval_every_seconds: float,
-                        workdir: Optional[Path] = None, progress: bool = True) -> dict:
+                        workdir: Optional[Path] = None, progress: bool = True, headline: Optional[str] = None) -> dict:
     """Make the variant's dataset, then train it for ``budget_seconds`` of dataset + step seconds -> the
-    result dict of :func:`flowrl.bench.training.run_variant` (plus ``dataset_seconds``)."""
+    result dict of :func:`flowrl.bench.training.run_variant` (plus ``dataset_seconds``; ``headline`` as there)."""
     work = Path(tempfile.mkdtemp(prefix="flowrl-bench-data-", dir=workdir))
     cfg, data_s, generated = _dataset(variant.config(recipe, QUIET), variant, recipe, work, progress)
     tr = OfflineTrainer(cfg, work / "run")
     tr.setup()
-    real = real_reference(tr)
+    real = real_reference(tr, headline)
     per_step = cfg.offline.batch_groups * cfg.train.grad_accum  # units a step reads
     read = per_step * {"images": 1}.get(cfg.train.update_needs.data, 0)  # images read per step (sft)
     ev0, _ = tr.evaluate(0)
-    curve = [_point(0.0, 0, 0, ev0)] + ([_point(data_s, 0, generated, ev0)] if data_s else [])
+    curve = [_point(0.0, 0, 0, ev0, headline=headline)] + (
+        [_point(data_s, 0, generated, ev0, headline=headline)] if data_s else [])
     step, next_eval, per_iter = 0, data_s + eval_every_seconds, []
     while data_s + tr.train_seconds < budget_seconds and step < tr.total_steps:
         t0 = time.perf_counter()
@@ -64,7 +65,7 @@ def run_dataset_variant(recipe: str, variant: Variant, budget_seconds: float, ev
             print(f"  step {step:4d}  {spent:7.1f}s  loss {met.get('loss', float('nan')):.3f}", flush=True)
         if spent >= next_eval or spent >= budget_seconds or step == tr.total_steps:
             ev, _ = tr.evaluate(step)
-            curve.append(_point(spent, step, generated + step * read, ev))
+            curve.append(_point(spent, step, generated + step * read, ev, headline=headline))
             next_eval += eval_every_seconds
     tr.acc.end_training()
     tr.close()

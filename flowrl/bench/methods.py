@@ -55,8 +55,8 @@ BASELINE = "grpo"  # the method the "time to reach" columns measure against
 ON_SAMPLES = ("sampler={name: ode, group_size: 8, num_steps: 10}", "train.loss_options={}",
               "train.minibatch_size=40", "train.grad_accum=1")
 # what every method shares, taken from digits.yaml + the shared overrides: the same base model, prompts,
-# evaluation prompts and seeds, and seed of every random draw (a method's recipe cannot change them)
-FOOTING = ("model", "data.prompts", "data.eval_prompts", "data.eval_seeds_per_prompt", "train.seed")
+# evaluation prompts, seeds and held-out rewards, and seed of every random draw (a method's recipe cannot change them)
+FOOTING = ("model", "data.prompts", "data.eval_prompts", "data.eval_seeds_per_prompt", "reward.heldout", "train.seed")
 # what a method's recipe may change although it changes the evaluation too: reported, not forced
 # (the evaluation's ODE steps are the sampler's; the evaluation reward is the weighted sum of the rewards)
 EVALUATION = ("sampler.num_steps", "reward.weights")
@@ -199,11 +199,12 @@ def _differences(runs: dict, extra: Sequence[str], recipe: str = RECIPE) -> dict
 
 
 def _train_all(runs: dict, train_seeds: list, budget_seconds: float, eval_every_seconds: float,
-               progress: bool, recipe: str = RECIPE) -> tuple[dict, dict]:
+               progress: bool, recipe: str = RECIPE, headline: Optional[str] = None) -> tuple[dict, dict]:
     """Every method on every training seed, seed by seed (each seed's methods one after another, so a drift of
     the machine's load touches every method alike) -> (``{name: [result per seed]}``, ``{name: failure}``). With
     one seed, the footing's ``train.seed`` as is; else ``train.seed`` of each. A method that fails on a seed is
-    dropped from the later seeds. ``recipe``: the world's base recipe."""
+    dropped from the later seeds. ``recipe``: the world's base recipe; ``headline``: its
+    :attr:`~flowrl.bench.worlds.World.headline`."""
     results, failed, rows = {name: [] for name in runs}, {}, {m.name: m for m in all_methods()}
     many = len(train_seeds) > 1
     for k, seed in enumerate(train_seeds, 1):
@@ -218,7 +219,8 @@ def _train_all(runs: dict, train_seeds: list, budget_seconds: float, eval_every_
                       f"train.loss={rows[name].loss} ({budget_seconds:g} training s)", flush=True)
             try:
                 run = run_dataset_variant if rows[name].offline else run_variant  # a dataset made first, counted
-                results[name].append(run(recipe, var, budget_seconds, eval_every_seconds, progress=progress))
+                results[name].append(run(recipe, var, budget_seconds, eval_every_seconds, progress=progress,
+                                         headline=headline))
             except Exception as e:  # noqa: BLE001 (one method's failure is its row; the others still run)
                 traceback.print_exc()
                 failed[name] = (f"train.seed {seed}: " if many else "") + " ".join(f"{type(e).__name__}: {e}".split())
@@ -237,9 +239,12 @@ def bench_methods(pipeline: str = "digits", budget_seconds: float = 120.0, eval_
     ``methods.png`` when ``out_dir`` is given, nothing written otherwise. Arguments as :func:`chosen_runs`.
     With one seed a row is that run; with more, the seed means with 95% intervals
     (:mod:`flowrl.bench.methods_seeds`), every seed's run kept in the row's ``runs``. When the evaluation prompts
-    carry tags, each row also has its final evaluation reward per tag (``final_tags``; ``tags``: the tags)."""
+    carry tags, each row also has its final evaluation reward per tag (``final_tags``; ``tags``: the tags). A world
+    with a ``headline`` (:mod:`flowrl.bench.worlds`) ranks by that held-out reward: the rows' evaluation reward is
+    its (``headline``, ``headline_about`` in the result), the trained reward's kept in each point."""
     runs, skipped = chosen_runs(methods, method_overrides, method_recipes, extra, pipeline)
-    recipe = world(pipeline).recipe
+    w = world(pipeline)
+    recipe = w.recipe
     differs = _differences(runs, extra, recipe)
     for name, reason in skipped.items():
         print(f"[bench methods] {name}: {reason}", flush=True)
@@ -248,13 +253,14 @@ def bench_methods(pipeline: str = "digits", budget_seconds: float = 120.0, eval_
               + "; ".join(f"{k} {a} ({recipe}: {b})" for k, (a, b) in diff.items()), flush=True)
     first = Variant().config(recipe, list(extra)).train.seed
     train_seeds = [first + k for k in range(seeds)]
-    results, failed = _train_all(runs, train_seeds, budget_seconds, eval_every_seconds, progress, recipe)
+    results, failed = _train_all(runs, train_seeds, budget_seconds, eval_every_seconds, progress, recipe, w.headline)
     rows = {m.name: m for m in all_methods()}
     variants = {name: {"note": rows[name].note, "overrides": list(runs[name].overrides),
                        "differs": differs.get(name, {}),
                        **(r[0] if seeds == 1 else combine(r, train_seeds))} for name, r in results.items()}
     res = {"pipeline": pipeline, "recipe": recipe, "budget_seconds": budget_seconds,
            "eval_every_seconds": eval_every_seconds, "baseline": BASELINE, "train_seeds": train_seeds,
+           **({"headline": w.headline, "headline_about": w.headline_about} if w.headline else {}),
            "variants": variants, "skipped": skipped, "failed": failed,
            "real": next((r["real"] for r in variants.values() if r.get("real")), {}),
            "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},

@@ -95,9 +95,27 @@ def report(res: dict) -> str:
                         + "; ".join(f"{k} {a} ({res.get('recipe', 'digits.yaml')}: {b})"
                                     for k, (a, b) in r["differs"].items()))
     rows.append(_baseline_line(res))
+    rows += headline_lines(res)
     if seeded:
         rows.append(methods_seeds.legend(res))
     return "\n".join([*rows, *tag_table(res)])
+
+
+def _trained(r: dict) -> str:
+    """A row's final trained reward (``mean [lo, hi]`` over seeds), ``-`` when not measured."""
+    f = r.get("final", {}).get(methods_seeds.TRAINED)
+    if f is not None:
+        return methods_seeds.cell(f[0], f[1:], ".3f")
+    return methods_seeds.num(r["curve"][-1].get(methods_seeds.TRAINED) if "curve" in r else None, ".3f")
+
+
+def headline_lines(res: dict) -> list[str]:
+    """With a world's headline (:attr:`flowrl.bench.worlds.World.headline`): what the eval reward is, and each
+    row's final trained reward beside it (``[]`` otherwise)."""
+    if not res.get("headline"):
+        return []
+    return [res["headline_about"] + ".",
+            "final trained reward: " + "; ".join(f"{name} {_trained(r)}" for name, r in res["variants"].items())]
 
 
 MARKDOWN_HEAD = ("| method | recipe | sampler | s/iter | samples | final reward | diversity | HF energy | "
@@ -131,4 +149,6 @@ def markdown(res: dict) -> str:
         rows.append(f"| real data | | | | | {real['reward']:.3f} | {real['diversity']:.3f} | {real['hf_energy']:.4f} "
                     f"| | | |")
     tags = tag_markdown(res)
-    return "\n".join([*rows, *(["", "Final evaluation reward per tag:", "", *tags] if tags else [])])
+    head = headline_lines(res)
+    return "\n".join([*rows, *(["", *head] if head else []),
+                      *(["", "Final evaluation reward per tag:", "", *tags] if tags else [])])

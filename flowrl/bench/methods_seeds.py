@@ -13,6 +13,7 @@ from .seeds import AXES, bootstrap_times, mean_intervals, on_grid
 from .training import SECONDS, WATCH, finish_extra_panels, reference_lines
 
 KEYS = ("eval_reward", "diversity", "hf_energy")  # the curve measures averaged over the seeds
+TRAINED = "trained_reward"  # the trained reward's evaluation, when the world ranks by a held-out one (headline)
 REWARD = ("eval_reward", "eval reward (fixed prompts and seeds)")
 SAMPLES = ("samples", "samples drawn (scored by the reward)")
 PANELS = [(SECONDS, REWARD), (SAMPLES, REWARD), *((SECONDS, w) for w in WATCH)]  # the 2 x 2 picture
@@ -23,14 +24,19 @@ def _finite(v: float):
     return float(v) if math.isfinite(v) else None
 
 
+def curve_keys(curves: list) -> tuple[str, ...]:
+    """The measures the seeds' curves hold: :data:`KEYS`, and :data:`TRAINED` when every point has it."""
+    return KEYS + ((TRAINED,) if all(TRAINED in p for c in curves for p in c) else ())
+
+
 def mean_curves(curves: list) -> dict:
     """The seeds' curves -> ``{axis: [point]}`` per :data:`~flowrl.bench.seeds.AXES`: each point ``{axis: x,
-    key: seed mean, key_lo, key_hi}`` for the :data:`KEYS` (step functions on the seeds' union grid)."""
-    out = {}
+    key: seed mean, key_lo, key_hi}`` for the :func:`curve_keys` (step functions on the seeds' union grid)."""
+    out, keys = {}, curve_keys(curves)
     for axis in AXES:
-        grid, values = on_grid(curves, axis, KEYS)
-        iv = {k: mean_intervals(values[k]) for k in KEYS}
-        out[axis] = [{axis: float(x), **{f"{k}{s}": getattr(iv[k][g], a) for k in KEYS
+        grid, values = on_grid(curves, axis, keys)
+        iv = {k: mean_intervals(values[k]) for k in keys}
+        out[axis] = [{axis: float(x), **{f"{k}{s}": getattr(iv[k][g], a) for k in keys
                                          for s, a in (("", "mean"), ("_lo", "lo"), ("_hi", "hi"))}}
                      for g, x in enumerate(grid)]
     return out
@@ -42,7 +48,7 @@ def combine(runs: list, train_seeds: list) -> dict:
     means of ``iterations``, ``seconds_per_iteration``, ``samples_drawn`` and ``final_eval_reward``; ``final``
     (``{key: [mean, lo, hi]}`` at the end), ``mean_curves`` (:func:`mean_curves`) and ``runs`` (every seed's raw
     result, its ``train_seed`` added)."""
-    curves = mean_curves([r["curve"] for r in runs])
+    curves, keys = mean_curves([r["curve"] for r in runs]), curve_keys([r["curve"] for r in runs])
     last = curves[AXES[0]][-1]  # every seed's final evaluation, held
     first = runs[0]
     return {"recipe": first["recipe"], "sampler": first["sampler"], "loss": first["loss"], "real": first["real"],
@@ -50,7 +56,7 @@ def combine(runs: list, train_seeds: list) -> dict:
             **{k: float(np.mean([r[k] for r in runs])) for k in ("iterations", "seconds_per_iteration",
                                                                   "samples_drawn")},
             "final_eval_reward": last["eval_reward"],  # the seed mean, as the times' target computes it
-            "final": {k: [last[k], last[f"{k}_lo"], last[f"{k}_hi"]] for k in KEYS},
+            "final": {k: [last[k], last[f"{k}_lo"], last[f"{k}_hi"]] for k in keys},
             "mean_curves": curves, "runs": [{"train_seed": s, **r} for s, r in zip(train_seeds, runs)]}
 
 

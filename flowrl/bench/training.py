@@ -44,7 +44,7 @@ class Variant:
 
 def run_variant(recipe: str, variant: Variant, budget_seconds: float, eval_every_seconds: float,
                 max_iterations: int = 10_000, workdir: Optional[Path] = None, progress: bool = True,
-                extra: Optional[list[str]] = None, each_reward: bool = False) -> dict:
+                extra: Optional[list[str]] = None, each_reward: bool = False, headline: Optional[str] = None) -> dict:
     """Train one variant for ``budget_seconds`` of training time -> curve and timing summary.
 
     Each curve point: ``train_seconds`` (rollout + reward + update so far, evaluation excluded),
@@ -54,15 +54,16 @@ def run_variant(recipe: str, variant: Variant, budget_seconds: float, eval_every
     carry tags (``data.eval_prompts`` with GenEval's ``tag``), each point and ``real`` also hold ``tags``, the
     evaluation reward per tag (``{tag: mean}``). ``each_reward``: each curve
     point also holds ``rewards`` (each trained reward's evaluation mean, name -> value), and ``iterations_log``
-    each iteration's ``train_seconds`` and ``reward/<name>/...`` metrics (its mean, its advantage share)."""
+    each iteration's ``train_seconds`` and ``reward/<name>/...`` metrics (its mean, its advantage share).
+    ``headline``: ``eval_reward`` (and ``tags``, ``real``) is that held-out reward's (:func:`_headline`)."""
     cfg = variant.config(recipe, list(extra or []) + ["logging.trackers=[]", "logging.progress=false",
                                                       f"train.iterations={max_iterations}"])
     run_dir = Path(tempfile.mkdtemp(prefix="flowrl-bench-", dir=workdir))
     tr = OnlineTrainer(cfg, run_dir)
     tr.setup()
-    real = real_reference(tr)
+    real = real_reference(tr, headline)
     ev0, _ = tr.evaluate(0)
-    curve = [_point(0.0, 0, 0, ev0, each_reward)]
+    curve = [_point(0.0, 0, 0, ev0, each_reward, headline)]
     spent, next_eval, it, samples = 0.0, eval_every_seconds, 0, 0
     per_iter, rollout_s, evals, log = [], [], [], []
     while spent < budget_seconds and it < max_iterations:
@@ -82,7 +83,7 @@ def run_variant(recipe: str, variant: Variant, budget_seconds: float, eval_every
             print(f"  it {it:4d}  {spent:7.1f}s  reward {res.metrics['reward_mean']:.3f}", flush=True)
         if spent >= next_eval or spent >= budget_seconds:
             ev, _ = tr.evaluate(it)
-            curve.append(_point(spent, it, samples, ev, each_reward))
+            curve.append(_point(spent, it, samples, ev, each_reward, headline))
             next_eval += eval_every_seconds
     tr.acc.end_training()
     return {"recipe": Path(variant.recipe or recipe).name, "sampler": cfg.sampler.to_dict(), "loss": cfg.train.loss,
@@ -101,16 +102,34 @@ def _tags(metrics: dict, prefix: str) -> dict:
     return {"tags": tags} if tags else {}
 
 
-def real_reference(tr) -> dict:
+def _headline(metrics: dict, prefix: str, headline: Optional[str]) -> dict:
+    """``reward`` (and ``tags``) of the measure the bench ranks by: the trained reward's ``<prefix>reward``, or
+    with ``headline`` (a held-out reward's name, :attr:`flowrl.bench.worlds.World.headline`) that reward's
+    ``<prefix>heldout/<headline>``, the trained reward's then kept as ``trained_reward`` (and ``trained_tags``)."""
+    if headline is None:
+        return {"reward": metrics[f"{prefix}reward"], **_tags(metrics, prefix)}
+    trained = _tags(metrics, prefix)
+    return {"reward": metrics[f"{prefix}heldout/{headline}"], **_tags(metrics, f"{prefix}heldout/{headline}/"),
+            "trained_reward": metrics[f"{prefix}reward"], **({"trained_tags": trained["tags"]} if trained else {})}
+
+
+def real_reference(tr, headline: Optional[str] = None) -> dict:
     """Trainer ``tr``'s real-data reference (:meth:`~flowrl.trainers.trainer.Trainer.real_data_reference`) as the
-    bench keeps it: ``reward``, ``diversity``, ``hf_energy`` (and ``tags``, the reward per tag), ``{}`` for none."""
+    bench keeps it: ``reward``, ``diversity``, ``hf_energy`` (and ``tags``, the reward per tag; with ``headline``,
+    that held-out reward's, :func:`_headline`), ``{}`` for none."""
     got = tr.real_data_reference()
-    return {**{k.removeprefix("real/"): v for k, v in got.items() if not k.startswith("real/tag/")}, **_tags(got, "real/")}
+    if not got:
+        return {}
+    watch = {k.removeprefix("real/"): v for k, v in got.items()
+             if k != "real/reward" and not k.startswith(("real/tag/", "real/heldout/"))}  # diversity, hf_energy, ...
+    return {**watch, **_headline(got, "real/", headline)}
 
 
-def _point(seconds: float, it: int, samples: int, ev: dict, each_reward: bool = False) -> dict:
-    point = {"train_seconds": seconds, "iteration": it, "samples": samples, "eval_reward": ev["eval/reward"],
-             "diversity": ev["eval/diversity"], "hf_energy": ev["eval/hf_energy"], **_tags(ev, "eval/")}
+def _point(seconds: float, it: int, samples: int, ev: dict, each_reward: bool = False,
+           headline: Optional[str] = None) -> dict:
+    head = _headline(ev, "eval/", headline)
+    point = {"train_seconds": seconds, "iteration": it, "samples": samples, "eval_reward": head.pop("reward"),
+             "diversity": ev["eval/diversity"], "hf_energy": ev["eval/hf_energy"], **head}
     if each_reward:  # the trained rewards' evaluation means (eval/reward/NAME; held-out ones are eval/heldout/NAME)
         point["rewards"] = {k.removeprefix("eval/reward/"): v for k, v in ev.items() if k.startswith("eval/reward/")}
     return point

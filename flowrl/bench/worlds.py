@@ -26,11 +26,16 @@ DIGITS_PREFIX = "digits_"  # the prefix of an update's declared recipe (``digits
 @dataclass(frozen=True)
 class World:
     """``name``: the ``--pipeline`` value and the prefix of its recipes; ``recipe``: its base recipe (a shipped
-    recipe's file name); ``about``: one line for ``--help`` and the errors (what the model draws, its reward)."""
+    recipe's file name); ``about``: one line for ``--help`` and the errors (what the model draws, its reward);
+    ``headline``: the measure the bench ranks by when it is not the trained reward: a held-out reward of the base
+    recipe (``reward.heldout``, shared by every method), e.g. GenEval's official verdict beside a trained partial
+    score; ``headline_about``: what that measure is, for the table's legend."""
 
     name: str
     recipe: str
     about: str = ""
+    headline: Optional[str] = None
+    headline_about: str = ""
 
     def method_recipe(self, digits_recipe: Optional[str]) -> Optional[str]:
         """The recipe of a method in this world from its declared digits recipe: ``digits_<x>.yaml`` ->
@@ -52,7 +57,10 @@ class World:
 WORLDS = {w.name: w for w in (
     World("digits", "digits.yaml", "the tiny offline digits model, the digits-classifier reward"),
     World("shapes", "shapes.yaml", "the offline shapes model (coloured shapes, GenEval's prompts and tags), the "
-                                   "GenEval rules on the shapes detector"),
+                                   "GenEval rules on the shapes detector",
+          headline="geneval@official",
+          headline_about="eval reward = GenEval's official verdict (1: every clause of the prompt right) on the "
+                         "held-out prompts; the methods train on its partial score"),
 )}
 
 

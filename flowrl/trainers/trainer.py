@@ -344,7 +344,8 @@ class Trainer:
         images = ref(item_texts(self.eval_prompts), k)  # real data of the prompts' texts
         if images is None:
             return {}
-        return reference_metrics(self.reward, images, self.eval_prompts, k, self.cfg.reward.frame_stride, self.eval_tags)
+        return reference_metrics(self.reward, images, self.eval_prompts, k, self.cfg.reward.frame_stride, self.eval_tags,
+                                 self.heldout)
 
     # ---------------------------------------------------------------- the loop
     def train(self) -> dict:
