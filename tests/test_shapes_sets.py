@@ -25,7 +25,7 @@ def test_prompt_sets_and_suites():
     assert load_prompts("shapes-train") == [r["prompt"] for r in shapes_rows("train")]
     assert load_prompts("shapes") == [r["prompt"] for r in shapes_rows("heldout")]
     suite = load_suite("shapes")
-    assert len(suite.items) == 58 and set(suite.tags) == set(TAGS)
+    assert len(suite.items) == 21 and set(suite.tags) == set(TAGS)
     for item, row in zip(suite.items, shapes_rows("heldout")):
         assert item.text == row["prompt"] and item.tag == row["tag"]
         assert item.meta["include"] == row["include"] and item.meta["exclude"] == row.get("exclude", [])

@@ -34,8 +34,8 @@ NAMED = {
     "digits-edit-sample": "digits_edit_sample.jsonl",
     "digits-edit-multi-sample": "digits_edit_multi_sample.jsonl",  # two or three source images per row
     # the shapes world's GenEval rows (flowrl.data.shapes.write_shapes_sets writes them)
-    "shapes-train": "shapes_train.jsonl",  # 172 training prompts
-    "shapes": "shapes_heldout.jsonl",  # 58 held-out prompts
+    "shapes-train": "shapes_train.jsonl",  # 209 training prompts
+    "shapes": "shapes_heldout.jsonl",  # 21 held-out prompts (2-4 per tag)
     "shapes-geneval": "shapes_geneval.jsonl",  # all 230
 }
 # columns tried, in order, when a dataset's prompt column is not named

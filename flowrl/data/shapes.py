@@ -33,9 +33,9 @@ BACKGROUND = (235, 235, 235)  # light grey: no GenEval colour, far from every pa
 COUNT_WORDS = {1: "one", 2: "two", 3: "three", 4: "four"}
 SIZE_RANGE = (0.28, 0.38)  # an object's side as a fraction of the image side
 GAP = 2  # pixels between any two objects' boxes
-HELDOUT_EVERY = 4  # every 4th prompt of each tag (in a fixed shuffle) is held out of training
+HELDOUT_PER_TAG = 4  # prompts of each tag held out of training (at most half of a tag's; a fixed shuffle)
 
-__all__ = ["IMAGE_SIZE", "SHAPES", "PLURALS", "PALETTE", "BACKGROUND", "COUNT_WORDS", "Shape", "Scene",
+__all__ = ["IMAGE_SIZE", "SHAPES", "PLURALS", "PALETTE", "BACKGROUND", "COUNT_WORDS", "HELDOUT_PER_TAG", "Shape", "Scene",
            "shape_mask", "extent", "shapes_rows", "scene_for", "render", "shapes_batch", "SET_FILES", "write_shapes_sets"]
 
 
@@ -128,14 +128,16 @@ def _split() -> dict[str, tuple[dict, ...]]:
     for tag in dict.fromkeys(r["tag"] for r in rows):
         mine = [r for r in rows if r["tag"] == tag]
         order = np.random.default_rng(0).permutation(len(mine))  # a fixed shuffle per tag
+        n_held = min(HELDOUT_PER_TAG, len(mine) // 2)  # single_object 2 of 4, two_object 3 of 6, the rest 4
         for rank, i in enumerate(order):
-            (held if rank % HELDOUT_EVERY == 0 else train).append(mine[i])
+            (held if rank < n_held else train).append(mine[i])
     return {"train": tuple(train), "heldout": tuple(held), "all": tuple(rows)}
 
 
 def shapes_rows(split: str = "all") -> list[dict]:
     """GenEval metadata rows (``prompt``, ``tag``, ``include`` [, ``exclude``]) of the shapes prompts:
-    ``"train"``, ``"heldout"`` (every :data:`HELDOUT_EVERY`-th prompt of each tag in a fixed shuffle:
+    ``"train"``, ``"heldout"`` (the first :data:`HELDOUT_PER_TAG` prompts of each tag in a fixed shuffle, at
+    most half of the tag's, so every tag weighs about the same in the held-out mean:
     unseen combinations of seen words) or ``"all"``. Fresh dicts (the caller may change them)."""
     if split not in ("train", "heldout", "all"):
         raise ValueError(f"split must be 'train', 'heldout' or 'all', got {split!r}")

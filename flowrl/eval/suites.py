@@ -31,9 +31,9 @@ SUITES = {
     "geneval": ("geneval", "GenEval's 553 prompts with their clauses (tags: single_object ... color_attr)"),
     "ocr": ("flowgrpo-ocr-test", "Flow-GRPO's 1,018 OCR test prompts (quoted text to render)"),
     "digits": ("digits", "the 10 digits prompts"),
-    "shapes": ("shapes", "the shapes world's 58 held-out prompts with their GenEval clauses (flowrl.data.shapes)"),
+    "shapes": ("shapes", "the shapes world's 21 held-out prompts (2-4 per tag) with their GenEval clauses (flowrl.data.shapes)"),
     "shapes-geneval": ("shapes-geneval", "all 230 prompts of the shapes world with their GenEval clauses"),
-    "shapes-train": ("shapes-train", "the shapes world's 172 training prompts with their GenEval clauses"),
+    "shapes-train": ("shapes-train", "the shapes world's 209 training prompts with their GenEval clauses"),
     **{name: (name, f"shipped sample {file}") for name, file in NAMED.items()
        if name not in ("geneval", "shapes", "shapes-geneval", "shapes-train")},
 }
