@@ -60,6 +60,17 @@ def positive_float(text: str) -> float:
     return v
 
 
+def decay(text: str) -> float:
+    """argparse type: a number in [0, 1) (a moving average's decay; 0: none)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1) (0: no average), got {text}")
+    return v
+
+
 def example(*lines: str) -> str:
     """A verb's ``--help`` epilog: the example command lines, indented under ``example:``."""
     return "example:\n" + "\n".join(f"  {ln}" for ln in lines)

@@ -7,7 +7,7 @@ from dataclasses import fields
 from importlib import import_module
 from pathlib import Path
 
-from .command_line import example, positive_float, positive_int
+from .command_line import decay, example, positive_float, positive_int
 
 # verb -> (pipeline name, its settings class in flowrl.pipelines.pretrain_config, what its base learns from)
 WORLDS = {"pretrain-digits": ("digits", "PretrainConfig", "scikit-learn's digits"),
@@ -27,7 +27,7 @@ def pretrain_command(a) -> dict:
         if (out / "transformer").is_dir() and not a.force:
             print(f"[flowrl] {cls.kind} base already at {out} (use --force to retrain)")
         else:
-            given = {k: getattr(a, k) for k in ("steps", "batch_size", "lr", "seed", "max_seconds")
+            given = {k: getattr(a, k) for k in ("steps", "batch_size", "lr", "seed", "max_seconds", "ema")
                      if getattr(a, k) is not None}
             cls.pretrain(out, config_class(**given))
         module, function = cls.report.split(":")
@@ -51,6 +51,9 @@ def add_pretrain_parsers(sub) -> None:
         pt.add_argument("--lr", type=positive_float, default=None,
                         help=f"AdamW learning rate (default: {default['lr']:g})")
         pt.add_argument("--seed", type=int, default=0)
+        pt.add_argument("--ema", type=decay, default=None,
+                        help=f"decay of the weights' moving average that is saved, in [0, 1); 0: the last weights "
+                             f"(default: {default['ema']:g})")
         pt.add_argument("--max-seconds", type=positive_float, default=None, help="stop training after this long")
         pt.add_argument("--force", action="store_true",
                         help="retrain (and re-measure the sample report) even if the directory holds a model")

@@ -263,7 +263,8 @@ class PixelFlowPolicy(SD3TransformerFacts, ModelFacts):
     @torch.enable_grad()
     def pretrain(cls, out_dir: str | os.PathLike, config: Optional[PretrainConfig] = None, progress: bool = True) -> dict:
         """Rectified-flow pretraining (``v = eps - x0``, logit-normal t, MSE; SD3, arXiv:2403.03206) of
-        the base on :meth:`pretrain_data`'s batches, the prompt dropped to ``""`` with ``config.cond_dropout`` (for CFG).
+        the base on :meth:`pretrain_data`'s batches, the prompt dropped to ``""`` with ``config.cond_dropout`` (for CFG);
+        with ``config.ema`` the weights' moving average is saved.
 
         Gradients are on whatever the caller's mode (the base is pretrained on first use, which
         may happen inside ``torch.no_grad()``). Writes ``out_dir/{transformer,text_encoder}`` and
@@ -279,6 +280,7 @@ class PixelFlowPolicy(SD3TransformerFacts, ModelFacts):
         params = list(tr.parameters()) + list(te.parameters())
         use_cpu_threads(sum(p.numel() for p in params))  # under the command line: 1 thread for a small model
         opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+        average = [p.detach().clone() for p in params] if config.ema else None  # the weights' moving average
         sched = torch.optim.lr_scheduler.LambdaLR(  # 100 warm-up steps, then cosine to 0
             opt, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(s, config.steps) / config.steps)))
         g = torch.Generator().manual_seed(config.seed)
@@ -301,6 +303,11 @@ class PixelFlowPolicy(SD3TransformerFacts, ModelFacts):
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             sched.step()
+            if average is not None:
+                decay = min(config.ema, (1 + step) / (10 + step))
+                with torch.no_grad():
+                    for a, p in zip(average, params):
+                        a.lerp_(p, 1 - decay)
             losses.append(loss.item())
             if step % 50 == 0:
                 bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.4f}")
@@ -308,6 +315,10 @@ class PixelFlowPolicy(SD3TransformerFacts, ModelFacts):
                 break
         summary = {"config": asdict(config), "steps_done": step + 1, "seconds": time.perf_counter() - t0,
                    "final_loss": sum(losses[-100:]) / len(losses[-100:])}
+        if average is not None:  # the saved base is the average (config.ema)
+            with torch.no_grad():
+                for p, a in zip(params, average):
+                    p.copy_(a)
         policy = cls(tr.eval(), te.eval())
 
         def write(tmp: Path) -> None:

@@ -11,7 +11,9 @@ __all__ = ["PretrainConfig", "ShapesPretrainConfig"]
 @dataclass
 class PretrainConfig:
     """The digits base's pretraining (and every world's fields): AdamW steps of ``batch_size`` images,
-    100 warm-up steps then cosine decay from ``lr``, the prompt dropped with ``cond_dropout`` (for CFG)."""
+    100 warm-up steps then cosine decay from ``lr``, the prompt dropped with ``cond_dropout`` (for CFG);
+    ``ema``: the decay of an exponential moving average of the weights, which is the saved base (0: the last
+    weights; the average's decay warms up as ``min(ema, (1 + step) / (10 + step))``)."""
 
     steps: int = 600
     batch_size: int = 64
@@ -19,12 +21,15 @@ class PretrainConfig:
     cond_dropout: float = 0.1
     seed: int = 0
     max_seconds: Optional[float] = None  # stop early after this wall time (a budget, not a target)
+    ema: float = 0.0
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1 or not self.lr > 0:
             raise ValueError(f"steps, batch_size and lr must be positive, got {self}")
         if not 0 <= self.cond_dropout < 1:
             raise ValueError(f"cond_dropout must be in [0, 1), got {self.cond_dropout}")
+        if not 0 <= self.ema < 1:
+            raise ValueError(f"ema must be in [0, 1) (0: no average), got {self.ema}")
 
 
 @dataclass

@@ -164,6 +164,8 @@ CASES = [
                                                                     "--steps", "0"], ["--steps", "positive integer"], ["sbase"]),
     ("zero shapes batch", "pretrain-shapes", lambda e: ["pretrain-shapes", "--out", str(e["root"] / "sbase"),
                                                         "--batch-size", "0"], ["--batch-size", "positive integer"], ["sbase"]),
+    ("shapes average decay of 1", "pretrain-shapes", lambda e: ["pretrain-shapes", "--out", str(e["root"] / "sbase"),
+                                                                "--ema", "1"], ["--ema", "[0, 1)"], ["sbase"]),
     # --- sample / eval
     ("negative per-prompt", "sample", lambda e: sample_args(e, "--per-prompt", "-1"), ["--per-prompt", "got -1"],
      ["new.png"]),

@@ -76,6 +76,27 @@ def test_pretrain_shapes_writes_the_cache_and_its_report(tmp_path, monkeypatch, 
     assert "already at" in capsys.readouterr().err
 
 
+def test_pretraining_saves_the_weights_moving_average(tmp_path):
+    """``ema``: the saved base is the average of the weights along the steps, so (3 warm-up steps, decays 0.1, 0.18,
+    0.25) it sits between the initial and the last weights; ``ema: 0`` saves the last weights."""
+    from diffusers import SD3Transformer2DModel
+
+    from flowrl.pipelines.pretrain_config import ShapesPretrainConfig
+
+    def flat(model):
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    for ema in (0.0, 0.9):
+        ShapesPolicy.pretrain(tmp_path / f"ema{ema}", ShapesPretrainConfig(steps=3, batch_size=2, ema=ema), progress=False)
+    torch.manual_seed(0)  # the pretraining's own initialisation (config.seed 0)
+    init = flat(SD3Transformer2DModel(**ShapesPolicy.transformer_config()))
+    last, avg = (flat(ShapesPolicy.from_pretrained(tmp_path / f"ema{e}").transformer) for e in (0.0, 0.9))
+    moved = (last - init).abs() > 1e-6
+    assert moved.sum() > 1000
+    share = ((avg - init) / (last - init))[moved]  # 0: the initial weight, 1: the last one
+    assert 0.5 < share.median() < 0.97 and (avg - init).norm() < (last - init).norm()
+
+
 def test_grpo_on_the_shapes_recipe_trains_on_the_geneval_rules_end_to_end(pretrained_shapes_base, tmp_path):
     """recipes/shapes.yaml, shortened (4 prompts x 8 samples, 2 iterations), on the session's short-pretrained
     base: the shapes detector's GenEval partial score varies within groups (an advantage to learn from), no
