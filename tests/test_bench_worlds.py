@@ -225,3 +225,27 @@ def test_several_seeds_keep_the_trained_reward_beside_a_headline(monkeypatch):
     monkeypatch.setitem(bw.WORLDS, "digits", bw.World("digits", "digits.yaml"))
     res = bm.bench_methods(budget_seconds=10, methods=["grpo"], seeds=2, progress=False)
     assert "trained_reward" not in res["variants"]["grpo"]["final"] and "trained reward" not in report(res)
+
+
+def test_runs_split_across_processes_merge_into_one_table(monkeypatch, tmp_path, capsys):
+    """`bench methods --merge`: two parts of one bench (each method in one part) make the table of all their rows,
+    the time to GRPO's final reward computed across the parts; parts of different benches, or naming a method
+    twice, are refused in one line."""
+    monkeypatch.setattr(bm, "run_variant", _fake({"grpo": {0: {"odd": 0.6, "even": 0.4}, 1: {"odd": 0.8, "even": 0.4}},
+                                                  "nft": {0: {"odd": 0.5, "even": 0.5}, 1: {"odd": 0.5, "even": 0.7}}}))
+    whole = bm.bench_methods(budget_seconds=10, methods=["grpo", "nft"], seeds=2, progress=False)
+    for name in ("grpo", "nft"):
+        bm.bench_methods(budget_seconds=10, methods=[name], seeds=2, progress=False, out_dir=str(tmp_path / name))
+    parts = [str(tmp_path / n / "methods.json") for n in ("grpo", "nft")]
+    assert main(["bench", "methods", "--merge", *parts, "--out", str(tmp_path / "all")]) == 0
+    merged = json.loads((tmp_path / "all" / "methods.json").read_text())
+    assert list(merged["variants"]) == ["grpo", "nft"] and merged["merged_from"] == 2
+    for key in ("speedup_samples", "speedup_samples_interval", "seconds_to_baseline_final_reward"):
+        assert merged["variants"]["nft"][key] == pytest.approx(whole["variants"]["nft"][key]), key
+    assert json.dumps(merged["variants"]["nft"]["final_tags"]) == json.dumps(whole["variants"]["nft"]["final_tags"])
+    assert (tmp_path / "all" / "methods.png").stat().st_size > 0 and "nft" in capsys.readouterr().out
+    with pytest.raises(BenchError, match=r"method 'grpo' is in two parts"):
+        bm.merge_results([merged, json.loads(open(parts[0]).read())])
+    other = {**json.loads(open(parts[1]).read()), "budget_seconds": 20}
+    with pytest.raises(BenchError, match=r"part 2 has budget_seconds=20, part 1 10"):
+        bm.merge_results([json.loads(open(parts[0]).read()), other])

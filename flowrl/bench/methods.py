@@ -40,6 +40,7 @@ from ..errors import BenchError
 from ..trainers.config_text import read_recipe, recipes_dir, resolve_recipe
 from ..utils.io import write_json
 from .dataset_methods import run_dataset_variant
+from .methods_merge import merge_results, read_parts
 from .methods_report import add_times_to_baseline, markdown, plot, report
 from .methods_tags import add_tags
 from .methods_seeds import add_intervals, combine
@@ -266,12 +267,18 @@ def bench_methods(pipeline: str = "digits", budget_seconds: float = 120.0, eval_
            "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
            "note": "training seconds = rollout + reward + update, evaluation excluded; samples = finished samples "
                    "the rollouts scored"}
-    (add_times_to_baseline if seeds == 1 else add_intervals)(res, BASELINE)
+    return finish(res, out_dir)
+
+
+def finish(res: dict, out_dir: Optional[str] = None) -> dict:
+    """The measures across a result's rows (the time to the baseline's final reward, with intervals when it has
+    several seeds; the per-tag table), then ``out_dir/methods.json`` and ``methods.png`` when ``out_dir`` is given."""
+    (add_times_to_baseline if len(res["train_seeds"]) == 1 else add_intervals)(res, res["baseline"])
     add_tags(res)
     if out_dir:
         out = Path(out_dir)
         write_json(res, out / "methods.json")
-        plot(res, out / "methods.png", BASELINE)
+        plot(res, out / "methods.png", res["baseline"])
         print(f"[bench methods] wrote {out / 'methods.json'} and {out / 'methods.png'}", flush=True)
     return res
 
@@ -287,6 +294,9 @@ def _pairs(items: Sequence[str], flag: str) -> list[tuple[str, str]]:
 
 
 def _run(a) -> str:
+    if a.merge:
+        res = finish(merge_results(read_parts(a.merge)), a.out)
+        return markdown(res) if a.markdown else report(res)
     overrides: dict[str, list[str]] = {}
     for name, o in _pairs(a.method_override, "--method-override"):
         overrides.setdefault(name, []).append(o)
@@ -304,7 +314,8 @@ def add_methods_parser(subparsers) -> argparse.ArgumentParser:
                               epilog="example:\n  flowrl bench methods --pipeline digits --budget 60 --out bench\n"
                                      "  flowrl bench methods --methods grpo,nft,dpo --budget 60\n"
                                      "  flowrl bench methods --seeds 3 --budget 60 --out bench\n"
-                                     "  flowrl bench methods --pipeline shapes --seeds 3 --budget 60 --out bench")
+                                     "  flowrl bench methods --pipeline shapes --seeds 3 --budget 60 --out bench\n"
+                                     "  flowrl bench methods --merge a/methods.json b/methods.json --out bench")
     p.add_argument("--pipeline", choices=list(WORLDS), default="digits",
                    help="the world: " + "; ".join(f"{w.name}: {w.about}" for w in WORLDS.values()))
     p.add_argument("--budget", type=positive_float, default=120.0, help="training seconds per method")
@@ -322,6 +333,9 @@ def add_methods_parser(subparsers) -> argparse.ArgumentParser:
                    help="print the table in markdown, the README's columns (default: the text table)")
     p.add_argument("--out", default=None, help="write OUT/methods.json and OUT/methods.png here (default: nothing "
                                                "written, the table only)")
+    p.add_argument("--merge", nargs="+", metavar="METHODS_JSON", default=None,
+                   help="run nothing: combine the methods.json of runs of the same bench split across processes "
+                        "(each method in one part) into one table (and OUT/methods.json, methods.png with --out)")
     p.add_argument("overrides", nargs="*", help="dotted overrides applied to every method")
     p.set_defaults(fn=_run)
     return p
