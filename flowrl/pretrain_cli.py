@@ -27,7 +27,7 @@ def pretrain_command(a) -> dict:
         if (out / "transformer").is_dir() and not a.force:
             print(f"[flowrl] {cls.kind} base already at {out} (use --force to retrain)")
         else:
-            given = {k: getattr(a, k) for k in ("steps", "batch_size", "lr", "seed", "max_seconds", "ema")
+            given = {k: getattr(a, k) for k in ("steps", "batch_size", "lr", "seed", "max_seconds", "ema", "t_mean")
                      if getattr(a, k) is not None}
             cls.pretrain(out, config_class(**given))
         module, function = cls.report.split(":")
@@ -54,6 +54,9 @@ def add_pretrain_parsers(sub) -> None:
         pt.add_argument("--ema", type=decay, default=None,
                         help=f"decay of the weights' moving average that is saved, in [0, 1); 0: the last weights "
                              f"(default: {default['ema']:g})")
+        pt.add_argument("--t-mean", type=float, default=None,
+                        help=f"mean of the logit-normal training times; below 0: more training at low noise "
+                             f"(default: {default['t_mean']:g})")
         pt.add_argument("--max-seconds", type=positive_float, default=None, help="stop training after this long")
         pt.add_argument("--force", action="store_true",
                         help="retrain (and re-measure the sample report) even if the directory holds a model")

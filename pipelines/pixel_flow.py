@@ -292,7 +292,7 @@ class PixelFlowPolicy(SD3TransformerFacts, ModelFacts):
             drop = torch.rand(config.batch_size, generator=g) < config.cond_dropout
             prompts = ["" if dr else p for p, dr in zip(prompts, drop)]
             eps = torch.randn(x0.shape, generator=g)
-            t = torch.sigmoid(torch.randn(config.batch_size, generator=g))  # logit-normal(0, 1), SD3
+            t = torch.sigmoid(torch.randn(config.batch_size, generator=g) + config.t_mean)  # logit-normal(t_mean, 1), SD3
             xt = flow_interpolate(x0, eps, t.view(-1, 1, 1, 1))  # [B, C, S, S]
             c = te(prompts)
             v = tr(hidden_states=xt, encoder_hidden_states=c["encoder_hidden_states"],

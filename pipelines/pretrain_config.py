@@ -13,7 +13,8 @@ class PretrainConfig:
     """The digits base's pretraining (and every world's fields): AdamW steps of ``batch_size`` images,
     100 warm-up steps then cosine decay from ``lr``, the prompt dropped with ``cond_dropout`` (for CFG);
     ``ema``: the decay of an exponential moving average of the weights, which is the saved base (0: the last
-    weights; the average's decay warms up as ``min(ema, (1 + step) / (10 + step))``)."""
+    weights; the average's decay warms up as ``min(ema, (1 + step) / (10 + step))``); ``t_mean``: the mean of the
+    logit-normal training times (SD3's 0; below 0 trains more at low noise, where a small image's edges form)."""
 
     steps: int = 600
     batch_size: int = 64
@@ -22,6 +23,7 @@ class PretrainConfig:
     seed: int = 0
     max_seconds: Optional[float] = None  # stop early after this wall time (a budget, not a target)
     ema: float = 0.0
+    t_mean: float = 0.0
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1 or not self.lr > 0:
@@ -36,5 +38,7 @@ class PretrainConfig:
 class ShapesPretrainConfig(PretrainConfig):
     """The shapes base's pretraining (docs/models.md: what it measures)."""
 
-    steps: int = 1500
+    steps: int = 6000
     batch_size: int = 32
+    ema: float = 0.999
+    t_mean: float = -1.0

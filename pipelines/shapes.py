@@ -45,10 +45,11 @@ VOCAB = _vocab()  # every word of the shapes prompts (sorted); any other word is
 
 
 def tiny_transformer_config() -> dict:
-    """Patch 2 (256 image tokens) x 4 layers of width 64: 0.6 M parameters."""
-    return dict(sample_size=IMAGE_SIZE, patch_size=2, in_channels=3, out_channels=3, num_layers=4,
-                attention_head_dim=16, num_attention_heads=4, joint_attention_dim=64,
-                caption_projection_dim=64, pooled_projection_dim=64, pos_embed_max_size=IMAGE_SIZE // 2)
+    """Patch 4 (64 image tokens) x 4 layers of width 128: 2.3 M parameters (against patch 2 x width 64, 0.6 M:
+    a training step 0.19 s instead of 0.30 s on one thread, and a lower loss at the same step)."""
+    return dict(sample_size=IMAGE_SIZE, patch_size=4, in_channels=3, out_channels=3, num_layers=4,
+                attention_head_dim=32, num_attention_heads=4, joint_attention_dim=64,
+                caption_projection_dim=128, pooled_projection_dim=64, pos_embed_max_size=IMAGE_SIZE // 4)
 
 
 def tokenize(prompts: list[str], max_len: int) -> torch.Tensor:
@@ -129,7 +130,7 @@ class ShapesPolicy(PixelFlowPolicy):
     """``FlowPolicy`` over the shapes model (:class:`~flowrl.pipelines.pixel_flow.PixelFlowPolicy`: 3 x 32 x 32
     RGB pixels). ``guidance_scale`` 1.0 = no CFG (one pass)."""
 
-    kind, pretrain_verb, base_dir, tiny_kinds = "shapes", "pretrain-shapes", "shapes-base-v1", ("shapes",)
+    kind, pretrain_verb, base_dir, tiny_kinds = "shapes", "pretrain-shapes", "shapes-base-v2", ("shapes",)
     pretrain_config, report = ShapesPretrainConfig, "flowrl.shapes_report:cached_report"
     text_encoder_class, transformer_config = ShapesTextEncoder, staticmethod(tiny_transformer_config)
     channels, image_size = 3, IMAGE_SIZE
