@@ -29,10 +29,11 @@ def curve_keys(curves: list) -> tuple[str, ...]:
     return KEYS + ((TRAINED,) if all(TRAINED in p for c in curves for p in c) else ())
 
 
-def mean_curves(curves: list) -> dict:
+def mean_curves(curves: list, keys: Optional[tuple[str, ...]] = None) -> dict:
     """The seeds' curves -> ``{axis: [point]}`` per :data:`~flowrl.bench.seeds.AXES`: each point ``{axis: x,
-    key: seed mean, key_lo, key_hi}`` for the :func:`curve_keys` (step functions on the seeds' union grid)."""
-    out, keys = {}, curve_keys(curves)
+    key: seed mean, key_lo, key_hi}`` for the ``keys`` (default: :func:`curve_keys`; step functions on the seeds'
+    union grid)."""
+    out, keys = {}, keys or curve_keys(curves)
     for axis in AXES:
         grid, values = on_grid(curves, axis, keys)
         iv = {k: mean_intervals(values[k]) for k in keys}
@@ -48,7 +49,8 @@ def combine(runs: list, train_seeds: list) -> dict:
     means of ``iterations``, ``seconds_per_iteration``, ``samples_drawn`` and ``final_eval_reward``; ``final``
     (``{key: [mean, lo, hi]}`` at the end), ``mean_curves`` (:func:`mean_curves`) and ``runs`` (every seed's raw
     result, its ``train_seed`` added)."""
-    curves, keys = mean_curves([r["curve"] for r in runs]), curve_keys([r["curve"] for r in runs])
+    keys = curve_keys([r["curve"] for r in runs])
+    curves = mean_curves([r["curve"] for r in runs], keys)
     last = curves[AXES[0]][-1]  # every seed's final evaluation, held
     first = runs[0]
     return {"recipe": first["recipe"], "sampler": first["sampler"], "loss": first["loss"], "real": first["real"],
