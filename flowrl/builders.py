@@ -14,7 +14,7 @@ from .checkpoints.runs import apply_run_weights, run_chain
 from .diagnostics import watch
 from .errors import ConfigError
 from .rollout.ode import ode_generate
-from .scoring import score_images
+from .scoring import finite_mean, score_images
 from .seeding import derive_seeds
 
 EVAL_SEED = 20251121  # evaluation seeds are fixed, independent of the training seed
@@ -101,18 +101,8 @@ def tag_means(rewards: torch.Tensor, tags: Sequence[str], seeds_per_prompt: int)
     """``rewards`` ``[P * k]`` (prompt-major, ``k = seeds_per_prompt`` per prompt) and ``tags`` ``[P]`` (each
     prompt's) -> ``{tag: mean of its prompts' finite rewards}`` (NaN: none finite), tags in first-seen order."""
     per_sample = [t for t in tags for _ in range(seeds_per_prompt)]  # [P * k]
-    out = {}
-    for tag in dict.fromkeys(tags):
-        v = rewards[torch.tensor([t == tag for t in per_sample])]  # [n_tag * k]
-        v = v[torch.isfinite(v)]
-        out[tag] = float(v.mean()) if v.numel() else float("nan")
-    return out
-
-
-def _finite_mean(v: torch.Tensor) -> float:
-    """The mean of ``v``'s finite values (NaN: none)."""
-    v = v[torch.isfinite(v)]
-    return float(v.mean()) if v.numel() else float("nan")
+    return {tag: finite_mean(rewards[torch.tensor([t == tag for t in per_sample])])  # [n_tag * k]
+            for tag in dict.fromkeys(tags)}
 
 
 def reference_metrics(reward, images: torch.Tensor, eval_prompts: list, seeds_per_prompt: int,
@@ -126,10 +116,12 @@ def reference_metrics(reward, images: torch.Tensor, eval_prompts: list, seeds_pe
     groups = torch.arange(len(eval_prompts)).repeat_interleave(k)  # [P * k]
     prompts = [p for p in eval_prompts for _ in range(k)]
     out = {}
-    for prefix, rew in (("real", reward), *((f"real/heldout/{n}", h) for n, h in (heldout or {}).items())):
+    # (the mean's key, the prefix of its per-tag keys, the reward): the trained reward, then each held-out one
+    for key, per_tag, rew in (("real/reward", "real/tag", reward),
+                              *((f"real/heldout/{n}", f"real/heldout/{n}/tag", h) for n, h in (heldout or {}).items())):
         r, _ = score_images(rew, images, prompts, frame_stride=frame_stride)  # [P * k]
-        out[f"{prefix}/reward" if prefix == "real" else prefix] = _finite_mean(r)
-        out.update({f"{prefix}/tag/{t}": v for t, v in (tag_means(r, tags, k) if tags is not None else {}).items()})
+        out[key] = finite_mean(r)
+        out.update({f"{per_tag}/{t}": v for t, v in (tag_means(r, tags, k) if tags is not None else {}).items()})
     return {**out, **{f"real/{n}": v for n, v in watch(images, groups).items()}}
 
 
@@ -158,10 +150,10 @@ def evaluate_policy(policy, reward, heldout: dict, eval_prompts: list[str], seed
            "eval/reward_std": float(fin.std()) if fin.numel() > 1 else float("nan"),
            **{f"eval/{k}": v for k, v in watch(images, groups).items()}}  # diversity, hf_energy (+ temporal_consistency)
     for name, v in comps.items():
-        met[f"eval/reward/{name}"] = float(v[torch.isfinite(v)].mean())
+        met[f"eval/reward/{name}"] = finite_mean(v)
     for name in heldout:
         hv = scores.components[f"heldout/{name}"]  # [P * k]
-        met[f"eval/heldout/{name}"] = _finite_mean(hv)
+        met[f"eval/heldout/{name}"] = finite_mean(hv)
         if tags is not None:
             met.update({f"eval/heldout/{name}/tag/{t}": v for t, v in tag_means(hv, tags, k).items()})
     if tags is not None:

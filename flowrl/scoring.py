@@ -87,6 +87,12 @@ def score_images(reward: Optional[RewardFn], images: torch.Tensor, prompts: list
     return _check_reward(total, n, name), comps
 
 
+def finite_mean(scores: torch.Tensor) -> float:
+    """The mean of the finite ``scores`` (a reward is NaN where it does not apply); NaN when none is finite."""
+    kept = scores[torch.isfinite(scores)]
+    return float(kept.mean()) if kept.numel() else float("nan")
+
+
 def _check_reward(r, n: int, name: str) -> torch.Tensor:
     r = torch.as_tensor(r).detach().to("cpu", torch.float32)
     if r.shape != (n,):

@@ -47,7 +47,7 @@ from ..types import FlowPolicy, RewardFn
 from .base import Exploration, GroupSize, Rollout, SamplerDeclarations
 from .common import EvalCounter
 from .ode import ode_generate, ode_rollout, ode_sample
-from ..scoring import Scores
+from ..scoring import Scores, finite_mean
 
 SELECT_MODES = ("best_worst", "random", "extremes_random", "mean_deviation")
 REGEN_SAMPLERS = ("ode", "group")
@@ -303,8 +303,8 @@ class SolSampler(SamplerDeclarations):
             "sol/regen_seconds": t_regen, "sol/explore_model_evals": counter.rows,
             "sol/kendall_tau": fid["kendall_tau"], "sol/spearman": fid["spearman"],
             "sol/topk_hit_rate": fid["topk_hit_rate"],
-            "sol/explore_reward_mean": _finite_mean(r_explore),
-            "sol/selected_explore_reward_mean": _finite_mean(r_explore[chosen]),
+            "sol/explore_reward_mean": finite_mean(r_explore),
+            "sol/selected_explore_reward_mean": finite_mean(r_explore[chosen]),
             "sol/nonfinite_explore_rewards": int((~torch.isfinite(r_explore)).sum()),
         })
         if self.audit_every and iteration % self.audit_every == 0:
@@ -336,8 +336,3 @@ def selection_values(reward, explored: Scores, prompts: int, pool: int) -> torch
     check_components(explored.components, weights)
     cols = {k: v.view(prompts, pool) for k, v in explored.components.items()}  # name -> [P, pool]
     return ranking_values(cols, weights, per_reward=True).flatten()  # [P * pool]
-
-
-def _finite_mean(x: torch.Tensor) -> float:
-    f = x[torch.isfinite(x)]
-    return float(f.mean()) if f.numel() else float("nan")
