@@ -94,7 +94,8 @@ def tiny_model(pipeline: str) -> Path:
     from .utils.io import exclusive
     from .utils.paths import flowrl_home
 
-    kinds = getattr(policy_class(pipeline), "tiny_kinds", ())
+    cls = policy_class(pipeline)
+    kinds = getattr(cls, "tiny_kinds", ())
     if not kinds:
         raise ConfigError(f"--smoke needs a tiny model of pipeline {pipeline!r}, and its adapter declares none "
                           f"(tiny_kinds in pipelines/base.py)")
@@ -103,7 +104,7 @@ def tiny_model(pipeline: str) -> Path:
         # one process builds it; another started at the same time waits, then finds it built
         with exclusive(out.parent / f".{out.name}.lock", f"building the tiny {kinds[0]} model into {out}"):
             if not (out.is_dir() and any(out.iterdir())):
-                make_tiny(kinds[0], out, image_size=None if pipeline == "digits" else SMOKE_PIXELS, overwrite=True)
+                make_tiny(kinds[0], out, image_size=cls.tiny_image_size(SMOKE_PIXELS), overwrite=True)
     return out
 
 

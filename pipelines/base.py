@@ -339,6 +339,11 @@ class DiffusersPolicy(ModelFacts):
                    Path(path) / FLOWRL_JSON)
 
     @classmethod
+    def tiny_image_size(cls, default: int) -> int:
+        """Pixels per side of this adapter's tiny model in a smoke run: ``default`` (any size builds)."""
+        return default
+
+    @classmethod
     def make_tiny(cls, kind: str, out_dir: Union[str, os.PathLike], *, image_size: int = IMAGE_SIZE, seed: int = 0,
                   overwrite: bool = False) -> Path:
         """Write a tiny random-weight pipeline of ``kind`` (one of ``tiny_kinds``) to ``out_dir`` with

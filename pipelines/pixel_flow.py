@@ -142,6 +142,12 @@ class PixelFlowPolicy(SD3TransformerFacts, ModelFacts):
                 ".load_lora_adapter(OUT, weight_name='pytorch_lora_weights.safetensors')")
 
     @classmethod
+    def tiny_image_size(cls, default: int) -> int:
+        """Pixels per side of the tiny model in a smoke run: the model's own :attr:`image_size` (a pixel model is
+        built at one size only; ``default`` is ignored)."""
+        return cls.image_size
+
+    @classmethod
     def make_tiny(cls, kind: str, out_dir, *, image_size: Optional[int] = None, seed: int = 0,
                   overwrite: bool = False):
         """A random-init 2-layer model (no pretraining: for mechanics, not quality) in ``out_dir``
