@@ -103,14 +103,19 @@ def check_options(name: str, options: Optional[Mapping], where: str = "") -> Non
 def resident(name: str, options: Optional[Mapping]) -> tuple[Optional[int], bool, str]:
     """``(bytes, on_gpu, note)`` reward ``name`` keeps loaded with ``options`` (``flowrl plan``): its class's
     ``resident_params`` x the bytes of its ``dtype`` option, on the side of its ``device`` option (each the
-    declared default when not given); ``(None, ..., why)`` when it declares no ``resident_params``."""
+    declared default when not given); a class whose size depends on its options declares
+    ``resident_for(options) -> (params or None, note)`` instead (e.g. ``geneval``'s detector and colour reader);
+    ``(None, ..., why)`` when it declares no ``resident_params``."""
     target = _resolve(name)
-    params = getattr(target, "resident_params", None)
     declared_, _ = declared_options(name)
     given = {k: o.default for k, o in declared_.items() if not o.required}
     given.update(options or {})
     size = 2 if str(given.get("dtype", "float32")) in ("bfloat16", "bf16", "float16", "fp16") else 4
     on_gpu = not str(given.get("device", "cpu")).startswith("cpu")
+    if hasattr(target, "resident_for"):
+        params, note = target.resident_for(given)
+        return (None if params is None else int(params) * size), on_gpu, note
+    params = getattr(target, "resident_params", None)
     if params is None:
         return None, on_gpu, (f"resident size unknown: not counted ({getattr(target, '__name__', name)} declares no "
                               f"resident_params)")

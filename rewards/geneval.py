@@ -148,8 +148,23 @@ class GenEval:
 
     name = "geneval"
     takes_metadata = True  # flowrl eval passes each row's clauses as metadata=
-    resident_params = 69_000_000 + 427_600_000  # `flowrl plan`: Mask2Former Swin-S + CLIP ViT-L/14
+    resident_params = 69_000_000 + 427_600_000  # `flowrl plan`, the defaults: Mask2Former Swin-S + CLIP ViT-L/14
     resident_note = "Mask2Former Swin-S 69M + CLIP ViT-L/14 427.6M (colours)"
+
+    @classmethod
+    def resident_for(cls, options: dict) -> tuple[Optional[int], str]:
+        """``(parameters, note)`` this reward keeps loaded with ``options`` (``flowrl plan``): what its ``detector``
+        and ``colors`` targets declare (``resident_params``), e.g. nothing for the shapes world's readers;
+        ``(None, why)`` when one of them declares nothing."""
+        parts, notes = 0, []
+        for key, default in (("detector", DEFAULT_DETECTOR), ("colors", DEFAULT_COLORS)):
+            spec = options.get(key, default)
+            params = getattr(load_target(spec, f"reward.options.geneval.{key}"), "resident_params", None)
+            if params is None:
+                return None, f"resident size unknown: not counted ({key} {spec} declares no resident_params)"
+            parts += int(params)
+            notes.append(f"{key} {spec.rpartition(':')[2]} {params / 1e6:g}M")
+        return parts, ", ".join(notes)
 
     def __init__(self, detector: str = DEFAULT_DETECTOR, detector_options: Optional[dict] = None,
                  clip_model: ModelSource = "openai/clip-vit-large-patch14", device: Device = "cpu",

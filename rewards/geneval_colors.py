@@ -58,6 +58,8 @@ def openai_transform(crop, size: int, mean: Sequence[float], std: Sequence[float
 class ClipColors:
     """``colors(image uint8 [H, W, 3], class name, detections) -> [colour per detection]`` (module doc)."""
 
+    resident_params = 427_600_000  # CLIP ViT-L/14 (the default model), for `flowrl plan`
+
     def __init__(self, model: str = DEFAULT_CLIP, device: str = "cpu", dtype: str = "float32",
                  bgcolor: str = "#999", crop: bool = True, batch_size: int = 16):
         self.clip = HFClip(model, device=device, dtype=dtype)

@@ -110,6 +110,8 @@ class Mask2FormerDetector:
     ``save_pretrained`` or a Hugging Face id in the local cache (default the Swin-S COCO instance
     checkpoint); ``batch_size`` images per forward pass (resized to one size they share)."""
 
+    resident_params = 69_000_000  # Mask2Former Swin-S, for `flowrl plan` (the geneval reward's resident size)
+
     def __init__(self, model: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32", batch_size: int = 4,
                  max_per_image: int = 100, long_side: int = 1333, short_side: int = 800,
                  class_names: Optional[Sequence[str]] = None):

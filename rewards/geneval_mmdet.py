@@ -38,6 +38,8 @@ class MMDetDetector:
     """GenEval's Mask2Former through mmdetection 2.x (module doc). ``config``: the model config file
     (default GenEval's, under ``mmdet_root``); ``checkpoint``: its ``.pth``."""
 
+    resident_params = 69_000_000  # GenEval's Mask2Former Swin-S, for `flowrl plan`
+
     def __init__(self, checkpoint: str, config: Optional[str] = None, mmdet_root: Optional[str] = None,
                  device: str = "cuda", class_names: Optional[Sequence[str]] = None):
         apis = require("mmdet.apis", "mmdet==2.* and mmcv-full (GenEval's evaluator environment)")

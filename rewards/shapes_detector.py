@@ -86,6 +86,8 @@ class ShapesDetector:
     """GenEval detections of the shapes world's objects (module doc): ``max_distance`` (RGB, 0-255)
     beyond which a pixel is background, ``min_area`` (pixels) below which a component is noise."""
 
+    resident_params = 0  # no weights: `flowrl plan` counts nothing for it
+
     def __init__(self, max_distance: NonNegativeFloat = 100.0, min_area: PositiveInt = 8):
         self.max_distance, self.min_area = float(max_distance), int(min_area)
 
@@ -112,6 +114,8 @@ class ShapesDetector:
 class PaletteColors:
     """``colors(image uint8 [H, W, 3], class name, detections) -> [colour per detection]``: the palette
     colour of most of each detection's masked pixels (its box when it has no mask; module doc)."""
+
+    resident_params = 0  # no weights
 
     def __init__(self, max_distance: NonNegativeFloat = 100.0):
         self.max_distance = float(max_distance)

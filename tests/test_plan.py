@@ -85,6 +85,20 @@ def test_reward_sizes_are_declared_by_the_rewards():
     assert resident("jpeg_incompressibility", {})[0] == 0 and resident("ocr", {})[0] == 4 * 24_600_000
 
 
+def test_geneval_counts_what_its_detector_and_colour_reader_keep():
+    """GenEval's size follows its ``detector`` / ``colors`` options: Mask2Former + CLIP by default, nothing for the
+    shapes world's readers (the shapes recipe plans no reward model), unknown for a target that declares nothing."""
+    from flowrl.rewards import resident
+
+    assert resident("geneval", {})[0] == 4 * (69_000_000 + 427_600_000)
+    shapes = {"detector": "flowrl.rewards.shapes_detector:ShapesDetector",
+              "colors": "flowrl.rewards.shapes_detector:PaletteColors"}
+    assert resident("geneval@official", shapes)[0] == 0
+    assert resident("geneval", {**shapes, "detector": "os:getcwd"})[0] is None
+    rows = {i.name: i.bytes for i in _plan("recipes/shapes.yaml").items if "reward" in i.name or "held-out" in i.name}
+    assert rows and all(b == 0 for b in rows.values()), rows
+
+
 def test_transformer_parameter_counts_match_the_published_models():
     sd3 = _plan("recipes/sd3_group_pickscore.yaml")
     flux = _plan("recipes/flux_group_pickscore.yaml")
