@@ -36,7 +36,7 @@ GAP = 2  # pixels between any two objects' boxes
 HELDOUT_PER_TAG = 4  # prompts of each tag held out of training (at most half of a tag's; a fixed shuffle)
 
 __all__ = ["IMAGE_SIZE", "SHAPES", "PLURALS", "PALETTE", "BACKGROUND", "COUNT_WORDS", "HELDOUT_PER_TAG", "Shape", "Scene",
-           "shape_mask", "extent", "shapes_rows", "scene_for", "render", "shapes_batch", "SET_FILES", "write_shapes_sets"]
+           "shape_mask", "extent", "shapes_rows", "scene_for", "render", "shapes_batch", "SET_NAMES", "SET_FILES", "write_shapes_sets"]
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,16 @@ def shapes_batch(n: int, generator: np.random.Generator, split: str = "train", i
 
 
 # ---------------------------------------------------------------- the shipped prompt sets
-SET_FILES = {"train": "shapes_train.jsonl", "heldout": "shapes_heldout.jsonl", "all": "shapes_geneval.jsonl"}
+SET_NAMES = {"train": "shapes-train", "heldout": "shapes", "all": "shapes-geneval"}  # split -> shipped set name
+
+
+def _set_files() -> dict[str, str]:
+    from .prompts import NAMED
+
+    return {split: NAMED[name] for split, name in SET_NAMES.items()}
+
+
+SET_FILES = _set_files()  # split -> file name under flowrl/data/prompt_sets (the shipped sets' own table)
 
 
 def write_shapes_sets(directory) -> list:
