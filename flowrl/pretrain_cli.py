@@ -43,7 +43,8 @@ def add_pretrain_parsers(sub) -> None:
         default = {f.name: f.default for f in fields(getattr(settings, config_name))}
         pt = sub.add_parser(verb, help=f"pretrain (and cache) the tiny offline {world} base model ({data})",
                             epilog=example(f"flowrl {verb}", f"flowrl {verb} --out /tmp/{world} --steps 100"))
-        pt.add_argument("--out", default=None, help=f"directory (default: $FLOWRL_HOME/{world}-base-v1)")
+        pt.add_argument("--out", default=None, help=f"directory (default: the cached {world} base that runs load, "
+                                                         f"$FLOWRL_HOME/{world}-base-vN)")
         pt.add_argument("--steps", type=positive_int, default=None,
                         help=f"training steps (default: {default['steps']})")
         pt.add_argument("--batch-size", type=positive_int, default=None,
