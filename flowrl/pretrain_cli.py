@@ -7,7 +7,7 @@ from dataclasses import fields
 from importlib import import_module
 from pathlib import Path
 
-from .command_line import decay, example, positive_float, positive_int
+from .command_line import decay, example, non_negative_int, positive_float, positive_int
 
 # verb -> (pipeline name, its settings class in flowrl.pipelines.pretrain_config, what its base learns from)
 WORLDS = {"pretrain-digits": ("digits", "PretrainConfig", "scikit-learn's digits"),
@@ -27,7 +27,8 @@ def pretrain_command(a) -> dict:
         if (out / "transformer").is_dir() and not a.force:
             print(f"[flowrl] {cls.kind} base already at {out} (use --force to retrain)")
         else:
-            given = {k: getattr(a, k) for k in ("steps", "batch_size", "lr", "seed", "max_seconds", "ema", "t_mean")
+            given = {k: getattr(a, k) for k in ("steps", "batch_size", "lr", "seed", "max_seconds", "ema", "t_mean",
+                                                        "warmup", "init")
                      if getattr(a, k) is not None}
             cls.pretrain(out, config_class(**given))
         module, function = cls.report.split(":")
@@ -58,6 +59,11 @@ def add_pretrain_parsers(sub) -> None:
         pt.add_argument("--t-mean", type=float, default=None,
                         help=f"mean of the logit-normal training times; below 0: more training at low noise "
                              f"(default: {default['t_mean']:g})")
+        pt.add_argument("--warmup", type=non_negative_int, default=None,
+                        help=f"warm-up steps before the cosine decay (default: {default['warmup']})")
+        pt.add_argument("--init", default=None,
+                        help=f"continue from a saved base instead of random weights: a directory, or a cached "
+                             f"{world} base's folder name (pretrained first when missing)")
         pt.add_argument("--max-seconds", type=positive_float, default=None, help="stop training after this long")
         pt.add_argument("--force", action="store_true",
                         help="retrain (and re-measure the sample report) even if the directory holds a model")

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from diffusers import SD3Transformer2DModel
 from torch import nn
 
+from flowrl.errors import ConfigError
 from flowrl.options import Guidance, PositiveFloat, check_value
 from flowrl.schedules import flow_sigmas
 from flowrl.sde import flow_interpolate
@@ -81,6 +82,7 @@ class PixelFlowPolicy(SD3TransformerFacts, ModelFacts):
     cfg_uncond_grad = True  # CFG in a differentiable forward: gradient through the unconditional half (base.py)
 
     pretrain_config = PretrainConfig  # its defaults are the world's pretraining
+    earlier_bases: dict = {}  # an earlier cached base's folder -> its PretrainConfig (what a pretraining's init may name)
     report = ""  # "module:function(model_dir, force) -> dict": the base's cached sample report (a layer above)
     transformer_config: Callable[[], dict]  # the SD3Transformer2DModel config of the base (staticmethod)
 
@@ -199,6 +201,33 @@ class PixelFlowPolicy(SD3TransformerFacts, ModelFacts):
         return default_cache_dir() / cls.base_dir
 
     @classmethod
+    def named_bases(cls) -> dict:
+        """The cached bases a pretraining's ``init`` may name: folder -> its :class:`PretrainConfig` (the default
+        base's and :attr:`earlier_bases`)."""
+        return {cls.base_dir: cls.pretrain_config(), **cls.earlier_bases}
+
+    @classmethod
+    def init_path(cls, init: str, progress: bool = True) -> Path:
+        """The base a pretraining's ``init`` names: a cached base of this world by its folder name (:meth:`named_bases`,
+        pretrained into the cache first when missing, under :func:`base_lock`), else a directory holding a saved
+        base (a one-line error otherwise)."""
+        named = cls.named_bases()
+        if init in named:
+            p = default_cache_dir() / init
+            if not (p / "transformer").is_dir():
+                with base_lock(p, cls.kind):
+                    if not (p / "transformer").is_dir():
+                        print(f"[flowrl] pretraining the {cls.kind} base {init} into {p} first (continued from)")
+                        cls.pretrain(p, named[init], progress)
+            return p
+        p = Path(init).expanduser()
+        if not (p / "transformer").is_dir():
+            known = ", ".join(named)
+            raise ConfigError(f"init {init!r} is neither a saved {cls.kind} base (a directory with transformer/ and "
+                              f"text_encoder/) nor a cached {cls.kind} base's name ({known}); give one of those")
+        return p
+
+    @classmethod
     def load_base(cls, path: Optional[str] = None, pretrain_if_missing: bool = True, **kwargs) -> "PixelFlowPolicy":
         """Load the base from ``path`` (default: the cache), pretraining it (:meth:`pretrain`) on first
         use (under :func:`base_lock`: one process pretrains, the others wait for it)."""
@@ -279,16 +308,21 @@ class PixelFlowPolicy(SD3TransformerFacts, ModelFacts):
         from flowrl.utils.progress import progress as progress_bar
 
         config = config or cls.pretrain_config()
+        start = cls.init_path(config.init, progress) if config.init else None  # pretrains an earlier base first
         torch.manual_seed(config.seed)
         draw = cls.pretrain_data(config)
-        tr = SD3Transformer2DModel(**cls.transformer_config())
-        te = cls.text_encoder_class()
+        if start is None:
+            tr, te = SD3Transformer2DModel(**cls.transformer_config()), cls.text_encoder_class()
+        else:
+            base = cls.from_pretrained(start)
+            tr, te = base.transformer.train().requires_grad_(True), base.text_encoder.train().requires_grad_(True)
         params = list(tr.parameters()) + list(te.parameters())
         use_cpu_threads(sum(p.numel() for p in params))  # under the command line: 1 thread for a small model
         opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
         average = [p.detach().clone() for p in params] if config.ema else None  # the weights' moving average
-        sched = torch.optim.lr_scheduler.LambdaLR(  # 100 warm-up steps, then cosine to 0
-            opt, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(s, config.steps) / config.steps)))
+        warm = max(config.warmup, 1)
+        sched = torch.optim.lr_scheduler.LambdaLR(  # config.warmup warm-up steps, then cosine to 0
+            opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, config.steps) / config.steps)))
         g = torch.Generator().manual_seed(config.seed)
         t0, losses = time.perf_counter(), []
         bar = progress_bar(range(config.steps), desc=f"pretrain {cls.kind}", disable=not progress)

@@ -11,10 +11,12 @@ __all__ = ["PretrainConfig", "ShapesPretrainConfig"]
 @dataclass
 class PretrainConfig:
     """The digits base's pretraining (and every world's fields): AdamW steps of ``batch_size`` images,
-    100 warm-up steps then cosine decay from ``lr``, the prompt dropped with ``cond_dropout`` (for CFG);
+    ``warmup`` warm-up steps then cosine decay from ``lr``, the prompt dropped with ``cond_dropout`` (for CFG);
     ``ema``: the decay of an exponential moving average of the weights, which is the saved base (0: the last
     weights; the average's decay warms up as ``min(ema, (1 + step) / (10 + step))``); ``t_mean``: the mean of the
-    logit-normal training times (SD3's 0; below 0 trains more at low noise, where a small image's edges form)."""
+    logit-normal training times (SD3's 0; below 0 trains more at low noise, where a small image's edges form);
+    ``init``: continue from a saved base instead of random weights (a directory holding one, or the name of an
+    earlier cached base of the world, e.g. ``shapes-base-v2``, pretrained into the cache first when missing)."""
 
     steps: int = 600
     batch_size: int = 64
@@ -24,10 +26,14 @@ class PretrainConfig:
     max_seconds: Optional[float] = None  # stop early after this wall time (a budget, not a target)
     ema: float = 0.0
     t_mean: float = 0.0
+    warmup: int = 100
+    init: Optional[str] = None
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1 or not self.lr > 0:
             raise ValueError(f"steps, batch_size and lr must be positive, got {self}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0 steps, got {self.warmup}")
         if not 0 <= self.cond_dropout < 1:
             raise ValueError(f"cond_dropout must be in [0, 1), got {self.cond_dropout}")
         if not 0 <= self.ema < 1:

@@ -166,6 +166,11 @@ CASES = [
                                                         "--batch-size", "0"], ["--batch-size", "positive integer"], ["sbase"]),
     ("shapes average decay of 1", "pretrain-shapes", lambda e: ["pretrain-shapes", "--out", str(e["root"] / "sbase"),
                                                                 "--ema", "1"], ["--ema", "[0, 1)"], ["sbase"]),
+    ("negative warm-up", "pretrain-shapes", lambda e: ["pretrain-shapes", "--out", str(e["root"] / "sbase"),
+                                                       "--warmup", "-1"], ["--warmup", ">= 0"], ["sbase"]),
+    ("continuing from no base", "pretrain-shapes", lambda e: ["pretrain-shapes", "--out", str(e["root"] / "sbase"),
+                                                              "--init", str(e["root"] / "nope"), "--steps", "1"],
+     ["init", "neither a saved shapes base", "shapes-base-v2"], ["sbase"]),
     # --- sample / eval
     ("negative per-prompt", "sample", lambda e: sample_args(e, "--per-prompt", "-1"), ["--per-prompt", "got -1"],
      ["new.png"]),

@@ -97,6 +97,31 @@ def test_pretraining_saves_the_weights_moving_average(tmp_path):
     assert 0.5 < share.median() < 0.97 and (avg - init).norm() < (last - init).norm()
 
 
+def test_pretraining_continues_from_a_saved_or_cached_base(tmp_path, monkeypatch):
+    """``init``: the pretraining starts from a saved base's weights (not random ones) and moves them; a cached
+    base's folder name is pretrained into the cache first when missing (with its own settings); anything else
+    is a one-line error naming what it takes."""
+    from flowrl.errors import ConfigError
+    from flowrl.pipelines import pixel_flow
+    from flowrl.pipelines.pretrain_config import ShapesPretrainConfig
+
+    def flat(path):
+        return torch.cat([p.detach().flatten() for p in ShapesPolicy.from_pretrained(path).transformer.parameters()])
+
+    tiny = dict(batch_size=2, warmup=0)
+    monkeypatch.setattr(pixel_flow, "default_cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(ShapesPolicy, "earlier_bases", {"shapes-base-v0": ShapesPretrainConfig(steps=2, seed=5, **tiny)})
+    ShapesPolicy.pretrain(tmp_path / "next", ShapesPretrainConfig(steps=1, init="shapes-base-v0", **tiny),
+                          progress=False)
+    start = flat(tmp_path / "cache" / "shapes-base-v0")  # pretrained first, into the cache
+    ShapesPolicy.pretrain(tmp_path / "scratch", ShapesPretrainConfig(steps=1, **tiny), progress=False)
+    moved, fresh = (flat(tmp_path / "next") - start).abs(), (flat(tmp_path / "scratch") - start).abs()
+    assert 0 < moved.max() < 1e-2 < fresh.max()  # one small step from the cached base, far from a random start
+    with pytest.raises(ConfigError, match="neither a saved shapes base.*shapes-base-v0"):
+        ShapesPolicy.pretrain(tmp_path / "bad", ShapesPretrainConfig(steps=1, init=str(tmp_path / "nope"), **tiny),
+                              progress=False)
+
+
 def test_grpo_on_the_shapes_recipe_trains_on_the_geneval_rules_end_to_end(pretrained_shapes_base, tmp_path):
     """recipes/shapes.yaml, shortened (4 prompts x 8 samples, 2 iterations), on the session's short-pretrained
     base: the shapes detector's GenEval partial score varies within groups (an advantage to learn from), no
