@@ -15,8 +15,8 @@ class PretrainConfig:
     ``ema``: the decay of an exponential moving average of the weights, which is the saved base (0: the last
     weights; the average's decay warms up as ``min(ema, (1 + step) / (10 + step))``); ``t_mean``: the mean of the
     logit-normal training times (SD3's 0; below 0 trains more at low noise, where a small image's edges form);
-    ``init``: continue from a saved base instead of random weights (a directory holding one, or the name of an
-    earlier cached base of the world, e.g. ``shapes-base-v2``, pretrained into the cache first when missing)."""
+    ``init``: continue from a saved base instead of random weights (a directory holding one, or the folder name of
+    a cached base of the world, e.g. ``shapes-base-v2``, pretrained into the cache first when missing)."""
 
     steps: int = 600
     batch_size: int = 64
