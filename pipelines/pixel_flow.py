@@ -214,11 +214,8 @@ class PixelFlowPolicy(SD3TransformerFacts, ModelFacts):
         named = cls.named_bases()
         if init in named:
             p = default_cache_dir() / init
-            if not (p / "transformer").is_dir():
-                with base_lock(p, cls.kind):
-                    if not (p / "transformer").is_dir():
-                        print(f"[flowrl] pretraining the {cls.kind} base {init} into {p} first (continued from)")
-                        cls.pretrain(p, named[init], progress)
+            cls._pretrain_missing(p, named[init], progress,
+                                  f"pretraining the {cls.kind} base {init} into {p} first (continued from)")
             return p
         p = Path(init).expanduser()
         if not (p / "transformer").is_dir():
@@ -232,12 +229,21 @@ class PixelFlowPolicy(SD3TransformerFacts, ModelFacts):
         """Load the base from ``path`` (default: the cache), pretraining it (:meth:`pretrain`) on first
         use (under :func:`base_lock`: one process pretrains, the others wait for it)."""
         p = Path(path) if path else cls.default_base_path()
-        if not (p / "transformer").is_dir() and pretrain_if_missing and path in (None, "", cls.kind):
-            with base_lock(p, cls.kind):
-                if not (p / "transformer").is_dir():  # (another process may have written it while this one waited)
-                    print(f"[flowrl] no {cls.kind} base model at {p}: pretraining one now (cached for later runs)")
-                    cls.pretrain(p)
+        if pretrain_if_missing and path in (None, "", cls.kind):
+            cls._pretrain_missing(p, None, True, f"no {cls.kind} base model at {p}: pretraining one now "
+                                                 f"(cached for later runs)")
         return cls.from_pretrained(p, **kwargs)
+
+    @classmethod
+    def _pretrain_missing(cls, p: Path, config: Optional[PretrainConfig], progress: bool, note: str) -> None:
+        """Pretrain a base into ``p`` with ``config`` (None: the world's) unless one is there, under
+        :func:`base_lock`: one process pretrains, the others wait for it, then find it."""
+        if (p / "transformer").is_dir():
+            return
+        with base_lock(p, cls.kind):
+            if not (p / "transformer").is_dir():  # (another process may have written it while this one waited)
+                print(f"[flowrl] {note}")
+                cls.pretrain(p, config, progress)
 
     # --- FlowPolicy ----------------------------------------------------------------------
     def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
