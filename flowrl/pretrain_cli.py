@@ -27,9 +27,8 @@ def pretrain_command(a) -> dict:
         if (out / "transformer").is_dir() and not a.force:
             print(f"[flowrl] {cls.kind} base already at {out} (use --force to retrain)")
         else:
-            given = {k: getattr(a, k) for k in ("steps", "batch_size", "lr", "seed", "max_seconds", "ema", "t_mean",
-                                                        "warmup", "init")
-                     if getattr(a, k) is not None}
+            given = {f.name: getattr(a, f.name) for f in fields(config_class)  # the settings given as flags
+                     if getattr(a, f.name, None) is not None}
             cls.pretrain(out, config_class(**given))
         module, function = cls.report.split(":")
         report = getattr(import_module(module), function)(out, force=a.force)
