@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from flowrl.rewards.geneval_rules import POSITION_THRESHOLD, RELATIONS, relative_position
+from flowrl.data.prompts import NAMED
 
 IMAGE_SIZE = 32  # pixels per side of a scene (pixel space, RGB)
 SHAPES = ("circle", "square", "triangle", "diamond")
@@ -222,15 +223,7 @@ def shapes_batch(n: int, generator: np.random.Generator, split: str = "train", i
 
 # ---------------------------------------------------------------- the shipped prompt sets
 SET_NAMES = {"train": "shapes-train", "heldout": "shapes", "all": "shapes-geneval"}  # split -> shipped set name
-
-
-def _set_files() -> dict[str, str]:
-    from .prompts import NAMED
-
-    return {split: NAMED[name] for split, name in SET_NAMES.items()}
-
-
-SET_FILES = _set_files()  # split -> file name under flowrl/data/prompt_sets (the shipped sets' own table)
+SET_FILES = {split: NAMED[name] for split, name in SET_NAMES.items()}  # split -> file under flowrl/data/prompt_sets
 
 
 def write_shapes_sets(directory) -> list:
