@@ -148,9 +148,6 @@ class GenEval:
 
     name = "geneval"
     takes_metadata = True  # flowrl eval passes each row's clauses as metadata=
-    resident_params = 69_000_000 + 427_600_000  # `flowrl plan`, the defaults: Mask2Former Swin-S + CLIP ViT-L/14
-    resident_note = "Mask2Former Swin-S 69M + CLIP ViT-L/14 427.6M (colours)"
-
     @classmethod
     def resident_for(cls, options: dict) -> tuple[Optional[int], str]:
         """``(parameters, note)`` this reward keeps loaded with ``options`` (``flowrl plan``): what its ``detector``

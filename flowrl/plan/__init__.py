@@ -4,7 +4,8 @@
   facts the pipeline's adapter class declares (``pipelines/facts.py``); byte counts;
 * :mod:`flowrl.plan.tracker` / :mod:`flowrl.plan.activations`: activation memory measured on meta tensors;
 * :mod:`flowrl.plan.budget` / :mod:`flowrl.plan.core`: the items, phases and peak (:func:`plan_memory`);
-  reward models count what their classes declare (``resident_params``);
+  reward models count what their classes declare (``resident_params``, or ``resident_for`` when the size follows
+  their options);
 * :mod:`flowrl.plan.knobs` / :mod:`flowrl.plan.report`: what would make it fit, the table and JSON;
 * :mod:`flowrl.plan.measure`: the real peak of the same passes, to check the plan (CPU or CUDA).
 
